@@ -1,0 +1,177 @@
+"""The L1 backplane: a Redis Stream of invalidated keys that every instance follows.
+
+Whoever deletes L2 keys (the daemon or ``cache.invalidate()``) appends them to the
+stream *afterwards*, so an instance that drops its L1 copy can only refill it from the
+new L2 state. Every instance reads the stream from the last ID it has seen (XREAD
+BLOCK), so after a disconnect it catches up instead of losing messages. The stream is
+trimmed (``MAXLEN ~``); an instance whose position was trimmed away can't know what it
+missed and clears its whole L1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import structlog
+from redis.exceptions import RedisError
+
+from layered_cache.l2 import RedisClient
+
+__all__ = ["BackplaneListener", "BackplanePublisher", "parse_id"]
+
+_log = structlog.get_logger("layered_cache.backplane")
+_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+def parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    millis, _, seq = text.partition("-")
+    return int(millis), int(seq or 0)
+
+
+class BackplanePublisher:
+    """Appends invalidated keys to the stream (one XADD per batch of keys)."""
+
+    def __init__(self, client: RedisClient, stream: str, maxlen: int, origin: str = "") -> None:
+        self._client = client
+        self.stream = stream
+        self._maxlen = maxlen
+        self._origin = origin
+
+    async def publish(self, keys: Sequence[str]) -> bytes:
+        """Raises redis errors: the caller decides (the daemon retries, the facade reports)."""
+        fields: dict[Any, Any] = {"keys": msgspec.msgpack.encode(list(keys))}
+        if self._origin:
+            fields["origin"] = self._origin
+        entry_id: bytes = await self._client.xadd(
+            self.stream, fields, maxlen=self._maxlen, approximate=True
+        )
+        return entry_id
+
+
+class BackplaneListener:
+    """Background reader that calls ``on_keys`` for every entry and ``on_gap`` when the
+    stream was trimmed past our position (the owner then clears L1)."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        stream: str,
+        on_keys: Callable[[list[str]], None],
+        on_gap: Callable[[], None],
+        block: float = 1.0,
+        batch: int = 1000,
+        origin: str = "",
+    ) -> None:
+        self._client = client
+        self._stream = stream
+        self._on_keys = on_keys
+        self._on_gap = on_gap
+        self._block_ms = max(1, int(block * 1000))
+        self._batch = batch
+        self._origin = origin.encode()
+        self.last_id: bytes | None = None
+        self.connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.entries_seen = 0
+        self.gaps = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="layered_cache.backplane")
+
+    async def stop(self) -> None:
+        """Cancel the reader. A task cancelled inside a blocking XREAD may not wake up
+        until the socket closes (seen with redis-py 8), so after a short grace period
+        the connections are closed to unblock it; stop() never hangs."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.2)
+        if not task.done():
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+            await asyncio.wait({task}, timeout=1.0)
+        if task.done() and not task.cancelled():
+            task.exception()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        check_gap = False
+        while True:
+            try:
+                if self.last_id is None:
+                    self.last_id = await self._tail_id()
+                elif check_gap:
+                    await self._check_gap()
+                check_gap = False
+                self.connected.set()
+                backoff = 0.05
+                full = await self._read_once()
+                check_gap = full  # a full batch means we may be far behind
+            except asyncio.CancelledError:
+                raise
+            except _FAILURES as exc:
+                if self.connected.is_set():
+                    _log.warning("backplane_disconnected", error=type(exc).__name__)
+                self.connected.clear()
+                check_gap = True
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 2.0)
+
+    async def _tail_id(self) -> bytes:
+        """Start after the newest entry: a new instance's L1 is empty anyway."""
+        newest = await self._client.xrevrange(self._stream, count=1)
+        return bytes(newest[0][0]) if newest else b"0-0"
+
+    async def _check_gap(self) -> None:
+        """After a disconnect or a full batch: were entries after our position trimmed?"""
+        assert self.last_id is not None
+        try:
+            info = await self._client.xinfo_stream(self._stream)
+        except RedisError as exc:
+            if "no such key" in str(exc).lower():
+                return
+            raise
+        deleted = info.get("max-deleted-entry-id") or info.get(b"max-deleted-entry-id")
+        first = info.get("first-entry") or info.get(b"first-entry")
+        ours = parse_id(self.last_id)
+        missed = False
+        if deleted is not None:
+            missed = parse_id(deleted) > ours
+        elif first:
+            missed = parse_id(first[0]) > ours and ours != (0, 0)
+        if missed:
+            self.gaps += 1
+            _log.warning("backplane_gap_clearing_l1", last_id=self.last_id.decode())
+            self._on_gap()
+
+    async def _read_once(self) -> bool:
+        assert self.last_id is not None
+        response = await self._client.xread(
+            {self._stream: self.last_id}, count=self._batch, block=self._block_ms
+        )
+        if not response:
+            return False
+        entries = response[0][1]
+        for entry_id, fields in entries:
+            self.last_id = bytes(entry_id)
+            self.entries_seen += 1
+            if self._origin and fields.get(b"origin") == self._origin:
+                continue  # our own invalidation: already applied locally
+            raw = fields.get(b"keys")
+            if raw is None:
+                continue
+            try:
+                keys = msgspec.msgpack.decode(raw, type=list[str])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                _log.warning("backplane_bad_entry", entry_id=self.last_id.decode())
+                continue
+            self._on_keys(keys)
+        return len(entries) >= self._batch

@@ -1,0 +1,85 @@
+"""A circuit breaker in front of Redis.
+
+When Redis is down or slow every request would otherwise pay the full timeout before
+falling through to the loader. After ``failures`` consecutive errors the breaker opens
+and L2 is skipped outright; after ``reset`` seconds one request is let through as a
+probe (half-open): success closes it, failure re-opens it. Transitions are logged once,
+not per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import structlog
+
+__all__ = ["CircuitBreaker"]
+
+State = Literal["closed", "open", "half_open"]
+_log = structlog.get_logger("layered_cache.breaker")
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        failures: int,
+        reset: float,
+        name: str = "redis",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._threshold = failures
+        self._reset = reset
+        self._name = name
+        self._clock = clock
+        self._failures = 0
+        self._state: State = "closed"
+        self._opened_at = 0.0
+        self._probing = False
+        self.transitions = 0
+
+    @property
+    def state(self) -> State:
+        if self._state == "open" and self._clock() - self._opened_at >= self._reset:
+            return "half_open"
+        return self._state
+
+    def allow(self) -> bool:
+        """Whether a request may use Redis now."""
+        if self._state == "closed":
+            return True
+        if self._state == "open":
+            if self._clock() - self._opened_at < self._reset:
+                return False
+            self._transition("half_open")
+        # half-open: exactly one probe in flight at a time
+        if self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        self._failures = 0
+        self._probing = False
+        if self._state != "closed":
+            self._transition("closed")
+
+    def failure(self, error: BaseException | None = None) -> None:
+        self._probing = False
+        self._failures += 1
+        if self._state == "half_open" or (
+            self._state == "closed" and self._failures >= self._threshold
+        ):
+            self._opened_at = self._clock()
+            self._transition("open", error)
+
+    def _transition(self, state: State, error: BaseException | None = None) -> None:
+        self._state = state
+        self.transitions += 1
+        _log.warning(
+            "circuit_breaker",
+            breaker=self._name,
+            state=state,
+            error=type(error).__name__ if error else None,
+        )

@@ -1,0 +1,647 @@
+"""The facade: ``LayeredCache`` orchestrates L1, L2, the lease and the backplane.
+
+It owns no storage logic (that lives in ``l1``, ``l2``, ``stampede``, ``backplane`` and
+``invalidation``); it decides the order of steps on the read path:
+
+    L1 -> single-flight -> L2 (random replica if hot) -> lease -> loader -> leased fill
+
+and what happens when a step fails: a Redis failure falls through to the loader, a
+loader failure falls back to a stale value within ``stale.max_age``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import os
+import random
+import time
+import typing
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, ParamSpec, TypeVar
+
+import structlog
+from redis.exceptions import RedisError
+
+from layered_cache.backplane import BackplaneListener, BackplanePublisher
+from layered_cache.breaker import CircuitBreaker
+from layered_cache.codec import CodecError, Envelope
+from layered_cache.config import Config, RedisConfig
+from layered_cache.invalidation import Invalidator
+from layered_cache.keys import lease_name, replica_name, replica_names
+from layered_cache.l1 import MISSING
+from layered_cache.l2 import L2Store, L2Unavailable, RedisClient, make_client, make_node_client
+from layered_cache.notify import FillNotifier, fill_channel
+from layered_cache.policy import Policy, compile_policy
+from layered_cache.singleflight import SingleFlight
+from layered_cache.stampede import LeaseWaiter
+from layered_cache.xfetch import should_refresh_early
+
+__all__ = ["LayeredCache"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+Loader = Callable[[], Awaitable[Any]]
+
+_log = structlog.get_logger("layered_cache")
+
+
+class LayeredCache:
+    """Async multi-layer cache. Use as ``async with LayeredCache.from_config(cfg) as c``."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        value_types: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._rand = rand
+        types = dict(value_types or {})
+        unknown = set(types) - set(config.namespaces)
+        if unknown:
+            raise KeyError(f"value_types name unknown namespaces: {sorted(unknown)}")
+        prefix = config.redis.prefix
+        self._policies: dict[str, Policy] = {
+            name: compile_policy(name, ns, prefix, types.get(name, Any))
+            for name, ns in config.namespaces.items()
+        }
+        self.instance_id = os.urandom(6).hex()
+        self.breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
+        self._client: RedisClient = make_client(config.redis)
+        self.l2 = L2Store(self._client, self.breaker)
+        self._notifier = FillNotifier(make_node_client(self._client, config.redis))
+        self._leases = LeaseWaiter(self.l2, self._notifier)
+        stream = prefix + config.backplane.stream
+        publisher = (
+            BackplanePublisher(self._client, stream, config.backplane.maxlen, self.instance_id)
+            if config.backplane.enabled
+            else None
+        )
+        self._invalidator = Invalidator(self.l2, publisher)
+        self._listener_client: RedisClient | None = None
+        self.backplane: BackplaneListener | None = None
+        if config.backplane.enabled:
+            # Blocking XREAD needs a socket timeout longer than the block time.
+            listener_config = _with_timeout(config.redis, config.backplane.block + 1.0)
+            self._listener_client = make_client(listener_config)
+            self.backplane = BackplaneListener(
+                self._listener_client,
+                stream,
+                on_keys=self._drop_l1,
+                on_gap=self._clear_l1,
+                block=config.backplane.block,
+                origin=self.instance_id,
+            )
+        self._flight: SingleFlight[Any] = SingleFlight()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._refreshing: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Config, **kwargs: Any) -> LayeredCache:
+        return cls(config, **kwargs)
+
+    async def __aenter__(self) -> LayeredCache:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Start following the backplane (L1 coherence)."""
+        if self.backplane is not None:
+            self.backplane.start()
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        for task in list(self._background):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.backplane is not None:
+            await self.backplane.stop()
+        await self._notifier.close()
+        for client in (self._client, self._listener_client):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
+    # -- public API --------------------------------------------------------------------
+
+    def policy(self, namespace: str) -> Policy:
+        try:
+            return self._policies[namespace]
+        except KeyError:
+            raise KeyError(
+                f"unknown namespace {namespace!r} (configured: {sorted(self._policies)})"
+            ) from None
+
+    def key(self, namespace: str, fields: Mapping[str, object]) -> str:
+        """The full Redis key for these fields (validated)."""
+        return self.policy(namespace).template.build(fields)
+
+    def register_type(self, namespace: str, value_type: Any) -> None:
+        """Declare the type L2 values of ``namespace`` decode into."""
+        from layered_cache.codec import Codec
+
+        self.policy(namespace).codec = Codec(value_type)
+
+    async def get_or_load(
+        self, namespace: str, fields: Mapping[str, object], loader: Loader
+    ) -> Any:
+        """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
+        policy = self._policies.get(namespace) or self.policy(namespace)
+        key = policy.template.build(fields)
+        if not policy.cache:
+            policy.stats.miss += 1
+            policy.stats.load += 1
+            return await loader()
+        l1 = policy.l1
+        if l1 is not None:
+            value = l1.get(key)
+            if value is not MISSING:
+                policy.stats.l1_hit += 1
+                return value
+        value, shared = await self._flight.do(key, lambda: self._fetch(policy, key, loader))
+        if shared:
+            policy.stats.coalesced += 1
+        return value
+
+    async def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
+        """The cached value or None; never loads. Stale values count as absent."""
+        policy = self.policy(namespace)
+        key = policy.template.build(fields)
+        if not policy.cache:
+            return None
+        if policy.l1 is not None:
+            value = policy.l1.get(key)
+            if value is not MISSING:
+                policy.stats.l1_hit += 1
+                return value
+        if not policy.l2:
+            return None
+        read_seq = policy.l1.begin_read() if policy.l1 is not None else 0
+        try:
+            envelope = await self._read_l2(policy, key)
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            return None
+        if envelope is None or self._clock() >= envelope.soft_expiry:
+            return None
+        policy.stats.l2_hit += 1
+        self._fill_l1(policy, key, envelope.value, envelope.soft_expiry, read_seq)
+        return envelope.value
+
+    async def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
+        """Write ``value`` to L2 (base and replicas) and this instance's L1; other
+        instances drop their L1 copy through the backplane."""
+        policy = self.policy(namespace)
+        key = policy.template.build(fields)
+        if not policy.cache:
+            return
+        policy.stats.set += 1
+        soft_expiry = self._clock() + policy.l2_ttl_draw()
+        if policy.l2:
+            data = self._encode(policy, key, value, soft_expiry, 0.0)
+            if data is None:
+                return
+            ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
+            names = [key, *replica_names(key, policy.replicas)] if self._is_hot(policy, key) else [key]
+            self._flight.forget(key)
+            if policy.l1 is not None:
+                policy.l1.discard([key])
+            await self.l2.set_many(names, data, ttl_ms)
+            with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                await self._invalidator.announce([key])
+        self._fill_l1(policy, key, value, soft_expiry, None)
+
+    async def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
+        """Delete the L2 key, every replica and the lease; then drop L1 everywhere.
+
+        Raises ``L2Unavailable`` if Redis can't be reached (the local L1 copy is dropped
+        regardless).
+        """
+        policy = self.policy(namespace)
+        key = policy.template.build(fields)
+        await self.invalidate_keys([(policy, key)])
+
+    async def invalidate_keys(self, targets: list[tuple[Policy, str]]) -> None:
+        for policy, key in targets:
+            policy.stats.invalidated += 1
+            self._flight.forget(key)  # new callers must not join a pre-invalidation load
+        self._drop_l1([key for _, key in targets])
+        try:
+            await self._invalidator.invalidate((key, p.replicas) for p, key in targets)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        # Drop again: a fill that read L2 before the delete may have landed meanwhile.
+        self._drop_l1([key for _, key in targets])
+
+    def cached(
+        self, namespace: str, *, value_type: Any = None
+    ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
+        """Decorator: cache an async function; key fields come from its arguments.
+
+        The return annotation (or ``value_type``) becomes the namespace's value type,
+        so L2 hits decode into it.
+        """
+        policy = self.policy(namespace)
+
+        def decorate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+            signature = inspect.signature(fn)
+            missing = [f for f in policy.template.fields if f not in signature.parameters]
+            if missing:
+                raise KeyError(
+                    f"namespace {namespace!r}: {fn.__qualname__} has no parameter for key "
+                    f"field(s) {missing} of template {policy.template.template!r}"
+                )
+            declared = value_type
+            if declared is None:
+                declared = typing.get_type_hints(fn).get("return")
+            if declared is not None and policy.codec.value_type is Any:
+                self.register_type(namespace, declared)
+
+            @functools.wraps(fn)
+            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                result: T = await self.get_or_load(
+                    namespace, bound.arguments, lambda: fn(*args, **kwargs)
+                )
+                return result
+
+            return wrapper
+
+        return decorate
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Counters per namespace, plus ``_redis`` with the breaker state."""
+        result: dict[str, dict[str, Any]] = {
+            name: policy.stats.as_dict() for name, policy in self._policies.items()
+        }
+        result["_redis"] = {
+            "breaker": self.breaker.state,
+            "breaker_transitions": self.breaker.transitions,
+        }
+        return result
+
+    def hot_keys(self) -> dict[str, dict[str, float]]:
+        """Current hot keys per namespace with their measured L2 read rate (reads/s)."""
+        return {
+            name: policy.hot.hot_keys()
+            for name, policy in self._policies.items()
+            if policy.hot is not None
+        }
+
+    # -- read path ---------------------------------------------------------------------
+
+    async def _fetch(self, policy: Policy, key: str, loader: Loader) -> Any:
+        l1 = policy.l1
+        read_seq = l1.begin_read() if l1 is not None else 0
+        envelope: Envelope[Any] | None = None
+        if policy.l2:
+            try:
+                envelope = await self._read_l2(policy, key)
+            except L2Unavailable:
+                policy.stats.redis_error += 1
+                return await self._load_unleased(policy, loader, None)
+        now = self._clock()
+        if envelope is not None and now < envelope.soft_expiry:
+            policy.stats.l2_hit += 1
+            self._maybe_refresh_early(policy, key, envelope, loader, now)
+            self._fill_l1(policy, key, envelope.value, envelope.soft_expiry, read_seq)
+            return envelope.value
+        policy.stats.miss += 1
+        stale = envelope if self._within_stale(policy, envelope, now) else None
+        if not policy.l2:
+            value = await self._load_unleased(policy, loader, None)
+            self._fill_l1(policy, key, value, None, read_seq)
+            return value
+        return await self._load_under_lease(policy, key, loader, stale, read_seq)
+
+    async def _read_l2(self, policy: Policy, key: str) -> Envelope[Any] | None:
+        data: bytes | None
+        if policy.hot is not None and policy.replicas and policy.hot.record(key):
+            index = random.randrange(policy.replicas)
+            data = await self.l2.get(replica_name(key, index))
+            if data is not None:
+                policy.stats.replica_reads[index] += 1
+            else:
+                policy.stats.replica_miss += 1
+                data = await self.l2.get(key)
+                if data is not None:
+                    self._spawn(self._populate_replicas(policy, key))
+        else:
+            data = await self.l2.get(key)
+        return self._decode(policy, key, data)
+
+    def _decode(self, policy: Policy, key: str, data: bytes | None) -> Envelope[Any] | None:
+        if data is None:
+            return None
+        try:
+            return policy.codec.decode(data)
+        except CodecError as exc:
+            # A foreign, truncated or old-format value: a miss. The next fill overwrites it.
+            policy.stats.decode_error += 1
+            _log.warning("l2_value_undecodable", namespace=policy.name, key=key, error=str(exc))
+            return None
+
+    def _fresh_data(self, policy: Policy, key: str) -> Callable[[bytes | None], bool]:
+        def usable(data: bytes | None) -> bool:
+            envelope = self._decode(policy, key, data)
+            return envelope is not None and self._clock() < envelope.soft_expiry
+
+        return usable
+
+    async def _load_under_lease(
+        self,
+        policy: Policy,
+        key: str,
+        loader: Loader,
+        stale: Envelope[Any] | None,
+        read_seq: int,
+    ) -> Any:
+        lease = lease_name(key)
+        try:
+            token = await self._leases.try_acquire(lease, policy.lease_ttl)
+            if token is None:
+                policy.stats.lease_lost += 1
+                result = await self._leases.wait_for_fill(
+                    key,
+                    lease,
+                    policy.lease_ttl,
+                    policy.retry,
+                    policy.max_wait,
+                    self._fresh_data(policy, key),
+                )
+                if result.data is not None:
+                    envelope = self._decode(policy, key, result.data)
+                    assert envelope is not None
+                    policy.stats.lease_wait_filled += 1
+                    self._fill_l1(policy, key, envelope.value, envelope.soft_expiry, read_seq)
+                    return envelope.value
+                if result.token is None:
+                    # max_wait passed: load ourselves, but never write L2 without a lease.
+                    policy.stats.lease_timeout_load += 1
+                    return await self._load_unleased(policy, loader, stale)
+                token = result.token
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            return await self._load_unleased(policy, loader, stale)
+        policy.stats.lease_won += 1
+        return await self._load_and_fill(policy, key, token, loader, stale, read_seq)
+
+    async def _load_and_fill(
+        self,
+        policy: Policy,
+        key: str,
+        token: str,
+        loader: Loader,
+        stale: Envelope[Any] | None,
+        read_seq: int | None,
+    ) -> Any:
+        started = time.monotonic()
+        task: asyncio.Task[Any] = asyncio.ensure_future(self._call_loader(policy, loader))
+        try:
+            if stale is not None and policy.load_timeout is not None:
+                done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
+                if not done:
+                    # Slow loader and a stale value at hand: serve stale now, let the load
+                    # finish in the background (still under the lease) and fill then.
+                    policy.stats.stale_served += 1
+                    _log.warning("load_timeout_serving_stale", namespace=policy.name, key=key)
+                    self._spawn(self._finish_fill(policy, key, token, task, started))
+                    return stale.value
+            value = await asyncio.shield(task)
+        except Exception as exc:
+            await self._release_quietly(key, token)
+            return self._stale_or_raise(policy, key, stale, exc)
+        await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
+        return value
+
+    async def _finish_fill(
+        self, policy: Policy, key: str, token: str, task: asyncio.Task[Any], started: float
+    ) -> None:
+        try:
+            value = await task
+        except Exception:
+            await self._release_quietly(key, token)
+            return
+        await self._fill(policy, key, token, value, time.monotonic() - started, None)
+
+    async def _call_loader(self, policy: Policy, loader: Loader) -> Any:
+        policy.stats.load += 1
+        try:
+            return await loader()
+        except Exception:
+            policy.stats.load_error += 1
+            raise
+
+    async def _load_unleased(
+        self, policy: Policy, loader: Loader, stale: Envelope[Any] | None
+    ) -> Any:
+        """Load without writing L2 (no lease, or Redis unavailable)."""
+        try:
+            return await self._call_loader(policy, loader)
+        except Exception as exc:
+            return self._stale_or_raise(policy, "", stale, exc)
+
+    def _stale_or_raise(
+        self, policy: Policy, key: str, stale: Envelope[Any] | None, exc: Exception
+    ) -> Any:
+        if stale is not None and self._within_stale(policy, stale, self._clock()):
+            policy.stats.stale_served += 1
+            _log.warning(
+                "loader_failed_serving_stale",
+                namespace=policy.name,
+                key=key,
+                error=type(exc).__name__,
+            )
+            return stale.value
+        raise exc
+
+    def _within_stale(self, policy: Policy, envelope: Envelope[Any] | None, now: float) -> bool:
+        return envelope is not None and now - envelope.soft_expiry <= policy.stale_max_age
+
+    async def _fill(
+        self,
+        policy: Policy,
+        key: str,
+        token: str,
+        value: Any,
+        delta: float,
+        read_seq: int | None,
+    ) -> bool:
+        """Write L2 under the lease (base, then replicas for a hot key), then L1."""
+        soft_expiry = self._clock() + policy.l2_ttl_draw()
+        data = self._encode(policy, key, value, soft_expiry, delta)
+        if data is None:
+            await self._release_quietly(key, token)
+            return False
+        ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
+        hot = self._is_hot(policy, key)
+        lease = lease_name(key)
+        try:
+            written = await self.l2.fill(
+                key, lease, token, data, ttl_ms, fill_channel(key), release=not hot
+            )
+            if written and hot:
+                replicas = replica_names(key, policy.replicas)
+                await self.l2.set_many(replicas, data, ttl_ms)
+                # Still ours after the replica writes? If an invalidation revoked the
+                # lease meanwhile, it may have run before our replica SETs: undo them.
+                if not await self.l2.release(lease, token):
+                    await self.l2.delete(replicas)
+                    written = False
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            return False
+        if not written:
+            policy.stats.fill_revoked += 1
+            return False
+        self._fill_l1(policy, key, value, soft_expiry, read_seq)
+        return True
+
+    def _encode(
+        self, policy: Policy, key: str, value: Any, soft_expiry: float, delta: float
+    ) -> bytes | None:
+        try:
+            data = policy.codec.encode(value, self._clock(), soft_expiry, delta)
+        except (TypeError, ValueError) as exc:
+            policy.stats.not_cached += 1
+            _log.warning("value_not_encodable", namespace=policy.name, key=key, error=str(exc))
+            return None
+        if len(data) > policy.max_value_bytes:
+            policy.stats.not_cached += 1
+            _log.warning(
+                "value_too_large",
+                namespace=policy.name,
+                key=key,
+                size=len(data),
+                limit=policy.max_value_bytes,
+            )
+            return None
+        return data
+
+    def _redis_ttl_ms(self, policy: Policy, soft_expiry: float) -> int:
+        """Hard expiry = soft expiry + the stale window the fail-safe may serve from."""
+        return max(1, int((soft_expiry - self._clock() + policy.stale_max_age) * 1000))
+
+    def _is_hot(self, policy: Policy, key: str) -> bool:
+        return policy.hot is not None and policy.replicas > 0 and policy.hot.is_hot(key)
+
+    def _fill_l1(
+        self,
+        policy: Policy,
+        key: str,
+        value: Any,
+        soft_expiry: float | None,
+        read_seq: int | None,
+    ) -> None:
+        l1 = policy.l1
+        if l1 is None:
+            return
+        ttl = policy.l1_ttl_draw()
+        if soft_expiry is not None:
+            ttl = min(ttl, soft_expiry - self._clock())  # never outlive L2's freshness
+        if not l1.put(key, value, ttl, read_seq) and ttl > 0:
+            policy.stats.l1_fill_discarded += 1
+
+    async def _release_quietly(self, key: str, token: str) -> None:
+        with contextlib.suppress(L2Unavailable):
+            await self.l2.release(lease_name(key), token)
+
+    # -- background work ---------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _maybe_refresh_early(
+        self, policy: Policy, key: str, envelope: Envelope[Any], loader: Loader, now: float
+    ) -> None:
+        if policy.beta <= 0 or key in self._refreshing:
+            return
+        if not should_refresh_early(
+            now, envelope.soft_expiry, envelope.delta, policy.beta, self._rand
+        ):
+            return
+        self._refreshing.add(key)
+        self._spawn(self._refresh(policy, key, envelope, loader))
+
+    async def _refresh(
+        self, policy: Policy, key: str, envelope: Envelope[Any], loader: Loader
+    ) -> None:
+        """XFetch refresh under the lease: one per key for the whole fleet."""
+        try:
+            token = await self._leases.try_acquire(lease_name(key), policy.lease_ttl)
+            if token is None:
+                return  # someone else is refreshing (or loading) it
+            policy.stats.early_refresh += 1
+            read_seq = policy.l1.begin_read() if policy.l1 is not None else None
+            with contextlib.suppress(Exception):
+                await self._load_and_fill(policy, key, token, loader, envelope, read_seq)
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+        finally:
+            self._refreshing.discard(key)
+
+    async def _populate_replicas(self, policy: Policy, key: str) -> None:
+        """A newly hot key has no replicas yet: copy the base value under the lease so
+        an invalidation racing the copy can't leave a replica behind."""
+        if key in self._refreshing:
+            return
+        self._refreshing.add(key)
+        lease = lease_name(key)
+        replicas = replica_names(key, policy.replicas)
+        try:
+            token = await self._leases.try_acquire(lease, policy.lease_ttl)
+            if token is None:
+                return
+            data = await self.l2.get(key)
+            ttl_ms = await self._pttl(key)
+            if data is None or ttl_ms <= 0:
+                await self.l2.release(lease, token)
+                return
+            await self.l2.set_many(replicas, data, ttl_ms)
+            if not await self.l2.release(lease, token):
+                await self.l2.delete(replicas)
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+        finally:
+            self._refreshing.discard(key)
+
+    async def _pttl(self, key: str) -> int:
+        try:
+            return int(await self._client.pttl(key))
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise L2Unavailable(str(exc)) from exc
+
+    # -- backplane callbacks -----------------------------------------------------------
+
+    def _drop_l1(self, keys: list[str]) -> None:
+        for policy in self._policies.values():
+            if policy.l1 is not None:
+                policy.l1.discard(keys)
+
+    def _clear_l1(self) -> None:
+        for policy in self._policies.values():
+            if policy.l1 is not None:
+                policy.l1.clear()
+
+
+def _with_timeout(config: RedisConfig, timeout: float) -> RedisConfig:
+    import msgspec
+
+    from layered_cache.config import Duration
+
+    return msgspec.structs.replace(config, timeout=Duration(timeout))

@@ -1,0 +1,79 @@
+"""The L2 value format: one msgspec (MessagePack) envelope per Redis value.
+
+The envelope carries what the read path needs besides the value itself: when it was
+written, its soft expiry (past it the value is stale but may still be served by the
+fail-safe), and how long its load took (XFetch's delta). Decoding is typed: a namespace
+that declares a value type gets instances of it back. Nothing is ever unpickled, so a
+poisoned Redis cannot run code; bytes that do not decode are reported as ``CodecError``
+and the read path treats them as a miss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+import msgspec
+
+__all__ = ["ENVELOPE_FORMAT", "Codec", "CodecError", "Envelope", "EnvelopeMeta"]
+
+T = TypeVar("T")
+ENVELOPE_FORMAT = 1
+
+
+class CodecError(ValueError):
+    """Bytes in Redis that are not a valid envelope of the expected value type."""
+
+
+class Envelope(msgspec.Struct, Generic[T], array_like=True, frozen=True):
+    """``[1, value, written_at, soft_expiry, delta]`` on the wire (array_like: compact)."""
+
+    format: Literal[1]
+    value: T
+    written_at: float  # wall clock (time.time), shared between hosts
+    soft_expiry: float  # wall clock; past it the value is stale
+    delta: float  # seconds the load took: XFetch's delta
+
+
+class EnvelopeMeta(msgspec.Struct, array_like=True, frozen=True):
+    """The envelope without decoding the value: for inspection tools."""
+
+    format: Literal[1]
+    value: msgspec.Raw
+    written_at: float
+    soft_expiry: float
+    delta: float
+
+
+class Codec(Generic[T]):
+    """Encodes/decodes envelopes for one namespace's value type (``Any`` if undeclared)."""
+
+    __slots__ = ("_decoder", "_encoder", "value_type")
+
+    def __init__(self, value_type: Any = Any) -> None:
+        self.value_type = value_type
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Envelope[T]] = msgspec.msgpack.Decoder(
+            Envelope[value_type]  # type: ignore[valid-type]
+        )
+
+    def encode(self, value: T, written_at: float, soft_expiry: float, delta: float) -> bytes:
+        """Raises ``TypeError`` for values msgspec cannot encode."""
+        return self._encoder.encode(
+            Envelope(ENVELOPE_FORMAT, value, written_at, soft_expiry, delta)
+        )
+
+    def decode(self, data: bytes) -> Envelope[T]:
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CodecError(str(exc)) from None
+
+
+_META_DECODER = msgspec.msgpack.Decoder(EnvelopeMeta)
+
+
+def decode_meta(data: bytes) -> EnvelopeMeta:
+    try:
+        return _META_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CodecError(str(exc)) from None

@@ -1,0 +1,110 @@
+"""L1: the in-process cache (cachetools TLRUCache, one expiry per entry).
+
+Each entry gets its own jittered TTL, capped by its L2 soft expiry, so an instance never
+serves a value from memory longer than Redis would consider it fresh.
+
+Invalidation races: a reader that began its L2 read *before* an invalidation of a key
+may finish *after* the backplane dropped that key; filling L1 then would resurrect the
+old value. Each invalidation bumps a sequence number and leaves a tombstone; a fill
+carries the sequence number seen when its read began and is discarded if the key was
+invalidated since. Tombstones are bounded: when there are too many, they are replaced
+by a floor (every fill that began before the floor is discarded), which is conservative
+and never wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+from cachetools import TLRUCache
+
+__all__ = ["MISSING", "L1Cache"]
+
+
+class _Missing:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Final = _Missing()
+_MAX_TOMBSTONES = 10_000
+
+
+def _ttu(_key: str, entry: tuple[Any, float], _now: float) -> float:
+    return entry[1]
+
+
+class L1Cache:
+    """Thread-safe TLRU cache of decoded values; ``get`` returns ``MISSING`` on a miss."""
+
+    def __init__(self, max_entries: int, timer: Callable[[], float] = time.monotonic) -> None:
+        self._timer = timer
+        self._entries: TLRUCache[str, tuple[Any, float]] = TLRUCache(
+            maxsize=max_entries, ttu=_ttu, timer=timer
+        )
+        # cachetools caches are not thread-safe; the sync API may call from many threads.
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._floor = 0
+        self._tombstones: dict[str, int] = {}
+
+    def get(self, key: str) -> Any:
+        # ``cache[key]`` + KeyError, not ``cache.get``: cachetools' get() does a
+        # ``key in cache`` check first, which costs a second expiry check.
+        with self._lock:
+            try:
+                entry = self._entries[key]
+            except KeyError:
+                return MISSING
+        return entry[0]
+
+    def begin_read(self) -> int:
+        """Call before reading L2 for a fill; pass the result to ``put``."""
+        return self._seq
+
+    def put(self, key: str, value: Any, ttl: float, read_seq: int | None = None) -> bool:
+        """Store ``value`` for ``ttl`` seconds unless the key was invalidated since ``read_seq``."""
+        if ttl <= 0:
+            return False
+        with self._lock:
+            if read_seq is not None and (
+                read_seq < self._floor or self._tombstones.get(key, -1) > read_seq
+            ):
+                return False
+            self._entries[key] = (value, self._timer() + ttl)
+        return True
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Drop keys and tombstone them so in-flight fills of them are discarded."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            for key in keys:
+                self._entries.pop(key, None)
+                self._tombstones[key] = seq
+            if len(self._tombstones) > _MAX_TOMBSTONES:
+                self._tombstones.clear()
+                self._floor = seq
+
+    def clear(self) -> None:
+        """Drop everything (the backplane fell behind): every in-flight fill is discarded."""
+        with self._lock:
+            self._seq += 1
+            self._entries.clear()
+            self._tombstones.clear()
+            self._floor = self._seq
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._entries.expire()
+            return len(self._entries)
+
+    def remaining_ttl(self, key: str) -> float | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        return None if entry is None else entry[1] - self._timer()

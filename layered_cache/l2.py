@@ -1,0 +1,184 @@
+"""L2: the shared Redis layer (single node or Redis Cluster).
+
+Owns every Redis command of the read/fill path and nothing else: reads, leased fills,
+unconditional sets, lease acquire/release and multi-key deletes. Each call goes through
+the circuit breaker; any Redis failure (error, timeout, breaker open) surfaces as
+``L2Unavailable`` so the facade has one thing to catch and can fall through to the
+loader.
+
+Atomicity notes (why the Lua scripts exist):
+
+- ``FILL``: "write the value only if my lease token is still the lease" must be one
+  step, otherwise an invalidation (which deletes the lease) could slip in between the
+  check and the write and the old value would outlive it. The lease name
+  ``{key}:lease`` carries ``key`` as its hash tag, so in Redis Cluster both names live in
+  one slot and one script may touch them. The same script PUBLISHes the envelope so
+  waiters in other processes wake up without polling.
+- ``RELEASE``: compare-and-delete: a slow winner whose lease expired and was taken by
+  someone else must not delete the new holder's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from layered_cache.breaker import CircuitBreaker
+from layered_cache.config import RedisConfig
+
+__all__ = ["L2Store", "L2Unavailable", "RedisClient", "make_client", "make_node_client"]
+
+RedisClient = redis.Redis | RedisCluster
+
+FILL_SCRIPT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if ARGV[5] == '1' then
+  redis.call('DEL', KEYS[2])
+end
+if ARGV[4] ~= '' then
+  redis.call('PUBLISH', ARGV[4], ARGV[2])
+end
+return 1
+"""
+
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class L2Unavailable(Exception):
+    """Redis could not be used for this operation (error, timeout or breaker open)."""
+
+
+def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "socket_timeout": config.timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "max_connections": config.max_connections,
+    }
+    if config.username is not None:
+        kwargs["username"] = config.username
+    if config.password is not None:
+        kwargs["password"] = config.password
+    return kwargs
+
+
+def make_client(config: RedisConfig) -> RedisClient:
+    """A redis.asyncio client for the config: RedisCluster when ``cluster = true``.
+
+    Standalone clients get no automatic retries: a retry would multiply the time a
+    request waits on a sick Redis, and the breaker plus the loader are the fallback.
+    The cluster client keeps redis-py's MOVED/ASK handling and its default retries.
+    """
+    kwargs = _client_kwargs(config)
+    if config.cluster:
+        return RedisCluster.from_url(config.url, **kwargs)
+    # A blocking pool: under a burst, callers queue for a connection (bounded by the
+    # operation timeout) instead of failing with "Too many connections".
+    pool = redis.BlockingConnectionPool.from_url(
+        config.url, timeout=config.timeout + config.connect_timeout, retry=Retry(NoBackoff(), 0), **kwargs
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def make_node_client(client: RedisClient, config: RedisConfig) -> redis.Redis:
+    """A plain connection for pub/sub. In a cluster, classic PUBLISH is broadcast over
+    the cluster bus, so subscribing on any one node sees every fill notification."""
+    kwargs = _client_kwargs(config)
+    kwargs["socket_timeout"] = None  # pub/sub reads block by design
+    if isinstance(client, RedisCluster):
+        node = client.get_default_node() or client.get_nodes()[0]
+        scheme = "rediss" if config.url.startswith("rediss://") else "redis"
+        return redis.Redis.from_url(f"{scheme}://{node.host}:{node.port}/0", **kwargs)
+    return redis.Redis.from_url(config.url, **kwargs)
+
+
+class L2Store:
+    """Redis operations of the cache, each guarded by the circuit breaker."""
+
+    def __init__(self, client: RedisClient, breaker: CircuitBreaker) -> None:
+        self.client = client
+        self.breaker = breaker
+        self.cluster = isinstance(client, RedisCluster)
+        self._fill = client.register_script(FILL_SCRIPT)
+        self._release = client.register_script(RELEASE_SCRIPT)
+
+    async def _guard(self, operation: Any) -> Any:
+        if not self.breaker.allow():
+            operation.close()
+            raise L2Unavailable("circuit breaker open")
+        try:
+            result = await operation
+        except _FAILURES as exc:
+            self.breaker.failure(exc)
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        self.breaker.success()
+        return result
+
+    async def get(self, name: str) -> bytes | None:
+        result: bytes | None = await self._guard(self.client.get(name))
+        return result
+
+    async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
+        """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""
+        return bool(await self._guard(self.client.set(lease, token, nx=True, px=ttl_ms)))
+
+    async def fill(
+        self,
+        key: str,
+        lease: str,
+        token: str,
+        data: bytes,
+        ttl_ms: int,
+        channel: str,
+        release: bool,
+    ) -> bool:
+        """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
+        args = [token, data, ttl_ms, channel, "1" if release else "0"]
+        return bool(await self._guard(self._fill(keys=[key, lease], args=args)))
+
+    async def release(self, lease: str, token: str) -> bool:
+        """Compare-and-delete; False means the lease was revoked or taken over."""
+        return bool(await self._guard(self._release(keys=[lease], args=[token])))
+
+    async def set_many(self, names: Sequence[str], data: bytes, ttl_ms: int) -> None:
+        """SET the same value under several names. In a cluster the pipeline is split
+        per node by redis-py (each name may live in another slot)."""
+        if not names:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.set(name, data, px=ttl_ms)
+        await self._guard(pipe.execute())
+
+    async def delete(self, names: Sequence[str]) -> int:
+        """Delete names in one round trip per node. Cross-slot names are never sent as
+        one multi-key command: in a cluster each DEL is single-key and the cluster
+        pipeline groups them per node (retrying on MOVED/ASK as redis-py allows)."""
+        if not names:
+            return 0
+        if not self.cluster:
+            return int(await self._guard(self.client.delete(*names)))
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.delete(name)
+        results = await self._guard(pipe.execute())
+        return sum(int(result) for result in results)
+
+    async def publish(self, channel: str, data: bytes) -> None:
+        await self._guard(self.client.publish(channel, data))

@@ -1,0 +1,121 @@
+"""Fill notifications: wake lease waiters when the winner's fill lands.
+
+Waiters SUBSCRIBE to ``{key}:filled`` on one shared pub/sub connection per cache
+instance; the fill script PUBLISHes the envelope there, so a waiter gets the value in the
+message itself and needs no extra GET. Subscriptions are reference counted per channel
+and dropped when the last waiter leaves. A message can be lost (reconnect, subscription
+racing the fill), so callers always combine ``wait`` with jittered re-reads of L2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import redis.asyncio as redis
+import structlog
+from redis.exceptions import RedisError
+
+__all__ = ["FillNotifier", "fill_channel"]
+
+_log = structlog.get_logger("layered_cache.notify")
+
+
+def fill_channel(key: str) -> str:
+    return "{" + key + "}:filled"
+
+
+class _Subscription:
+    __slots__ = ("channel", "confirmed", "queue")
+
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self.confirmed = asyncio.Event()
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def wait(self, timeout: float) -> bytes | None:
+        """The next published envelope, or None after ``timeout`` seconds."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+
+class FillNotifier:
+    """One pub/sub connection shared by every waiter of this cache instance."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._pubsub = client.pubsub()
+        self._waiters: dict[str, list[_Subscription]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, channel: str, confirm_timeout: float) -> AsyncIterator[_Subscription]:
+        """Subscribe for the duration of the block; waits (bounded) for Redis to confirm
+        the subscription so that a re-read after it cannot miss a fill in between."""
+        sub = _Subscription(channel)
+        try:
+            await self._add(sub)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(sub.confirmed.wait(), confirm_timeout)
+        except (RedisError, OSError) as exc:
+            _log.debug("fill_subscribe_failed", error=type(exc).__name__)
+        try:
+            yield sub
+        finally:
+            await self._remove(sub)
+
+    async def _add(self, sub: _Subscription) -> None:
+        async with self._lock:
+            waiters = self._waiters.setdefault(sub.channel, [])
+            waiters.append(sub)
+            if len(waiters) > 1:
+                sub.confirmed.set()
+                return
+            await self._pubsub.subscribe(sub.channel)
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.create_task(self._read(), name="layered_cache.notify")
+
+    async def _remove(self, sub: _Subscription) -> None:
+        async with self._lock:
+            waiters = self._waiters.get(sub.channel, [])
+            if sub in waiters:
+                waiters.remove(sub)
+            if waiters:
+                return
+            self._waiters.pop(sub.channel, None)
+            with contextlib.suppress(RedisError, OSError):
+                await self._pubsub.unsubscribe(sub.channel)
+
+    async def _read(self) -> None:
+        while self._waiters or self._pubsub.subscribed:
+            try:
+                message = await self._pubsub.get_message(
+                    ignore_subscribe_messages=False, timeout=1.0
+                )
+            except (RedisError, OSError) as exc:
+                _log.debug("fill_notifier_read_failed", error=type(exc).__name__)
+                await asyncio.sleep(0.1)
+                continue
+            if message is None:
+                continue
+            channel = message["channel"]
+            name = channel.decode() if isinstance(channel, bytes) else str(channel)
+            for sub in self._waiters.get(name, ()):
+                if message["type"] == "subscribe":
+                    sub.confirmed.set()
+                elif message["type"] == "message":
+                    sub.queue.put_nowait(message["data"])
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()
+        with contextlib.suppress(Exception):
+            await self._client.aclose()

@@ -1,0 +1,94 @@
+"""A namespace's compiled policy: the config turned into what the read path needs.
+
+Compiled once at startup (templates parsed, durations as floats, layers resolved to
+``None`` when switched off) so a request does one dict lookup to get everything.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from layered_cache.codec import Codec
+from layered_cache.config import HotConfig, L1Config, L2Config, NamespaceConfig
+from layered_cache.hotkeys import HotKeyDetector
+from layered_cache.keys import KeyTemplate
+from layered_cache.l1 import L1Cache
+from layered_cache.metrics import NamespaceStats
+
+__all__ = ["Policy", "compile_policy", "jittered"]
+
+
+def jittered(ttl: float, jitter: float, rand: float) -> float:
+    """``ttl * (1 +- jitter)`` for ``rand`` uniform in [0, 1): spreads expiries so keys
+    warmed together don't expire in the same second."""
+    return ttl * (1.0 + jitter * (2.0 * rand - 1.0))
+
+
+@dataclass(slots=True, eq=False)
+class Policy:
+    name: str
+    template: KeyTemplate
+    cache: bool
+    l1: L1Cache | None
+    l1_ttl: float
+    l1_jitter: float
+    l2: bool
+    l2_ttl: float
+    l2_jitter: float
+    stale_max_age: float
+    replicas: int
+    hot: HotKeyDetector | None
+    lease_ttl: float
+    retry: tuple[float, float]
+    max_wait: float
+    beta: float
+    load_timeout: float | None
+    max_value_bytes: int
+    codec: Codec[Any]
+    stats: NamespaceStats = field(default_factory=NamespaceStats)
+
+    def l1_ttl_draw(self) -> float:
+        return jittered(self.l1_ttl, self.l1_jitter, random.random())
+
+    def l2_ttl_draw(self) -> float:
+        return jittered(self.l2_ttl, self.l2_jitter, random.random())
+
+
+def compile_policy(
+    name: str, config: NamespaceConfig, prefix: str, value_type: Any = Any
+) -> Policy:
+    l1 = L1Config() if config.l1 is True else config.l1 or None
+    l2 = L2Config() if config.l2 is True else config.l2 or None
+    hot = HotConfig() if config.hot is True else config.hot or None
+    detector = None
+    if hot is not None and l2 is not None:
+        detector = HotKeyDetector(
+            threshold=hot.threshold,
+            window=hot.window,
+            cooldown=hot.cooldown,
+            static=[prefix + key for key in hot.keys],
+        )
+    stampede = config.stampede
+    return Policy(
+        name=name,
+        template=KeyTemplate(name, config.key, prefix),
+        cache=config.cache,
+        l1=L1Cache(l1.max_entries) if (l1 is not None and config.cache) else None,
+        l1_ttl=l1.ttl if l1 else 0.0,
+        l1_jitter=l1.jitter if l1 else 0.0,
+        l2=l2 is not None and config.cache,
+        l2_ttl=l2.ttl if l2 else 0.0,
+        l2_jitter=l2.jitter if l2 else 0.0,
+        stale_max_age=config.stale.max_age,
+        replicas=hot.replicas if hot else 0,
+        hot=detector,
+        lease_ttl=stampede.lease_ttl,
+        retry=(stampede.retry[0], stampede.retry[1]),
+        max_wait=stampede.max_wait,
+        beta=stampede.early_refresh_beta,
+        load_timeout=stampede.load_timeout,
+        max_value_bytes=config.max_value_bytes,
+        codec=Codec(value_type),
+    )

@@ -1,0 +1,124 @@
+"""The cluster-wide lease: one load per key for the whole fleet.
+
+On an L2 miss a reader tries ``SET {key}:lease <token> NX PX lease_ttl``. The winner
+loads and fills (see ``L2Store.fill``). Losers wait for the fill: they subscribe to the
+key's fill channel and get the envelope in the notification; as a fallback for a lost
+notification they re-read L2 after a jittered pause drawn uniformly from the policy's
+retry range (never a fixed sleep, so waiters of many processes don't re-read in lock
+step), and they retry the lease, so a winner that crashed or failed blocks nobody longer
+than ``lease_ttl``. After ``max_wait`` a waiter gives up and loads by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from layered_cache.l2 import L2Store
+from layered_cache.notify import FillNotifier, fill_channel
+
+__all__ = ["LeaseResult", "LeaseWaiter", "new_token"]
+
+
+def new_token() -> str:
+    """A random lease token: proves ownership for the compare-and-delete release."""
+    return os.urandom(12).hex()
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseResult:
+    """What waiting produced: our own lease (``token``), a filled value, or a timeout."""
+
+    token: str | None = None
+    data: bytes | None = None
+    commands: int = 0
+
+    @property
+    def won(self) -> bool:
+        return self.token is not None
+
+
+class LeaseWaiter:
+    def __init__(
+        self,
+        l2: L2Store,
+        notifier: FillNotifier | None,
+        rand: Callable[[float, float], float] = random.uniform,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._l2 = l2
+        self._notifier = notifier
+        self._rand = rand
+        self._clock = clock
+
+    async def try_acquire(self, lease: str, lease_ttl: float) -> str | None:
+        token = new_token()
+        if await self._l2.acquire_lease(lease, token, max(1, int(lease_ttl * 1000))):
+            return token
+        return None
+
+    async def wait_for_fill(
+        self,
+        key: str,
+        lease: str,
+        lease_ttl: float,
+        retry: tuple[float, float],
+        max_wait: float,
+        usable: Callable[[bytes | None], bool],
+    ) -> LeaseResult:
+        """Wait until ``usable(data)`` holds for a fill, we win the lease, or max_wait.
+
+        Raises ``L2Unavailable`` if Redis fails meanwhile (the caller loads itself).
+        """
+        deadline = self._clock() + max_wait
+        if self._notifier is None:
+            return await self._poll(key, lease, lease_ttl, retry, deadline, usable)
+        async with self._notifier.subscribe(fill_channel(key), retry[1]) as sub:
+            # Re-read once the subscription is confirmed: a fill that landed between our
+            # lost SET NX and the SUBSCRIBE would otherwise go unnoticed.
+            data = await self._l2.get(key)
+            if usable(data):
+                return LeaseResult(data=data)
+            while (remaining := deadline - self._clock()) > 0:
+                message = await sub.wait(min(self._rand(*retry), remaining))
+                if message is not None and usable(message):
+                    return LeaseResult(data=message)
+                if message is not None:
+                    continue
+                result = await self._recheck(key, lease, lease_ttl, usable)
+                if result is not None:
+                    return result
+        return LeaseResult()
+
+    async def _poll(
+        self,
+        key: str,
+        lease: str,
+        lease_ttl: float,
+        retry: tuple[float, float],
+        deadline: float,
+        usable: Callable[[bytes | None], bool],
+    ) -> LeaseResult:
+        import asyncio
+
+        while (remaining := deadline - self._clock()) > 0:
+            await asyncio.sleep(min(self._rand(*retry), remaining))
+            result = await self._recheck(key, lease, lease_ttl, usable)
+            if result is not None:
+                return result
+        return LeaseResult()
+
+    async def _recheck(
+        self, key: str, lease: str, lease_ttl: float, usable: Callable[[bytes | None], bool]
+    ) -> LeaseResult | None:
+        """Fallback after a silent pause: re-read L2, then try to take over the lease."""
+        data = await self._l2.get(key)
+        if usable(data):
+            return LeaseResult(data=data)
+        token = await self.try_acquire(lease, lease_ttl)
+        if token is not None:
+            return LeaseResult(token=token)
+        return None

@@ -1,0 +1,173 @@
+"""Config loading: defaults, durations, env overrides, and errors that name the path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from layered_cache import ConfigError, load_config, parse_config
+from layered_cache.config import HotConfig, L1Config, parse_duration, parse_rate
+
+FULL = """
+[redis]
+url = "redis://127.0.0.1:6379/0"
+cluster = false
+timeout = "100ms"
+prefix = "shop:"
+
+[kafka]
+bootstrap_servers = "127.0.0.1:9092"
+topics = ["catalog-events"]
+group_id = "cache-invalidator"
+dead_letter_topic = "catalog-events.dlq"
+
+[namespaces.book]
+key = "book:{id}"
+l1 = { ttl = "5s", jitter = 0.2, max_entries = 10000 }
+l2 = { ttl = "10m", jitter = 0.1 }
+hot = { replicas = 8, threshold = "200/s" }
+stampede = { lease_ttl = "5s", retry = ["50ms", "150ms"], max_wait = "3s", early_refresh_beta = 1.0 }
+stale = { max_age = "1m" }
+
+[namespaces.author]
+key = "author:{id}"
+l1 = false
+hot = { replicas = 8, keys = ["author:1"] }
+
+[namespaces.stock]
+key = "stock:{id}"
+cache = false
+
+[[events]]
+type = "BookPriceChanged"
+invalidate = [{ namespace = "book", key = { id = "book_id" } }]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "layered_cache.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_design_example_loads_with_its_values(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, FULL), env={})
+    book = config.namespaces["book"]
+    assert config.redis.timeout == pytest.approx(0.1)
+    assert config.redis.prefix == "shop:"
+    assert isinstance(book.l1, L1Config) and book.l1.ttl == 5.0
+    assert isinstance(book.hot, HotConfig) and book.hot.threshold == 200.0
+    assert book.stampede.retry == [0.05, 0.15]
+    assert book.stale.max_age == 60.0
+    assert config.namespaces["author"].l1 is False
+    assert config.namespaces["stock"].cache is False
+    assert config.events[0].invalidate[0].key == {"id": "book_id"}
+
+
+def test_every_field_has_a_default() -> None:
+    config = parse_config({"namespaces": {"book": {"key": "book:{id}"}}}, env={})
+    assert config.redis.url.startswith("redis://")
+    assert config.namespaces["book"].l2 is True
+
+
+def test_env_overrides_connection_settings(tmp_path: Path) -> None:
+    env = {
+        "LAYERED_CACHE_REDIS_URL": "redis://10.0.0.1:7000/1",
+        "LAYERED_CACHE_REDIS_CLUSTER": "true",
+        "LAYERED_CACHE_KAFKA_BOOTSTRAP_SERVERS": "kafka:9092",
+        "LAYERED_CACHE_REDIS_TIMEOUT": "250ms",
+    }
+    config = load_config(write(tmp_path, FULL), env=env)
+    assert config.redis.url == "redis://10.0.0.1:7000/1"
+    assert config.redis.cluster is True
+    assert config.redis.timeout == pytest.approx(0.25)
+    assert config.kafka.bootstrap_servers == "kafka:9092"
+
+
+@pytest.mark.parametrize(
+    ("snippet", "expected"),
+    [
+        ('l2 = { ttl = "ten" }', 'namespaces.book.l2.ttl: expected a duration like "10m", got "ten"'),
+        ('l2 = { ttl = "-5s" }', "namespaces.book.l2.ttl: expected a duration"),
+        ("l1 = { jitter = 1.5 }", "namespaces.book.l1: jitter must be >= 0 and < 1"),
+        ('l1 = { ttl = 5, max_entries = "many" }', "namespaces.book.l1.max_entries: expected `int`"),
+        ("l2 = { tll = 5 }", "namespaces.book.l2.tll: unknown key"),
+        ('hot = { threshold = "fast" }', 'namespaces.book.hot.threshold: expected a rate like "200/s"'),
+        ('stampede = { retry = ["1s"] }', "namespaces.book.stampede: retry must be [min, max]"),
+    ],
+)
+def test_errors_name_file_path_and_problem(tmp_path: Path, snippet: str, expected: str) -> None:
+    path = write(tmp_path, f'[namespaces.book]\nkey = "book:{{id}}"\n{snippet}\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+    assert str(error.value).startswith(str(path))
+    assert expected in str(error.value)
+
+
+def test_missing_key_template_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"namespaces\.book\.key: required key is missing"):
+        load_config(write(tmp_path, "[namespaces.book]\nl1 = false\n"), env={})
+
+
+def test_bad_template_and_unknown_event_namespace_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"namespaces\.book\.key: .*text outside"):
+        load_config(write(tmp_path, '[namespaces.book]\nkey = "book {id}"\n'), env={})
+    text = FULL.replace('namespace = "book"', 'namespace = "boook"')
+    with pytest.raises(ConfigError, match=r"events\[0\]\.invalidate\[0\]\.namespace: unknown"):
+        load_config(write(tmp_path, text), env={})
+    text = FULL.replace('key = { id = "book_id" }', 'key = { isbn = "book_id" }')
+    with pytest.raises(ConfigError, match=r"events\[0\]\.invalidate\[0\]\.key: must map"):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_unknown_top_level_table_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="redsi: unknown top-level table"):
+        load_config(write(tmp_path, "[redsi]\nurl = 1\n"), env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[redis\n"), env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+def test_bad_env_override_is_reported_with_its_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"redis\.timeout: expected a duration"):
+        load_config(write(tmp_path, FULL), env={"LAYERED_CACHE_REDIS_TIMEOUT": "soon"})
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("50ms", 0.05), ("5s", 5), ("10m", 600), ("1h", 3600), ("1.5s", 1.5), (3, 3.0)],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_rates() -> None:
+    assert parse_rate("200/s") == 200
+    assert parse_rate("600/m") == 10
+
+
+@given(st.text(max_size=12))
+def test_any_duration_string_parses_or_raises_value_error(text: str) -> None:
+    try:
+        assert parse_duration(text) >= 0
+    except ValueError as exc:
+        assert "duration" in str(exc)
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+        lambda children: st.lists(children, max_size=3)
+        | st.dictionaries(st.sampled_from(["ttl", "jitter", "key", "l1", "l2", "x"]), children, max_size=3),
+        max_leaves=10,
+    )
+)
+def test_arbitrary_namespace_tables_load_or_raise_config_error(table: object) -> None:
+    try:
+        parse_config({"namespaces": {"book": table}}, env={})
+    except ConfigError as exc:
+        assert "namespaces.book" in str(exc)

@@ -1,0 +1,267 @@
+"""The layered read path against a real Redis: L1 -> L2 -> loader."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import msgspec
+import pytest
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from tests.helpers import CountingLoader, eventually, make_config
+from tests.servers import RedisServer
+
+
+class BookDetail(msgspec.Struct):
+    id: int
+    title: str
+    price: str
+
+
+async def test_200_concurrent_misses_cause_one_load(redis_url: str, prefix: str) -> None:
+    loader = CountingLoader({"title": "Dune"}, delay=0.05)
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        results = await asyncio.gather(
+            *(cache.get_or_load("book", {"id": 42}, loader) for _ in range(200))
+        )
+    assert loader.calls == 1
+    assert results == [{"title": "Dune"}] * 200
+
+
+async def test_l1_hit_does_not_touch_redis(redis_server: RedisServer, prefix: str) -> None:
+    config = make_config(redis_server.url, prefix, backplane={"enabled": False})
+    admin = redis.Redis.from_url(redis_server.url)
+    async with LayeredCache.from_config(config) as cache:
+        loader = CountingLoader("v")
+        await cache.get_or_load("book", {"id": 1}, loader)
+        before = await admin.info("commandstats")
+        for _ in range(100):
+            assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
+        after = await admin.info("commandstats")
+        assert cache.stats()["book"]["l1_hit"] == 100
+    await admin.aclose()
+    # Only our own INFO calls may show up between the two snapshots.
+    changed = {k for k in after if after[k] != before.get(k) and k != "cmdstat_info"}
+    assert changed == set()
+
+
+async def test_l2_hit_fills_l1_in_another_instance(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix)
+    loader = CountingLoader({"title": "Emma"})
+    async with LayeredCache.from_config(config) as first, LayeredCache.from_config(config) as second:
+        await first.get_or_load("book", {"id": 7}, loader)
+        assert await second.get_or_load("book", {"id": 7}, loader) == {"title": "Emma"}
+        assert await second.get_or_load("book", {"id": 7}, loader) == {"title": "Emma"}
+        stats = second.stats()["book"]
+    assert loader.calls == 1
+    assert (stats["l2_hit"], stats["l1_hit"]) == (1, 1)
+
+
+async def test_declared_value_type_decodes_from_l2(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    book = BookDetail(1, "Dune", "9.90")
+    async with LayeredCache.from_config(config, value_types={"book": BookDetail}) as cache:
+        await cache.set("book", {"id": 1}, book)
+        assert await cache.get("book", {"id": 1}) == book
+
+
+async def test_decorator_takes_key_fields_from_arguments(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    calls = Counter[int]()
+    async with LayeredCache.from_config(config) as cache:
+
+        @cache.cached("book")
+        async def book_detail(id: int, *, currency: str = "EUR") -> BookDetail:
+            calls[id] += 1
+            return BookDetail(id, f"title {id}", currency)
+
+        first = await book_detail(3)
+        again = await book_detail(id=3)
+        other = await book_detail(4)
+    assert first == again == BookDetail(3, "title 3", "EUR")
+    assert isinstance(again, BookDetail)  # decoded from L2 into the return annotation
+    assert other.id == 4
+    assert calls == {3: 1, 4: 1}
+
+
+async def test_decorator_without_key_parameter_is_rejected(redis_url: str, prefix: str) -> None:
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        with pytest.raises(KeyError, match="'id'"):
+
+            @cache.cached("book")
+            async def wrong(book_id: int) -> str:
+                return "x"
+
+
+async def test_none_is_cached_and_distinct_from_a_miss(redis_url: str, prefix: str) -> None:
+    loader = CountingLoader(None)
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        assert await cache.get_or_load("book", {"id": 9}, loader) is None
+        assert await cache.get_or_load("book", {"id": 9}, loader) is None
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as fresh:
+        assert await fresh.get_or_load("book", {"id": 9}, loader) is None
+        assert fresh.stats()["book"]["l2_hit"] == 1
+    assert loader.calls == 1
+
+
+async def test_bypass_namespace_always_loads(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix, {"stock": {"key": "stock:{id}", "cache": False}})
+    loader = CountingLoader(5)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        for _ in range(3):
+            assert await cache.get_or_load("stock", {"id": 1}, loader) == 5
+        assert await cache.get("stock", {"id": 1}) is None
+    assert loader.calls == 3
+    assert await admin.exists(f"{prefix}stock:1") == 0
+    await admin.aclose()
+
+
+async def test_invalidate_removes_base_replicas_and_lease(redis_url: str, prefix: str) -> None:
+    config = make_config(
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}", "hot": {"replicas": 8, "keys": ["book:42"]}}},
+    )
+    admin = redis.Redis.from_url(redis_url)
+    loader = CountingLoader("old")
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": 42}, loader)
+        base = f"{prefix}book:42"
+        names = [base, *(f"{base}#{i}" for i in range(8))]
+        assert await admin.exists(*names) == 9
+        await admin.set("{" + base + "}:lease", "someone", px=5000)
+        await cache.invalidate("book", {"id": 42})
+        assert await admin.exists(*names, "{" + base + "}:lease") == 0
+        loader.value = "new"
+        assert await cache.get_or_load("book", {"id": 42}, loader) == "new"
+    assert loader.calls == 2
+    await admin.aclose()
+
+
+async def test_undecodable_bytes_in_redis_are_a_miss_then_overwritten(
+    redis_url: str, prefix: str
+) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    key = f"{prefix}book:5"
+    loader = CountingLoader({"ok": True})
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        for garbage in (b"\x80\x04\x95pickle", b"not msgpack at all", b"\x95\x01"):
+            await admin.set(key, garbage)
+            cache.policy("book").l1.clear()  # type: ignore[union-attr]
+            assert await cache.get("book", {"id": 5}) is None
+            assert await cache.get_or_load("book", {"id": 5}, loader) == {"ok": True}
+            assert await admin.get(key) not in (garbage, None)
+        assert cache.stats()["book"]["decode_error"] >= 3
+    await admin.aclose()
+
+
+async def test_ttl_jitter_spreads_10000_expiries(redis_url: str, prefix: str) -> None:
+    """10,000 keys warmed at once, 600 s +- 10%: no second holds more than 130 expiries."""
+    config = make_config(
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "600s", "jitter": 0.1}}},
+        backplane={"enabled": False},
+    )
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        for start in range(0, 10_000, 100):
+            await asyncio.gather(
+                *(cache.set("book", {"id": i}, i) for i in range(start, start + 100))
+            )
+    pipe = admin.pipeline(transaction=False)
+    for i in range(10_000):
+        pipe.pttl(f"{prefix}book:{i}")
+    ttls = [ms / 1000 for ms in await pipe.execute()]
+    await admin.aclose()
+    assert all(540 - 5 <= ttl <= 660 for ttl in ttls), (min(ttls), max(ttls))
+    busiest = max(Counter(int(ttl) for ttl in ttls).values())
+    assert busiest <= 130
+    assert max(ttls) - min(ttls) > 100  # actually spread, not clustered
+
+
+async def test_l1_ttl_jitter_stays_in_bounds(redis_url: str, prefix: str) -> None:
+    config = make_config(
+        redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "10s", "jitter": 0.2}}}
+    )
+    async with LayeredCache.from_config(config) as cache:
+        policy = cache.policy("book")
+        draws = [policy.l1_ttl_draw() for _ in range(10_000)]
+    assert 8.0 <= min(draws) < 8.2 and 11.8 < max(draws) <= 12.0
+
+
+async def test_l1_entry_never_outlives_l2_soft_expiry(redis_url: str, prefix: str) -> None:
+    config = make_config(
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}", "l1": {"ttl": "1h"}, "l2": {"ttl": "2s", "jitter": 0}}},
+    )
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": 1}, CountingLoader("v"))
+        remaining = cache.policy("book").l1.remaining_ttl(f"{prefix}book:1")  # type: ignore[union-attr]
+    assert remaining is not None and remaining <= 2.0
+
+
+async def test_redis_stopped_mid_test_serves_loader_and_breaker_recovers(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    config = make_config(redis_server.url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    loader = CountingLoader("db", delay=0.01)
+    async with LayeredCache.from_config(config) as cache:
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "db"
+        redis_server.kill()
+        results = await asyncio.gather(
+            *(cache.get_or_load("book", {"id": i % 5}, loader) for i in range(50))
+        )
+        assert results == ["db"] * 50
+        for i in range(20):
+            assert await cache.get_or_load("book", {"id": 100 + i}, loader) == "db"
+        assert cache.breaker.state in ("open", "half_open")
+        errors_while_open = cache.stats()["book"]["redis_error"]
+        assert errors_while_open >= 2
+        redis_server.start()
+
+        async def closed() -> bool:
+            await cache.get_or_load("book", {"id": 1}, loader)
+            return cache.breaker.state == "closed"
+
+        assert await eventually(closed, timeout=10, interval=0.1)
+        # L2 fills again once the breaker is closed.
+        await cache.invalidate("book", {"id": 77})
+        await cache.get_or_load("book", {"id": 77}, loader)
+        admin = redis.Redis.from_url(redis_server.url)
+        assert await admin.exists(f"{prefix}book:77") == 1
+        await admin.aclose()
+
+
+async def test_failing_load_fails_all_waiters_and_leaves_nothing(
+    redis_url: str, prefix: str
+) -> None:
+    loader = CountingLoader("v", delay=0.05)
+    loader.error = RuntimeError("db down")
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        results = await asyncio.gather(
+            *(cache.get_or_load("book", {"id": 3}, loader) for _ in range(20)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, RuntimeError) for r in results)
+        assert loader.calls == 1
+        assert await admin.exists(f"{prefix}book:3", "{" + f"{prefix}book:3" + "}:lease") == 0
+        loader.error = None
+        assert await cache.get_or_load("book", {"id": 3}, loader) == "v"
+    await admin.aclose()
+
+
+async def test_too_large_value_is_served_but_not_cached(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "max_value_bytes": 100}})
+    loader = CountingLoader("x" * 1000)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "x" * 1000
+        assert cache.stats()["book"]["not_cached"] == 1
+    assert await admin.exists(f"{prefix}book:1") == 0
+    await admin.aclose()
