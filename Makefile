@@ -1,0 +1,58 @@
+# Bootstrap from a fresh clone: `make test`, `make demo`, `make bench`.
+# Everything is idempotent; the venv is (re)installed only when pyproject.toml changes.
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+SOAK_SECONDS ?= 60
+PYTEST_ARGS ?=
+# Load the service env written by deploy/local/services.sh into the recipe's shell.
+WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
+
+.PHONY: venv demo test bench lint soak services-up services-down ensure-redis clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	touch $@
+
+ensure-redis:
+	deploy/local/ensure-redis.sh
+
+test: ensure-redis venv
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check layered_cache consumers tests
+	$(BIN)/mypy
+
+soak: ensure-redis venv
+	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/pytest -q -m soak tests $(PYTEST_ARGS)
+
+services-up: ensure-redis venv
+	deploy/local/services.sh up
+
+services-down:
+	deploy/local/services.sh down
+
+demo: services-up
+	$(WITH_ENV) $(BIN)/python -m examples.demo
+
+bench: $(BENCH_STAMP) services-up
+	$(WITH_ENV) $(BIN)/python -m bench
+
+clean:
+	-deploy/local/services.sh down
+	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,104 @@
+"""Fixtures for real servers; the logic lives in tests/servers.py.
+
+Session fixtures share one server per run (fast); function fixtures (`redis_server`,
+`kafka_broker`) give a test its own process to kill, pause or restart. `REDIS_URL`,
+`REDIS_CLUSTER_URL` and `KAFKA_BOOTSTRAP` point the shared fixtures at existing services.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Iterator
+
+import pytest
+
+from tests.servers import (
+    ExistingRedisCluster,
+    KafkaBroker,
+    RedisClusterServers,
+    RedisServer,
+    kafka_reachable,
+    redis_reachable,
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "soak: long-running load test (make soak)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark tests by the services they use, so `-m "not cluster"` etc. just work."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if "redis_cluster" in names:
+            item.add_marker(pytest.mark.cluster)
+        if names & {"kafka_bootstrap", "kafka_broker"}:
+            item.add_marker(pytest.mark.kafka)
+
+
+def _external(var: str, reachable: bool) -> str | None:
+    url = os.environ.get(var)
+    if url and not reachable:
+        warnings.warn(f"{var}={url} is not reachable; starting an own server", stacklevel=2)
+    return url if url and reachable else None
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a Redis shared by the session (use `prefix` for keys)."""
+    env = os.environ.get("REDIS_URL", "")
+    if url := _external("REDIS_URL", bool(env) and redis_reachable(env)):
+        yield url
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A Redis of the test's own, to kill / pause / restart (`.start()` keeps the port)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers | ExistingRedisCluster]:
+    """A 3-master Redis Cluster: `.url`, `.nodes`, `.servers` (empty if external)."""
+    env = os.environ.get("REDIS_CLUSTER_URL", "")
+    if url := _external("REDIS_CLUSTER_URL", bool(env) and redis_reachable(env)):
+        yield ExistingRedisCluster(url)
+        return
+    with RedisClusterServers(3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """Bootstrap servers of a Kafka-protocol broker shared by the session."""
+    env = os.environ.get("KAFKA_BOOTSTRAP", "")
+    if url := _external("KAFKA_BOOTSTRAP", bool(env) and kafka_reachable(env)):
+        yield url
+        return
+    with KafkaBroker() as broker:
+        yield broker.bootstrap
+
+
+@pytest.fixture
+def kafka_broker() -> Iterator[KafkaBroker]:
+    """A broker of the test's own, to restart (memory storage: a restart empties it)."""
+    with KafkaBroker() as broker:
+        yield broker
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A unique key prefix, e.g. `t3f9a1c2:`, so tests sharing a Redis never collide."""
+    return f"t{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture
+def unique_topic() -> str:
+    """A fresh topic name (tansu auto-creates on produce; use create_topic for N partitions)."""
+    return f"test-{uuid.uuid4().hex[:10]}"
