@@ -214,7 +214,9 @@ class LayeredCache:
             if data is None:
                 return
             ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
-            names = [key, *replica_names(key, policy.replicas)] if self._is_hot(policy, key) else [key]
+            names = [key]
+            if self._is_hot(policy, key):
+                names += replica_names(key, policy.replicas)
             self._flight.forget(key)
             if policy.l1 is not None:
                 policy.l1.discard([key])
@@ -240,7 +242,7 @@ class LayeredCache:
         self._drop_l1([key for _, key in targets])
         try:
             await self._invalidator.invalidate((key, p.replicas) for p, key in targets)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
         # Drop again: a fill that read L2 before the delete may have landed meanwhile.
         self._drop_l1([key for _, key in targets])
@@ -623,7 +625,7 @@ class LayeredCache:
     async def _pttl(self, key: str) -> int:
         try:
             return int(await self._client.pttl(key))
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             raise L2Unavailable(str(exc)) from exc
 
     # -- backplane callbacks -----------------------------------------------------------

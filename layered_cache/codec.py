@@ -17,7 +17,7 @@ import msgspec
 __all__ = ["ENVELOPE_FORMAT", "Codec", "CodecError", "Envelope", "EnvelopeMeta"]
 
 T = TypeVar("T")
-ENVELOPE_FORMAT = 1
+ENVELOPE_FORMAT: Literal[1] = 1
 
 
 class CodecError(ValueError):
@@ -53,7 +53,7 @@ class Codec(Generic[T]):
         self.value_type = value_type
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Envelope[T]] = msgspec.msgpack.Decoder(
-            Envelope[value_type]  # type: ignore[valid-type]
+            Envelope[value_type]
         )
 
     def encode(self, value: T, written_at: float, soft_expiry: float, delta: float) -> bytes:

@@ -115,7 +115,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """Base of every config table: immutable, unknown keys are errors (typos fail loudly)."""
 
 
-class BreakerConfig(_Section):
+class BreakerConfig(_Section, frozen=True):
     """Circuit breaker around Redis: open after `failures` errors in a row, retry after `reset`."""
 
     failures: int = 3
@@ -126,7 +126,7 @@ class BreakerConfig(_Section):
             raise ValueError(f"failures must be >= 1, got {self.failures}")
 
 
-class RedisConfig(_Section):
+class RedisConfig(_Section, frozen=True):
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False
     timeout: Duration = Duration(0.1)
@@ -139,12 +139,14 @@ class RedisConfig(_Section):
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {self.url!r}")
+            raise ValueError(
+                f"url must start with redis://, rediss:// or unix://, got {self.url!r}"
+            )
         if self.timeout <= 0:
             raise ValueError("timeout must be > 0")
 
 
-class KafkaConfig(_Section):
+class KafkaConfig(_Section, frozen=True):
     bootstrap_servers: str = "127.0.0.1:9092"
     topics: list[str] = msgspec.field(default_factory=lambda: ["catalog-events"])
     group_id: str = "cache-invalidator"
@@ -158,9 +160,15 @@ class KafkaConfig(_Section):
     max_batch: int = 1000
     max_event_bytes: int = 1_000_000
     health_port: int = 9464
+    # Consumer-group timing and start position (the daemon; tests shorten the timeouts).
+    auto_offset_reset: str = "earliest"
+    session_timeout: Duration = Duration(10.0)
+    heartbeat_interval: Duration = Duration(3.0)
+    rebalance_timeout: Duration = Duration(10.0)
+    retry_max_backoff: Duration = Duration(5.0)
 
 
-class BackplaneConfig(_Section):
+class BackplaneConfig(_Section, frozen=True):
     """The Redis Stream that carries invalidated keys to every instance's L1."""
 
     enabled: bool = True
@@ -173,17 +181,17 @@ class BackplaneConfig(_Section):
             raise ValueError(f"maxlen must be >= 1, got {self.maxlen}")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(_Section, frozen=True):
     format: str = "console"  # or "json"
     level: str = "info"
     redact_keys: bool = False
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(_Section, frozen=True):
     enabled: bool = True
 
 
-class L1Config(_Section):
+class L1Config(_Section, frozen=True):
     ttl: Duration = Duration(5.0)
     jitter: float = 0.2
     max_entries: int = 10_000
@@ -196,7 +204,7 @@ class L1Config(_Section):
             raise ValueError("ttl must be > 0")
 
 
-class L2Config(_Section):
+class L2Config(_Section, frozen=True):
     ttl: Duration = Duration(600.0)
     jitter: float = 0.1
 
@@ -206,7 +214,7 @@ class L2Config(_Section):
             raise ValueError("ttl must be > 0")
 
 
-class HotConfig(_Section):
+class HotConfig(_Section, frozen=True):
     """Hot-key replica sharding: static `keys` and/or detection above `threshold`."""
 
     replicas: int = 8
@@ -220,7 +228,7 @@ class HotConfig(_Section):
             raise ValueError(f"replicas must be within 1..64, got {self.replicas}")
 
 
-class StampedeConfig(_Section):
+class StampedeConfig(_Section, frozen=True):
     lease_ttl: Duration = Duration(5.0)
     retry: list[Duration] = msgspec.field(
         default_factory=lambda: [Duration(0.05), Duration(0.15)]
@@ -231,18 +239,20 @@ class StampedeConfig(_Section):
 
     def __post_init__(self) -> None:
         if len(self.retry) != 2 or self.retry[0] > self.retry[1] or self.retry[1] <= 0:
-            raise ValueError('retry must be [min, max] with 0 <= min <= max, e.g. ["50ms", "150ms"]')
+            raise ValueError(
+                'retry must be [min, max] with 0 <= min <= max, e.g. ["50ms", "150ms"]'
+            )
         if self.early_refresh_beta < 0:
             raise ValueError("early_refresh_beta must be >= 0")
         if self.lease_ttl <= 0:
             raise ValueError("lease_ttl must be > 0")
 
 
-class StaleConfig(_Section):
+class StaleConfig(_Section, frozen=True):
     max_age: Duration = Duration(0.0)
 
 
-class NamespaceConfig(_Section):
+class NamespaceConfig(_Section, frozen=True):
     key: str
     cache: bool = True
     l1: L1Config | bool = True
@@ -253,19 +263,19 @@ class NamespaceConfig(_Section):
     max_value_bytes: int = 1_000_000
 
 
-class InvalidateTarget(_Section):
+class InvalidateTarget(_Section, frozen=True):
     """One key an event invalidates: template field -> event field (``{ id = "book_id" }``)."""
 
     namespace: str
     key: dict[str, str]
 
 
-class EventRoute(_Section):
+class EventRoute(_Section, frozen=True):
     type: str
     invalidate: list[InvalidateTarget]
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     redis: RedisConfig = RedisConfig()
     kafka: KafkaConfig = KafkaConfig()
     backplane: BackplaneConfig = BackplaneConfig()

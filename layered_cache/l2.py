@@ -28,6 +28,7 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from layered_cache.breaker import CircuitBreaker
@@ -56,6 +57,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+
+# Read the base key and its remaining TTL only while ``token`` still holds the lease, and
+# release the lease in the same step. Used to copy a base value to replicas: the check
+# proves no invalidation deleted the lease before this instant (see ``fill_replicas``).
+READ_UNDER_LEASE_SCRIPT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return false
+end
+redis.call('DEL', KEYS[2])
+local data = redis.call('GET', KEYS[1])
+if not data then
+  return false
+end
+return {data, redis.call('PTTL', KEYS[1])}
 """
 
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
@@ -91,7 +107,10 @@ def make_client(config: RedisConfig) -> RedisClient:
     # A blocking pool: under a burst, callers queue for a connection (bounded by the
     # operation timeout) instead of failing with "Too many connections".
     pool = redis.BlockingConnectionPool.from_url(
-        config.url, timeout=config.timeout + config.connect_timeout, retry=Retry(NoBackoff(), 0), **kwargs
+        config.url,
+        timeout=config.timeout + config.connect_timeout,
+        retry=Retry(NoBackoff(), 0),
+        **kwargs,
     )
     return redis.Redis(connection_pool=pool)
 
@@ -117,6 +136,7 @@ class L2Store:
         self.cluster = isinstance(client, RedisCluster)
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
+        self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)
 
     async def _guard(self, operation: Any) -> Any:
         if not self.breaker.allow():
@@ -149,7 +169,7 @@ class L2Store:
         release: bool,
     ) -> bool:
         """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
-        args = [token, data, ttl_ms, channel, "1" if release else "0"]
+        args: list[str | bytes | int] = [token, data, ttl_ms, channel, "1" if release else "0"]
         return bool(await self._guard(self._fill(keys=[key, lease], args=args)))
 
     async def release(self, lease: str, token: str) -> bool:
@@ -168,17 +188,68 @@ class L2Store:
 
     async def delete(self, names: Sequence[str]) -> int:
         """Delete names in one round trip per node. Cross-slot names are never sent as
-        one multi-key command: in a cluster each DEL is single-key and the cluster
-        pipeline groups them per node (retrying on MOVED/ASK as redis-py allows)."""
+        one multi-key command: in a cluster each DEL holds the names of one slot and the
+        cluster pipeline groups them per node (retrying on MOVED/ASK as redis-py allows)."""
         if not names:
             return 0
         if not self.cluster:
             return int(await self._guard(self.client.delete(*names)))
-        pipe = self.client.pipeline(transaction=False)
+        # One DEL per slot: names sharing a slot (a key and its ``{key}:lease``) go in
+        # one command, so they vanish in the same instant - a script checking the lease
+        # can't run between the two deletes.
+        by_slot: dict[int, list[str]] = {}
         for name in names:
-            pipe.delete(name)
+            by_slot.setdefault(key_slot(name.encode()), []).append(name)
+        pipe = self.client.pipeline(transaction=False)
+        for group in by_slot.values():
+            pipe.execute_command("DEL", *group)
         results = await self._guard(pipe.execute())
         return sum(int(result) for result in results)
+
+    async def delete_in_order(self, groups: Sequence[Sequence[str]]) -> int:
+        """Delete ``groups`` one after another: every name of a group is gone from every
+        node before any name of the next group is deleted.
+
+        A cluster pipeline is not atomic across nodes, so ordering needs separate round
+        trips; on a single node one DEL of all names is atomic, which orders them
+        trivially (nothing runs in between) at the cost of one round trip.
+        """
+        if not self.cluster:
+            return await self.delete([name for group in groups for name in group])
+        deleted = 0
+        for group in groups:
+            deleted += await self.delete(group)
+        return deleted
+
+    async def fill_replicas(
+        self, replicas: Sequence[tuple[str, str]], token: str, data: bytes, ttl_ms: int
+    ) -> int:
+        """Write each ``(replica, replica_lease)`` only while ``token`` holds that
+        replica's own lease, deleting the lease in the same script. Returns how many
+        replicas were written.
+
+        Replicas hash to different slots, so no single script can check the base key's
+        lease and write them all; each replica is guarded by ``{key#i}:lease`` in its own
+        slot instead (see ``LayeredCache._fill`` for why that is enough). Cluster
+        pipelines refuse EVALSHA, so the script goes as EVAL: a hot fill is rare and
+        Redis caches the compiled script by its SHA anyway.
+        """
+        if not replicas:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for name, lease in replicas:
+            pipe.eval(FILL_SCRIPT, 2, name, lease, token, data, ttl_ms, "", "1")
+        results = await self._guard(pipe.execute())
+        return sum(int(result) for result in results)
+
+    async def read_under_lease(self, key: str, lease: str, token: str) -> tuple[bytes, int] | None:
+        """``(value, pttl_ms)`` of ``key`` if ``token`` still held ``lease`` (which this
+        releases), else None. Both names share a slot: one atomic script."""
+        result = await self._guard(self._read_under_lease(keys=[key, lease], args=[token]))
+        if not result:
+            return None
+        data, pttl = result
+        return bytes(data), int(pttl)
 
     async def publish(self, channel: str, data: bytes) -> None:
         await self._guard(self.client.publish(channel, data))

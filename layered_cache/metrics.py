@@ -3,41 +3,35 @@ increment on the hot path. Exporters (Prometheus) read them at scrape time."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 __all__ = ["COUNTERS", "NamespaceStats"]
 
-COUNTERS = (
-    "l1_hit",
-    "l2_hit",
-    "miss",
-    "load",
-    "load_error",
-    "coalesced",
-    "lease_won",
-    "lease_lost",
-    "lease_wait_filled",
-    "lease_timeout_load",
-    "early_refresh",
-    "stale_served",
-    "redis_error",
-    "decode_error",
-    "not_cached",
-    "fill_revoked",
-    "l1_fill_discarded",
-    "replica_miss",
-    "invalidated",
-    "set",
-)
 
-
+@dataclasses.dataclass(slots=True)
 class NamespaceStats:
-    __slots__ = (*COUNTERS, "replica_reads")
-
-    def __init__(self) -> None:
-        for name in COUNTERS:
-            setattr(self, name, 0)
-        self.replica_reads: Counter[int] = Counter()
+    l1_hit: int = 0  # served from this instance's memory
+    l2_hit: int = 0  # served from Redis (fresh)
+    miss: int = 0  # neither layer had a fresh value
+    load: int = 0  # loader calls
+    load_error: int = 0  # loader raised
+    coalesced: int = 0  # joined an in-process load of the same key (single-flight)
+    lease_won: int = 0  # took the fleet-wide lease and loaded
+    lease_lost: int = 0  # another process held the lease
+    lease_wait_filled: int = 0  # waited on another's lease and got its fill
+    lease_timeout_load: int = 0  # waited max_wait, then loaded without writing L2
+    early_refresh: int = 0  # XFetch background refreshes
+    stale_served: int = 0  # fail-safe: stale value served (loader failed or too slow)
+    redis_error: int = 0  # Redis failed or the breaker was open
+    decode_error: int = 0  # undecodable value in Redis (treated as a miss)
+    not_cached: int = 0  # value not encodable or over max_value_bytes
+    fill_revoked: int = 0  # fill dropped: lease revoked by an invalidation meanwhile
+    l1_fill_discarded: int = 0  # L1 fill dropped: key invalidated after the read began
+    replica_miss: int = 0  # hot-key replica missing, read the base key
+    invalidated: int = 0  # invalidate() calls
+    set: int = 0  # set() calls
+    replica_reads: Counter[int] = dataclasses.field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, int | dict[int, int]]:
         result: dict[str, int | dict[int, int]] = {
@@ -45,3 +39,8 @@ class NamespaceStats:
         }
         result["replica_reads"] = dict(sorted(self.replica_reads.items()))
         return result
+
+
+COUNTERS: tuple[str, ...] = tuple(
+    field.name for field in dataclasses.fields(NamespaceStats) if field.type in ("int", int)
+)

@@ -34,10 +34,10 @@ class _Subscription:
         self.confirmed = asyncio.Event()
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
 
-    async def wait(self, timeout: float) -> bytes | None:
-        """The next published envelope, or None after ``timeout`` seconds."""
+    async def wait(self, seconds: float) -> bytes | None:
+        """The next published envelope, or None after ``seconds``."""
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
+            return await asyncio.wait_for(self.queue.get(), seconds)
         except TimeoutError:
             return None
 
@@ -111,11 +111,14 @@ class FillNotifier:
                     sub.queue.put_nowait(message["data"])
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        """Never hangs: a reader cancelled inside a blocking read may only wake once its
+        socket is closed, so the connections are closed before waiting (bounded)."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
         with contextlib.suppress(Exception):
-            await self._pubsub.aclose()
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
         with contextlib.suppress(Exception):
             await self._client.aclose()
+        if reader is not None:
+            await asyncio.wait({reader}, timeout=1.0)

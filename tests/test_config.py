@@ -90,12 +90,21 @@ def test_env_overrides_connection_settings(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("snippet", "expected"),
     [
-        ('l2 = { ttl = "ten" }', 'namespaces.book.l2.ttl: expected a duration like "10m", got "ten"'),
+        (
+            'l2 = { ttl = "ten" }',
+            'namespaces.book.l2.ttl: expected a duration like "10m", got "ten"',
+        ),
         ('l2 = { ttl = "-5s" }', "namespaces.book.l2.ttl: expected a duration"),
         ("l1 = { jitter = 1.5 }", "namespaces.book.l1: jitter must be >= 0 and < 1"),
-        ('l1 = { ttl = 5, max_entries = "many" }', "namespaces.book.l1.max_entries: expected `int`"),
+        (
+            'l1 = { ttl = 5, max_entries = "many" }',
+            "namespaces.book.l1.max_entries: expected `int`",
+        ),
         ("l2 = { tll = 5 }", "namespaces.book.l2.tll: unknown key"),
-        ('hot = { threshold = "fast" }', 'namespaces.book.hot.threshold: expected a rate like "200/s"'),
+        (
+            'hot = { threshold = "fast" }',
+            'namespaces.book.hot.threshold: expected a rate like "200/s"',
+        ),
         ('stampede = { retry = ["1s"] }', "namespaces.book.stampede: retry must be [min, max]"),
     ],
 )
@@ -160,9 +169,17 @@ def test_any_duration_string_parses_or_raises_value_error(text: str) -> None:
 
 @given(
     st.recursive(
-        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
-        lambda children: st.lists(children, max_size=3)
-        | st.dictionaries(st.sampled_from(["ttl", "jitter", "key", "l1", "l2", "x"]), children, max_size=3),
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats(allow_nan=False)
+        | st.text(max_size=5),
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.dictionaries(
+                st.sampled_from(["ttl", "jitter", "key", "l1", "l2", "x"]), children, max_size=3
+            )
+        ),
         max_leaves=10,
     )
 )

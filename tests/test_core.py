@@ -50,7 +50,10 @@ async def test_l1_hit_does_not_touch_redis(redis_server: RedisServer, prefix: st
 async def test_l2_hit_fills_l1_in_another_instance(redis_url: str, prefix: str) -> None:
     config = make_config(redis_url, prefix)
     loader = CountingLoader({"title": "Emma"})
-    async with LayeredCache.from_config(config) as first, LayeredCache.from_config(config) as second:
+    async with (
+        LayeredCache.from_config(config) as first,
+        LayeredCache.from_config(config) as second,
+    ):
         await first.get_or_load("book", {"id": 7}, loader)
         assert await second.get_or_load("book", {"id": 7}, loader) == {"title": "Emma"}
         assert await second.get_or_load("book", {"id": 7}, loader) == {"title": "Emma"}

@@ -24,11 +24,28 @@ from tests.helpers import CountingLoader, eventually, make_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _worker(url: str, prefix: str, key_id: int, concurrency: int, delay: float, start_at: float,
-            lease_ttl: str = "5s") -> subprocess.Popen[str]:
+def _worker(
+    url: str,
+    prefix: str,
+    key_id: int,
+    concurrency: int,
+    delay: float,
+    start_at: float,
+    lease_ttl: str = "5s",
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.procs.stampede_worker", url, prefix, str(key_id),
-         str(concurrency), str(delay), str(start_at), lease_ttl],
+        [
+            sys.executable,
+            "-m",
+            "tests.procs.stampede_worker",
+            url,
+            prefix,
+            str(key_id),
+            str(concurrency),
+            str(delay),
+            str(start_at),
+            lease_ttl,
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -67,7 +84,8 @@ async def test_winner_killed_mid_load_blocks_others_only_until_lease_ttl(
     winner.send_signal(signal.SIGKILL)
     winner.wait(timeout=10)
     config = make_config(
-        redis_url, prefix,
+        redis_url,
+        prefix,
         {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "1s", "max_wait": "10s"}}},
     )
     loader = CountingLoader("after crash")
@@ -86,7 +104,8 @@ async def test_loader_error_releases_lease_and_waiters_do_not_hang(
     redis_url: str, prefix: str
 ) -> None:
     config = make_config(
-        redis_url, prefix,
+        redis_url,
+        prefix,
         {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "10s", "max_wait": "10s"}}},
     )
     failing = CountingLoader("never", delay=0.2)
@@ -116,9 +135,10 @@ async def test_invalidation_during_a_slow_load_never_leaves_the_old_value(
     config = make_config(redis_url, prefix, backplane={"block": "100ms"})
     admin = redis.Redis.from_url(redis_url)
     rng = random.Random(7)
-    async with LayeredCache.from_config(config) as reader, LayeredCache.from_config(
-        config
-    ) as writer:
+    async with (
+        LayeredCache.from_config(config) as reader,
+        LayeredCache.from_config(config) as writer,
+    ):
         for i in range(100):
             database = {"version": 1}
 
@@ -190,9 +210,16 @@ async def test_key_read_steadily_across_expiry_is_refreshed_once_before_it(
     redis_url: str, prefix: str
 ) -> None:
     config = make_config(
-        redis_url, prefix,
-        {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "2s", "jitter": 0},
-                  "stampede": {"early_refresh_beta": 1.0}}},
+        redis_url,
+        prefix,
+        {
+            "book": {
+                "key": "book:{id}",
+                "l1": False,
+                "l2": {"ttl": "2s", "jitter": 0},
+                "stampede": {"early_refresh_beta": 1.0},
+            }
+        },
     )
     loader = CountingLoader("v", delay=0.2)
     refreshed_at: list[float] = []
@@ -223,9 +250,17 @@ async def test_stale_value_served_while_loader_fails_until_max_age(
     redis_url: str, prefix: str
 ) -> None:
     config = make_config(
-        redis_url, prefix,
-        {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "500ms", "jitter": 0},
-                  "stale": {"max_age": "1s"}, "stampede": {"early_refresh_beta": 0}}},
+        redis_url,
+        prefix,
+        {
+            "book": {
+                "key": "book:{id}",
+                "l1": False,
+                "l2": {"ttl": "500ms", "jitter": 0},
+                "stale": {"max_age": "1s"},
+                "stampede": {"early_refresh_beta": 0},
+            }
+        },
     )
     loader = CountingLoader("v1")
     async with LayeredCache.from_config(config) as cache:
@@ -243,10 +278,17 @@ async def test_slow_loader_with_stale_value_answers_within_load_timeout(
     redis_url: str, prefix: str
 ) -> None:
     config = make_config(
-        redis_url, prefix,
-        {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "300ms", "jitter": 0},
-                  "stale": {"max_age": "10s"},
-                  "stampede": {"early_refresh_beta": 0, "load_timeout": "100ms"}}},
+        redis_url,
+        prefix,
+        {
+            "book": {
+                "key": "book:{id}",
+                "l1": False,
+                "l2": {"ttl": "300ms", "jitter": 0},
+                "stale": {"max_age": "10s"},
+                "stampede": {"early_refresh_beta": 0, "load_timeout": "100ms"},
+            }
+        },
     )
     loader = CountingLoader("v1")
     async with LayeredCache.from_config(config) as cache:
@@ -264,9 +306,9 @@ async def test_slow_loader_with_stale_value_answers_within_load_timeout(
 @pytest.mark.skipif(os.environ.get("CI_SKIP_SLOW") == "1", reason="slow")
 async def test_waiters_load_themselves_after_max_wait(redis_url: str, prefix: str) -> None:
     config = make_config(
-        redis_url, prefix,
-        {"book": {"key": "book:{id}",
-                  "stampede": {"lease_ttl": "30s", "max_wait": "300ms"}}},
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "30s", "max_wait": "300ms"}}},
     )
     admin = redis.Redis.from_url(redis_url)
     await admin.set("{" + f"{prefix}book:5" + "}:lease", "stuck-winner", px=30_000)
