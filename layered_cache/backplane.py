@@ -48,10 +48,10 @@ class BackplanePublisher:
         fields: dict[Any, Any] = {"keys": msgspec.msgpack.encode(list(keys))}
         if self._origin:
             fields["origin"] = self._origin
-        entry_id: bytes = await self._client.xadd(
+        entry_id: Any = await self._client.xadd(
             self.stream, fields, maxlen=self._maxlen, approximate=True
         )
-        return entry_id
+        return entry_id.encode() if isinstance(entry_id, str) else bytes(entry_id)
 
 
 class BackplaneListener:
@@ -127,14 +127,14 @@ class BackplaneListener:
 
     async def _tail_id(self) -> bytes:
         """Start after the newest entry: a new instance's L1 is empty anyway."""
-        newest = await self._client.xrevrange(self._stream, count=1)
+        newest: Any = await self._client.xrevrange(self._stream, count=1)
         return bytes(newest[0][0]) if newest else b"0-0"
 
     async def _check_gap(self) -> None:
         """After a disconnect or a full batch: were entries after our position trimmed?"""
         assert self.last_id is not None
         try:
-            info = await self._client.xinfo_stream(self._stream)
+            info: Any = await self._client.xinfo_stream(self._stream)
         except RedisError as exc:
             if "no such key" in str(exc).lower():
                 return
@@ -154,7 +154,7 @@ class BackplaneListener:
 
     async def _read_once(self) -> bool:
         assert self.last_id is not None
-        response = await self._client.xread(
+        response: Any = await self._client.xread(
             {self._stream: self.last_id}, count=self._batch, block=self._block_ms
         )
         if not response:

@@ -1,0 +1,229 @@
+"""Invalidation events on the wire: decoding, routing and the typed events producers use.
+
+One event is one JSON object per Kafka message, tagged by ``type``:
+
+    {"type": "BookPriceChanged", "book_id": 42, "old_price": "12.90", ...}
+    {"type": "CacheInvalidate", "namespace": "book", "keys": [{"id": 42}]}
+
+``CacheInvalidate`` is built in. Every other type is *routed by config*
+(``[[events]]``): a route names the namespaces an event invalidates and which event
+field fills each template field, so a new event type needs config, not code.
+
+Decoding is deliberately lenient about fields nobody routes (an extra or missing
+``occurred_at`` must not stop an invalidation: deleting a cache key is always safe) and
+strict about the fields that build keys (a wrong key would leave the real one stale).
+Anything that cannot be turned into keys raises :class:`PoisonEvent` with a reason the
+daemon writes to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from layered_cache.config import Config, EventRoute
+from layered_cache.keys import KeyTemplate
+from layered_cache.policy import compile_policy
+
+__all__ = [
+    "CACHE_INVALIDATE",
+    "BookPriceChanged",
+    "CacheInvalidate",
+    "DecodedEvent",
+    "EventDecoder",
+    "PoisonEvent",
+    "Target",
+    "encode_event",
+    "unique_targets",
+]
+
+CACHE_INVALIDATE = "CacheInvalidate"
+
+
+class PoisonEvent(ValueError):
+    """An event that can never be turned into keys; ``reason`` goes to the DLQ headers."""
+
+    def __init__(self, reason: str, event_type: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.event_type = event_type
+
+
+# -- typed events (what producers send) ------------------------------------------------
+
+
+class BookPriceChanged(msgspec.Struct, tag="BookPriceChanged", tag_field="type", frozen=True):
+    """Catalog changed a book's price. Prices are decimal strings (never floats: money)."""
+
+    book_id: int
+    old_price: str
+    new_price: str
+    occurred_at: str
+
+
+class CacheInvalidate(msgspec.Struct, tag=CACHE_INVALIDATE, tag_field="type", frozen=True):
+    """Generic invalidation: any namespace, any keys, no route needed."""
+
+    namespace: str
+    keys: list[dict[str, int | str]]
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_event(event: msgspec.Struct) -> bytes:
+    """JSON bytes of a typed event, ``type`` tag included (for producers and tests)."""
+    return _encoder.encode(event)
+
+
+# -- decoding ---------------------------------------------------------------------------
+
+
+class Target(msgspec.Struct, frozen=True, array_like=True):
+    """One key to invalidate: the full Redis name (prefix included) and its replica count."""
+
+    namespace: str
+    key: str
+    replicas: int
+
+
+class DecodedEvent(msgspec.Struct, frozen=True):
+    event_type: str
+    targets: list[Target]
+
+
+class _Namespace(msgspec.Struct, frozen=True):
+    template: KeyTemplate
+    replicas: int
+
+
+class _CompiledTarget(msgspec.Struct, frozen=True):
+    namespace: _Namespace
+    # (template field, path of the event field as a tuple: "book.id" -> ("book", "id"))
+    fields: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+class EventDecoder:
+    """Turns raw message bytes into invalidation targets using the config's routes.
+
+    Compiled once: templates, replica counts and field paths are resolved at start-up,
+    so decoding an event is one JSON parse plus a dict lookup per routed field.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.max_bytes = config.kafka.max_event_bytes
+        prefix = config.redis.prefix
+        self._namespaces: dict[str, _Namespace] = {}
+        for name, ns in config.namespaces.items():
+            # The replica count comes from the same policy the read path uses, so the
+            # daemon deletes exactly the replica names a fill may have written.
+            policy = compile_policy(name, ns, prefix)
+            self._namespaces[name] = _Namespace(policy.template, policy.replicas)
+        self._routes: dict[str, list[_CompiledTarget]] = {}
+        for route in config.events:
+            self._add_route(route)
+
+    @property
+    def event_types(self) -> list[str]:
+        return sorted([CACHE_INVALIDATE, *self._routes])
+
+    def _add_route(self, route: EventRoute) -> None:
+        if route.type == CACHE_INVALIDATE:
+            raise ValueError(f"events: {CACHE_INVALIDATE!r} is built in and cannot be routed")
+        if route.type in self._routes:
+            raise ValueError(f"events: type {route.type!r} is routed twice")
+        compiled = []
+        for target in route.invalidate:
+            namespace = self._namespaces[target.namespace]  # checked by config validation
+            fields = tuple(
+                (template_field, tuple(event_field.split(".")))
+                for template_field, event_field in target.key.items()
+            )
+            compiled.append(_CompiledTarget(namespace, fields))
+        self._routes[route.type] = compiled
+
+    def decode(self, data: bytes | None) -> DecodedEvent:
+        """Targets of one message, or ``PoisonEvent`` saying why there are none."""
+        if data is None:
+            raise PoisonEvent("empty message (no value)")
+        # Size first: never parse a payload we would reject anyway.
+        if len(data) > self.max_bytes:
+            raise PoisonEvent(
+                f"payload of {len(data)} bytes exceeds max_event_bytes {self.max_bytes}"
+            )
+        try:
+            event = msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise PoisonEvent(f"not JSON: {exc}") from None
+        if not isinstance(event, dict):
+            raise PoisonEvent(f"not a JSON object but {type(event).__name__}")
+        event_type = event.get("type")
+        if not isinstance(event_type, str):
+            raise PoisonEvent("missing or non-string 'type' field")
+        if event_type == CACHE_INVALIDATE:
+            return DecodedEvent(event_type, self._generic(event))
+        routes = self._routes.get(event_type)
+        if routes is None:
+            raise PoisonEvent(f"unknown event type {event_type!r}", event_type)
+        targets = [self._routed(event_type, event, route) for route in routes]
+        return DecodedEvent(event_type, targets)
+
+    def _routed(self, event_type: str, event: Mapping[str, Any], route: _CompiledTarget) -> Target:
+        fields: dict[str, object] = {}
+        for template_field, path in route.fields:
+            value: Any = event
+            for part in path:
+                if not isinstance(value, dict) or part not in value:
+                    raise PoisonEvent(
+                        f"{event_type}: missing field {'.'.join(path)!r} "
+                        f"(key field {template_field!r} of {route.namespace.template.namespace!r})",
+                        event_type,
+                    )
+                value = value[part]
+            fields[template_field] = value
+        return self._target(event_type, route.namespace, fields)
+
+    def _generic(self, event: Mapping[str, Any]) -> list[Target]:
+        try:
+            generic = msgspec.convert(event, CacheInvalidate)
+        except msgspec.ValidationError as exc:
+            raise PoisonEvent(f"{CACHE_INVALIDATE}: {exc}", CACHE_INVALIDATE) from None
+        namespace = self._namespaces.get(generic.namespace)
+        if namespace is None:
+            raise PoisonEvent(
+                f"{CACHE_INVALIDATE}: unknown namespace {generic.namespace!r}", CACHE_INVALIDATE
+            )
+        return [self._target(CACHE_INVALIDATE, namespace, fields) for fields in generic.keys]
+
+    @staticmethod
+    def _target(event_type: str, namespace: _Namespace, fields: Mapping[str, object]) -> Target:
+        template = namespace.template
+        for name in template.fields:
+            if name not in fields:
+                raise PoisonEvent(
+                    f"{event_type}: missing key field {name!r} of {template.namespace!r}",
+                    event_type,
+                )
+            value = fields[name]
+            # bool is an int subclass: {"id": true} is a producer bug, not book 1.
+            if type(value) not in (int, str):
+                raise PoisonEvent(
+                    f"{event_type}: key field {name!r} of {template.namespace!r} must be an "
+                    f"int or str, got {type(value).__name__}",
+                    event_type,
+                )
+        try:
+            key = template.build(fields)
+        except (KeyError, ValueError) as exc:
+            raise PoisonEvent(f"{event_type}: {exc.args[0]}", event_type) from None
+        return Target(template.namespace, key, namespace.replicas)
+
+
+def unique_targets(targets: Sequence[Target]) -> list[tuple[str, int]]:
+    """(key, replicas) pairs for ``Invalidator.invalidate``, each key once, in order."""
+    seen: dict[str, int] = {}
+    for target in targets:
+        seen.setdefault(target.key, target.replicas)
+    return list(seen.items())
