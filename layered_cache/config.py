@@ -390,6 +390,7 @@ def _check_cross_references(config: Config) -> None:
             templates[name] = KeyTemplate(name, ns.key)
         except ValueError as exc:
             raise ConfigError(f"{config.source}: namespaces.{name}.key: {exc}") from None
+    _check_disjoint_namespaces(config.source, {n: ns.key for n, ns in config.namespaces.items()})
     for index, route in enumerate(config.events):
         for t_index, target in enumerate(route.invalidate):
             path = f"events[{index}].invalidate[{t_index}]"
@@ -405,6 +406,26 @@ def _check_cross_references(config: Config) -> None:
                     f"{config.source}: {path}.key: must map exactly the template fields "
                     f"{sorted(template.fields)} of {target.namespace!r}"
                     f" (missing {sorted(missing)}, unknown {sorted(extra)})"
+                )
+
+
+def _check_disjoint_namespaces(source: str, templates: dict[str, str]) -> None:
+    """Two namespaces must never be able to produce the same key (one could then read or
+    delete the other's values): their leading literals (``book:`` of ``book:{id}``) must
+    be non-empty and neither may be a prefix of the other."""
+    leads = {name: template.split("{", 1)[0] for name, template in templates.items()}
+    for name, lead in leads.items():
+        if not lead:
+            raise ConfigError(
+                f"{source}: namespaces.{name}.key: must start with literal text such as "
+                f"'{name}:' so namespaces can't collide"
+            )
+        for other, other_lead in leads.items():
+            if other != name and other_lead.startswith(lead):
+                raise ConfigError(
+                    f"{source}: namespaces.{other}.key: may produce the same keys as "
+                    f"namespace {name!r} ({other_lead!r} starts with {lead!r}); give each "
+                    "namespace its own leading text"
                 )
 
 

@@ -1,0 +1,86 @@
+"""A toxic TCP proxy on loopback, between the cache and Redis.
+
+Modes (switchable while connections are open):
+- ``pass``: forward both ways.
+- ``latency``: delay every chunk from the server by ``latency`` seconds.
+- ``blackhole``: accept connections and swallow bytes, never answer (a hung server).
+- ``cut()``: close every open connection now (a network blip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Literal
+
+Mode = Literal["pass", "latency", "blackhole"]
+
+
+class ToxicProxy:
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.mode: Mode = "pass"
+        self.latency = 0.0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> ToxicProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    def cut(self) -> None:
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self._writers.add(client_w)
+        if self.mode == "blackhole":
+            await self._swallow(client_r)
+            return
+        try:
+            server_r, server_w = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            client_w.close()
+            return
+        self._writers.add(server_w)
+        await asyncio.gather(
+            self._pipe(client_r, server_w, upstream=True),
+            self._pipe(server_r, client_w, upstream=False),
+            return_exceptions=True,
+        )
+
+    async def _swallow(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(Exception):
+            while await reader.read(65536):
+                pass
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool
+    ) -> None:
+        try:
+            while data := await reader.read(65536):
+                if self.mode == "blackhole":
+                    continue
+                if not upstream and self.mode == "latency" and self.latency:
+                    await asyncio.sleep(self.latency)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+            self._writers.discard(writer)

@@ -1,0 +1,146 @@
+"""Redis breaks on purpose: killed under load, slow, black-holed. Callers never see it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from tests.faults.proxy import ToxicProxy
+from tests.helpers import CountingLoader, eventually, make_config
+from tests.servers import RedisServer
+
+
+@pytest.fixture
+async def proxy(redis_server: RedisServer) -> AsyncIterator[ToxicProxy]:
+    toxic = await ToxicProxy("127.0.0.1", redis_server.port).start()
+    yield toxic
+    await toxic.stop()
+
+
+async def test_redis_killed_under_load_causes_no_caller_errors(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """50 concurrent readers for ~10 s; Redis is killed at 3 s and restarted at 6 s."""
+    config = make_config(
+        redis_server.url,
+        prefix,
+        {
+            "book": {
+                "key": "book:{id}",
+                "l1": {"ttl": "500ms"},
+                "l2": {"ttl": "2s"},
+                "stale": {"max_age": "10s"},
+            }
+        },
+        backplane={"block": "200ms"},
+    )
+    loader = CountingLoader("db", delay=0.005)
+    errors: list[BaseException] = []
+    reads = 0
+    async with LayeredCache.from_config(config) as cache:
+        stop_at = time.monotonic() + 10
+
+        async def reader(n: int) -> None:
+            nonlocal reads
+            while time.monotonic() < stop_at:
+                try:
+                    assert await cache.get_or_load("book", {"id": n % 10}, loader) == "db"
+                    reads += 1
+                except BaseException as exc:  # the test counts every kind of failure
+                    errors.append(exc)
+                await asyncio.sleep(0.005)
+
+        async def chaos() -> None:
+            await asyncio.sleep(3)
+            redis_server.kill()
+            opened = await eventually(lambda: cache.breaker.state != "closed", timeout=2)
+            assert opened, "breaker did not open within its window"
+            await asyncio.sleep(3)
+            redis_server.start()
+
+        await asyncio.gather(chaos(), *(reader(n) for n in range(50)))
+        assert await eventually(lambda: cache.breaker.state == "closed", timeout=5)
+        # L2 fills again after the restart, and the backplane is reading again.
+        await cache.invalidate("book", {"id": 500})
+        await cache.get_or_load("book", {"id": 500}, loader)
+        assert cache.backplane is not None
+        assert await eventually(cache.backplane.connected.is_set, timeout=5)
+        stats = cache.stats()["book"]
+    admin = redis.Redis.from_url(redis_server.url)
+    assert await admin.exists(f"{prefix}book:500") == 1
+    await admin.aclose()
+    assert errors == []
+    assert reads > 1000
+    assert stats["redis_error"] > 0
+
+
+async def test_slow_redis_latency_is_bounded_by_the_timeout(proxy: ToxicProxy, prefix: str) -> None:
+    config = make_config(
+        proxy.url,
+        prefix,
+        {"book": {"key": "book:{id}", "l1": False}},
+        redis={
+            "timeout": "100ms",
+            "connect_timeout": "100ms",
+            "breaker": {"failures": 3, "reset": "5s"},
+        },
+        backplane={"enabled": False},
+    )
+    loader = CountingLoader("db", delay=0.01)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": 1}, loader)  # warm the connection
+        proxy.mode, proxy.latency = "latency", 0.5
+        latencies = []
+        for i in range(20):
+            started = time.monotonic()
+            assert await cache.get_or_load("book", {"id": 100 + i}, loader) == "db"
+            latencies.append(time.monotonic() - started)
+        assert cache.breaker.state == "open"
+    # Each request pays at most one timeout (100 ms) + the loader, never Redis' 500 ms;
+    # once the breaker is open, requests skip Redis altogether.
+    assert max(latencies) < 0.4
+    assert sorted(latencies)[len(latencies) // 2] < 0.05
+
+
+async def test_black_holed_redis_latency_is_bounded_by_the_timeout(
+    proxy: ToxicProxy, prefix: str
+) -> None:
+    config = make_config(
+        proxy.url,
+        prefix,
+        {"book": {"key": "book:{id}", "l1": False}},
+        redis={
+            "timeout": "100ms",
+            "connect_timeout": "100ms",
+            "breaker": {"failures": 3, "reset": "5s"},
+        },
+        backplane={"enabled": False},
+    )
+    proxy.mode = "blackhole"  # connects succeed, nothing ever answers
+    loader = CountingLoader("db")
+    async with LayeredCache.from_config(config) as cache:
+        latencies = []
+        for i in range(20):
+            started = time.monotonic()
+            assert await cache.get_or_load("book", {"id": i}, loader) == "db"
+            latencies.append(time.monotonic() - started)
+    assert max(latencies) < 0.5
+    assert sorted(latencies)[len(latencies) // 2] < 0.05
+
+
+async def test_connection_cut_mid_stream_recovers_without_errors(
+    proxy: ToxicProxy, prefix: str
+) -> None:
+    config = make_config(proxy.url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    loader = CountingLoader("db")
+    async with LayeredCache.from_config(config) as cache:
+        for i in range(30):
+            if i % 10 == 5:
+                proxy.cut()
+            assert await cache.get_or_load("book", {"id": i % 3}, loader) == "db"
+        assert await eventually(lambda: cache.breaker.state == "closed", timeout=3)
