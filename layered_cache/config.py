@@ -132,8 +132,11 @@ class RedisConfig(_Section, frozen=True):
     timeout: Duration = Duration(0.1)
     connect_timeout: Duration = Duration(0.5)
     prefix: str = ""
-    username: str | None = None
-    password: str | None = None
+    username: str | None = None  # Redis 6+ ACL user
+    password: str | None = None  # prefer LAYERED_CACHE_REDIS_PASSWORD over the file
+    ssl_ca_certs: str | None = None  # CA bundle for rediss:// (TLS)
+    ssl_certfile: str | None = None  # client certificate (mutual TLS)
+    ssl_keyfile: str | None = None
     max_connections: int = 64
     breaker: BreakerConfig = BreakerConfig()
 
@@ -295,6 +298,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LAYERED_CACHE_REDIS_USERNAME": ("redis", "username"),
     "LAYERED_CACHE_REDIS_PASSWORD": ("redis", "password"),
     "LAYERED_CACHE_REDIS_TIMEOUT": ("redis", "timeout"),
+    "LAYERED_CACHE_REDIS_SSL_CA_CERTS": ("redis", "ssl_ca_certs"),
     "LAYERED_CACHE_KAFKA_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
     "LAYERED_CACHE_KAFKA_GROUP_ID": ("kafka", "group_id"),
     "LAYERED_CACHE_KAFKA_SECURITY_PROTOCOL": ("kafka", "security_protocol"),

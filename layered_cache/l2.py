@@ -91,6 +91,11 @@ def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
         kwargs["username"] = config.username
     if config.password is not None:
         kwargs["password"] = config.password
+    if config.url.startswith("rediss://"):
+        for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            value = getattr(config, option)
+            if value is not None:
+                kwargs[option] = value
     return kwargs
 
 
@@ -116,14 +121,14 @@ def make_client(config: RedisConfig) -> RedisClient:
 
 
 def make_node_client(client: RedisClient, config: RedisConfig) -> redis.Redis:
-    """A plain connection for pub/sub. In a cluster, classic PUBLISH is broadcast over
-    the cluster bus, so subscribing on any one node sees every fill notification."""
+    """A plain connection for pub/sub. In a cluster, classic PUBLISH (also from a Lua
+    script) is broadcast over the cluster bus to every node, so subscribing on any one
+    node sees every fill notification: the node of the configured URL is used. (The
+    cluster client knows no nodes before its first command, and a lost notification only
+    costs a waiter its jittered re-read, so no node discovery is needed here.)"""
+    del client  # same URL either way; kept for callers that pass the main client
     kwargs = _client_kwargs(config)
     kwargs["socket_timeout"] = None  # pub/sub reads block by design
-    if isinstance(client, RedisCluster):
-        node = client.get_default_node() or client.get_nodes()[0]
-        scheme = "rediss" if config.url.startswith("rediss://") else "redis"
-        return redis.Redis.from_url(f"{scheme}://{node.host}:{node.port}/0", **kwargs)
     return redis.Redis.from_url(config.url, **kwargs)
 
 
