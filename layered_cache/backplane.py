@@ -139,18 +139,36 @@ class BackplaneListener:
             if "no such key" in str(exc).lower():
                 return
             raise
-        deleted = info.get("max-deleted-entry-id") or info.get(b"max-deleted-entry-id")
-        first = info.get("first-entry") or info.get(b"first-entry")
-        ours = parse_id(self.last_id)
-        missed = False
-        if deleted is not None:
-            missed = parse_id(deleted) > ours
-        elif first:
-            missed = parse_id(first[0]) > ours and ours != (0, 0)
-        if missed:
+        if self._missed_entries(info, parse_id(self.last_id)):
             self.gaps += 1
             _log.warning("backplane_gap_clearing_l1", last_id=self.last_id.decode())
             self._on_gap()
+
+    @staticmethod
+    def _missed_entries(info: Any, ours: tuple[int, int]) -> bool:
+        """Whether entries after ``ours`` may be gone. Conservative: clearing L1 costs
+        some reloads, missing an invalidation serves a stale value for a whole TTL.
+
+        ``max-deleted-entry-id`` only moves on XDEL; MAXLEN trimming leaves it at 0-0,
+        so trimming is detected by the first entry having moved past our position (then
+        the entry right after ours may have been trimmed too).
+        """
+
+        def field(name: str) -> Any:
+            return info.get(name, info.get(name.encode()))
+
+        deleted = field("max-deleted-entry-id")
+        if deleted is not None and parse_id(deleted) > ours:
+            return True  # an XDEL removed an entry we have not read
+        first = field("first-entry")
+        if not first or parse_id(first[0]) <= ours:
+            return False
+        if ours == (0, 0):
+            # We started before the stream existed: XREAD from 0-0 reads every entry
+            # still there; only entries trimmed before we read them are lost.
+            added, length = field("entries-added"), field("length")
+            return added is not None and length is not None and int(added) > int(length)
+        return True
 
     async def _read_once(self) -> bool:
         assert self.last_id is not None

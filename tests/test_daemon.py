@@ -35,7 +35,9 @@ from tests.servers import FAST_GROUP_KWARGS, RedisServer, create_topic
 pytestmark = pytest.mark.kafka
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTES = [{"type": "BookPriceChanged", "invalidate": [{"namespace": "book", "key": {"id": "book_id"}}]}]
+ROUTES = [
+    {"type": "BookPriceChanged", "invalidate": [{"namespace": "book", "key": {"id": "book_id"}}]}
+]
 
 
 # -- builders ----------------------------------------------------------------------------
@@ -57,9 +59,10 @@ def daemon_config(
         "topics": [topic],
         "group_id": group or f"g-{uuid.uuid4().hex[:8]}",
         "dead_letter_topic": f"{topic}.dlq",
-        "session_timeout": "2s",
-        "heartbeat_interval": "200ms",
-        "rebalance_timeout": "1s",
+        # The broker's group timing: the fixtures' fast settings, as config durations.
+        "session_timeout": FAST_GROUP_KWARGS["session_timeout_ms"] / 1000,
+        "heartbeat_interval": FAST_GROUP_KWARGS["heartbeat_interval_ms"] / 1000,
+        "rebalance_timeout": FAST_GROUP_KWARGS["rebalance_timeout_ms"] / 1000,
         "retry_max_backoff": "200ms",
         "health_port": -1,
         **kafka,
@@ -139,7 +142,10 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 
 async def test_price_change_reaches_every_instance_within_a_second(
-    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str,
+    redis_url: str,
+    prefix: str,
+    kafka_bootstrap: str,
+    unique_topic: str,
     redis_client: aioredis.Redis,
 ) -> None:
     namespaces = {
@@ -184,7 +190,10 @@ async def test_price_change_reaches_every_instance_within_a_second(
 
 
 async def test_poison_messages_go_to_the_dlq_and_valid_neighbours_are_processed(
-    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str,
+    redis_url: str,
+    prefix: str,
+    kafka_bootstrap: str,
+    unique_topic: str,
     redis_client: aioredis.Redis,
 ) -> None:
     config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic)
@@ -248,3 +257,306 @@ async def read_all(bootstrap: str, topic: str, count: int, timeout: float = 10) 
         return sorted(out, key=lambda m: (m.partition, m.offset))
     finally:
         await c.stop()
+
+
+async def test_health_and_metrics_endpoints_report_progress(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic)
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    daemon = Daemon(config, health_port=0)
+    async with running(daemon), producer(kafka_bootstrap) as p:
+        assert daemon.health is not None and daemon.health.bound_port
+        port = daemon.health.bound_port
+        await p.send_and_wait(unique_topic, price_changed(7))
+        assert await eventually(lambda: daemon.stats.commits >= 1, timeout=10)
+        status, body = await http_get(port, "/readyz")
+        assert status == 200 and msgspec.json.decode(body)["events"] == 1
+        status, body = await http_get(port, "/metrics")
+        text = body.decode()
+        assert status == 200
+        assert 'layered_cache_daemon_events_total{type="BookPriceChanged"} 1.0' in text
+        assert "layered_cache_daemon_keys_invalidated_total 1.0" in text
+        for name in ("dead_letters_total", "batch_seconds_bucket", "lag{", "redis_retries_total"):
+            assert f"layered_cache_daemon_{name}" in text
+        assert (await http_get(port, "/nope"))[0] == 404
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def test_redis_outage_delays_deletes_and_commits_never_run_ahead(
+    prefix: str, kafka_bootstrap: str, unique_topic: str, tmp_path: Path
+) -> None:
+    # AOF with fsync always: the seeded keys survive the restart, so "deleted" is real.
+    server = RedisServer(extra_args=["--appendonly", "yes", "--appendfsync", "always"])
+    with server:
+        config = daemon_config(server.url, prefix, kafka_bootstrap, unique_topic)
+        group = config.kafka.group_id
+        tps = [TopicPartition(unique_topic, p) for p in range(2)]
+        await create_topic(kafka_bootstrap, unique_topic, 2)
+        client = aioredis.Redis.from_url(server.url, socket_timeout=0.5)
+        key = f"{prefix}book:{{}}".format
+        await seed(client, [key(i) for i in range(300)], replicas=8)
+        where: dict[tuple[int, int], str] = {}  # (partition, offset) -> key of that event
+        daemon = Daemon(config)
+        async with running(daemon), producer(kafka_bootstrap) as p:
+
+            async def produce(ids: range) -> None:
+                futures = [
+                    await p.send(unique_topic, price_changed(i), partition=i % 2) for i in ids
+                ]
+                for i, meta in zip(ids, await asyncio.gather(*futures), strict=True):
+                    where[(meta.partition, meta.offset)] = key(i)
+
+            await produce(range(100))
+            assert await eventually(
+                lambda: committed_total(kafka_bootstrap, group, tps, 100), timeout=10
+            )
+            before = await committed(kafka_bootstrap, group, tps)
+
+            server.stop()
+            await produce(range(100, 200))
+            assert await eventually(lambda: daemon.stats.redis_retries >= 3, timeout=10)
+            assert await committed(kafka_bootstrap, group, tps) == before  # nothing ran ahead
+
+            violations: list[str] = []
+            samples = 0
+
+            async def check_commits_follow_deletes() -> None:
+                nonlocal samples
+                watcher = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group)
+                await watcher.start()
+                try:
+                    while True:
+                        offsets = {tp.partition: (await watcher.committed(tp)) or 0 for tp in tps}
+                        # Read the commit first, then Redis: a key still present now whose
+                        # offset is below the commit was committed before it was deleted.
+                        below = [k for (part, off), k in where.items() if off < offsets[part]]
+                        with contextlib.suppress(Exception):
+                            if left := await existing(client, below):
+                                violations.append(f"committed {offsets} but {left[:3]} remain")
+                            samples += 1
+                        await asyncio.sleep(0.02)
+                finally:
+                    await watcher.stop()
+
+            watch = asyncio.create_task(check_commits_follow_deletes())
+            await asyncio.sleep(0.3)  # a few samples while Redis is still down
+            server.start()
+            recovered = time.monotonic()
+            assert await eventually(
+                lambda: committed_total(kafka_bootstrap, group, tps, 200), timeout=15
+            )
+            print(f"backlog of 100 events done {time.monotonic() - recovered:.2f}s after restart")
+            for start in range(200, 300, 10):  # live traffic while the watcher keeps checking
+                await produce(range(start, start + 10))
+                await asyncio.sleep(0.05)
+            assert await eventually(
+                lambda: committed_total(kafka_bootstrap, group, tps, 300), timeout=15
+            )
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+        assert not violations, violations[:3]
+        assert samples >= 5
+        every = [key(i) for i in range(300)]
+        names = [n for k in every for n in (k, lease_name(k), *replica_names(k, 8))]
+        assert await existing(client, names) == []
+        await client.aclose()
+
+
+async def committed_total(
+    bootstrap: str, group: str, tps: list[TopicPartition], expected: int
+) -> bool:
+    return sum((await committed(bootstrap, group, tps)).values()) >= expected
+
+
+async def test_two_daemons_share_partitions_and_a_rebalance_loses_nothing(
+    redis_url: str,
+    prefix: str,
+    kafka_bootstrap: str,
+    unique_topic: str,
+    redis_client: aioredis.Redis,
+) -> None:
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic)
+    await create_topic(kafka_bootstrap, unique_topic, 4)
+    tps = [TopicPartition(unique_topic, p) for p in range(4)]
+    keys = [f"{prefix}book:{i}" for i in range(20_000)]
+    await seed(redis_client, keys)
+    first, second = Daemon(config), Daemon(config)
+    produced = 0
+    quiet = asyncio.Event()
+
+    async with producer(kafka_bootstrap) as p:
+
+        async def traffic() -> None:
+            """50 events every 50 ms until told to stop: both rebalances happen mid-stream."""
+            nonlocal produced
+            while not quiet.is_set():
+                for i in range(produced, produced + 50):
+                    await p.send(unique_topic, price_changed(i), partition=i % 4)
+                produced += 50
+                await asyncio.sleep(0.05)
+            await p.flush()
+
+        async with running(first):
+            flow = asyncio.create_task(traffic())
+            async with running(second):
+                both = await eventually(
+                    lambda: (
+                        bool(first.assignment)
+                        and bool(second.assignment)
+                        and len(first.assignment | second.assignment) == 4
+                    ),
+                    timeout=15,
+                )
+                assert both, (first.assignment, second.assignment)
+                assert not first.assignment & second.assignment
+                assert await eventually(lambda: second.stats.batches >= 2, timeout=10)
+            # `second` left the group gracefully: `first` takes every partition back.
+            assert await eventually(lambda: len(first.assignment) == 4, timeout=15)
+            assert await eventually(lambda: first.stats.batches >= 3, timeout=10)
+            quiet.set()
+            await flow
+            assert not flow.exception()
+            assert await eventually(
+                lambda: committed_total(kafka_bootstrap, config.kafka.group_id, tps, produced),
+                timeout=20,
+            )
+    assert await existing(redis_client, keys[:produced]) == []
+    assert first.stats.events > 0 and second.stats.events > 0
+    assert first.stats.events + second.stats.events >= produced  # duplicates allowed, no gaps
+    print(f"produced {produced}, processed {first.stats.events}+{second.stats.events}")
+
+
+def write_config(path: Path, config: Config, namespaces_toml: str) -> Path:
+    """The daemon's TOML, as an operator would write it (the subprocess loads it)."""
+    kafka = config.kafka
+    path.write_text(
+        f"""
+[redis]
+url = "{config.redis.url}"
+prefix = "{config.redis.prefix}"
+
+[kafka]
+bootstrap_servers = "{kafka.bootstrap_servers}"
+topics = {msgspec.json.encode(kafka.topics).decode()}
+group_id = "{kafka.group_id}"
+dead_letter_topic = "{kafka.dead_letter_topic}"
+max_batch = {kafka.max_batch}
+session_timeout = {kafka.session_timeout}
+heartbeat_interval = {kafka.heartbeat_interval}
+rebalance_timeout = {kafka.rebalance_timeout}
+retry_max_backoff = "200ms"
+health_port = -1
+
+{namespaces_toml}
+
+[[events]]
+type = "BookPriceChanged"
+invalidate = [{{ namespace = "book", key = {{ id = "book_id" }} }}]
+"""
+    )
+    return path
+
+
+@contextlib.contextmanager
+def daemon_process(config_path: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "consumers", "--config", str(config_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def logged(log: Path, event: str) -> list[dict[str, Any]]:
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+    return [entry for line in lines if (entry := msgspec.json.decode(line)).get("event") == event]
+
+
+async def test_sigkill_mid_stream_then_restart_loses_no_event(
+    redis_url: str,
+    prefix: str,
+    kafka_bootstrap: str,
+    unique_topic: str,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    total = 10_000
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic, max_batch=200)
+    path = write_config(
+        tmp_path / "layered_cache.toml",
+        config,
+        '[namespaces.book]\nkey = "book:{id}"\nhot = { replicas = 2 }',
+    )
+    await create_topic(kafka_bootstrap, unique_topic, 4)
+    tps = [TopicPartition(unique_topic, p) for p in range(4)]
+    keys = [f"{prefix}book:{i}" for i in range(total)]
+    await seed(redis_client, keys)
+
+    async def left() -> int:
+        return int(await redis_client.exists(*keys))
+
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    async with producer(kafka_bootstrap) as p:
+
+        async def produce() -> None:
+            """10,000 events over ~1 s, round-robin over 4 partitions."""
+            for start in range(0, total, 500):
+                for i in range(start, start + 500):
+                    await p.send(unique_topic, price_changed(i), partition=i % 4)
+                await asyncio.sleep(0.05)
+            await p.flush()
+
+        with daemon_process(path, first_log) as first:
+            assert await eventually(
+                lambda: bool(logged(first_log, "partitions_assigned")) and first.poll() is None,
+                timeout=20,
+            )
+            flow = asyncio.create_task(produce())
+            assert await eventually(lambda: _deleted_at_least(left, total, 2_000), timeout=20)
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            remaining_at_kill = await left()
+        assert remaining_at_kill > 0, "the first daemon finished before the kill"
+        with daemon_process(path, second_log) as second:
+            await flow
+            assert await eventually(lambda: _deleted_at_least(left, total, total), timeout=40)
+            assert await eventually(
+                lambda: committed_total(kafka_bootstrap, config.kafka.group_id, tps, total),
+                timeout=20,
+            )
+            second.send_signal(signal.SIGTERM)  # graceful: finish, commit, leave, exit 0
+            assert second.wait(timeout=20) == 0
+    assert await left() == 0
+    first_events = sum(e["events"] for e in logged(first_log, "batch_done"))
+    second_events = sum(e["events"] for e in logged(second_log, "batch_done"))
+    assert first_events + second_events >= total
+    assert logged(second_log, "daemon_stopped")
+    print(
+        f"killed with {remaining_at_kill} keys left; events logged {first_events} + "
+        f"{second_events} = {first_events + second_events} (duplicates "
+        f"{first_events + second_events - total})"
+    )
+
+
+async def _deleted_at_least(left: Any, total: int, count: int) -> bool:
+    return bool(total - await left() >= count)

@@ -1,0 +1,144 @@
+"""The L1 backplane across a real network cut: catch up from the last ID, or clear L1
+when the stream was trimmed past it.
+
+Instance B talks to Redis through a TCP proxy the test can cut (live connections reset,
+new ones refused), so only B is disconnected while instance A keeps invalidating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from layered_cache import LayeredCache
+from layered_cache.l1 import MISSING
+from tests.helpers import CountingLoader, eventually, make_config
+
+
+class CuttableProxy:
+    """Forwards 127.0.0.1:<port> to Redis until ``cut()``; ``restore()`` lets clients back."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self._target = (target_host, target_port)
+        self._open = True
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+    def cut(self) -> None:
+        self._open = False
+        for writer in list(self._writers):
+            writer.transport.abort()  # RST: the client sees the connection die at once
+        self._writers.clear()
+
+    def restore(self) -> None:
+        self._open = True
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._open:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        with contextlib.suppress(asyncio.CancelledError):  # the loop shutting down
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.transport.abort()
+        self._writers.discard(writer)
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    hostport = url.split("//", 1)[1].split("@")[-1].split("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    return host, int(port)
+
+
+@contextlib.asynccontextmanager
+async def two_instances(
+    redis_url: str, prefix: str, **backplane: Any
+) -> AsyncIterator[tuple[LayeredCache, LayeredCache, CuttableProxy]]:
+    """A (direct) and B (behind the proxy); long L1 TTLs so only invalidations remove."""
+    proxy = CuttableProxy(*_host_port(redis_url))
+    await proxy.start()
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+    sections = {"backplane": {"block": "200ms", **backplane}}
+    a_config = make_config(redis_url, prefix, namespaces, **sections)
+    b_url = f"redis://127.0.0.1:{proxy.port}/0"
+    b_config = make_config(b_url, prefix, namespaces, **sections)
+    try:
+        async with LayeredCache.from_config(a_config) as a, LayeredCache.from_config(b_config) as b:
+            assert a.backplane is not None and b.backplane is not None
+            assert await eventually(a.backplane.connected.is_set)
+            assert await eventually(b.backplane.connected.is_set)
+            yield a, b, proxy
+    finally:
+        await proxy.close()
+
+
+def in_l1(cache: LayeredCache, book_id: int) -> bool:
+    l1 = cache.policy("book").l1
+    assert l1 is not None
+    return l1.get(cache.key("book", {"id": book_id})) is not MISSING
+
+
+async def cut_off(b: LayeredCache, proxy: CuttableProxy) -> None:
+    proxy.cut()
+    assert b.backplane is not None
+    assert await eventually(lambda: not b.backplane.connected.is_set(), timeout=5)  # type: ignore[union-attr]
+
+
+async def test_disconnected_instance_catches_up_on_reconnect(redis_url: str, prefix: str) -> None:
+    async with two_instances(redis_url, prefix) as (a, b, proxy):
+        for book_id in [*range(20), 99]:
+            await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
+        await cut_off(b, proxy)
+
+        for book_id in range(20):
+            await a.invalidate("book", {"id": book_id})
+        assert all(in_l1(b, i) for i in range(20))  # B can't have heard yet
+
+        proxy.restore()
+        assert await eventually(lambda: not any(in_l1(b, i) for i in range(20)), timeout=5)
+        assert in_l1(b, 99), "caught up entry by entry, not by clearing everything"
+        assert b.backplane is not None and b.backplane.gaps == 0
+
+
+async def test_instance_whose_position_was_trimmed_clears_its_l1(
+    redis_url: str, prefix: str
+) -> None:
+    # MAXLEN ~ trims whole stream nodes (100 entries by default): 300 entries with a
+    # maxlen of 10 are sure to trim past B's position.
+    async with two_instances(redis_url, prefix, maxlen=10) as (a, b, proxy):
+        for book_id in [1, 2, 99]:
+            await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
+        await cut_off(b, proxy)
+
+        for book_id in range(1000, 1300):
+            await a.invalidate("book", {"id": book_id})  # keys B never held
+        length = await a.l2.client.xlen(prefix + a.config.backplane.stream)
+        assert length < 300
+        assert in_l1(b, 99)
+
+        proxy.restore()
+        assert await eventually(lambda: not any(in_l1(b, i) for i in (1, 2, 99)), timeout=5)
+        assert b.backplane is not None and b.backplane.gaps == 1
