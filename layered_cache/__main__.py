@@ -1,0 +1,3 @@
+from layered_cache.cli import main
+
+raise SystemExit(main())

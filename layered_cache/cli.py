@@ -1,0 +1,642 @@
+"""``layered-cache`` (also ``python -m layered_cache``): look inside and operate the cache.
+
+    layered-cache config check FILE [--json]
+    layered-cache inspect NAMESPACE field=value ... --config FILE [--json]
+    layered-cache invalidate NAMESPACE field=value ... --config FILE
+    layered-cache hotkeys --config FILE [--json]
+    layered-cache warm NAMESPACE --from FILE.jsonl --config FILE [--concurrency N]
+    layered-cache bench [ARGS...]
+
+Bad input (config, unknown namespace, missing/unknown/unsafe field, unreadable file,
+unreachable Redis) prints ``layered-cache: error: ...`` on stderr and exits with 2,
+without a traceback. Passwords in URLs are never printed. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from layered_cache.cache import LayeredCache
+from layered_cache.codec import CodecError, decode_meta
+from layered_cache.config import (
+    Config,
+    ConfigError,
+    Duration,
+    HotConfig,
+    L1Config,
+    L2Config,
+    NamespaceConfig,
+    Rate,
+    load_config,
+)
+from layered_cache.keys import lease_name, replica_names
+from layered_cache.l2 import L2Unavailable
+from layered_cache.logs import configure_logging, mask_url_credentials
+from layered_cache.policy import Policy
+
+__all__ = ["CliError", "build_parser", "main", "parse_fields"]
+
+EXIT_ERROR = 2
+_INT = re.compile(r"-?[1-9][0-9]*|0")
+
+
+class CliError(Exception):
+    """Bad input or an unusable environment: printed without a traceback, exit 2."""
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def format_duration(seconds: float) -> str:
+    if seconds == 0:
+        return "0s"
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def _format_ms(pttl: int) -> str:
+    if pttl == -1:
+        return "no expiry"
+    if pttl == -2:
+        return "missing"
+    return f"{pttl / 1000:.1f}s"
+
+
+def _relative(seconds: float) -> str:
+    span = abs(seconds)
+    text = (
+        f"{span:.1f}s"
+        if span < 120
+        else f"{span / 60:.1f}m"
+        if span < 7200
+        else f"{span / 3600:.1f}h"
+    )
+    return f"in {text}" if seconds >= 0 else f"{text} ago"
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+
+
+def parse_fields(items: Sequence[str], policy: Policy) -> tuple[dict[str, object], str]:
+    """``["id=42", "lang=en"]`` -> ({"id": 42, "lang": "en"}, full key), validated.
+
+    Canonical integers become ints ("42" -> 42; "007" stays a string)."""
+    fields: dict[str, object] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CliError(f"expected field=value, got {item!r}")
+        if name in fields:
+            raise CliError(f"field {name!r} given twice")
+        fields[name] = int(value) if _INT.fullmatch(value) else value
+    template = policy.template
+    unknown = sorted(set(fields) - set(template.fields))
+    if unknown:
+        raise CliError(
+            f"namespace {policy.name!r}: unknown field(s) {unknown} "
+            f"(template {template.template!r} has {list(template.fields)})"
+        )
+    return fields, _build_key(policy, fields)
+
+
+def _build_key(policy: Policy, fields: dict[str, object]) -> str:
+    try:
+        return policy.template.build(fields)
+    except (KeyError, ValueError) as exc:
+        raise CliError(str(exc.args[0]) if exc.args else str(exc)) from None
+
+
+def _policy(cache: LayeredCache, namespace: str) -> Policy:
+    try:
+        return cache.policy(namespace)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0])) from None
+
+
+def _load(path: str) -> Config:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _print_json(data: Any, out: TextIO) -> None:
+    out.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+@contextlib.asynccontextmanager
+async def _connected(config: Config) -> AsyncIterator[LayeredCache]:
+    """A cache whose Redis answered PING (no backplane listener: a CLI needs none)."""
+    cache = LayeredCache.from_config(config)
+    try:
+        try:
+            await asyncio.wait_for(cache.l2.client.ping(), config.redis.connect_timeout + 2.0)
+        except Exception as exc:  # connection refused, auth, TLS, DNS, cluster init...
+            url = mask_url_credentials(config.redis.url)
+            detail = mask_url_credentials(f"{type(exc).__name__}: {exc}".rstrip(": "))
+            raise CliError(f"cannot reach Redis at {url}: {detail}") from None
+        yield cache
+    finally:
+        await cache.close()
+
+
+async def _pttl(cache: LayeredCache, name: str) -> int:
+    return int(await cache.l2.client.pttl(name))
+
+
+# -- config check ------------------------------------------------------------------------
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, Duration):
+        return format_duration(value)
+    if isinstance(value, Rate):
+        return f"{value:g}/s"
+    if isinstance(value, msgspec.Struct):
+        return {name: _value(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, list | tuple):
+        return [_value(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _value(item) for key, item in value.items()}
+    return value
+
+
+def effective_namespace(ns: NamespaceConfig) -> dict[str, Any]:
+    """A namespace with every default filled in and ``true``/``false`` layers resolved."""
+    if not ns.cache:
+        return {"key": ns.key, "cache": False}
+    layers: dict[str, Any] = {
+        "l1": L1Config() if ns.l1 is True else ns.l1,
+        "l2": L2Config() if ns.l2 is True else ns.l2,
+        "hot": HotConfig() if ns.hot is True else ns.hot,
+    }
+    result: dict[str, Any] = {"key": ns.key, "cache": True}
+    for name, layer in layers.items():
+        result[name] = _value(layer) if layer is not False else "off"
+    result["stampede"] = _value(ns.stampede)
+    result["stale"] = _value(ns.stale)
+    result["max_value_bytes"] = ns.max_value_bytes
+    return result
+
+
+def effective_config(config: Config) -> dict[str, Any]:
+    redis_section = _value(config.redis)
+    redis_section["url"] = mask_url_credentials(config.redis.url)
+    if config.redis.password is not None:
+        redis_section["password"] = "***"
+    kafka = _value(config.kafka)
+    if config.kafka.sasl_password is not None:
+        kafka["sasl_password"] = "***"
+    return {
+        "source": config.source,
+        "redis": redis_section,
+        "kafka": kafka,
+        "backplane": _value(config.backplane),
+        "logging": _value(config.logging),
+        "metrics": _value(config.metrics),
+        "namespaces": {name: effective_namespace(ns) for name, ns in config.namespaces.items()},
+        "events": [
+            {
+                "type": route.type,
+                "invalidate": [
+                    {"namespace": t.namespace, "key": dict(t.key)} for t in route.invalidate
+                ],
+            }
+            for route in config.events
+        ],
+    }
+
+
+def _inline(value: Any) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{key}={_inline(item)}" for key, item in value.items())
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline(item) for item in value) + "]"
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def cmd_config_check(args: argparse.Namespace, out: TextIO) -> int:
+    config = _load(args.file)
+    data = effective_config(config)
+    if args.json:
+        _print_json(data, out)
+        return 0
+    out.write(
+        f"{config.source}: OK ({len(config.namespaces)} namespaces, "
+        f"{len(config.events)} event routes)\n"
+    )
+    for section in ("redis", "kafka", "backplane", "logging", "metrics"):
+        out.write(f"[{section}] {_inline(data[section])}\n")
+    for name, ns in data["namespaces"].items():
+        out.write(f"\n[namespaces.{name}] key={ns['key']}\n")
+        if not ns["cache"]:
+            out.write("  cache = false (never cached: always read live)\n")
+            continue
+        for layer in ("l1", "l2", "hot", "stampede", "stale"):
+            out.write(f"  {layer}: {_inline(ns[layer])}\n")
+        out.write(f"  max_value_bytes: {ns['max_value_bytes']}\n")
+    for route in data["events"]:
+        targets = ", ".join(f"{t['namespace']}({_inline(t['key'])})" for t in route["invalidate"])
+        out.write(f"\n[events] {route['type']} -> {targets}\n")
+    return 0
+
+
+# -- inspect -----------------------------------------------------------------------------
+
+
+async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> dict[str, Any]:
+    async with _connected(config) as cache:
+        policy = _policy(cache, namespace)
+        _, key = parse_fields(items, policy)
+        client = cache.l2.client
+        now = time.time()
+        data: Any = await client.get(key)
+        base: dict[str, Any] = {"exists": data is not None, "pttl_ms": await _pttl(cache, key)}
+        if data is not None:
+            base["size"] = len(data)
+            try:
+                meta = decode_meta(data)
+            except CodecError as exc:
+                base["envelope"] = {"error": f"not a layered_cache envelope: {exc}"}
+            else:
+                base["envelope"] = {
+                    "format": meta.format,
+                    "written_at": _iso(meta.written_at),
+                    "age_s": round(now - meta.written_at, 3),
+                    "soft_expiry": _iso(meta.soft_expiry),
+                    "soft_expiry_in_s": round(meta.soft_expiry - now, 3),
+                    "fresh": now < meta.soft_expiry,
+                    "delta_s": meta.delta,
+                    "value_size": len(meta.value),
+                }
+        replicas: list[dict[str, Any]] = []
+        for name in replica_names(key, policy.replicas):
+            pttl = await _pttl(cache, name)
+            if pttl != -2:
+                replicas.append({"name": name, "pttl_ms": pttl})
+        lease = lease_name(key)
+        holder: Any = await client.get(lease)
+        return {
+            "namespace": namespace,
+            "template": policy.template.template,
+            "key": key,
+            "base": base,
+            "replicas_configured": policy.replicas,
+            "replicas": replicas,
+            "lease": {
+                "name": lease,
+                "holder": holder.decode(errors="replace") if holder is not None else None,
+                "pttl_ms": await _pttl(cache, lease) if holder is not None else None,
+            },
+        }
+
+
+def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
+    config = _load(args.config)
+    report = asyncio.run(_inspect(config, args.namespace, args.fields))
+    if args.json:
+        _print_json(report, out)
+        return 0
+    base = report["base"]
+    out.write(f"namespace  {report['namespace']} (template {report['template']})\n")
+    out.write(f"key        {report['key']}\n")
+    if not base["exists"]:
+        out.write("L2         absent\n")
+    else:
+        out.write(f"L2         present, {base['size']} bytes, PTTL {_format_ms(base['pttl_ms'])}\n")
+        env = base["envelope"]
+        if "error" in env:
+            out.write(f"envelope   {env['error']}\n")
+        else:
+            state = "fresh" if env["fresh"] else "stale (served only by the fail-safe)"
+            out.write(f"written_at {env['written_at']} ({_relative(-env['age_s'])})\n")
+            out.write(
+                f"soft_exp   {env['soft_expiry']} ({_relative(env['soft_expiry_in_s'])}): {state}\n"
+            )
+            out.write(f"delta      {env['delta_s']:.4f}s (measured load time, XFetch)\n")
+            out.write(f"size       {env['value_size']} bytes of value\n")
+    configured = report["replicas_configured"]
+    if configured:
+        present = ", ".join(
+            f"{r['name'].rsplit('#', 1)[1]} ({_format_ms(r['pttl_ms'])})"
+            for r in report["replicas"]
+        )
+        out.write(
+            f"replicas   {len(report['replicas'])}/{configured} exist"
+            + (f": #{present}" if present else "")
+            + "\n"
+        )
+    else:
+        out.write("replicas   none (namespace has no hot-key replicas)\n")
+    lease = report["lease"]
+    if lease["holder"] is None:
+        out.write(f"lease      {lease['name']}: free\n")
+    else:
+        out.write(
+            f"lease      {lease['name']}: held by token {lease['holder']} "
+            f"(PTTL {_format_ms(lease['pttl_ms'])})\n"
+        )
+    return 0
+
+
+# -- invalidate --------------------------------------------------------------------------
+
+
+async def _invalidate(config: Config, namespace: str, items: Sequence[str]) -> tuple[str, int]:
+    async with _connected(config) as cache:
+        policy = _policy(cache, namespace)
+        fields, key = parse_fields(items, policy)
+        names = [key, *replica_names(key, policy.replicas), lease_name(key)]
+        existed = int(sum([await cache.l2.client.exists(name) for name in names]))
+        try:
+            await cache.invalidate(namespace, fields)
+        except L2Unavailable as exc:
+            raise CliError(f"invalidation failed: {mask_url_credentials(str(exc))}") from None
+        return key, existed
+
+
+def cmd_invalidate(args: argparse.Namespace, out: TextIO) -> int:
+    config = _load(args.config)
+    key, existed = asyncio.run(_invalidate(config, args.namespace, args.fields))
+    where = "announced on the backplane" if config.backplane.enabled else "backplane disabled"
+    out.write(f"invalidated {key}: {existed} name(s) deleted (key, replicas, lease); {where}\n")
+    return 0
+
+
+# -- hotkeys -----------------------------------------------------------------------------
+
+
+async def _hotkeys(config: Config) -> dict[str, Any]:
+    async with _connected(config) as cache:
+        result: dict[str, Any] = {}
+        for name, ns in config.namespaces.items():
+            policy = cache.policy(name)
+            hot = HotConfig() if ns.hot is True else ns.hot
+            if hot is False or policy.hot is None:
+                continue
+            keys: list[dict[str, Any]] = []
+            for static in sorted(policy.hot.static):
+                present = [
+                    index
+                    for index, replica in enumerate(replica_names(static, policy.replicas))
+                    if await cache.l2.client.exists(replica)
+                ]
+                keys.append(
+                    {
+                        "key": static,
+                        "base_exists": bool(await cache.l2.client.exists(static)),
+                        "replicas_present": present,
+                    }
+                )
+            result[name] = {
+                "replicas": policy.replicas,
+                "threshold": f"{hot.threshold:g}/s" if hot.threshold is not None else None,
+                "static": keys,
+            }
+        return result
+
+
+def cmd_hotkeys(args: argparse.Namespace, out: TextIO) -> int:
+    config = _load(args.config)
+    report = asyncio.run(_hotkeys(config))
+    if args.json:
+        _print_json(report, out)
+        return 0
+    if not report:
+        out.write("no namespace has hot-key replicas configured\n")
+    for name, info in report.items():
+        detection = f"detection above {info['threshold']}" if info["threshold"] else "no detection"
+        out.write(f"[{name}] replicas={info['replicas']}, {detection}\n")
+        if not info["static"]:
+            out.write("  no static hot keys\n")
+        for entry in info["static"]:
+            present = entry["replicas_present"]
+            out.write(
+                f"  {entry['key']}: base {'present' if entry['base_exists'] else 'absent'}, "
+                f"replicas {len(present)}/{info['replicas']}"
+                + (f" (#{', #'.join(map(str, present))})" if present else "")
+                + "\n"
+            )
+    out.write(
+        "\nLive detection is per instance: a running service exposes its hot keys through "
+        "cache.hot_keys() and the layered_cache_hot_keys metric.\n"
+    )
+    return 0
+
+
+# -- warm --------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress bar on a stream, redrawn at most 10 times a second."""
+
+    def __init__(self, total: int, label: str, stream: TextIO, width: int = 30) -> None:
+        self.total = total
+        self.label = label
+        self.stream = stream
+        self.width = width
+        self.done = 0
+        self._drawn = 0.0
+        self._started = time.monotonic()
+
+    def advance(self, count: int = 1) -> None:
+        self.done += count
+        now = time.monotonic()
+        if now - self._drawn >= 0.1 or self.done >= self.total:
+            self._drawn = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        fraction = self.done / self.total if self.total else 1.0
+        filled = int(fraction * self.width)
+        rate = self.done / max(now - self._started, 1e-6)
+        self.stream.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
+            f"{self.done}/{self.total} {fraction:4.0%} {rate:,.0f}/s"
+        )
+        self.stream.flush()
+
+    def finish(self) -> None:
+        self._draw(time.monotonic())
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def read_warm_file(path: str, policy: Policy) -> list[tuple[dict[str, object], Any]]:
+    """Parse and validate every line first: a bad line fails before anything is written."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    entries: list[tuple[dict[str, object], Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
+        if not isinstance(record, dict) or "key" not in record or "value" not in record:
+            raise CliError(f'{path}:{number}: expected {{"key": {{...}}, "value": ...}}')
+        fields = record["key"]
+        if not isinstance(fields, dict):
+            raise CliError(f"{path}:{number}: key must be an object of key fields")
+        try:
+            _build_key(policy, fields)
+        except CliError as exc:
+            raise CliError(f"{path}:{number}: {exc}") from None
+        entries.append((fields, record["value"]))
+    return entries
+
+
+async def _warm(
+    config: Config, namespace: str, path: str, concurrency: int, stream: TextIO
+) -> tuple[int, int]:
+    async with _connected(config) as cache:
+        policy = _policy(cache, namespace)
+        if not policy.cache or not policy.l2:
+            raise CliError(
+                f"namespace {namespace!r} has no L2 (cache or l2 is off): nothing to warm"
+            )
+        entries = read_warm_file(path, policy)
+        progress = Progress(len(entries), f"warm {namespace}", stream)
+        not_cached_before = policy.stats.not_cached
+        queue = iter(entries)
+
+        async def worker() -> None:
+            for fields, value in queue:  # the shared iterator hands each entry out once
+                await cache.set(namespace, fields, value)  # jittered TTL, replicas if hot
+                progress.advance()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(max(1, min(concurrency, len(entries)))):
+                    group.create_task(worker())
+        except* L2Unavailable as errors:
+            raise CliError(
+                f"Redis failed after {progress.done} of {len(entries)} entries: "
+                f"{mask_url_credentials(str(errors.exceptions[0]))}"
+            ) from None
+        progress.finish()
+        return len(entries), policy.stats.not_cached - not_cached_before
+
+
+def cmd_warm(args: argparse.Namespace, out: TextIO) -> int:
+    config = _load(args.config)
+    if args.concurrency < 1:
+        raise CliError("--concurrency must be >= 1")
+    total, skipped = asyncio.run(
+        _warm(config, args.namespace, args.source, args.concurrency, sys.stderr)
+    )
+    note = f" ({skipped} not cached: too large or not encodable)" if skipped else ""
+    out.write(f"warmed {total - skipped} of {total} {args.namespace} entries{note}\n")
+    return 0
+
+
+# -- bench -------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
+    local = Path.cwd() / "bench" / "__main__.py"
+    if importlib.util.find_spec("bench") is None and not local.exists():
+        out.write(
+            "the bench package is not available here: run `layered-cache bench` (or "
+            "`make bench`) from a source checkout of layered_cache\n"
+        )
+        return 1
+    command = [sys.executable, "-m", "bench", *args.bench_args]
+    return subprocess.call(command, cwd=Path.cwd())
+
+
+# -- entry point -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="layered-cache", description="Inspect and operate a layered_cache deployment."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    config = commands.add_parser("config", help="configuration tools")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = config_commands.add_parser(
+        "check", help="validate a config file and print the effective policies"
+    )
+    check.add_argument("file", metavar="FILE")
+    check.add_argument("--json", action="store_true", help="print the effective config as JSON")
+    check.set_defaults(handler=cmd_config_check, needs_config=False)
+
+    def keyed(name: str, help_text: str, handler: Callable[..., int]) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("namespace", metavar="NAMESPACE")
+        sub.add_argument("fields", nargs="+", metavar="field=value")
+        sub.add_argument("--config", required=True, metavar="FILE")
+        sub.set_defaults(handler=handler)
+        return sub
+
+    inspect = keyed("inspect", "show a key in Redis: TTLs, replicas, lease, envelope", cmd_inspect)
+    inspect.add_argument("--json", action="store_true")
+    keyed("invalidate", "delete a key, its replicas and lease; drop L1 everywhere", cmd_invalidate)
+
+    hotkeys = commands.add_parser("hotkeys", help="static hot keys and their replicas in Redis")
+    hotkeys.add_argument("--config", required=True, metavar="FILE")
+    hotkeys.add_argument("--json", action="store_true")
+    hotkeys.set_defaults(handler=cmd_hotkeys)
+
+    warm = commands.add_parser("warm", help="bulk fill a namespace from a JSONL file")
+    warm.add_argument("namespace", metavar="NAMESPACE")
+    warm.add_argument("--from", dest="source", required=True, metavar="FILE",
+                      help='JSONL: one {"key": {...fields}, "value": ...} per line')  # fmt: skip
+    warm.add_argument("--config", required=True, metavar="FILE")
+    warm.add_argument("--concurrency", type=int, default=32, help="parallel writes (32)")
+    warm.set_defaults(handler=cmd_warm)
+
+    bench = commands.add_parser("bench", help="run the benchmarks (python -m bench)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    bench.set_defaults(handler=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config_path = getattr(args, "config", None)
+    try:
+        if config_path is not None:
+            # Library warnings (breaker, fallbacks) go to stderr in the configured format.
+            configure_logging(_load(config_path).logging)
+        handler: Callable[[argparse.Namespace, TextIO], int] = args.handler
+        return handler(args, sys.stdout)
+    except CliError as exc:
+        print(f"layered-cache: error: {mask_url_credentials(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
+    except ValueError as exc:  # e.g. an unknown logging format
+        print(f"layered-cache: error: {mask_url_credentials(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130

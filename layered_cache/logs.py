@@ -1,0 +1,203 @@
+"""Logging: structlog configured once for the whole process.
+
+    from layered_cache.logs import configure_logging
+    configure_logging(config.logging)     # JSON lines in production, console in dev
+
+The format comes from ``logging.format`` ("json" or "console"); the environment variable
+``LAYERED_CACHE_LOG_FORMAT`` wins over the config (``LAYERED_CACHE_LOG_LEVEL`` likewise),
+so a container can switch to JSON without editing the file.
+
+Every cache event carries ``namespace`` and ``key``. With ``logging.redact_keys = true``
+the ``key``/``keys`` values are replaced by a short keyed hash (``h:3f2a9c01d4e8``): the
+same key always gives the same hash within a deployment, so events of one key can still
+be correlated, but the key itself (an e-mail, a user id) never reaches the log. Set
+``LAYERED_CACHE_LOG_REDACT_SALT`` to a secret so that low-entropy keys (``book:42``)
+can't be recovered by hashing guesses.
+
+Independently of redaction, credentials in URLs (``redis://:secret@host``) are masked in
+every string of every event, so a failing connect never logs a password.
+
+Records of other libraries that use the standard ``logging`` module (redis-py, aiokafka)
+go through the same processors and renderer, so the output is uniform.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+from layered_cache.config import LoggingConfig
+
+__all__ = [
+    "FORMAT_ENV",
+    "LEVEL_ENV",
+    "SALT_ENV",
+    "configure_logging",
+    "mask_url_credentials",
+    "redact_key",
+    "reset_logging",
+]
+
+FORMAT_ENV = "LAYERED_CACHE_LOG_FORMAT"
+LEVEL_ENV = "LAYERED_CACHE_LOG_LEVEL"
+SALT_ENV = "LAYERED_CACHE_LOG_REDACT_SALT"
+_FORMATS = ("json", "console")
+_REDACTED_FIELDS = ("key", "keys")
+# scheme://user:password@  or  scheme://:password@  -> the password becomes ***
+_URL_CREDENTIALS = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]+)@"
+)
+
+_configured = False
+_handler: logging.Handler | None = None
+
+
+def mask_url_credentials(text: str) -> str:
+    """``redis://user:secret@host`` -> ``redis://user:***@host`` (any scheme)."""
+    if "://" not in text:
+        return text
+    return _URL_CREDENTIALS.sub(r"\g<scheme>\g<user>:***@", text)
+
+
+def redact_key(key: str, salt: bytes = b"") -> str:
+    """A short, stable, keyed hash of a cache key: ``h:`` + 12 hex digits."""
+    digest = hashlib.blake2b(key.encode(), digest_size=6, key=salt[:64]).hexdigest()
+    return f"h:{digest}"
+
+
+def _mask_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return mask_url_credentials(value)
+    if isinstance(value, BaseException):
+        return mask_url_credentials(f"{type(value).__name__}: {value}")
+    return value
+
+
+def _mask_credentials(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+    for name, value in event.items():
+        if isinstance(value, str | BaseException):
+            event[name] = _mask_value(value)
+    return event
+
+
+class _KeyRedactor:
+    """Processor: replace ``key``/``keys`` by their keyed hashes."""
+
+    def __init__(self, salt: bytes) -> None:
+        self._salt = salt
+
+    def __call__(self, _logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+        for name in _REDACTED_FIELDS:
+            value = event.get(name)
+            if isinstance(value, str) and value:
+                event[name] = redact_key(value, self._salt)
+            elif isinstance(value, list | tuple):
+                event[name] = [
+                    redact_key(item, self._salt) if isinstance(item, str) else item
+                    for item in value
+                ]
+        return event
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at emit time (test capture, redirection)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def _resolve(config: LoggingConfig, env: Mapping[str, str]) -> tuple[str, int]:
+    fmt = (env.get(FORMAT_ENV) or config.format).strip().lower()
+    if fmt not in _FORMATS:
+        raise ValueError(f"logging format must be one of {list(_FORMATS)}, got {fmt!r}")
+    level_name = (env.get(LEVEL_ENV) or config.level).strip().upper()
+    level = logging.getLevelName(level_name)
+    if not isinstance(level, int):
+        raise ValueError(f"unknown logging level {level_name.lower()!r}")
+    return fmt, level
+
+
+def configure_logging(
+    config: LoggingConfig | None = None,
+    *,
+    stream: TextIO | None = None,
+    env: Mapping[str, str] | None = None,
+    force: bool = False,
+) -> bool:
+    """Configure structlog (and the stdlib root logger) once per process.
+
+    Returns True if this call configured logging, False if it was already configured
+    (pass ``force=True`` to reconfigure, e.g. in tests). ``stream`` defaults to stderr.
+    """
+    global _configured, _handler
+    if _configured and not force:
+        return False
+    config = config or LoggingConfig()
+    environ = os.environ if env is None else env
+    fmt, level = _resolve(config, environ)
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if config.redact_keys:
+        shared.append(_KeyRedactor(environ.get(SALT_ENV, "").encode()))
+    shared.append(_mask_credentials)
+    renderer: Any
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer()
+        shared.append(structlog.processors.format_exc_info)
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+    handler: logging.Handler = (
+        logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    )
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    if _handler is not None:
+        root.removeHandler(_handler)
+    root.addHandler(handler)
+    root.setLevel(level)
+    _handler = handler
+
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        # Not cached: module-level loggers must follow a reconfiguration. Cache events
+        # are rare (errors, fallbacks), so the lookup cost does not matter.
+        cache_logger_on_first_use=False,
+    )
+    _configured = True
+    return True
+
+
+def reset_logging() -> None:
+    """Undo ``configure_logging`` (structlog defaults, our root handler removed)."""
+    global _configured, _handler
+    if _handler is not None:
+        logging.getLogger().removeHandler(_handler)
+    _handler = None
+    _configured = False
+    structlog.reset_defaults()

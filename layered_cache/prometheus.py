@@ -1,0 +1,301 @@
+"""Prometheus export of the cache's counters, breaker state, hot keys and latencies.
+
+    from layered_cache.prometheus import register_cache, render_metrics
+    register_cache(cache)                  # once, after creating the cache
+    body, content_type = render_metrics()  # in the /metrics handler
+
+Counters cost nothing extra per request: ``CacheCollector`` reads every registered
+cache's ``stats()`` when Prometheus scrapes. The two histograms (load time, L2 read
+latency) are observed through the cache's hooks, i.e. only on loads and L2 reads, never
+on an L1 hit; they are kept as plain bucket counts here and exported at scrape time too.
+
+Several caches registered on one registry are summed per namespace (the breaker gauge
+keeps one series per cache, labelled with its ``instance`` id). Metric names and labels:
+docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from layered_cache.cache import LayeredCache
+
+__all__ = [
+    "L2_BUCKETS",
+    "LOAD_BUCKETS",
+    "CacheCollector",
+    "register_cache",
+    "render_metrics",
+    "unregister_cache",
+]
+
+PREFIX = "layered_cache"
+LOAD_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+L2_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+BREAKER_STATES = ("closed", "open", "half_open")
+
+# (metric suffix, help, stats counter); each becomes ``layered_cache_<suffix>_total{namespace}``.
+SIMPLE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("loads", "Loader calls (database reads)", "load"),
+    ("load_errors", "Loader calls that raised", "load_error"),
+    ("coalesced", "Requests that joined another request's in-flight load (single-flight)",
+     "coalesced"),
+    ("early_refreshes", "XFetch early refreshes started", "early_refresh"),
+    ("stale_served", "Stale values served because the loader failed or was slow",
+     "stale_served"),
+    ("redis_errors", "Redis failures (error, timeout, breaker open) on the read path",
+     "redis_error"),
+    ("decode_errors", "L2 values that could not be decoded (treated as a miss)",
+     "decode_error"),
+    ("not_cached", "Values not cached (not encodable or over max_value_bytes)", "not_cached"),
+    ("fills_revoked", "Fills dropped because an invalidation revoked the lease",
+     "fill_revoked"),
+    ("l1_fills_discarded", "L1 fills discarded because the key was invalidated meanwhile",
+     "l1_fill_discarded"),
+    ("replica_misses", "Hot-key replica reads that found no replica", "replica_miss"),
+    ("invalidations", "Keys invalidated by this instance", "invalidated"),
+    ("sets", "Explicit set() calls", "set"),
+)  # fmt: skip
+REQUEST_RESULTS = ("l1_hit", "l2_hit", "miss")
+LEASE_OUTCOMES = (
+    ("won", "lease_won"),
+    ("lost", "lease_lost"),
+    ("wait_filled", "lease_wait_filled"),
+    ("timeout_load", "lease_timeout_load"),
+)
+
+
+class _Histogram:
+    """Bucket counts per label value; observe() is a bisect and two additions."""
+
+    __slots__ = ("_lock", "bounds", "series")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.series: dict[tuple[str, ...], list[float]] = {}
+        self._lock = threading.Lock()  # the sync API may run caches on several loops
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        with self._lock:
+            row = self.series.get(labels)
+            if row is None:
+                # buckets..., +Inf count, sum
+                row = self.series[labels] = [0.0] * (len(self.bounds) + 2)
+            row[bisect.bisect_left(self.bounds, value)] += 1
+            row[-1] += value
+
+    def family(self, name: str, doc: str, label_names: Sequence[str]) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc, labels=list(label_names))
+        with self._lock:
+            snapshot = {labels: list(row) for labels, row in self.series.items()}
+        for labels, row in sorted(snapshot.items()):
+            cumulative = 0.0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip((*self.bounds, float("inf")), row[:-1], strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric(list(labels), buckets, row[-1])
+        return family
+
+
+class CacheCollector(Collector):
+    """Reads the registered caches at scrape time. One per registry (``register_cache``)."""
+
+    def __init__(self) -> None:
+        self._caches: weakref.WeakSet[LayeredCache] = weakref.WeakSet()
+        self.load_seconds = _Histogram(LOAD_BUCKETS)
+        self.l2_read_seconds = _Histogram(L2_BUCKETS)
+
+    # hooks called by LayeredCache (see cache.load_observers / l2_observers)
+    def observe_load(self, namespace: str, seconds: float, ok: bool) -> None:
+        self.load_seconds.observe((namespace, "ok" if ok else "error"), seconds)
+
+    def observe_l2_read(self, namespace: str, seconds: float) -> None:
+        self.l2_read_seconds.observe((namespace,), seconds)
+
+    def add(self, cache: LayeredCache) -> None:
+        if cache in self._caches:
+            return
+        self._caches.add(cache)
+        cache.load_observers.append(self.observe_load)
+        cache.l2_observers.append(self.observe_l2_read)
+
+    def remove(self, cache: LayeredCache) -> None:
+        self._caches.discard(cache)
+        while self.observe_load in cache.load_observers:
+            cache.load_observers.remove(self.observe_load)
+        while self.observe_l2_read in cache.l2_observers:
+            cache.l2_observers.remove(self.observe_l2_read)
+
+    def describe(self) -> Iterator[Metric]:
+        # Families are dynamic (namespaces come from caches added later): don't let the
+        # registry call collect() at register time.
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        caches = list(self._caches)
+        totals: dict[str, dict[str, int]] = {}
+        replica_reads: dict[tuple[str, str], int] = {}
+        hot_keys: dict[str, int] = {}
+        l1_entries: dict[str, int] = {}
+        requests = CounterMetricFamily(
+            f"{PREFIX}_requests",
+            "Cache reads by the layer that answered (miss: went to the loader)",
+            labels=["namespace", "result"],
+        )
+        leases = CounterMetricFamily(
+            f"{PREFIX}_lease",
+            "Lease (stampede lock) outcomes on an L2 miss",
+            labels=["namespace", "outcome"],
+        )
+        breaker = GaugeMetricFamily(
+            f"{PREFIX}_breaker_state",
+            "Circuit breaker in front of Redis: 1 for the current state",
+            labels=["instance", "state"],
+        )
+        transitions = CounterMetricFamily(
+            f"{PREFIX}_breaker_transitions",
+            "Circuit breaker state changes",
+            labels=["instance"],
+        )
+        for cache in caches:
+            stats = cache.stats()
+            redis_stats = stats.pop("_redis", {})
+            state = str(redis_stats.get("breaker", "closed"))
+            for candidate in BREAKER_STATES:
+                breaker.add_metric(
+                    [cache.instance_id, candidate], 1.0 if state == candidate else 0.0
+                )
+            transitions.add_metric(
+                [cache.instance_id], float(redis_stats.get("breaker_transitions", 0))
+            )
+            for namespace, counters in stats.items():
+                row = totals.setdefault(namespace, {})
+                for name, value in counters.items():
+                    if isinstance(value, int):
+                        row[name] = row.get(name, 0) + value
+                reads = counters.get("replica_reads")
+                if isinstance(reads, dict):
+                    for index, count in reads.items():
+                        label = (namespace, str(index))
+                        replica_reads[label] = replica_reads.get(label, 0) + int(count)
+            for namespace, keys in _hot_keys(cache).items():
+                hot_keys[namespace] = hot_keys.get(namespace, 0) + len(keys)
+            for namespace, entries in _l1_entries(cache).items():
+                l1_entries[namespace] = l1_entries.get(namespace, 0) + entries
+
+        for namespace, row in sorted(totals.items()):
+            for result in REQUEST_RESULTS:
+                requests.add_metric([namespace, result], float(row.get(result, 0)))
+            for outcome, counter in LEASE_OUTCOMES:
+                leases.add_metric([namespace, outcome], float(row.get(counter, 0)))
+        yield requests
+        yield leases
+        for suffix, doc, counter in SIMPLE_COUNTERS:
+            family = CounterMetricFamily(f"{PREFIX}_{suffix}", doc, labels=["namespace"])
+            for namespace, row in sorted(totals.items()):
+                family.add_metric([namespace], float(row.get(counter, 0)))
+            yield family
+        replicas = CounterMetricFamily(
+            f"{PREFIX}_replica_reads",
+            "Hot-key reads served by each replica shard",
+            labels=["namespace", "replica"],
+        )
+        for labels, count in sorted(replica_reads.items()):
+            replicas.add_metric(list(labels), float(count))
+        yield replicas
+        hot = GaugeMetricFamily(
+            f"{PREFIX}_hot_keys",
+            "Keys currently treated as hot by this process (detected + static)",
+            labels=["namespace"],
+        )
+        for namespace, count in sorted(hot_keys.items()):
+            hot.add_metric([namespace], float(count))
+        yield hot
+        l1_gauge = GaugeMetricFamily(
+            f"{PREFIX}_l1_entries", "Entries in the in-process L1", labels=["namespace"]
+        )
+        for namespace, count in sorted(l1_entries.items()):
+            l1_gauge.add_metric([namespace], float(count))
+        yield l1_gauge
+        yield breaker
+        yield transitions
+        yield self.load_seconds.family(
+            f"{PREFIX}_load_seconds", "Loader duration", ["namespace", "outcome"]
+        )
+        yield self.l2_read_seconds.family(
+            f"{PREFIX}_l2_read_seconds",
+            "L2 read latency (Redis round trip(s) + decode) on the read path",
+            ["namespace"],
+        )
+
+
+def _hot_keys(cache: LayeredCache) -> dict[str, Any]:
+    try:
+        return cache.hot_keys()
+    except Exception:  # a scrape must never fail because of one cache
+        return {}
+
+
+def _l1_entries(cache: LayeredCache) -> dict[str, int]:
+    result: dict[str, int] = {}
+    for namespace in cache.config.namespaces:
+        l1 = cache.policy(namespace).l1
+        if l1 is not None:
+            result[namespace] = len(l1)
+    return result
+
+
+_collectors: weakref.WeakKeyDictionary[CollectorRegistry, CacheCollector] = (
+    weakref.WeakKeyDictionary()
+)
+_collectors_lock = threading.Lock()
+
+
+def register_cache(
+    cache: LayeredCache, registry: CollectorRegistry = REGISTRY
+) -> CacheCollector | None:
+    """Export ``cache`` on ``registry`` (default: the global one). Idempotent.
+
+    Returns the registry's collector, or None when ``metrics.enabled = false``.
+    """
+    if not cache.config.metrics.enabled:
+        return None
+    with _collectors_lock:
+        collector = _collectors.get(registry)
+        if collector is None:
+            collector = CacheCollector()
+            registry.register(collector)
+            _collectors[registry] = collector
+    collector.add(cache)
+    return collector
+
+
+def unregister_cache(cache: LayeredCache, registry: CollectorRegistry = REGISTRY) -> None:
+    """Stop exporting ``cache`` (its counters leave the sums; histograms are kept)."""
+    collector = _collectors.get(registry)
+    if collector is not None:
+        collector.remove(cache)
+
+
+def render_metrics(registry: CollectorRegistry = REGISTRY) -> tuple[bytes, str]:
+    """The body and Content-Type for a ``/metrics`` response."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,274 @@
+"""A blocking facade for sync (WSGI: Django, Flask) code: ``SyncLayeredCache``.
+
+    from layered_cache.sync import SyncLayeredCache
+
+    with SyncLayeredCache.from_config(load_config("layered_cache.toml")) as cache:
+        book = cache.get_or_load("book", {"id": 42}, lambda: db.book_detail(42))
+
+        @cache.cached("book")
+        def book_detail(id: int) -> BookDetail: ...
+
+There is one implementation of the cache: the async ``LayeredCache``. This class runs it
+on a private event loop in a daemon thread and submits each call with
+``asyncio.run_coroutine_threadsafe``; the calling thread blocks on the result. So
+single-flight, leases, hot keys, the backplane and the breaker behave exactly as in
+async code, for all threads of the process together (50 threads missing one key cause
+one load).
+
+- A sync loader runs in a thread pool (``loop.run_in_executor``) so it never blocks the
+  loop; it runs in a copy of the caller's ``contextvars`` context (Flask's app/request
+  context, OpenTelemetry's current span, structlog's bound context all carry over).
+  Thread-locals do not: a Django loader gets the pool thread's own DB connection, and
+  it does not see the caller's uncommitted transaction.
+- An L1 hit is answered directly in the calling thread (L1 is thread-safe): no hop to
+  the loop thread on the fastest path.
+- Don't call this class from inside a loader it runs on the loop thread; calling from
+  a loader thread (nested cached functions) is fine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import inspect
+import threading
+import typing
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, ParamSpec, TypeVar
+
+from layered_cache.cache import LayeredCache
+from layered_cache.config import Config
+from layered_cache.l1 import MISSING
+from layered_cache.policy import Policy
+
+__all__ = ["SyncLayeredCache"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class SyncLayeredCache:
+    """Thread-safe blocking API over one ``LayeredCache`` running on a private loop."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        max_workers: int = 32,
+        timeout: float | None = None,
+        **cache_kwargs: Any,
+    ) -> None:
+        """``max_workers``: threads for sync loaders; ``timeout``: seconds a call may
+        block before ``TimeoutError`` (None: as long as the cache's own bounds allow)."""
+        self.config = config
+        self._cache_kwargs = cache_kwargs
+        self._timeout = timeout
+        self._max_workers = max_workers
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._cache: LayeredCache | None = None
+
+    @classmethod
+    def from_config(cls, config: Config, **kwargs: Any) -> SyncLayeredCache:
+        return cls(config, **kwargs)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def __enter__(self) -> SyncLayeredCache:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the loop thread and the cache on it (idempotent)."""
+        with self._lock:
+            if self._loop is not None:
+                return
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+                try:
+                    _cancel_leftovers(loop)
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                finally:
+                    loop.close()
+
+            thread = threading.Thread(target=run, name="layered-cache-loop", daemon=True)
+            thread.start()
+            ready.wait()
+            self._loop, self._thread = loop, thread
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._max_workers, thread_name_prefix="layered-cache-loader"
+            )
+
+            async def open_cache() -> LayeredCache:
+                cache = LayeredCache.from_config(self.config, **self._cache_kwargs)
+                await cache.start()
+                return cache
+
+            try:
+                self._cache = asyncio.run_coroutine_threadsafe(open_cache(), loop).result()
+            except BaseException:
+                self._stop_loop()
+                raise
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the cache, stop the loop thread, shut the loader pool down."""
+        with self._lock:
+            if self._loop is None:
+                return
+            cache, loop = self._cache, self._loop
+            if cache is not None:
+                future = asyncio.run_coroutine_threadsafe(cache.close(), loop)
+                try:
+                    future.result(timeout)
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    future.cancel()
+            self._stop_loop(timeout)
+
+    def _stop_loop(self, timeout: float = 10.0) -> None:
+        loop, thread, executor = self._loop, self._thread, self._executor
+        self._loop = self._thread = self._executor = self._cache = None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def cache(self) -> LayeredCache:
+        """The underlying async cache (for metrics registration, policies, stats)."""
+        if self._cache is None:
+            raise RuntimeError("SyncLayeredCache is not started (use `with` or .start())")
+        return self._cache
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self._loop
+        if loop is None or self._cache is None:
+            coro.close()
+            raise RuntimeError("SyncLayeredCache is not started (use `with` or .start())")
+        if self._thread is not None and threading.get_ident() == self._thread.ident:
+            coro.close()
+            raise RuntimeError("SyncLayeredCache called from its own event loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(self._timeout)
+
+    def _async_loader(self, loader: Callable[[], T]) -> Callable[[], Coroutine[Any, Any, T]]:
+        """Wrap a sync loader: run it in the pool, in a copy of the caller's context."""
+        context = contextvars.copy_context()
+        executor = self._executor
+
+        async def load() -> T:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(executor, context.run, loader)
+
+        return load
+
+    def _l1_hit(self, policy: Policy, fields: Mapping[str, object]) -> Any:
+        """The L1 value (counted as an L1 hit) or MISSING; validates the key either way."""
+        key = policy.template.build(fields)
+        l1 = policy.l1
+        if l1 is None or not policy.cache:
+            return MISSING
+        value = l1.get(key)
+        if value is not MISSING:
+            policy.stats.l1_hit += 1
+        return value
+
+    # -- public API (same as LayeredCache, blocking) -----------------------------------
+
+    def get_or_load(
+        self, namespace: str, fields: Mapping[str, object], loader: Callable[[], T]
+    ) -> T:
+        """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
+        value = self._l1_hit(self.cache.policy(namespace), fields)
+        if value is not MISSING:
+            return typing.cast(T, value)
+        result = self._run(self.cache.get_or_load(namespace, fields, self._async_loader(loader)))
+        return typing.cast(T, result)
+
+    def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
+        """The cached value or None; never loads."""
+        value = self._l1_hit(self.cache.policy(namespace), fields)
+        if value is not MISSING:
+            return value
+        return self._run(self.cache.get(namespace, fields))
+
+    def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
+        self._run(self.cache.set(namespace, fields, value))
+
+    def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
+        """Delete the L2 key, replicas and lease, then drop L1 everywhere."""
+        self._run(self.cache.invalidate(namespace, fields))
+
+    def cached(
+        self, namespace: str, *, value_type: Any = None
+    ) -> Callable[[Callable[P, T]], Callable[P, T]]:
+        """Decorator for sync functions; key fields come from the call's arguments.
+
+        The return annotation (or ``value_type``) becomes the namespace's value type.
+        """
+        cache = self.cache
+        policy = cache.policy(namespace)
+
+        def decorate(fn: Callable[P, T]) -> Callable[P, T]:
+            if inspect.iscoroutinefunction(fn):
+                raise TypeError(
+                    f"{fn.__qualname__} is async: use LayeredCache.cached, not the sync API"
+                )
+            signature = inspect.signature(fn)
+            missing = [f for f in policy.template.fields if f not in signature.parameters]
+            if missing:
+                raise KeyError(
+                    f"namespace {namespace!r}: {fn.__qualname__} has no parameter for key "
+                    f"field(s) {missing} of template {policy.template.template!r}"
+                )
+            declared = value_type
+            if declared is None:
+                declared = typing.get_type_hints(fn).get("return")
+            if declared is not None and policy.codec.value_type is Any:
+                cache.register_type(namespace, declared)
+
+            @functools.wraps(fn)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                return self.get_or_load(namespace, bound.arguments, lambda: fn(*args, **kwargs))
+
+            return wrapper
+
+        return decorate
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return self.cache.stats()
+
+    def hot_keys(self) -> dict[str, dict[str, float]]:
+        return self.cache.hot_keys()
+
+    def policy(self, namespace: str) -> Policy:
+        return self.cache.policy(namespace)
+
+    def key(self, namespace: str, fields: Mapping[str, object]) -> str:
+        return self.cache.key(namespace, fields)
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:
+    """Cancel tasks still pending after close (e.g. a listener mid-XREAD) and let them
+    finish, so none is destroyed pending when the loop closes."""
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))

@@ -1,0 +1,339 @@
+"""The `layered-cache` CLI against a real Redis: subprocess and in-process `main(argv)`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+
+from layered_cache.cli import main
+from layered_cache.codec import Codec
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_config(tmp_path: Path, redis_url: str, prefix: str, extra: str = "") -> Path:
+    path = tmp_path / "layered_cache.toml"
+    path.write_text(
+        f"""
+[redis]
+url = "{redis_url}"
+prefix = "{prefix}"
+timeout = "500ms"
+
+[namespaces.book]
+key = "book:{{id}}"
+l2 = {{ ttl = "10m", jitter = 0.1 }}
+hot = {{ replicas = 4, keys = ["book:1"] }}
+
+[namespaces.review]
+key = "review:{{book}}:{{lang}}"
+
+[namespaces.stock]
+key = "stock:{{id}}"
+cache = false
+{extra}
+"""
+    )
+    return path
+
+
+def run_cli(
+    *args: str, cwd: Path = ROOT, repo_on_path: bool = True
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ}
+    env.pop("PYTHONPATH", None)
+    if repo_on_path:
+        env["PYTHONPATH"] = str(ROOT)
+    env.pop("LAYERED_CACHE_REDIS_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "layered_cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=env,
+    )
+
+
+@pytest.fixture
+def admin(redis_url: str) -> Iterator[Any]:
+    client: Any = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def envelope(value: object, soft_in: float = 300.0, delta: float = 0.25) -> bytes:
+    import time
+
+    now = time.time()
+    codec: Codec[Any] = Codec()
+    return codec.encode(value, now - 1.0, now + soft_in, delta)
+
+
+# -- config check ----------------------------------------------------------------------
+
+
+def test_config_check_prints_effective_policies(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    assert main(["config", "check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "OK (3 namespaces" in out
+    # defaults filled in: the file gave no l1 or stampede table for book
+    assert "l1: ttl=5s jitter=0.2 max_entries=10000" in out
+    assert "l2: ttl=10m jitter=0.1" in out
+    assert "stampede: lease_ttl=5s retry=[50ms, 150ms] max_wait=3s" in out
+    assert "never cached" in out  # stock
+
+    assert main(["config", "check", str(config), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["namespaces"]["review"]["hot"] == "off"
+    assert data["namespaces"]["book"]["hot"]["replicas"] == 4
+
+
+def test_config_check_bad_file_exits_2_with_the_path_and_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[namespaces.book]\nkey = "book:{id}"\nl2 = { ttl = "ten" }\n')
+    result = run_cli("config", "check", str(bad))
+    assert result.returncode == 2
+    assert "namespaces.book.l2.ttl" in result.stderr and "ten" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = run_cli("config", "check", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+def test_config_check_masks_the_redis_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(tmp_path, "redis://app:s3cretpw@127.0.0.1:6379/0", "")
+    assert main(["config", "check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "s3cretpw" not in out and "redis://app:***@127.0.0.1" in out
+
+
+# -- inspect / invalidate / hotkeys ----------------------------------------------------
+
+
+def test_inspect_shows_ttls_replicas_lease_and_envelope(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    base = f"{prefix}book:42"
+    admin.set(base, envelope({"title": "Dune"}), px=600_000)
+    admin.set(f"{base}#1", envelope({"title": "Dune"}), px=590_000)
+    admin.set(f"{base}#3", envelope({"title": "Dune"}), px=590_000)
+    admin.set("{" + base + "}:lease", "tok123", px=4_000)
+
+    result = run_cli("inspect", "book", "id=42", "--config", str(config), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["key"] == base
+    assert report["base"]["exists"] and 590_000 < report["base"]["pttl_ms"] <= 600_000
+    env = report["base"]["envelope"]
+    assert env["fresh"] is True and env["delta_s"] == 0.25
+    assert 290 < env["soft_expiry_in_s"] <= 300
+    assert report["base"]["size"] > env["value_size"] > 0
+    assert [r["name"] for r in report["replicas"]] == [f"{base}#1", f"{base}#3"]
+    assert report["replicas_configured"] == 4
+    assert report["lease"]["holder"] == "tok123" and 0 < report["lease"]["pttl_ms"] <= 4000
+
+    text = run_cli("inspect", "book", "id=42", "--config", str(config))
+    assert text.returncode == 0, text.stderr
+    assert "replicas   2/4 exist" in text.stdout
+    assert "held by token tok123" in text.stdout
+    assert "delta      0.2500s" in text.stdout
+
+
+def test_inspect_absent_key_and_undecodable_value(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    admin: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    assert main(["inspect", "book", "id=7", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert "L2         absent" in out and "lease" in out and "free" in out
+    admin.set(f"{prefix}book:8", b"\x80\x04pickle")
+    assert main(["inspect", "book", "id=8", "--config", config]) == 0
+    assert "not a layered_cache envelope" in capsys.readouterr().out
+
+
+def test_int_looking_values_become_ints_only_when_canonical(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    assert main(["inspect", "review", "book=007", "lang=en", "--config", config, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["key"] == f"{prefix}review:007:en"
+
+
+def test_invalidate_deletes_key_replicas_and_lease(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    base = f"{prefix}book:5"
+    names = [base, *(f"{base}#{i}" for i in range(4)), "{" + base + "}:lease"]
+    for name in names:
+        admin.set(name, b"x", px=60_000)
+    result = run_cli("invalidate", "book", "id=5", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert f"invalidated {base}: 6 name(s) deleted" in result.stdout
+    assert admin.exists(*names) == 0
+    # announced on the backplane stream, so every instance drops its L1 copy
+    entries = admin.xrange(f"{prefix}layered_cache:invalidations")
+    assert any(base.encode() in b"".join(fields.values()) for _, fields in entries)
+
+
+def test_hotkeys_lists_static_keys_and_their_replicas(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    admin: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    admin.set(f"{prefix}book:1", b"x", px=60_000)
+    admin.set(f"{prefix}book:1#2", b"x", px=60_000)
+    assert main(["hotkeys", "--config", config, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["book"]["static"] == [
+        {"key": f"{prefix}book:1", "base_exists": True, "replicas_present": [2]}
+    ]
+    assert "review" not in report
+    assert main(["hotkeys", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert "replicas 1/4 (#2)" in out and "per instance" in out
+
+
+# -- warm ------------------------------------------------------------------------------
+
+
+def test_warm_fills_with_jittered_ttls_and_shows_progress(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    source = tmp_path / "books.jsonl"
+    lines = [json.dumps({"key": {"id": i}, "value": {"title": f"t{i}"}}) for i in range(200)]
+    source.write_text("\n".join(lines) + "\n\n")
+    result = run_cli(
+        "warm", "book", "--from", str(source), "--config", str(config), "--concurrency", "8"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warmed 200 of 200 book entries" in result.stdout
+    assert "200/200" in result.stderr and "100%" in result.stderr  # the progress bar
+    ttls = [admin.pttl(f"{prefix}book:{i}") / 1000 for i in range(200)]
+    assert all(540 - 5 <= ttl <= 660 for ttl in ttls)
+    assert max(ttls) - min(ttls) > 10  # jittered, not one expiry for all
+    raw = admin.get(f"{prefix}book:7")
+    assert raw is not None
+    assert Codec().decode(raw).value == {"title": "t7"}
+    # the static hot key book:1 was written to its replicas too
+    assert admin.exists(*(f"{prefix}book:1#{i}" for i in range(4))) == 4
+
+
+def test_warm_rejects_a_bad_line_before_writing_anything(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    admin: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    source = tmp_path / "bad.jsonl"
+    source.write_text(
+        json.dumps({"key": {"id": 1}, "value": 1})
+        + "\n"
+        + json.dumps({"key": {"id": "a b"}, "value": 2})
+        + "\n"
+    )
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:2:" in err and "'id'" in err and "not a safe key value" in err
+    assert admin.exists(f"{prefix}book:1") == 0
+    source.write_text("{not json\n")
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
+    assert f"{source}:1: not valid JSON" in capsys.readouterr().err
+    source.write_text('{"value": 1}\n')
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
+    assert '"key"' in capsys.readouterr().err
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "nobook", "id=1"], "unknown namespace 'nobook'"),
+        (["inspect", "review", "book=1"], "missing key field 'lang'"),
+        (["inspect", "book", "id=a{b}"], "not a safe key value"),
+        (["inspect", "book", "idd=1"], "unknown field(s) ['idd']"),
+        (["inspect", "book", "id"], "expected field=value, got 'id'"),
+        (["invalidate", "book", "id=1", "id=2"], "field 'id' given twice"),
+        (["warm", "stock", "--from", "/dev/null"], "has no L2"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    assert main([*args, "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("layered-cache: error: ") and message in err, err
+
+
+def test_unreachable_redis_exits_2_without_password_or_traceback(tmp_path: Path) -> None:
+    url = f"redis://app:s3cretpw@127.0.0.1:{free_port()}/0"
+    config = write_config(tmp_path, url, "")
+    result = run_cli("inspect", "book", "id=1", "--config", str(config))
+    assert result.returncode == 2
+    assert "cannot reach Redis at redis://app:***@127.0.0.1" in result.stderr
+    assert "s3cretpw" not in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_usage_errors_exit_2() -> None:
+    result = run_cli("inspect", "book")
+    assert result.returncode == 2 and "usage:" in result.stderr
+
+
+def test_bench_without_the_bench_package_says_so(tmp_path: Path) -> None:
+    # The installed package (not the checkout) in a directory without bench/.
+    result = run_cli("bench", cwd=tmp_path, repo_on_path=False)
+    assert result.returncode == 1
+    assert "bench package is not available" in result.stdout
+
+
+def test_value_round_trip_through_warm_decodes_into_structs(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    class Book(msgspec.Struct):
+        title: str
+
+    config = write_config(tmp_path, redis_url, prefix)
+    source = tmp_path / "one.jsonl"
+    source.write_text(json.dumps({"key": {"id": 99}, "value": {"title": "Emma"}}) + "\n")
+    assert main(["warm", "book", "--from", str(source), "--config", str(config)]) == 0
+    raw = admin.get(f"{prefix}book:99")
+    assert raw is not None
+    assert Codec(Book).decode(raw).value == Book("Emma")

@@ -1,0 +1,118 @@
+"""structlog configuration: JSON lines with namespace/key, key redaction, no passwords."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+import structlog
+
+from layered_cache import LayeredCache
+from layered_cache.config import LoggingConfig
+from layered_cache.logs import configure_logging, mask_url_credentials, redact_key, reset_logging
+from tests.helpers import CountingLoader, make_config
+from tests.servers import free_port
+
+
+@pytest.fixture
+def stream() -> Iterator[io.StringIO]:
+    out = io.StringIO()
+    yield out
+    reset_logging()
+
+
+def json_lines(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+
+
+async def put_garbage(redis_url: str, key: str) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    await admin.set(key, b"not an envelope")
+    await admin.aclose()
+
+
+async def test_json_lines_carry_namespace_and_key(
+    redis_url: str, prefix: str, stream: io.StringIO
+) -> None:
+    assert configure_logging(LoggingConfig(format="json"), stream=stream, env={}, force=True)
+    assert not configure_logging(LoggingConfig(format="console"), stream=stream, env={})  # once
+    await put_garbage(redis_url, f"{prefix}book:5")
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        await cache.get_or_load("book", {"id": 5}, CountingLoader("v"))
+    events = [e for e in json_lines(stream) if e["event"] == "l2_value_undecodable"]
+    assert events, stream.getvalue()
+    event = events[0]
+    assert event["namespace"] == "book" and event["key"] == f"{prefix}book:5"
+    assert event["level"] == "warning" and "timestamp" in event
+    assert event["logger"] == "layered_cache"
+
+
+async def test_redaction_hides_the_key(redis_url: str, prefix: str, stream: io.StringIO) -> None:
+    config = LoggingConfig(format="json", redact_keys=True)
+    configure_logging(config, stream=stream, env={}, force=True)
+    await put_garbage(redis_url, f"{prefix}book:77")
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        await cache.get_or_load("book", {"id": 77}, CountingLoader("v"))
+    text = stream.getvalue()
+    assert "book:77" not in text
+    event = next(e for e in json_lines(stream) if e["event"] == "l2_value_undecodable")
+    assert event["namespace"] == "book"
+    assert event["key"] == redact_key(f"{prefix}book:77")
+    assert redact_key("a") == redact_key("a") != redact_key("a", b"salt")
+
+
+async def test_failing_redis_connect_logs_no_password(prefix: str, stream: io.StringIO) -> None:
+    configure_logging(
+        LoggingConfig(format="json", level="debug"), stream=stream, env={}, force=True
+    )
+    url = f"redis://app:s3cretpw@127.0.0.1:{free_port()}/0"
+    config = make_config(url, prefix, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        for i in range(4):
+            await cache.get_or_load("book", {"id": i}, CountingLoader("v"))
+    # the URL (with the password) in an event or an exception message is masked too
+    structlog.get_logger("test").error("connect_failed", url=url, error=ConnectionError(url))
+    logging.getLogger("redis.test").error("stdlib record with %s", url)
+    text = stream.getvalue()
+    assert "circuit_breaker" in text  # something was logged about the failure
+    assert "s3cretpw" not in text
+    assert "redis://app:***@127.0.0.1" in text
+
+
+def test_console_format_and_env_override(stream: io.StringIO) -> None:
+    configure_logging(LoggingConfig(format="console"), stream=stream, env={}, force=True)
+    structlog.get_logger("layered_cache").warning("hello", namespace="book", key="book:1")
+    line = stream.getvalue()
+    assert "hello" in line and "namespace=book" in line and not line.startswith("{")
+    configure_logging(
+        LoggingConfig(format="console"),
+        stream=stream,
+        env={"LAYERED_CACHE_LOG_FORMAT": "json"},
+        force=True,
+    )
+    stream.truncate(0)
+    stream.seek(0)
+    structlog.get_logger("layered_cache").warning("hello", namespace="book", key="book:1")
+    assert json_lines(stream)[0]["key"] == "book:1"
+    with pytest.raises(ValueError, match="format"):
+        configure_logging(LoggingConfig(format="xml"), stream=stream, env={}, force=True)
+
+
+def test_level_filters(stream: io.StringIO) -> None:
+    configure_logging(
+        LoggingConfig(format="json", level="error"), stream=stream, env={}, force=True
+    )
+    structlog.get_logger("layered_cache").warning("quiet")
+    structlog.get_logger("layered_cache").error("loud")
+    assert [e["event"] for e in json_lines(stream)] == ["loud"]
+
+
+def test_mask_url_credentials() -> None:
+    assert mask_url_credentials("redis://:pw@h:1/0") == "redis://:***@h:1/0"
+    assert mask_url_credentials("x rediss://u:p@h y") == "x rediss://u:***@h y"
+    assert mask_url_credentials("redis://h:6379/0") == "redis://h:6379/0"

@@ -1,0 +1,150 @@
+"""Prometheus export (read at scrape time) and the optional OpenTelemetry load spans."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from layered_cache import LayeredCache
+from layered_cache.prometheus import register_cache, render_metrics, unregister_cache
+from layered_cache.tracing import SPAN_NAME, instrument
+from tests.helpers import CountingLoader, make_config
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body, content_type = render_metrics(registry)
+    assert content_type.startswith("text/plain")
+    result = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            result[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return result
+
+
+def value(data: dict[Any, float], name: str, **labels: str) -> float:
+    return data[(name, tuple(sorted(labels.items())))]
+
+
+async def test_counters_gauges_and_histograms(redis_url: str, prefix: str) -> None:
+    config = make_config(
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}", "hot": {"replicas": 2, "keys": ["book:9"]}}},
+    )
+    registry = CollectorRegistry()
+    async with LayeredCache.from_config(config) as cache:
+        assert register_cache(cache, registry) is register_cache(cache, registry)
+        loader = CountingLoader("v", delay=0.02)
+        await asyncio.gather(*(cache.get_or_load("book", {"id": 1}, loader) for _ in range(5)))
+        for _ in range(10):
+            await cache.get_or_load("book", {"id": 1}, loader)  # L1 hits: no histogram
+        async with LayeredCache.from_config(config) as other:
+            await other.get_or_load("book", {"id": 1}, loader)  # an L2 hit elsewhere
+        data = samples(registry)
+        instance = cache.instance_id
+
+    assert value(data, "layered_cache_requests_total", namespace="book", result="l1_hit") == 10
+    assert value(data, "layered_cache_requests_total", namespace="book", result="miss") == 1
+    assert value(data, "layered_cache_requests_total", namespace="book", result="l2_hit") == 0
+    assert value(data, "layered_cache_loads_total", namespace="book") == 1
+    assert value(data, "layered_cache_coalesced_total", namespace="book") == 4
+    assert value(data, "layered_cache_lease_total", namespace="book", outcome="won") == 1
+    assert value(data, "layered_cache_redis_errors_total", namespace="book") == 0
+    assert value(data, "layered_cache_hot_keys", namespace="book") == 1  # static book:9
+    assert value(data, "layered_cache_l1_entries", namespace="book") == 1
+    assert value(data, "layered_cache_breaker_state", instance=instance, state="closed") == 1
+    assert value(data, "layered_cache_breaker_state", instance=instance, state="open") == 0
+    load = value(data, "layered_cache_load_seconds_count", namespace="book", outcome="ok")
+    assert load == 1
+    assert value(data, "layered_cache_load_seconds_sum", namespace="book", outcome="ok") >= 0.02
+    # one L2 read for the single-flight miss: the 10 L1 hits were not observed
+    assert value(data, "layered_cache_l2_read_seconds_count", namespace="book") == 1
+    inf = value(data, "layered_cache_l2_read_seconds_bucket", namespace="book", le="+Inf")
+    assert inf == 1
+
+
+async def test_several_caches_are_summed_and_can_be_removed(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix)
+    registry = CollectorRegistry()
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        register_cache(a, registry)
+        register_cache(b, registry)
+        await a.set("book", {"id": 1}, 1)
+        await b.set("book", {"id": 2}, 2)
+        assert value(samples(registry), "layered_cache_sets_total", namespace="book") == 2
+        unregister_cache(b, registry)
+        assert b.load_observers == [] and b.l2_observers == []
+        assert value(samples(registry), "layered_cache_sets_total", namespace="book") == 1
+
+
+async def test_failed_loads_and_redis_errors(redis_url: str, prefix: str) -> None:
+    from tests.servers import free_port
+
+    config = make_config(f"redis://127.0.0.1:{free_port()}/0", prefix, backplane={"enabled": False})
+    registry = CollectorRegistry()
+    async with LayeredCache.from_config(config) as cache:
+        register_cache(cache, registry)
+        loader = CountingLoader("v")
+        loader.error = RuntimeError("db down")
+        for i in range(3):
+            with suppress(RuntimeError):
+                await cache.get_or_load("book", {"id": i}, loader)
+        data = samples(registry)
+        instance = cache.instance_id
+    assert value(data, "layered_cache_load_errors_total", namespace="book") == 3
+    assert value(data, "layered_cache_redis_errors_total", namespace="book") == 3
+    assert value(data, "layered_cache_load_seconds_count", namespace="book", outcome="error") == 3
+    assert value(data, "layered_cache_breaker_state", instance=instance, state="closed") == 0
+
+
+async def test_metrics_disabled_registers_nothing(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix, metrics={"enabled": False})
+    registry = CollectorRegistry()
+    async with LayeredCache.from_config(config) as cache:
+        assert register_cache(cache, registry) is None
+    assert b"layered_cache" not in render_metrics(registry)[0]
+
+
+class FakeTracer:
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, dict[str, Any]]] = []
+        self.active = 0
+
+    @contextmanager
+    def start_as_current_span(self, name: str, attributes: dict[str, Any]) -> Iterator[None]:
+        self.spans.append((name, attributes))
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+
+async def test_load_spans_wrap_the_loader(redis_url: str, prefix: str) -> None:
+    tracer = FakeTracer()
+    seen: list[int] = []
+
+    async def loader() -> str:
+        seen.append(tracer.active)
+        return "v"
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        assert instrument(cache, tracer) is True
+        await cache.get_or_load("book", {"id": 1}, loader)
+        await cache.get_or_load("book", {"id": 1}, loader)  # L1 hit: no span
+    assert tracer.spans == [(SPAN_NAME, {"cache.namespace": "book"})]
+    assert seen == [1]  # the loader ran inside the span
+
+
+async def test_instrument_without_opentelemetry_is_a_no_op(redis_url: str, prefix: str) -> None:
+    import importlib.util
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        installed = importlib.util.find_spec("opentelemetry") is not None
+        assert instrument(cache) is installed
+        assert (cache.load_wrapper is not None) is installed

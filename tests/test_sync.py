@@ -1,0 +1,191 @@
+"""The sync API: one async implementation on a private loop, safe under threads."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+
+from layered_cache.sync import SyncLayeredCache
+from tests.helpers import make_config
+
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class Book(msgspec.Struct):
+    id: int
+    title: str
+
+
+class SyncLoader:
+    """Counts calls (thread-safe); optionally slow."""
+
+    def __init__(self, value: Any = "v", delay: float = 0.0) -> None:
+        self.value = value
+        self.delay = delay
+        self.calls = 0
+        self.threads: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Any:
+        with self._lock:
+            self.calls += 1
+            self.threads.add(threading.current_thread().name)
+        if self.delay:
+            time.sleep(self.delay)
+        return self.value
+
+
+@pytest.fixture
+def cache(redis_url: str, prefix: str) -> Iterator[SyncLayeredCache]:
+    config = make_config(
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}"}, "stock": {"key": "stock:{id}", "cache": False}},
+    )
+    with SyncLayeredCache.from_config(config) as sync_cache:
+        yield sync_cache
+
+
+def test_50_threads_concurrent_misses_cause_one_load(cache: SyncLayeredCache) -> None:
+    loader = SyncLoader({"title": "Dune"}, delay=0.2)
+    barrier = threading.Barrier(50)
+
+    def read() -> Any:
+        barrier.wait(timeout=10)
+        return cache.get_or_load("book", {"id": 42}, loader)
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        results = list(pool.map(lambda _: read(), range(50)))
+    assert results == [{"title": "Dune"}] * 50
+    assert loader.calls == 1
+    # the sync loader ran in the loader pool, not on the event loop thread
+    assert all(name.startswith("layered-cache-loader") for name in loader.threads)
+    stats = cache.stats()["book"]
+    assert stats["load"] == 1
+    assert stats["coalesced"] + stats["lease_wait_filled"] + stats["l1_hit"] + 1 >= 50
+
+
+def test_l1_hit_is_served_in_the_calling_thread(cache: SyncLayeredCache) -> None:
+    loader = SyncLoader("v")
+    assert cache.get_or_load("book", {"id": 1}, loader) == "v"
+    loop = cache._loop
+    assert loop is not None
+    # Stall the loop thread: an L1 hit must not need it.
+    release = threading.Event()
+    loop.call_soon_threadsafe(lambda: release.wait(5))
+    try:
+        started = time.monotonic()
+        for _ in range(100):
+            assert cache.get_or_load("book", {"id": 1}, loader) == "v"
+            assert cache.get("book", {"id": 1}) == "v"
+        assert time.monotonic() - started < 2
+    finally:
+        release.set()
+    assert loader.calls == 1
+    assert cache.stats()["book"]["l1_hit"] == 200
+
+
+def test_get_set_invalidate(cache: SyncLayeredCache, redis_url: str, prefix: str) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    assert cache.get("book", {"id": 2}) is None
+    cache.set("book", {"id": 2}, {"title": "Emma"})
+    assert cache.get("book", {"id": 2}) == {"title": "Emma"}
+    assert admin.exists(f"{prefix}book:2") == 1
+    cache.invalidate("book", {"id": 2})
+    assert admin.exists(f"{prefix}book:2") == 0
+    assert cache.get("book", {"id": 2}) is None
+    loader = SyncLoader("fresh")
+    assert cache.get_or_load("book", {"id": 2}, loader) == "fresh"
+    stats = cache.stats()
+    assert stats["book"]["set"] == 1 and stats["book"]["invalidated"] == 1
+    assert stats["_redis"]["breaker"] == "closed"
+    assert cache.key("book", {"id": 2}) == f"{prefix}book:2"
+    assert cache.hot_keys() == {}
+    admin.close()
+
+
+def test_bypass_namespace_always_loads(cache: SyncLayeredCache) -> None:
+    loader = SyncLoader(5)
+    for _ in range(3):
+        assert cache.get_or_load("stock", {"id": 1}, loader) == 5
+    assert loader.calls == 3
+
+
+def test_cached_decorator_for_sync_functions(cache: SyncLayeredCache) -> None:
+    calls: list[int] = []
+
+    @cache.cached("book")
+    def book_detail(id: int, *, lang: str = "en") -> Book:
+        calls.append(id)
+        return Book(id, f"title {id} {lang}")
+
+    assert book_detail(3) == Book(3, "title 3 en")
+    assert book_detail(id=3) == Book(3, "title 3 en")
+    assert book_detail(4).id == 4
+    assert calls == [3, 4]
+    assert book_detail.__name__ == "book_detail"
+    # decoded from L2 into the return annotation by another instance
+    cache.policy("book").l1.clear()  # type: ignore[union-attr]
+    assert isinstance(cache.get("book", {"id": 3}), Book)
+
+    with pytest.raises(KeyError, match="'id'"):
+
+        @cache.cached("book")
+        def wrong(book_id: int) -> str:
+            return "x"
+
+    with pytest.raises(TypeError, match="async"):
+
+        @cache.cached("book")
+        async def coro(id: int) -> str:
+            return "x"
+
+
+def test_loader_sees_the_callers_context_and_errors_propagate(cache: SyncLayeredCache) -> None:
+    seen: list[str] = []
+
+    def loader() -> str:
+        seen.append(request_id.get())
+        return "ok"
+
+    token = request_id.set("req-7")
+    try:
+        assert cache.get_or_load("book", {"id": 11}, loader) == "ok"
+    finally:
+        request_id.reset(token)
+    assert seen == ["req-7"]
+
+    def failing() -> str:
+        raise RuntimeError("db down")
+
+    with pytest.raises(RuntimeError, match="db down"):
+        cache.get_or_load("book", {"id": 12}, failing)
+    with pytest.raises(KeyError, match="unknown namespace"):
+        cache.get_or_load("nope", {"id": 1}, loader)
+    with pytest.raises(ValueError, match="not a safe key value"):
+        cache.get("book", {"id": "a b"})
+
+
+def test_lifecycle(redis_url: str, prefix: str) -> None:
+    sync_cache = SyncLayeredCache(make_config(redis_url, prefix))
+    with pytest.raises(RuntimeError, match="not started"):
+        sync_cache.get("book", {"id": 1})
+    sync_cache.start()
+    sync_cache.start()  # idempotent
+    thread = sync_cache._thread
+    assert thread is not None and thread.daemon and thread.is_alive()
+    sync_cache.set("book", {"id": 1}, 1)
+    sync_cache.close()
+    sync_cache.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="not started"):
+        sync_cache.set("book", {"id": 1}, 1)
