@@ -1,0 +1,1 @@
+"""Runnable examples: ``examples.bookstore`` (an ASGI service) and ``examples.demo`` (make demo)."""

@@ -1,0 +1,365 @@
+"""The bookstore service (Starlette): layered_cache in front of an expensive join.
+
+    GET  /books/{id}         book detail (book + author + price + review count), cached
+                             in namespace "book" (L1 -> L2 -> one DB query per key fleet-wide)
+    PUT  /books/{id}/price   {"price": "9.90"}: update the DB, then produce BookPriceChanged
+                             to Kafka; the invalidation daemon deletes book:{id} in Redis and
+                             the backplane drops every instance's L1 copy
+    GET  /books/{id}/stock   namespace "stock" has cache = false: always read live
+    PUT  /books/{id}/stock   {"on_hand": 3} (so the demo can show stock is never stale)
+    GET  /metrics            Prometheus text (layered_cache.prometheus) or, without it, JSON
+    GET  /stats              JSON: cache counters per namespace, hot keys, DB query counts
+    GET  /healthz            200 while the database answers; reports the Redis breaker
+
+Without Kafka (no ``kafka_bootstrap`` / ``KAFKA_BOOTSTRAP``) a price change invalidates
+directly with ``cache.invalidate`` - same effect in one process, no daemon needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import socket
+import tomllib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from examples.bookstore.db import Database, open_database, parse_price
+from examples.bookstore.models import BookDetail, PriceUpdate, StockUpdate
+from layered_cache import Config, LayeredCache, parse_config
+from layered_cache.events import BookPriceChanged, encode_event
+
+# /metrics: the Prometheus exporter when the library ships one, else a JSON dump of
+# cache.stats(). Decided once, at import, so a scrape never pays for the check.
+_prometheus: Any
+try:
+    from layered_cache import prometheus as _prometheus
+
+    if not hasattr(_prometheus, "register_cache") or not hasattr(_prometheus, "render_metrics"):
+        _prometheus = None  # an older/other module of that name: use the JSON fallback
+except ImportError:  # pragma: no cover - depends on the library version
+    _prometheus = None
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "METRICS_FORMAT",
+    "BookNotFound",
+    "BookstoreSettings",
+    "create_app",
+    "load_bookstore_config",
+    "serve",
+]
+
+DEFAULT_CONFIG = Path(__file__).with_name("bookstore.toml")
+METRICS_FORMAT = "prometheus" if _prometheus is not None else "json"
+_log = structlog.get_logger("bookstore")
+
+
+class BookNotFound(LookupError):
+    """Raised by the loader, so a missing book is a 404 and never a cached value."""
+
+
+def load_bookstore_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    redis_url: str | None = None,
+    prefix: str | None = None,
+    kafka_bootstrap: str | None = None,
+    topic: str | None = None,
+    group_id: str | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """bookstore.toml (or ``path`` / ``$BOOKSTORE_CONFIG``) with the given overrides.
+
+    ``REDIS_URL`` and ``KAFKA_BOOTSTRAP`` from ``env`` (default: the process env) fill
+    the URLs when not passed; ``overrides`` merges keys into tables
+    (``{"kafka": {"session_timeout": "2s"}}``); ``LAYERED_CACHE_*`` variables then apply
+    as usual. Everything is validated like the file itself.
+    """
+    env = os.environ if env is None else env
+    source = Path(path or env.get("BOOKSTORE_CONFIG") or DEFAULT_CONFIG)
+    raw: dict[str, Any] = tomllib.loads(source.read_text())
+    redis = raw.setdefault("redis", {})
+    kafka = raw.setdefault("kafka", {})
+    if redis_url or env.get("REDIS_URL"):
+        redis["url"] = redis_url or env["REDIS_URL"]
+    if prefix is not None:
+        redis["prefix"] = prefix
+    if kafka_bootstrap or env.get("KAFKA_BOOTSTRAP"):
+        kafka["bootstrap_servers"] = kafka_bootstrap or env["KAFKA_BOOTSTRAP"]
+    if topic is not None:
+        kafka["topics"] = [topic]
+        kafka["dead_letter_topic"] = f"{topic}.dlq"
+    if group_id is not None:
+        kafka["group_id"] = group_id
+    for table, values in (overrides or {}).items():
+        raw.setdefault(table, {}).update(values)
+    return parse_config(raw, source=str(source), env=env)
+
+
+@dataclass
+class BookstoreSettings:
+    """How to build one service instance.
+
+    ``db``: share an already created database (the demo runs two instances on one
+    SQLite); otherwise one is opened from ``database_url`` / ``$DATABASE_URL``.
+    ``produce_events``: publish BookPriceChanged to Kafka (default: when a bootstrap is
+    given or ``$KAFKA_BOOTSTRAP`` is set) instead of invalidating directly.
+    """
+
+    config: Config = field(default_factory=load_bookstore_config)
+    db: Database | None = None
+    database_url: str | None = None
+    produce_events: bool | None = None
+    name: str = "bookstore"
+
+    @property
+    def topic(self) -> str:
+        return self.config.kafka.topics[0]
+
+    def wants_kafka(self) -> bool:
+        if self.produce_events is not None:
+            return self.produce_events
+        return bool(
+            os.environ.get("KAFKA_BOOTSTRAP")
+            or os.environ.get("LAYERED_CACHE_KAFKA_BOOTSTRAP_SERVERS")
+        )
+
+
+class _Service:
+    """Per-instance state: the cache, the database, the producer and the cached reads."""
+
+    def __init__(self, settings: BookstoreSettings) -> None:
+        self.settings = settings
+        self.db: Database = settings.db or open_database(settings.database_url)
+        self.cache = LayeredCache.from_config(settings.config)
+        self.producer: Any = None  # AIOKafkaProducer when events are produced
+        # One registry per instance: two instances in one process (the demo) must not sum.
+        self.registry: Any = None
+        if _prometheus is not None:
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry()
+
+        # The decorator takes the key field ``id`` from the argument of the same name and
+        # registers the return type, so L2 hits decode straight into BookDetail.
+        @self.cache.cached("book")
+        async def book_detail(id: int) -> BookDetail:
+            detail = await self.db.book_detail(id)
+            if detail is None:
+                raise BookNotFound(id)
+            return detail
+
+        self.book_detail = book_detail
+
+    async def start(self) -> None:
+        await self.db.open()
+        await self.cache.start()
+        if _prometheus is not None:
+            _prometheus.register_cache(self.cache, self.registry)
+        if self.settings.wants_kafka():
+            from aiokafka import AIOKafkaProducer
+
+            kafka = self.settings.config.kafka
+            options: dict[str, Any] = {
+                "bootstrap_servers": kafka.bootstrap_servers,
+                "client_id": f"{self.settings.name}-producer",
+                "security_protocol": kafka.security_protocol,
+                "acks": "all",
+            }
+            if kafka.sasl_mechanism:
+                options.update(
+                    sasl_mechanism=kafka.sasl_mechanism,
+                    sasl_plain_username=kafka.sasl_username,
+                    sasl_plain_password=kafka.sasl_password,
+                )
+            self.producer = AIOKafkaProducer(**options)
+            await self.producer.start()
+
+    async def close(self) -> None:
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                await self.producer.stop()
+        if _prometheus is not None:
+            _prometheus.unregister_cache(self.cache, self.registry)
+        await self.cache.close()
+        if self.settings.db is None:  # ours: close it; a shared one belongs to the caller
+            await self.db.close()
+
+    async def publish_price_change(self, book_id: int, old: str, new: str) -> str:
+        """Tell the fleet. Kafka when configured; a failed send falls back to a direct
+        invalidation (the DB is already updated: a lost event would leave the cache stale
+        until its TTL; in production use an outbox table to make this exactly-once)."""
+        if self.producer is None:
+            await self.cache.invalidate("book", {"id": book_id})
+            return "direct"
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        event = BookPriceChanged(book_id=book_id, old_price=old, new_price=new, occurred_at=now)
+        try:
+            # Keyed by book: all events of one book land on one partition, in order.
+            await self.producer.send_and_wait(
+                self.settings.topic, encode_event(event), key=str(book_id).encode()
+            )
+        except Exception as exc:
+            _log.warning("price_event_not_sent", book_id=book_id, error=str(exc))
+            await self.cache.invalidate("book", {"id": book_id})
+            return "direct (kafka send failed)"
+        return f"kafka:{self.settings.topic}"
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(data), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json({"error": message}, status)
+
+
+async def _body(request: Request, typ: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(await request.body(), type=typ)
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _routes(svc: _Service) -> list[Route]:
+    async def get_book(request: Request) -> Response:
+        book_id: int = request.path_params["id"]
+        try:
+            return _json(await svc.book_detail(book_id))
+        except BookNotFound:
+            return _error(404, f"no book {book_id}")
+
+    async def put_price(request: Request) -> Response:
+        book_id: int = request.path_params["id"]
+        try:
+            cents = parse_price((await _body(request, PriceUpdate)).price)
+        except ValueError as exc:
+            return _error(422, str(exc))
+        old = await svc.db.update_price(book_id, cents)
+        if old is None:
+            return _error(404, f"no book {book_id}")
+        new = f"{cents // 100}.{cents % 100:02d}"
+        via = await svc.publish_price_change(book_id, old, new)
+        return _json({"book_id": book_id, "old_price": old, "new_price": new, "invalidation": via})
+
+    async def get_stock(request: Request) -> Response:
+        book_id: int = request.path_params["id"]
+        # Namespace "stock" is cache = false: get_or_load calls the loader every time.
+        stock = await svc.cache.get_or_load("stock", {"id": book_id}, lambda: svc.db.stock(book_id))
+        return _error(404, f"no book {book_id}") if stock is None else _json(stock)
+
+    async def put_stock(request: Request) -> Response:
+        book_id: int = request.path_params["id"]
+        try:
+            update = await _body(request, StockUpdate)
+        except ValueError as exc:
+            return _error(422, str(exc))
+        if update.on_hand < 0:
+            return _error(422, "on_hand must be >= 0")
+        if not await svc.db.set_stock(book_id, update.on_hand):
+            return _error(404, f"no book {book_id}")
+        return _json({"book_id": book_id, "on_hand": update.on_hand})
+
+    async def metrics(request: Request) -> Response:
+        if _prometheus is not None:
+            body, content_type = _prometheus.render_metrics(svc.registry)
+            return Response(body, headers={"Content-Type": content_type})
+        return _json(_stats(svc))
+
+    async def stats(request: Request) -> Response:
+        return _json(_stats(svc))
+
+    async def healthz(request: Request) -> Response:
+        try:
+            db_ok = await asyncio.wait_for(svc.db.ping(), 2.0)
+        except Exception:
+            db_ok = False
+        breaker = svc.cache.breaker.state
+        body = {
+            "status": "ok" if db_ok else "unavailable",
+            "database": svc.db.kind if db_ok else "down",
+            "redis_breaker": breaker,  # "open": Redis is skipped, reads go to the database
+            "instance": svc.settings.name,
+        }
+        return _json(body, 200 if db_ok else 503)
+
+    return [
+        Route("/books/{id:int}", get_book, methods=["GET"]),
+        Route("/books/{id:int}/price", put_price, methods=["PUT"]),
+        Route("/books/{id:int}/stock", get_stock, methods=["GET"]),
+        Route("/books/{id:int}/stock", put_stock, methods=["PUT"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ]
+
+
+def _stats(svc: _Service) -> dict[str, Any]:
+    return {
+        "instance": svc.settings.name,
+        "metrics_format": METRICS_FORMAT,
+        "cache": svc.cache.stats(),
+        "hot_keys": svc.cache.hot_keys(),
+        "db": {"kind": svc.db.kind, "queries": dict(svc.db.queries)},
+    }
+
+
+def create_app(settings: BookstoreSettings | None = None) -> Starlette:
+    """One bookstore instance. The cache, DB and producer live for the app's lifespan."""
+    settings = settings or BookstoreSettings()
+    svc = _Service(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await svc.start()
+        try:
+            yield
+        finally:
+            await svc.close()
+
+    app = Starlette(routes=_routes(svc), lifespan=lifespan)
+    app.state.service = svc
+    app.state.cache = svc.cache
+    app.state.db = svc.db
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Run ``app`` with uvicorn in this event loop; yields its base URL (``port=0``: a
+    free port, bound before uvicorn starts, so there is no race for it)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # raises the startup error
+                raise RuntimeError("uvicorn exited during startup")
+            await asyncio.sleep(0.01)
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        sock.close()
+

@@ -1,0 +1,311 @@
+"""deploy/ files stay in step with the code: YAML parses, every config they carry validates
+against the real schema, commands name real entry points, referenced files exist."""
+
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml  # type: ignore[import-untyped]
+
+from layered_cache import load_config, parse_config
+from layered_cache.config import ENV_OVERRIDES
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+CONFIG_PATH = "/etc/layered-cache/layered_cache.toml"
+YAML_FILES = sorted([*DEPLOY.glob("*.yaml"), *DEPLOY.glob("k8s/*.yaml")])
+TOML_FILES = sorted([*DEPLOY.glob("config/*.toml"), ROOT / "examples/bookstore/bookstore.toml"])
+# Env the example service reads besides LAYERED_CACHE_* (examples/bookstore/app.py, db.py).
+APP_ENV = {"REDIS_URL", "KAFKA_BOOTSTRAP", "BOOKSTORE_CONFIG", "DATABASE_URL", "BOOKSTORE_QUERY_DELAY"}
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _k8s(kind: str) -> list[dict[str, Any]]:
+    return [doc for p in DEPLOY.glob("k8s/*.yaml") for doc in _docs(p) if doc.get("kind") == kind]
+
+
+def _compose() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    return doc
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    text = re.sub(r"\\\n", " ", text)
+    result = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            instruction, _, args = line.partition(" ")
+            result.append((instruction.upper(), args.strip()))
+    return result
+
+
+def _pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def assert_entry_point(argv: list[str]) -> None:
+    """``python -m MODULE ...`` names an importable module with a ``__main__``; a bare
+    command names a script declared in pyproject's [project.scripts]."""
+    assert argv, "empty command"
+    if argv[0] in ("python", "python3") or argv[0].endswith("/python"):
+        assert argv[1] == "-m", argv
+        module = argv[2]
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, f"module {module!r} is not importable"
+        if spec.submodule_search_locations:  # a package: needs __main__
+            assert importlib.util.find_spec(f"{module}.__main__") is not None, module
+    else:
+        scripts = _pyproject()["project"]["scripts"]
+        assert argv[0] in scripts, f"{argv[0]!r} is not a [project.scripts] entry"
+        target = scripts[argv[0]].split(":")[0]
+        assert importlib.util.find_spec(target) is not None, target
+
+
+def assert_config_flag(argv: list[str]) -> str:
+    assert "--config" in argv, argv
+    return argv[argv.index("--config") + 1]
+
+
+# -- YAML -------------------------------------------------------------------------------
+
+
+def test_there_are_deploy_files() -> None:
+    names = {p.relative_to(DEPLOY).as_posix() for p in YAML_FILES}
+    assert {"compose.yaml", "k8s/deployment.yaml", "k8s/configmap.yaml", "k8s/pdb.yaml",
+            "k8s/secret.yaml"} <= names
+    assert (DEPLOY / "Dockerfile").is_file()
+    assert (DEPLOY / "systemd/layered-cache-invalidator.service").is_file()
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: p.relative_to(DEPLOY).as_posix())
+def test_yaml_parses(path: Path) -> None:
+    docs = _docs(path)
+    assert docs, f"{path} has no documents"
+    if path.parent.name == "k8s" and path.name != "kustomization.yaml":
+        for doc in docs:
+            assert {"apiVersion", "kind", "metadata"} <= set(doc), path
+            assert doc["metadata"].get("name"), path
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    (kustomization,) = _docs(DEPLOY / "k8s/kustomization.yaml")
+    listed = set(kustomization["resources"])
+    present = {p.name for p in DEPLOY.glob("k8s/*.yaml")} - {"kustomization.yaml"}
+    assert listed == present
+
+
+# -- configs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", TOML_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_example_configs_validate(path: Path) -> None:
+    config = load_config(path, env={})  # unknown keys, bad durations etc. raise ConfigError
+    assert config.namespaces
+    for route in config.events:
+        assert route.invalidate
+
+
+def _configmap_config() -> Any:
+    (configmap,) = [cm for cm in _k8s("ConfigMap") if cm["metadata"]["name"] == "layered-cache-config"]
+    text = configmap["data"]["layered_cache.toml"]
+    return parse_config(tomllib.loads(text), source="k8s/configmap.yaml", env={})
+
+
+def test_configmap_config_validates() -> None:
+    config = _configmap_config()
+    assert config.kafka.topics and config.kafka.group_id
+
+
+def test_example_configs_agree_on_key_names() -> None:
+    """The example files describe one bookstore: the same key templates, replica counts
+    and backplane stream, so copying any of them keeps daemon and services in step."""
+    from layered_cache.policy import compile_policy
+
+    def names(config: Any) -> dict[str, tuple[str, int]]:
+        return {
+            name: (ns.key, compile_policy(name, ns, "").replicas)
+            for name, ns in config.namespaces.items()
+        }
+
+    shipped = load_config(DEPLOY / "config/layered_cache.toml", env={})
+    for other in (_configmap_config(), load_config(DEPLOY / "config/cluster-sasl.toml", env={})):
+        assert names(other) == names(shipped)
+        assert other.backplane.stream == shipped.backplane.stream
+
+
+def test_compose_gives_daemon_and_service_the_same_config() -> None:
+    services = _compose()["services"]
+    mounts = [
+        next(v for v in services[name]["volumes"] if v.endswith(".toml:" + CONFIG_PATH + ":ro"))
+        for name in ("invalidator", "bookstore")
+    ]
+    assert mounts[0] == mounts[1]
+
+
+# -- Kubernetes -------------------------------------------------------------------------
+
+
+def _daemon_deployment() -> dict[str, Any]:
+    (deployment,) = [d for d in _k8s("Deployment") if d["metadata"]["name"] == "layered-cache-invalidator"]
+    return deployment
+
+
+def test_deployment_runs_the_daemon_with_probes_and_resources() -> None:
+    deployment = _daemon_deployment()
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    argv = [*container.get("command", []), *container.get("args", [])]
+    assert_entry_point(argv)
+    assert argv[:3] == ["python", "-m", "consumers"]
+    assert assert_config_flag(argv) == CONFIG_PATH
+    # The config file is the ConfigMap, mounted where --config points.
+    mount = next(m for m in container["volumeMounts"] if CONFIG_PATH.startswith(m["mountPath"]))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == "layered-cache-config"
+    items = {i["path"]: i["key"] for i in volume["configMap"].get("items", [])}
+    assert items.get(Path(CONFIG_PATH).name, Path(CONFIG_PATH).name) == "layered_cache.toml"
+    # Probes hit the daemon's health port and paths.
+    health_port = _configmap_config().kafka.health_port
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    probe_paths = set()
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        port = get["port"]
+        assert (ports[port] if isinstance(port, str) else port) == health_port
+        probe_paths.add(get["path"])
+    assert probe_paths <= {"/healthz", "/readyz"}
+    source = (ROOT / "consumers/health.py").read_text()
+    for path in probe_paths:
+        assert f'"{path}"' in source, f"the daemon serves no {path}"
+    requests = container["resources"]["requests"]
+    assert requests["cpu"] and requests["memory"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_secret_env_uses_real_overrides_and_existing_keys() -> None:
+    container = _daemon_deployment()["spec"]["template"]["spec"]["containers"][0]
+    secrets = {s["metadata"]["name"]: s for s in _k8s("Secret")}
+    used = set()
+    for env in container.get("env", []):
+        assert env["name"] in ENV_OVERRIDES, f"{env['name']} is not a config env override"
+        ref = env.get("valueFrom", {}).get("secretKeyRef")
+        if ref:
+            secret = secrets[ref["name"]]
+            assert ref["key"] in {**secret.get("stringData", {}), **secret.get("data", {})}
+            used.add(env["name"])
+    assert {"LAYERED_CACHE_REDIS_PASSWORD", "LAYERED_CACHE_KAFKA_SASL_PASSWORD"} <= used
+
+
+def test_pdb_and_service_select_the_daemon_pods() -> None:
+    labels = _daemon_deployment()["spec"]["template"]["metadata"]["labels"]
+    assert _daemon_deployment()["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (pdb,) = _k8s("PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert "minAvailable" in pdb["spec"] or "maxUnavailable" in pdb["spec"]
+    for service in _k8s("Service"):
+        assert service["spec"]["selector"].items() <= labels.items()
+
+
+# -- Dockerfile -------------------------------------------------------------------------
+
+
+def test_dockerfile_names_real_entry_points_and_files() -> None:
+    instructions = _dockerfile_instructions()
+    froms = [args for ins, args in instructions if ins == "FROM"]
+    args = dict(a.split("=", 1) for ins, a in instructions if ins == "ARG" and "=" in a)
+    assert all("python:3.11-slim" in f.replace("${PYTHON_IMAGE}", args.get("PYTHON_IMAGE", "")) for f in froms)
+    users = [a for ins, a in instructions if ins == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    cmd = [a for ins, a in instructions if ins == "CMD"][-1]
+    argv = json.loads(cmd)  # exec form: signals reach python directly
+    entrypoint = [json.loads(a) for ins, a in instructions if ins == "ENTRYPOINT"]
+    argv = [*(entrypoint[-1] if entrypoint else []), *argv]
+    assert_entry_point(argv)
+    assert argv[:3] == ["python", "-m", "consumers"]
+    config_path = assert_config_flag(argv)
+    # The default config is baked in where CMD looks, from a file that validates.
+    copies = [a.split() for ins, a in instructions if ins == "COPY" and not a.startswith("--from")]
+    baked = [c for c in copies if c[-1] == config_path]
+    assert baked, f"nothing is copied to {config_path}"
+    for copy in copies:
+        for source in copy[:-1]:
+            if "[" in source:  # a glob such as README.m[d]: may match nothing
+                continue
+            assert (ROOT / source).exists(), f"COPY source {source} missing"
+    # The installed extras exist in pyproject.
+    extras = _pyproject()["project"]["optional-dependencies"]
+    for match in re.finditer(r"\[([a-z,]+)\]", " ".join(a for ins, a in instructions if ins == "RUN")):
+        for extra in match.group(1).split(","):
+            assert extra in extras, f"extra {extra!r} not in pyproject"
+
+
+# -- compose ----------------------------------------------------------------------------
+
+
+def test_compose_services_and_references() -> None:
+    compose = _compose()
+    services = compose["services"]
+    assert {"redis", "kafka", "invalidator", "bookstore"} <= set(services)
+    redis_cmd = " ".join(services["redis"]["command"])
+    assert "--maxmemory-policy allkeys-lfu" in redis_cmd
+    kafka = services["kafka"]
+    assert kafka["image"].startswith("apache/kafka")
+    assert "controller" in kafka["environment"]["KAFKA_PROCESS_ROLES"]  # KRaft, no ZooKeeper
+    for name, service in services.items():
+        build = service.get("build")
+        if build:
+            context = DEPLOY / build["context"]
+            assert context.is_dir(), name
+            assert (context / build.get("dockerfile", "Dockerfile")).is_file(), name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith((".", "/")):
+                assert (DEPLOY / source).exists(), f"{name}: volume source {source} missing"
+                if source.endswith(".toml"):
+                    load_config(DEPLOY / source, env={})
+        for dependency in service.get("depends_on", {}):
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+        for var in service.get("environment", {}) if isinstance(service.get("environment"), dict) else []:
+            if var.startswith("LAYERED_CACHE_"):
+                assert var in ENV_OVERRIDES, f"{name}: {var} is not a config env override"
+            elif name in ("invalidator", "bookstore"):
+                assert var in APP_ENV, f"{name}: {var} is read by nothing"
+        command = service.get("command")
+        if name in ("invalidator", "bookstore") and command:
+            assert_entry_point(command if isinstance(command, list) else shlex.split(command))
+    # The bookstore reads the mounted config, the daemon the image default path.
+    assert services["bookstore"]["environment"]["BOOKSTORE_CONFIG"] == CONFIG_PATH
+    assert any(v.endswith(f":{CONFIG_PATH}:ro") for v in services["invalidator"]["volumes"])
+
+
+# -- systemd ----------------------------------------------------------------------------
+
+
+def test_systemd_unit_runs_the_daemon() -> None:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(DEPLOY / "systemd/layered-cache-invalidator.service")
+    service = unit["Service"]
+    argv = shlex.split(service["ExecStart"])
+    assert argv[0].endswith("/python")
+    assert_entry_point(["python", *argv[1:]])
+    assert assert_config_flag(argv) == CONFIG_PATH
+    assert service["KillSignal"] == "SIGTERM"
+    assert service["Restart"] == "on-failure"
+    assert "2" in service["RestartPreventExitStatus"].split()  # config error: no restart loop
+    assert service.get("User") or service.get("DynamicUser") == "yes"  # never root
+    assert unit["Install"]["WantedBy"] == "multi-user.target"

@@ -1,0 +1,226 @@
+"""The bookstore example (examples/bookstore) served by uvicorn, driven through httpx,
+against real Redis - and, for the price change, a real broker and the invalidation daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from examples.bookstore.app import (
+    METRICS_FORMAT,
+    BookstoreSettings,
+    create_app,
+    load_bookstore_config,
+    serve,
+)
+from examples.bookstore.db import SQLiteDatabase, parse_price, seed_rows
+from layered_cache import Config
+from tests.helpers import eventually
+from tests.servers import create_topic
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST_GROUP = {"session_timeout": "2s", "heartbeat_interval": "200ms", "rebalance_timeout": "1s"}
+
+
+def _config(redis_url: str, prefix: str, **kwargs: Any) -> Config:
+    return load_bookstore_config(
+        redis_url=redis_url,
+        prefix=prefix,
+        overrides={"kafka": FAST_GROUP, "logging": {"level": "error"}},
+        env={},
+        **kwargs,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(
+    config: Config, db: SQLiteDatabase, *, kafka: bool = False, name: str = "test"
+) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(BookstoreSettings(config=config, db=db, produce_events=kafka, name=name))
+    async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=10) as client:
+        yield client
+
+
+@pytest.fixture
+async def db() -> AsyncIterator[SQLiteDatabase]:
+    database = SQLiteDatabase(":memory:", books=200, query_delay=0.05)
+    await database.open()
+    yield database
+    await database.close()
+
+
+@pytest.fixture
+async def shop(redis_url: str, prefix: str, db: SQLiteDatabase) -> AsyncIterator[httpx.AsyncClient]:
+    async with running(_config(redis_url, prefix), db) as client:
+        yield client
+
+
+async def test_stampede_on_a_cold_book_is_one_query(
+    shop: httpx.AsyncClient, db: SQLiteDatabase
+) -> None:
+    replies = await asyncio.gather(*(shop.get("/books/17") for _ in range(100)))
+    assert {r.status_code for r in replies} == {200}
+    assert len({r.content for r in replies}) == 1
+    assert db.queries["book_detail"] == 1
+    body = replies[0].json()
+    assert body["id"] == 17 and body["price"] and body["author"]
+    assert {"title", "review_count", "rating", "currency"} <= set(body)
+
+
+async def test_stampede_across_two_instances_is_one_query(
+    redis_url: str, prefix: str, db: SQLiteDatabase
+) -> None:
+    config = _config(redis_url, prefix)
+    async with running(config, db, name="A") as a, running(config, db, name="B") as b:
+        replies = await asyncio.gather(*(c.get("/books/23") for c in [a, b] * 40))
+        assert {r.status_code for r in replies} == {200}
+        assert db.queries["book_detail"] == 1  # the lease: one load across instances
+        stats = {n: (await c.get("/stats")).json()["cache"]["book"] for n, c in (("A", a), ("B", b))}
+        assert stats["A"]["load"] + stats["B"]["load"] == 1
+
+
+async def test_reads_after_the_fill_never_touch_the_database(
+    shop: httpx.AsyncClient, db: SQLiteDatabase
+) -> None:
+    for _ in range(20):
+        assert (await shop.get("/books/5")).status_code == 200
+    assert db.queries["book_detail"] == 1
+    book = (await shop.get("/stats")).json()["cache"]["book"]
+    assert book["l1_hit"] >= 19
+
+
+async def test_stock_is_never_cached(shop: httpx.AsyncClient, db: SQLiteDatabase) -> None:
+    first = (await shop.get("/books/9/stock")).json()
+    for on_hand in (first["on_hand"] + 5, 0, 3):
+        reply = await shop.put("/books/9/stock", json={"on_hand": on_hand})
+        assert reply.status_code == 200
+        assert (await shop.get("/books/9/stock")).json()["on_hand"] == on_hand
+    assert db.queries["stock"] == 4
+    stock = (await shop.get("/stats")).json()["cache"]["stock"]
+    assert stock["l1_hit"] == stock["l2_hit"] == 0
+    assert stock["load"] == 4
+
+
+async def test_price_change_without_kafka_invalidates_directly(
+    shop: httpx.AsyncClient, db: SQLiteDatabase
+) -> None:
+    old = (await shop.get("/books/11")).json()["price"]
+    new = "7.50" if old != "7.50" else "8.50"
+    reply = await shop.put("/books/11/price", json={"price": new})
+    assert reply.status_code == 200
+    assert reply.json() == {"book_id": 11, "old_price": old, "new_price": new, "invalidation": "direct"}
+    assert (await shop.get("/books/11")).json()["price"] == new
+    assert db.queries["book_detail"] == 2
+
+
+async def test_errors(shop: httpx.AsyncClient, db: SQLiteDatabase) -> None:
+    assert (await shop.get("/books/99999")).status_code == 404
+    assert (await shop.get("/books/99999/stock")).status_code == 404
+    assert (await shop.put("/books/99999/price", json={"price": "1.00"})).status_code == 404
+    for bad in ({"price": "abc"}, {"price": "-1"}, {"price": "0"}, {"price": 3}, {}):
+        reply = await shop.put("/books/1/price", json=bad)
+        assert reply.status_code == 422, bad
+        assert "error" in reply.json()
+    assert (await shop.put("/books/1/stock", json={"on_hand": -1})).status_code == 422
+    # A missing book is a 404 every time, never a cached "None".
+    assert (await shop.get("/books/99999")).status_code == 404
+    assert db.queries["book_detail"] == 2
+
+
+async def test_metrics_show_the_counters(shop: httpx.AsyncClient) -> None:
+    await asyncio.gather(*(shop.get("/books/3") for _ in range(10)))
+    await shop.get("/books/3")
+    reply = await shop.get("/metrics")
+    assert reply.status_code == 200
+    if METRICS_FORMAT == "prometheus":
+        assert reply.headers["content-type"].startswith("text/plain")
+        lines = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in reply.text.splitlines()
+            if line and not line.startswith("#")
+        }
+        assert lines['layered_cache_requests_total{namespace="book",result="l1_hit"}'] >= 1
+        assert lines['layered_cache_loads_total{namespace="book"}'] == 1
+        assert lines['layered_cache_coalesced_total{namespace="book"}'] >= 1
+    else:
+        book = reply.json()["cache"]["book"]
+        assert book["load"] == 1 and book["l1_hit"] >= 1
+
+
+async def test_healthz(shop: httpx.AsyncClient) -> None:
+    reply = await shop.get("/healthz")
+    assert reply.status_code == 200
+    assert reply.json()["status"] == "ok"
+    assert reply.json()["redis_breaker"] == "closed"
+
+
+def test_price_parsing_and_seed() -> None:
+    assert parse_price("9.90") == 990
+    assert parse_price("12") == 1200
+    assert parse_price("0.05") == 5
+    for bad in ("", "1.999", "-3", "1e3", "0.00", "abc"):
+        with pytest.raises(ValueError):
+            parse_price(bad)
+    rows = seed_rows(1000)
+    assert len(rows["books"]) == 1000 and len(rows["authors"]) == 200
+    assert rows == seed_rows(1000)  # deterministic
+
+
+@contextlib.asynccontextmanager
+async def daemon_running(config: Config) -> AsyncIterator[Any]:
+    from consumers.daemon import Daemon
+
+    daemon = Daemon(config, health_port=0)
+    task = asyncio.ensure_future(daemon.run())
+    try:
+        assert await eventually(lambda: task.done() or bool(daemon.assignment), timeout=20)
+        if task.done():
+            task.result()
+        yield daemon
+    finally:
+        daemon.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+
+
+async def test_price_change_reaches_every_instance_through_kafka_and_the_daemon(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str, db: SQLiteDatabase
+) -> None:
+    await create_topic(kafka_bootstrap, unique_topic, partitions=2)
+    config = _config(
+        redis_url,
+        prefix,
+        kafka_bootstrap=kafka_bootstrap,
+        topic=unique_topic,
+        group_id=f"g-{unique_topic}",
+    )
+    async with (
+        daemon_running(config) as daemon,
+        running(config, db, kafka=True, name="A") as a,
+        running(config, db, kafka=True, name="B") as b,
+    ):
+        old = (await a.get("/books/42")).json()["price"]
+        assert (await b.get("/books/42")).json()["price"] == old  # both hold it in L1
+        new = "9.90" if old != "9.90" else "8.90"
+        reply = await a.put("/books/42/price", json={"price": new})
+        assert reply.status_code == 200
+        assert reply.json()["invalidation"] == f"kafka:{unique_topic}"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def sees_new_price(client: httpx.AsyncClient) -> bool:
+            return bool((await client.get("/books/42")).json()["price"] == new)
+
+        assert await eventually(lambda: sees_new_price(a), timeout=10, interval=0.01)
+        assert await eventually(lambda: sees_new_price(b), timeout=10, interval=0.01)
+        took = loop.time() - started
+        # The contract is "within a second"; a loaded CI box gets some slack.
+        assert took < 3.0, f"price change took {took:.2f}s to reach both instances"
+        assert daemon.stats.events == 1 and daemon.stats.keys == 1
+        assert db.queries["book_detail"] == 2  # the first fill and one reload after the change
