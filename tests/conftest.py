@@ -19,6 +19,7 @@ from tests.servers import (
     KafkaBroker,
     RedisClusterServers,
     RedisServer,
+    S3Server,
     kafka_reachable,
     redis_reachable,
 )
@@ -34,7 +35,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         names = set(getattr(item, "fixturenames", ()))
         if "redis_cluster" in names:
             item.add_marker(pytest.mark.cluster)
-        if names & {"kafka_bootstrap", "kafka_broker"}:
+        if names & {"kafka_bootstrap", "kafka_broker", "durable_kafka_broker"}:
             item.add_marker(pytest.mark.kafka)
 
 
@@ -89,6 +90,14 @@ def kafka_bootstrap() -> Iterator[str]:
 def kafka_broker() -> Iterator[KafkaBroker]:
     """A broker of the test's own, to restart (memory storage: a restart empties it)."""
     with KafkaBroker() as broker:
+        yield broker
+
+
+@pytest.fixture
+def durable_kafka_broker() -> Iterator[KafkaBroker]:
+    """A broker of the test's own that keeps its data across restarts (S3 storage on a
+    local moto server), for tests that restart the broker under the daemon."""
+    with S3Server() as s3, KafkaBroker(s3=s3) as broker:
         yield broker
 
 

