@@ -345,7 +345,7 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
         started = time.perf_counter()
         reply = (await a.put(f"/books/{book}/price", json={"price": new_price})).json()
         put_done = time.perf_counter() - started
-        row(f"{old_price} -> {new_price}: DB updated, event sent via", reply["invalidation"], f"{ms(put_done)}")
+        row(f"{old_price} -> {new_price}: DB updated; invalidation via", reply["invalidation"], f"{ms(put_done)}")
         seen: dict[str, float] = {}
 
         async def watch(name: str, client: httpx.AsyncClient) -> None:
@@ -387,6 +387,10 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
         print(f"  {'stock: load (live)':<22}" + "".join(f"{n(s['cache']['stock']['load']):>10}" for s in stats.values()))
         print(f"  {'breaker':<22}" + "".join(f"{s['cache']['_redis']['breaker']:>10}" for s in stats.values()))
         print(f"  database queries (shared): {dict(db.queries)}")
+        print("    book_detail: the stampede's one fill + one reload after the price change;"
+              " stock: every read")
+        print("    coalesced: joined a load in flight in the same process; lease_lost /"
+              " lease_wait_filled:\n    waited for the other instance's fill instead of querying")
         if daemon is not None:
             st = daemon.stats
             print(f"  daemon: {st.events} event(s), {st.keys} key(s) invalidated,"
