@@ -1,29 +1,57 @@
-"""Hot-key detection: which keys are read from L2 faster than a threshold.
+"""Hot-key detection: which keys this instance reads from L2 faster than a threshold.
 
-Memory must not grow with the number of distinct keys, so rates are estimated with two
-count-min sketches (the current and the previous window, blended into a sliding-window
-estimate) of fixed size, and only keys whose estimate crosses the threshold are
-remembered, in a bounded map. A key stays hot while its rate stays above the
-threshold and for ``cooldown`` seconds after; static hot keys from config are always hot.
+Why a sketch: an instance may read millions of distinct keys, and remembering a counter
+per key would make memory grow with the key space. Rates are therefore estimated with
+two count-min sketches of fixed size (``_DEPTH`` rows of ``_WIDTH`` counters): the
+current window and the previous one, blended into a sliding-window estimate
 
-Each instance measures its own reads; promotion happens on the read that crosses the
-threshold, so within one window of the rate crossing it.
+    rate = (count_current + count_previous * overlap) / window
+
+where ``overlap`` is the share of the previous window still inside ``[now - window,
+now]``. Updates are *conservative* (only the row counters equal to the minimum are
+raised), which keeps the over-estimate caused by colliding keys far below the plain
+count-min bound. Only keys whose estimate crosses the threshold are remembered, in a
+map capped at ``_MAX_HOT`` entries, so memory is constant: see ``memory_bytes()``.
+
+Promotion happens on the read that makes the estimate cross the threshold: with a
+window of at most 1 s a key read at or above the threshold is hot within 1 s. A key
+stays hot while its rate stays above the threshold and ``cooldown`` seconds after its
+last read above it (hysteresis: a key hovering around the threshold does not flap
+between replicas and the base key). Static keys from config are always hot.
+
+Single-threaded by design (one asyncio loop per cache instance): no locks.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable
 
 __all__ = ["HotKeyDetector"]
 
-_DEPTH = 4
-_WIDTH = 4096  # power of two: index = bits of the hash & mask
+_DEPTH = 4  # rows; each uses 12 other bits of the key's 64-bit hash
+_WIDTH = 4096  # counters per row, a power of two: index = hash bits & mask
 _MASK = _WIDTH - 1
-_MAX_HOT = 1024
+_CELLS = _DEPTH * _WIDTH
+_MAX_HOT = 1024  # hot keys remembered at once; more than that is a config problem
 
 
 class HotKeyDetector:
+    """Sliding-window rate estimate per key in constant memory, plus the hot set."""
+
+    __slots__ = (
+        "_clock",
+        "_current",
+        "_hot",
+        "_previous",
+        "_window_start",
+        "cooldown",
+        "static",
+        "threshold",
+        "window",
+    )
+
     def __init__(
         self,
         threshold: float | None,
@@ -32,73 +60,145 @@ class HotKeyDetector:
         static: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if window <= 0:
+            raise ValueError("window must be > 0")
         self.threshold = threshold
         self.window = window
         self.cooldown = cooldown
         self.static = frozenset(static)
         self._clock = clock
-        self._current = [0] * (_DEPTH * _WIDTH)
-        self._previous = [0] * (_DEPTH * _WIDTH)
+        self._current = [0] * _CELLS
+        self._previous = [0] * _CELLS
         self._window_start = clock()
-        self._hot: dict[str, tuple[float, float]] = {}  # key -> (last seen hot, rate)
+        # key -> (when it last read above the threshold, the rate measured then)
+        self._hot: dict[str, tuple[float, float]] = {}
+
+    # -- counting ----------------------------------------------------------------------
 
     def _rotate(self, now: float) -> None:
+        """Start a new window; the finished one becomes ``previous``."""
         elapsed = now - self._window_start
-        if elapsed < self.window:
-            return
         if elapsed < 2 * self.window:
             self._previous = self._current
         else:  # idle for more than a window: the previous one is empty too
-            self._previous = [0] * (_DEPTH * _WIDTH)
-        self._current = [0] * (_DEPTH * _WIDTH)
+            self._previous = [0] * _CELLS
+        self._current = [0] * _CELLS
         self._window_start += self.window * int(elapsed // self.window)
 
     def record(self, key: str) -> bool:
-        """Count one L2 read of ``key``; returns whether the key is hot now."""
+        """Count one L2 read of ``key``; returns whether the key is hot now.
+
+        On the read path of every L2 read, so the four row updates are unrolled (about
+        a microsecond; see docs/hotkeys.md for the measured cost).
+        """
         if key in self.static:
             return True
-        if self.threshold is None:
+        threshold = self.threshold
+        if threshold is None:
             return False
         now = self._clock()
-        self._rotate(now)
+        window = self.window
+        if now - self._window_start >= window:
+            self._rotate(now)
         hashed = hash(key)
-        current, previous = self._current, self._previous
-        estimate_cur = estimate_prev = 1 << 62
-        for row in range(_DEPTH):
-            index = row * _WIDTH + ((hashed >> (row * 12)) & _MASK)
-            count = current[index] + 1
-            current[index] = count
-            estimate_cur = min(estimate_cur, count)
-            estimate_prev = min(estimate_prev, previous[index])
-        # Sliding window: the part of the previous window still inside [now - window, now].
-        overlap = 1.0 - (now - self._window_start) / self.window
-        rate = (estimate_cur + estimate_prev * overlap) / self.window
-        if rate >= self.threshold:
-            if key in self._hot or len(self._hot) < _MAX_HOT:
-                self._hot[key] = (now, rate)
+        i0 = hashed & _MASK
+        i1 = _WIDTH + ((hashed >> 12) & _MASK)
+        i2 = 2 * _WIDTH + ((hashed >> 24) & _MASK)
+        i3 = 3 * _WIDTH + ((hashed >> 36) & _MASK)
+        cur = self._current
+        c0, c1, c2, c3 = cur[i0], cur[i1], cur[i2], cur[i3]
+        count = min(c0, c1, c2, c3) + 1
+        # Conservative update: a counter already above our estimate holds other keys'
+        # reads; raising it would only inflate their estimates.
+        if c0 < count:
+            cur[i0] = count
+        if c1 < count:
+            cur[i1] = count
+        if c2 < count:
+            cur[i2] = count
+        if c3 < count:
+            cur[i3] = count
+        prev = self._previous
+        previous = min(prev[i0], prev[i1], prev[i2], prev[i3])
+        # _blend, inlined on the per-read path; after _rotate, 0 < overlap <= 1.
+        overlap = 1.0 - (now - self._window_start) / window
+        rate = (count + previous * overlap) / window
+        if rate >= threshold:
+            self._remember(key, now, rate)
             return True
-        return self.is_hot(key, now)
+        return self.is_hot(key, now) if self._hot else False
+
+    def _blend(self, current: int, previous: int, now: float) -> float:
+        """Sliding window: all of this window plus the part of the previous one that
+        still lies inside ``[now - window, now]``."""
+        overlap = 1.0 - (now - self._window_start) / self.window
+        return (current + previous * max(0.0, overlap)) / self.window
+
+    def _remember(self, key: str, now: float, rate: float) -> None:
+        hot = self._hot
+        if key not in hot and len(hot) >= _MAX_HOT:
+            self._expire(now)
+            if len(hot) >= _MAX_HOT:
+                return  # still hot for this read (record returns True), just not listed
+        hot[key] = (now, rate)
+
+    def rate(self, key: str) -> float:
+        """Estimated reads/s of ``key`` over the sliding window (never under-estimates
+        the key's own reads; collisions can only add)."""
+        now = self._clock()
+        if now - self._window_start >= self.window:
+            self._rotate(now)
+        hashed = hash(key)
+        rows = [row * _WIDTH + ((hashed >> (12 * row)) & _MASK) for row in range(_DEPTH)]
+        current = min(self._current[i] for i in rows)
+        previous = min(self._previous[i] for i in rows)
+        return self._blend(current, previous, now)
+
+    # -- the hot set -------------------------------------------------------------------
 
     def is_hot(self, key: str, now: float | None = None) -> bool:
+        """Hot without counting a read (used by fills: write replicas or not)."""
         if key in self.static:
             return True
         seen = self._hot.get(key)
         if seen is None:
             return False
         if (self._clock() if now is None else now) - seen[0] > self.cooldown:
-            del self._hot[key]
+            del self._hot[key]  # cooled down: demoted
             return False
         return True
 
-    def hot_keys(self) -> dict[str, float]:
-        """Current hot keys with their last measured rate (static keys: rate 0.0)."""
-        now = self._clock()
-        for key in [k for k, (seen, _) in self._hot.items() if now - seen > self.cooldown]:
+    def _expire(self, now: float) -> None:
+        cooldown = self.cooldown
+        for key in [k for k, (seen, _) in self._hot.items() if now - seen > cooldown]:
             del self._hot[key]
-        result = {key: 0.0 for key in self.static}
-        result.update({key: rate for key, (_, rate) in self._hot.items()})
+
+    def hot_keys(self) -> dict[str, float]:
+        """Current hot keys with their current estimated rate in reads/s.
+
+        Static keys are included (with their measured rate, 0.0 when detection is off),
+        so the ``layered-cache hotkeys`` CLI can show one list.
+        """
+        self._expire(self._clock())
+        measure = self.threshold is not None
+        result = {key: self.rate(key) if measure else 0.0 for key in self.static}
+        for key, (_, peak) in self._hot.items():
+            result[key] = max(self.rate(key), 0.0) if measure else peak
         return result
 
+    # -- memory ------------------------------------------------------------------------
+
     def memory_cells(self) -> int:
-        """Counters held, independent of the number of distinct keys seen."""
+        """Counters and hot-set slots held: independent of the distinct keys seen."""
         return len(self._current) + len(self._previous) + 2 * len(self._hot)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the sketches and the hot set (shallow: counters are small ints
+        shared by the interpreter, hot keys are the caller's strings). At most about
+        2 * 8 * _CELLS + the dict of _MAX_HOT entries, ~0.35 MB."""
+        return (
+            sys.getsizeof(self._current)
+            + sys.getsizeof(self._previous)
+            + sys.getsizeof(self._hot)
+            + sum(sys.getsizeof(v) for v in self._hot.values())
+        )

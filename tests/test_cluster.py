@@ -1,0 +1,190 @@
+"""The cache against a real 3-master Redis Cluster (``redis.cluster = true``).
+
+Slot reasoning the tests rely on: a replica name ``book:42#3`` has no hash tag, so
+CRC16 spreads the replicas of one key over slots and therefore over masters; the lease
+``{book:42}:lease`` and the fill channel carry the base key as hash tag, so the lease
+check + write script touches one slot only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+from redis.crc import key_slot
+
+from layered_cache import Config, LayeredCache
+from layered_cache.keys import lease_name, replica_names
+from tests.helpers import CountingLoader, eventually, make_config
+from tests.test_hotkeys import run_invalidation_interleavings
+
+Cluster = Any  # RedisClusterServers | ExistingRedisCluster (tests.servers)
+
+
+def cluster_config(cluster: Cluster, prefix: str, l1: bool = True, **hot: Any) -> Config:
+    namespaces: dict[str, dict[str, Any]] = {
+        "book": {"key": "book:{id}", "l1": l1, "hot": {"replicas": 8, **hot}},
+        "author": {"key": "author:{id}", "l1": False},
+    }
+    return make_config(cluster.url, prefix, namespaces, redis={"cluster": True, "timeout": "1s"})
+
+
+@pytest.fixture
+async def nodes(redis_cluster: Cluster) -> AsyncIterator[list[redis.Redis]]:
+    """A plain client per master, to look at what each node really holds."""
+    clients = [redis.Redis(host=host, port=port) for host, port in redis_cluster.nodes]
+    yield clients
+    for client in clients:
+        await client.aclose()
+
+
+async def slot_owners(node: redis.Redis) -> list[tuple[int, int, int]]:
+    """(first slot, last slot, port of the master) from CLUSTER SLOTS."""
+    raw = await node.execute_command("CLUSTER SLOTS")  # type: ignore[no-untyped-call]
+    if isinstance(raw, dict):  # redis-py parses the reply into {(first, last): {...}}
+        return [(lo, hi, int(info["primary"][1])) for (lo, hi), info in raw.items()]
+    return [(int(r[0]), int(r[1]), int(r[2][1])) for r in raw]
+
+
+def owner(slots: Sequence[tuple[int, int, int]], name: str) -> int:
+    slot = key_slot(name.encode())
+    return next(port for lo, hi, port in slots if lo <= slot <= hi)
+
+
+async def test_replica_names_spread_over_slots_and_masters(
+    redis_cluster: Cluster, prefix: str, nodes: list[redis.Redis]
+) -> None:
+    slots = await slot_owners(nodes[0])
+    masters = {port for _, port in redis_cluster.nodes}
+
+    # Placement is a property of the names (CRC16): every key's 8 replicas use >= 3
+    # slots, and ~88% of keys (1 - 3*(2/3)^8 + 3*(1/3)^8) have a replica on each master.
+    keys = [f"{prefix}book:{i}" for i in range(1000)]
+    assert all(len({key_slot(n.encode()) for n in replica_names(k, 8)}) >= 3 for k in keys)
+    covering = [k for k in keys if {owner(slots, n) for n in replica_names(k, 8)} == masters]
+    assert len(covering) >= 800
+
+    # Take such a key hot and check where the cache really wrote the replicas.
+    key_id = int(covering[0].rsplit(":", 1)[1])
+    key = covering[0]
+    config = cluster_config(redis_cluster, prefix, keys=[f"book:{key_id}"])
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": key_id}, CountingLoader("v"))
+    held = [{_text(n) for n in await node.keys(f"{key}#*")} for node in nodes]
+    assert all(held), "every master holds at least one replica"
+    assert set().union(*held) == set(replica_names(key, 8))
+    assert len({key_slot(n.encode()) for n in set().union(*held)}) >= 3
+
+
+async def test_detected_hot_key_spreads_its_reads_evenly_over_the_masters(
+    redis_cluster: Cluster, prefix: str, nodes: list[redis.Redis]
+) -> None:
+    """The point of replicas: no single master serves the hot key's reads."""
+    slots = await slot_owners(nodes[0])
+    masters = {port for _, port in redis_cluster.nodes}
+    key_id = next(
+        i
+        for i in range(1000)
+        if {owner(slots, n) for n in replica_names(f"{prefix}book:{i}", 8)} == masters
+    )
+    config = cluster_config(  # L1 off: every read reaches L2
+        redis_cluster, prefix, l1=False, threshold="50/s", window="200ms", cooldown="5s"
+    )
+    key = f"{prefix}book:{key_id}"
+    loader = CountingLoader("v")
+    async with LayeredCache.from_config(config) as cache:
+
+        async def promoted_with_replicas() -> bool:
+            await cache.get_or_load("book", {"id": key_id}, loader)
+            return key in cache.hot_keys()["book"] and all(
+                [await cache.l2.get(name) for name in replica_names(key, 8)]
+            )
+
+        assert await eventually(promoted_with_replicas, timeout=3.0, interval=0.005)
+        before = [await _gets(node) for node in nodes]
+        for _ in range(600):
+            await cache.get_or_load("book", {"id": key_id}, loader)
+        served = [await _gets(node) - b for node, b in zip(nodes, before, strict=True)]
+    shares = [n / sum(served) for n in served]
+    assert sum(served) >= 600 and max(shares) <= 0.45 and min(shares) >= 0.2, served
+    assert loader.calls == 1
+
+
+async def _gets(node: redis.Redis) -> int:
+    stats = await node.info("commandstats")
+    return int(stats.get("cmdstat_get", {}).get("calls", 0))
+
+
+async def test_cache_operations_work_in_cluster_mode(redis_cluster: Cluster, prefix: str) -> None:
+    config = cluster_config(redis_cluster, prefix, threshold="1000/s")
+    loader = CountingLoader({"title": "Dune"}, delay=0.1)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        # Lease + Lua fill + fill notification: B waits on A's lease and is woken.
+        results = await asyncio.gather(
+            a.get_or_load("book", {"id": 1}, loader), b.get_or_load("book", {"id": 1}, loader)
+        )
+        assert list(results) == [{"title": "Dune"}] * 2 and loader.calls == 1
+        assert b.stats()["book"]["lease_wait_filled"] + a.stats()["book"]["lease_wait_filled"] == 1
+
+        assert await b.get("book", {"id": 1}) == {"title": "Dune"}
+        await a.set("author", {"id": 9}, {"name": "Herbert"})
+        assert await b.get("author", {"id": 9}) == {"name": "Herbert"}
+
+        # Invalidate in A: L2 gone, and B's L1 copy dropped through the backplane stream.
+        assert b.backplane is not None
+        assert await eventually(b.backplane.connected.is_set)
+        await a.invalidate("book", {"id": 1})
+
+        async def dropped_in_b() -> bool:
+            return await b.get("book", {"id": 1}) is None
+
+        assert await eventually(dropped_in_b, timeout=2.0)
+        assert b.backplane.entries_seen >= 1  # dropped by the stream, not by a TTL
+        assert await a.get("book", {"id": 1}) is None
+        assert a.breaker.state == "closed" and b.breaker.state == "closed"
+
+
+async def test_invalidation_deletes_every_replica_on_every_node(
+    redis_cluster: Cluster, prefix: str, nodes: list[redis.Redis]
+) -> None:
+    config = cluster_config(redis_cluster, prefix, keys=["book:7"])
+    key = f"{prefix}book:7"
+    names = [key, *replica_names(key, 8)]
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": 7}, CountingLoader("v"))
+        assert await _existing(nodes, names) == set(names)
+        # A leftover lease too (as if a fill were in flight): it must go as well.
+        await cache.l2.acquire_lease(lease_name(key), "someone", 10_000)
+        await cache.invalidate("book", {"id": 7})
+    assert await _existing(nodes, [*names, lease_name(key)]) == set()
+    leftovers = [n for node in nodes for n in await node.keys(f"*{key}*")]
+    assert leftovers == []
+
+
+async def test_invalidation_during_hot_fill_leaves_no_stale_replica_in_cluster(
+    redis_cluster: Cluster, prefix: str
+) -> None:
+    config = cluster_config(redis_cluster, prefix, keys=[f"book:{i}" for i in range(100)])
+    node_urls = [f"redis://{host}:{port}/0" for host, port in redis_cluster.nodes]
+    revoked = await run_invalidation_interleavings(config, node_urls, prefix, 100)
+    assert revoked > 0
+
+
+async def _existing(nodes: Sequence[redis.Redis], names: Sequence[str]) -> set[str]:
+    """Names present on any node, asked of every node (no cluster routing involved)."""
+    found: set[str] = set()
+    for node in nodes:
+        for name in names:
+            try:
+                if await node.exists(name):
+                    found.add(name)
+            except redis.ResponseError:  # MOVED: the name lives on another node
+                continue
+    return found
+
+
+def _text(name: bytes | str) -> str:
+    return name.decode() if isinstance(name, bytes) else name

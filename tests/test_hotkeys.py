@@ -1,0 +1,243 @@
+"""Hot keys: detection (promotion, demotion, bounded memory), replica reads and
+stale-set safety of hot fills. Cluster placement lives in test_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from layered_cache.hotkeys import HotKeyDetector
+from layered_cache.keys import replica_names
+from tests.helpers import CountingLoader, eventually, make_config
+
+# chi-square critical value, 7 degrees of freedom (8 replicas), p = 0.0001
+CHI2_7DF_P0001 = 29.88
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hot_namespace(**hot: Any) -> dict[str, dict[str, Any]]:
+    """`book` with L1 off (every read reaches L2, where detection happens)."""
+    return {"book": {"key": "book:{id}", "l1": False, "hot": {"replicas": 8, **hot}}}
+
+
+# -- the detector on its own (fake clock: exact, instant) ---------------------------------
+
+
+def test_key_read_just_above_threshold_is_promoted_within_one_second() -> None:
+    clock = FakeClock()
+    detector = HotKeyDetector(threshold=200, window=1.0, cooldown=10.0, clock=clock)
+    promoted_at = None
+    for _ in range(600):  # 210 reads/s: crosses the threshold from the first read on
+        clock.now += 1 / 210
+        if detector.record("book:1"):
+            promoted_at = clock.now
+            break
+    assert promoted_at is not None and promoted_at - 1000.0 <= 1.0
+    assert "book:1" in detector.hot_keys()
+
+
+def test_key_below_threshold_stays_cold() -> None:
+    clock = FakeClock()
+    detector = HotKeyDetector(threshold=200, window=1.0, clock=clock)
+    hot = False
+    for _ in range(1000):  # 150 reads/s for ~6.7 s
+        clock.now += 1 / 150
+        hot = hot or detector.record("book:1")
+    assert not hot and detector.hot_keys() == {}
+
+
+def test_hot_key_is_demoted_after_cooldown_not_before() -> None:
+    clock = FakeClock()
+    detector = HotKeyDetector(threshold=100, window=0.2, cooldown=0.5, clock=clock)
+    for _ in range(100):
+        clock.now += 0.002  # 500 reads/s
+        detector.record("book:1")
+    assert detector.is_hot("book:1")
+    clock.now += 0.4
+    assert detector.is_hot("book:1"), "still within the cooldown"
+    clock.now += 0.2
+    assert not detector.is_hot("book:1") and detector.hot_keys() == {}
+
+
+def test_static_keys_are_always_hot_even_without_detection() -> None:
+    detector = HotKeyDetector(threshold=None, static=["author:1"])
+    assert detector.record("author:1") and detector.is_hot("author:1")
+    assert not detector.record("author:2")
+    assert detector.hot_keys() == {"author:1": 0.0}
+
+
+def test_hot_keys_reports_current_rate() -> None:
+    clock = FakeClock()
+    detector = HotKeyDetector(threshold=100, window=1.0, cooldown=10.0, clock=clock)
+    for _ in range(1000):
+        clock.now += 0.002  # 500 reads/s for 2 s
+        detector.record("book:1")
+    assert 450 <= detector.hot_keys()["book:1"] <= 550
+    clock.now += 2.5  # reads stopped: rate falls, the key stays listed until cooldown
+    assert detector.hot_keys()["book:1"] == 0.0
+
+
+def test_memory_is_bounded_with_a_million_distinct_keys() -> None:
+    """1,000,000 distinct keys read once each (10,000 reads/s, fake clock) plus one
+    key at 300/s: the sketch does not grow, no cold key is promoted, the hot one is."""
+    clock = FakeClock()
+    detector = HotKeyDetector(threshold=200, window=1.0, cooldown=10.0, clock=clock)
+    cells_before = detector.memory_cells()
+    promoted: set[str] = set()
+    record = detector.record
+    for i in range(1_000_000):
+        clock.now += 0.0001
+        if record(f"book:{i}"):
+            promoted.add(f"book:{i}")
+        if i % 33 == 0:  # ~300 reads/s of one title
+            record("book:hot")
+    assert promoted == set()
+    assert set(detector.hot_keys()) == {"book:hot"}
+    assert detector.memory_cells() == cells_before + 2  # + the one hot-set entry
+    assert detector.memory_bytes() < 2_000_000
+
+
+# -- through the cache, against a real Redis ----------------------------------------------
+
+
+async def test_reading_faster_than_threshold_promotes_spreads_and_demotes(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(
+        redis_url,
+        prefix,
+        hot_namespace(threshold="50/s", window="200ms", cooldown="500ms"),
+        backplane={"enabled": False},
+    )
+    admin = redis.Redis.from_url(redis_url)
+    key = f"{prefix}book:1"
+    loader = CountingLoader({"title": "Dune"})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": 1}, loader)
+        stop = asyncio.Event()
+
+        async def reader() -> None:  # ~200 reads/s, four times the threshold
+            while not stop.is_set():
+                await cache.get_or_load("book", {"id": 1}, loader)
+                await asyncio.sleep(0.005)
+
+        started = asyncio.get_running_loop().time()
+        task = asyncio.create_task(reader())
+        assert await eventually(lambda: key in cache.hot_keys()["book"], timeout=1.0)
+        promoted_after = asyncio.get_running_loop().time() - started
+        replicas = replica_names(key, 8)
+        assert await eventually(lambda: _count_existing(admin, replicas, 8), timeout=3.0)
+        stop.set()
+        await task
+
+        before = dict(cache.stats()["book"]["replica_reads"])
+        for _ in range(800):
+            assert await cache.get_or_load("book", {"id": 1}, loader) == {"title": "Dune"}
+        after = cache.stats()["book"]["replica_reads"]
+        assert isinstance(after, dict)
+        counts = [after.get(i, 0) - before.get(i, 0) for i in range(8)]
+        assert sum(counts) == 800, counts  # every read served by a replica
+        assert chi_square(counts) < CHI2_7DF_P0001, counts
+
+        # Reads stop: the key cools down and is demoted.
+        assert await eventually(lambda: key not in cache.hot_keys()["book"], timeout=3.0)
+    await admin.aclose()
+    assert promoted_after <= 1.0
+    assert loader.calls == 1
+
+
+async def test_set_on_an_instance_that_is_not_hot_drops_replicas(
+    redis_url: str, prefix: str
+) -> None:
+    """Instance A holds the key hot (replicas); B sets a new value without knowing: A's
+    replicas must not keep serving the old one."""
+    hot = make_config(
+        redis_url, prefix, hot_namespace(keys=["book:1"]), backplane={"enabled": False}
+    )
+    cold = make_config(
+        redis_url, prefix, hot_namespace(threshold="1000/s"), backplane={"enabled": False}
+    )
+    async with LayeredCache.from_config(hot) as a, LayeredCache.from_config(cold) as b:
+        await a.set("book", {"id": 1}, "old")
+        await b.set("book", {"id": 1}, "new")
+        assert [await a.get("book", {"id": 1}) for _ in range(20)] == ["new"] * 20
+
+
+async def test_invalidation_during_hot_fill_leaves_no_stale_replica(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, hot_namespace(keys=[f"book:{i}" for i in range(100)]))
+    revoked = await run_invalidation_interleavings(config, [redis_url], prefix, 100)
+    assert revoked > 0  # some invalidations really landed during a load
+
+
+async def run_invalidation_interleavings(
+    config: Any, node_urls: Sequence[str], prefix: str, rounds: int
+) -> int:
+    """Each round: a slow loader reads version v from the 'database'; meanwhile the
+    database moves to v+1 and another instance invalidates the key, at an offset that
+    sweeps from before the load through the replica writes. Afterwards no name on any
+    node may hold a version older than the database's. Returns how many fills were
+    revoked (the interesting interleavings)."""
+    nodes = [redis.Redis.from_url(url) for url in node_urls]
+    rng = random.Random(4)
+    try:
+        async with (
+            LayeredCache.from_config(config) as filler,
+            LayeredCache.from_config(config) as invalidator,
+        ):
+            codec = filler.policy("book").codec
+            for i in range(rounds):
+                database = {"version": 1}
+
+                async def loader() -> dict[str, int]:
+                    seen = database["version"]
+                    await asyncio.sleep(0.003)
+                    return {"version": seen}
+
+                async def invalidate(fields: dict[str, int] = {"id": i}) -> None:  # noqa: B006
+                    await asyncio.sleep(rng.uniform(0.0, 0.012))
+                    database["version"] = 2
+                    await invalidator.invalidate("book", fields)
+
+                await asyncio.gather(filler.get_or_load("book", {"id": i}, loader), invalidate())
+                stored = await _stored_versions(nodes, f"{prefix}book:{i}", codec)
+                assert all(v == 2 for v in stored.values()), (i, stored)
+            return int(filler.stats()["book"]["fill_revoked"])
+    finally:
+        for node in nodes:
+            await node.aclose()
+
+
+async def _stored_versions(nodes: Sequence[redis.Redis], key: str, codec: Any) -> dict[str, int]:
+    """Version held by the base key and each replica, scanning every node."""
+    found: dict[str, int] = {}
+    for node in nodes:
+        for raw_name in await node.keys(f"{key}*"):
+            name = raw_name.decode() if isinstance(raw_name, bytes) else raw_name
+            if name == key or name.startswith(f"{key}#"):
+                data = await node.get(name)
+                if data is not None:
+                    found[name] = codec.decode(data).value["version"]
+    return found
+
+
+async def _count_existing(admin: redis.Redis, names: Sequence[str], want: int) -> bool:
+    return int(await admin.exists(*names)) == want
+
+
+def chi_square(counts: Sequence[int]) -> float:
+    expected = sum(counts) / len(counts)
+    return sum((c - expected) ** 2 / expected for c in counts)
