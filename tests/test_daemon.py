@@ -182,6 +182,7 @@ async def test_price_change_reaches_every_instance_within_a_second(
         assert await eventually(everything_gone, timeout=3, interval=0.005)
         elapsed = time.monotonic() - started
         assert elapsed < 1.0, f"took {elapsed:.3f}s"
+        print(f"event -> L2 keys and both L1 copies gone in {elapsed * 1000:.0f} ms")
 
         fresh = CountingLoader("9.90")
         assert await a.get_or_load("book", {"id": 42}, fresh) == "9.90"
@@ -560,3 +561,39 @@ async def test_sigkill_mid_stream_then_restart_loses_no_event(
 
 async def _deleted_at_least(left: Any, total: int, count: int) -> bool:
     return bool(total - await left() >= count)
+
+
+def test_kafka_security_settings_are_passed_through() -> None:
+    from consumers.kafka import consumer_kwargs, producer_kwargs
+    from layered_cache.config import KafkaConfig
+
+    kafka = KafkaConfig(
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="cache",
+        sasl_password="s3cret",
+    )
+    for kwargs in (consumer_kwargs(kafka), producer_kwargs(kafka)):
+        assert kwargs["security_protocol"] == "SASL_PLAINTEXT"
+        assert kwargs["sasl_mechanism"] == "SCRAM-SHA-512"
+        assert (kwargs["sasl_plain_username"], kwargs["sasl_plain_password"]) == ("cache", "s3cret")
+    assert consumer_kwargs(kafka)["enable_auto_commit"] is False
+    tls = consumer_kwargs(KafkaConfig(security_protocol="SSL"))
+    assert tls["ssl_context"] is not None
+
+
+def test_bad_config_exits_2_naming_the_problem(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[kafka]\nmax_batch = "lots"\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "consumers", "--config", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "kafka.max_batch" in done.stderr
