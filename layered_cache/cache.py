@@ -101,6 +101,11 @@ class LayeredCache:
         self._flight: SingleFlight[Any] = SingleFlight()
         self._background: set[asyncio.Task[Any]] = set()
         self._refreshing: set[str] = set()
+        # Instrumentation hooks (layered_cache.prometheus, layered_cache.tracing): called
+        # on loads and L2 reads only, never on an L1 hit; empty/None costs nothing.
+        self.load_observers: list[Callable[[str, float, bool], None]] = []
+        self.l2_observers: list[Callable[[str, float], None]] = []
+        self.load_wrapper: Callable[[str, Loader], Awaitable[Any]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -215,12 +220,17 @@ class LayeredCache:
                 return
             ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
             names = [key]
+            outdated: list[str] = []
             if self._is_hot(policy, key):
                 names += replica_names(key, policy.replicas)
+            elif policy.hot is not None and policy.replicas:
+                # Another instance may hold this key hot: its replicas carry the old value.
+                outdated = replica_names(key, policy.replicas)
             self._flight.forget(key)
             if policy.l1 is not None:
                 policy.l1.discard([key])
             await self.l2.set_many(names, data, ttl_ms)
+            await self.l2.delete(outdated)
             with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
                 await self._invalidator.announce([key])
         self._fill_l1(policy, key, value, soft_expiry, None)
@@ -330,9 +340,19 @@ class LayeredCache:
         return await self._load_under_lease(policy, key, loader, stale, read_seq)
 
     async def _read_l2(self, policy: Policy, key: str) -> Envelope[Any] | None:
+        if not self.l2_observers:
+            return await self._read_l2_inner(policy, key)
+        started = time.perf_counter()
+        try:
+            return await self._read_l2_inner(policy, key)
+        finally:
+            for observe in self.l2_observers:
+                observe(policy.name, time.perf_counter() - started)
+
+    async def _read_l2_inner(self, policy: Policy, key: str) -> Envelope[Any] | None:
         data: bytes | None
         if policy.hot is not None and policy.replicas and policy.hot.record(key):
-            index = random.randrange(policy.replicas)
+            index = self.l2.pick_replica(key, policy.replicas)  # balanced per master
             data = await self.l2.get(replica_name(key, index))
             if data is not None:
                 policy.stats.replica_reads[index] += 1
@@ -441,11 +461,21 @@ class LayeredCache:
 
     async def _call_loader(self, policy: Policy, loader: Loader) -> Any:
         policy.stats.load += 1
+        started = time.perf_counter()
+        ok = False
         try:
-            return await loader()
+            if self.load_wrapper is not None:
+                value = await self.load_wrapper(policy.name, loader)
+            else:
+                value = await loader()
+            ok = True
+            return value
         except Exception:
             policy.stats.load_error += 1
             raise
+        finally:
+            for observe in self.load_observers:
+                observe(policy.name, time.perf_counter() - started, ok)
 
     async def _load_unleased(
         self, policy: Policy, loader: Loader, stale: Envelope[Any] | None
@@ -489,20 +519,20 @@ class LayeredCache:
             await self._release_quietly(key, token)
             return False
         ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
-        hot = self._is_hot(policy, key)
-        lease = lease_name(key)
+        replicas = self._replica_leases(policy, key) if self._is_hot(policy, key) else []
         try:
+            if replicas:
+                # Reserve every replica under our token BEFORE the base key's lease check.
+                reserve_ms = max(1, int(policy.lease_ttl * 1000))
+                await self.l2.set_many([r for _, r in replicas], token.encode(), reserve_ms)
             written = await self.l2.fill(
-                key, lease, token, data, ttl_ms, fill_channel(key), release=not hot
+                key, lease_name(key), token, data, ttl_ms, fill_channel(key), release=True
             )
-            if written and hot:
-                replicas = replica_names(key, policy.replicas)
-                await self.l2.set_many(replicas, data, ttl_ms)
-                # Still ours after the replica writes? If an invalidation revoked the
-                # lease meanwhile, it may have run before our replica SETs: undo them.
-                if not await self.l2.release(lease, token):
-                    await self.l2.delete(replicas)
-                    written = False
+            if written and replicas:
+                # The check passed, so no invalidation's phase 1 (base + lease) had run
+                # yet; its phase 2 comes later and deletes our reservations, so a replica
+                # write landing after an invalidation fails, one landing before is deleted.
+                await self.l2.fill_replicas(replicas, token, data, ttl_ms)
         except L2Unavailable:
             policy.stats.redis_error += 1
             return False
@@ -598,35 +628,35 @@ class LayeredCache:
             self._refreshing.discard(key)
 
     async def _populate_replicas(self, policy: Policy, key: str) -> None:
-        """A newly hot key has no replicas yet: copy the base value under the lease so
-        an invalidation racing the copy can't leave a replica behind."""
+        """A newly hot key has no replicas yet: copy the base value with the same
+        protocol as ``_fill`` (reserve replicas, then check the lease, then write under
+        the reservations), so an invalidation racing the copy leaves no replica behind."""
         if key in self._refreshing:
             return
         self._refreshing.add(key)
         lease = lease_name(key)
-        replicas = replica_names(key, policy.replicas)
+        replicas = self._replica_leases(policy, key)
         try:
             token = await self._leases.try_acquire(lease, policy.lease_ttl)
             if token is None:
-                return
-            data = await self.l2.get(key)
-            ttl_ms = await self._pttl(key)
-            if data is None or ttl_ms <= 0:
-                await self.l2.release(lease, token)
-                return
-            await self.l2.set_many(replicas, data, ttl_ms)
-            if not await self.l2.release(lease, token):
-                await self.l2.delete(replicas)
+                return  # a fill or another copy holds the lease; it writes the replicas
+            reserve_ms = max(1, int(policy.lease_ttl * 1000))
+            await self.l2.set_many([r for _, r in replicas], token.encode(), reserve_ms)
+            # Read value + PTTL and release the lease in one atomic step: if the lease
+            # is still ours, no invalidation has run phase 1 yet (see invalidation.py).
+            current = await self.l2.read_under_lease(key, lease, token)
+            if current is not None and current[1] > 0:
+                data, ttl_ms = current
+                await self.l2.fill_replicas(replicas, token, data, ttl_ms)
         except L2Unavailable:
             policy.stats.redis_error += 1
         finally:
             self._refreshing.discard(key)
 
-    async def _pttl(self, key: str) -> int:
-        try:
-            return int(await self._client.pttl(key))
-        except (TimeoutError, RedisError, OSError) as exc:
-            raise L2Unavailable(str(exc)) from exc
+    @staticmethod
+    def _replica_leases(policy: Policy, key: str) -> list[tuple[str, str]]:
+        """(replica, its own lease ``{key#i}:lease``) pairs: each pair shares a slot."""
+        return [(name, lease_name(name)) for name in replica_names(key, policy.replicas)]
 
     # -- backplane callbacks -----------------------------------------------------------
 

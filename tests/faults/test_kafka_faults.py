@@ -124,6 +124,8 @@ async def test_daemon_sigkilled_repeatedly_during_20000_events_deletes_every_key
         await flow
         log = tmp_path / "daemon-final.log"
         with daemon_process(path, log) as proc:
+            # Started for real (signal handlers installed) before it is asked to stop.
+            assert await eventually(lambda: bool(logged(log, "partitions_assigned")), timeout=30)
             assert await eventually(lambda: _fewer(remaining, 1, 1), timeout=60)
             assert await eventually(
                 lambda: committed_total(kafka_bootstrap, config.kafka.group_id, tps, total),
