@@ -1,0 +1,36 @@
+"""Config builders for the scenarios (through ``layered_cache.parse_config``, env={})."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from layered_cache import Config, parse_config
+
+__all__ = ["make_config"]
+
+
+def make_config(
+    redis_url: str,
+    prefix: str,
+    namespaces: dict[str, dict[str, Any]],
+    *,
+    cluster: bool = False,
+    backplane: bool = True,
+    timeout: str = "1s",
+    **sections: Any,
+) -> Config:
+    raw: dict[str, Any] = {
+        "redis": {
+            "url": redis_url,
+            "prefix": prefix,
+            "cluster": cluster,
+            "timeout": timeout,
+            "connect_timeout": "1s",
+            "max_connections": 256,
+        },
+        "backplane": {"enabled": backplane},
+        "logging": {"level": "warning"},
+        "namespaces": namespaces,
+        **sections,
+    }
+    return parse_config(raw, source="<bench>", env={})

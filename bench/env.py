@@ -1,0 +1,121 @@
+"""The servers the scenarios run against, and the machine description for the report.
+
+A shared Redis comes from ``REDIS_URL`` when it is reachable (``make bench`` sets it),
+else a throwaway ``redis-server`` is started. Scenarios that count commands with
+``INFO commandstats`` always get a Redis of their own, so nothing else pollutes the
+counts. The 3-master cluster and the Kafka-protocol broker are started on first use.
+Everything started here is stopped by :meth:`BenchEnv.close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from importlib import metadata
+from typing import Any
+
+from tests.servers import KafkaBroker, RedisClusterServers, RedisServer, redis_reachable
+
+__all__ = ["BenchEnv", "machine_info", "unique_prefix"]
+
+
+def unique_prefix(name: str) -> str:
+    return f"bench-{name}-{uuid.uuid4().hex[:6]}:"
+
+
+class BenchEnv:
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self._started: list[Any] = []
+        self._redis_url: str | None = None
+        self._cluster: RedisClusterServers | None = None
+        self._kafka: KafkaBroker | None = None
+
+    def redis_url(self) -> str:
+        """A Redis shared by the scenarios (keys carry a unique prefix)."""
+        if self._redis_url is None:
+            env = os.environ.get("REDIS_URL", "")
+            if env and redis_reachable(env):
+                self._redis_url = env
+            else:
+                self._redis_url = self.own_redis().url
+        return self._redis_url
+
+    def own_redis(self) -> RedisServer:
+        """A fresh Redis nobody else uses: for command counting."""
+        server = RedisServer().start()
+        self._started.append(server)
+        return server
+
+    def cluster(self) -> RedisClusterServers:
+        if self._cluster is None:
+            self._cluster = RedisClusterServers(3).start()
+            self._started.append(self._cluster)
+        return self._cluster
+
+    def kafka(self) -> KafkaBroker:
+        if self._kafka is None:
+            self._kafka = KafkaBroker().start()
+            self._started.append(self._kafka)
+        return self._kafka
+
+    def close(self) -> None:
+        for server in reversed(self._started):
+            with contextlib.suppress(Exception):
+                server.stop() if isinstance(server, RedisClusterServers) else server.close()
+        self._started.clear()
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _redis_server_version() -> str:
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, timeout=5)
+        for part in out.stdout.split():
+            if part.startswith("v="):
+                return part[2:]
+    return "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """Date, machine (nproc, CPU model, Python) and the versions of everything measured."""
+    import layered_cache
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "nproc": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "load_average_at_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "redis_server": _redis_server_version(),
+        "versions": {
+            "layered_cache": layered_cache.__version__,
+            "cachetools": _version("cachetools"),
+            "redis-py": _version("redis"),
+            "msgspec": _version("msgspec"),
+            "cashews": _version("cashews"),
+            "aiocache": _version("aiocache"),
+            "dogpile.cache": _version("dogpile.cache"),
+            "aiokafka": _version("aiokafka"),
+            "matplotlib": _version("matplotlib"),
+        },
+    }

@@ -1,0 +1,91 @@
+"""PNG plots (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from bench.report import RESULTS
+
+__all__ = ["bar_chart", "cdf", "expiry_histogram", "grouped_bars"]
+
+
+def _save(fig: Any, name: str) -> str:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def expiry_histogram(series: dict[str, list[int]], title: str, name: str) -> str:
+    """Keys expiring per second, one line per series (fixed vs jittered TTL)."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, counts in series.items():
+        seconds = sorted(set(counts))
+        if not seconds:
+            continue
+        base = seconds[0]
+        hist: dict[int, int] = {}
+        for s in counts:
+            hist[s] = hist.get(s, 0) + 1
+        xs = list(range(base - 2, max(seconds) + 3))
+        ax.step(xs, [hist.get(x, 0) for x in xs], where="mid", label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("expiry second (epoch)")
+    ax.set_ylabel("keys expiring in that second (log)")
+    ax.set_title(title)
+    ax.legend()
+    return _save(fig, name)
+
+
+def bar_chart(values: dict[str, float], title: str, ylabel: str, name: str, log: bool = False) -> str:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = list(values)
+    bars = ax.bar(labels, [values[k] for k in labels], color="tab:blue")
+    for bar, label in zip(bars, labels, strict=True):
+        ax.annotate(f"{values[label]:g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    return _save(fig, name)
+
+
+def grouped_bars(groups: dict[str, dict[str, float]], title: str, ylabel: str, name: str) -> str:
+    """``groups``: series label -> {category: value}."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    categories = sorted({c for g in groups.values() for c in g})
+    width = 0.8 / max(1, len(groups))
+    for i, (label, values) in enumerate(groups.items()):
+        xs = [j + i * width for j in range(len(categories))]
+        ax.bar(xs, [values.get(c, 0) for c in categories], width, label=label)
+    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(categories))])
+    ax.set_xticklabels(categories)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return _save(fig, name)
+
+
+def cdf(series: dict[str, list[float]], title: str, xlabel: str, name: str) -> str:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, values in series.items():
+        if not values:
+            continue
+        ordered = sorted(values)
+        n = len(ordered)
+        ax.plot(ordered, [(i + 1) / n for i in range(n)], label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of events")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, name)

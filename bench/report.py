@@ -1,0 +1,105 @@
+"""Result sections, the markdown report, latest.json and the PNG plots.
+
+Each scenario returns one :class:`Section`: a markdown table (already formatted), notes
+(what is n/a and why, method), raw data for the JSON and the plots, and the rows it
+contributes to the headline table that goes into the README.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Headline", "Section", "write_all"]
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Headline:
+    """One row of the README table: what, our figure, the floor/peer, target, verdict."""
+
+    scenario: str
+    layered_cache: str
+    reference: str
+    target: str
+    verdict: str  # "ok", "MISSED", "n/a", "info"
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    headline: list[Headline] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def headline_table(sections: list[Section]) -> str:
+    rows = [
+        [h.scenario, h.layered_cache, h.reference, h.target, h.verdict]
+        for s in sections
+        for h in s.headline
+    ]
+    return _table(["Scenario", "layered_cache", "floor / peers", "target", "result"], rows)
+
+
+def render_markdown(sections: list[Section], machine: dict[str, Any], quick: bool) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items())
+    out = [
+        "# layered_cache benchmarks" + (" (quick smoke run: fewer repeats)" if quick else ""),
+        "",
+        f"- Date: {machine['date']}",
+        f"- Machine: {machine['nproc']} CPUs (`nproc`), {machine['cpu_model']}, "
+        f"{machine['platform']}, load average at the end {machine.get('load_average_at_end', '?')} "
+        "(the machine is shared; interleaved repeats and medians absorb most of it)",
+        f"- Python {machine['python']}, redis-server {machine['redis_server']}",
+        f"- Versions: {versions}",
+        "- Every figure is the median of repeats; ratios are to a floor measured in the same run.",
+        "  Reproduce with `make bench` (or `python -m bench`; `--quick` for a smoke run).",
+        "",
+        "## Headline",
+        "",
+        headline_table(sections),
+        "",
+    ]
+    for section in sections:
+        out += [f"## {section.title}", ""]
+        if section.error:
+            out += [f"**n/a**: {section.error}", ""]
+        if section.rows:
+            out += [_table(section.columns, section.rows), ""]
+        out += [f"- {note}" for note in section.notes]
+        plots = section.data.get("plots", [])
+        if section.notes:
+            out.append("")
+        out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        if plots:
+            out.append("")
+        out += [f"_({section.seconds:.1f} s)_", ""]
+    return "\n".join(out)
+
+
+def write_all(sections: list[Section], machine: dict[str, Any], quick: bool) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "machine": machine,
+        "quick": quick,
+        "sections": [asdict(s) for s in sections],
+    }
+    (RESULTS / "latest.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    report = RESULTS / "REPORT.md"
+    report.write_text(render_markdown(sections, machine, quick))
+    return report
