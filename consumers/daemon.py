@@ -30,7 +30,6 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
-from redis.exceptions import RedisError
 
 from consumers.backoff import Backoff
 from consumers.dlq import Poison, send_dead_letters
@@ -42,12 +41,12 @@ from layered_cache.breaker import CircuitBreaker
 from layered_cache.config import Config, Duration
 from layered_cache.events import EventDecoder, PoisonEvent, Target, unique_targets
 from layered_cache.invalidation import Invalidator
-from layered_cache.l2 import L2Store, L2Unavailable, RedisClient, make_client
+from layered_cache.l2 import REDIS_FAILURES, L2Store, L2Unavailable, RedisClient, make_client
 
 __all__ = ["Daemon", "DaemonStats"]
 
 _log = structlog.get_logger("consumers.daemon")
-_REDIS_FAILURES = (L2Unavailable, RedisError, OSError, asyncio.TimeoutError)
+_REDIS_FAILURES = (L2Unavailable, *REDIS_FAILURES)
 # Keys per Invalidator call: bounds one DEL/pipeline (x replicas + lease) and one XADD.
 _CHUNK = 1000
 # The daemon is not on a request path: give Redis time rather than retrying a big batch.

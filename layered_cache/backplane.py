@@ -20,12 +20,11 @@ import msgspec
 import structlog
 from redis.exceptions import RedisError
 
-from layered_cache.l2 import RedisClient
+from layered_cache.l2 import REDIS_FAILURES, RedisClient
 
 __all__ = ["BackplaneListener", "BackplanePublisher", "parse_id"]
 
 _log = structlog.get_logger("layered_cache.backplane")
-_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -117,7 +116,7 @@ class BackplaneListener:
                 check_gap = full  # a full batch means we may be far behind
             except asyncio.CancelledError:
                 raise
-            except _FAILURES as exc:
+            except REDIS_FAILURES as exc:
                 if self.connected.is_set():
                     _log.warning("backplane_disconnected", error=type(exc).__name__)
                 self.connected.clear()

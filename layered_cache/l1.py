@@ -14,6 +14,7 @@ and never wrong.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -47,21 +48,34 @@ class L1Cache:
         self._entries: TLRUCache[str, tuple[Any, float]] = TLRUCache(
             maxsize=max_entries, ttu=_ttu, timer=timer
         )
-        # cachetools caches are not thread-safe; the sync API may call from many threads.
+        # cachetools caches are not thread-safe: writes (and, without a GIL, reads) lock.
         self._lock = threading.Lock()
+        self._free_threaded = not getattr(sys, "_is_gil_enabled", lambda: True)()
         self._seq = 0
         self._floor = 0
         self._tombstones: dict[str, int] = {}
 
     def get(self, key: str) -> Any:
-        # ``cache[key]`` + KeyError, not ``cache.get``: cachetools' get() does a
-        # ``key in cache`` check first, which costs a second expiry check.
-        with self._lock:
-            try:
-                entry = self._entries[key]
-            except KeyError:
-                return MISSING
-        return entry[0]
+        """The value, or ``MISSING``.
+
+        Reads take no lock (this is the hottest path of the library): TLRUCache's
+        ``__getitem__`` is a dict lookup, an ``OrderedDict.move_to_end`` and a second
+        dict lookup, each a single C-level operation that the GIL makes atomic. A writer
+        racing a reader (under ``_lock``) can at worst make the key vanish between two
+        of those steps, which surfaces as ``KeyError``: a spurious miss, never a wrong
+        value or a corrupted structure. On a free-threaded build every read locks.
+        ``cache[key]`` + KeyError, not ``cache.get``: get() would check expiry twice.
+        """
+        if self._free_threaded:
+            with self._lock:
+                return self._read(key)
+        return self._read(key)
+
+    def _read(self, key: str) -> Any:
+        try:
+            return self._entries[key][0]
+        except KeyError:
+            return MISSING
 
     def begin_read(self) -> int:
         """Call before reading L2 for a fill; pass the result to ``put``."""

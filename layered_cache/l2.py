@@ -37,7 +37,14 @@ from layered_cache.breaker import CircuitBreaker
 from layered_cache.config import RedisConfig
 from layered_cache.keys import replica_name
 
-__all__ = ["L2Store", "L2Unavailable", "RedisClient", "make_client", "make_node_client"]
+__all__ = [
+    "REDIS_FAILURES",
+    "L2Store",
+    "L2Unavailable",
+    "RedisClient",
+    "make_client",
+    "make_node_client",
+]
 
 RedisClient = redis.Redis | RedisCluster
 
@@ -77,7 +84,9 @@ end
 return {data, redis.call('PTTL', KEYS[1])}
 """
 
-_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+# Everything that means "Redis could not answer": RedisClusterException is not a
+# RedisError (e.g. "cannot be connected" while the cluster client re-discovers nodes).
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 _PLAN_TTL = 30.0  # seconds a per-key replica placement plan is trusted
 _MAX_PLANS = 4096
 
@@ -114,15 +123,11 @@ def make_client(config: RedisConfig) -> RedisClient:
     kwargs = _client_kwargs(config)
     if config.cluster:
         return RedisCluster.from_url(config.url, **kwargs)
-    # A blocking pool: under a burst, callers queue for a connection (bounded by the
-    # operation timeout) instead of failing with "Too many connections".
-    pool = redis.BlockingConnectionPool.from_url(
-        config.url,
-        timeout=config.timeout + config.connect_timeout,
-        retry=Retry(NoBackoff(), 0),
-        **kwargs,
-    )
-    return redis.Redis(connection_pool=pool)
+    # The pool itself is not capped: a capped pool either fails a burst ("Too many
+    # connections") or, as BlockingConnectionPool, costs a timer per command on the hot
+    # path. L2Store bounds concurrency with a semaphore instead (``max_connections``).
+    kwargs.pop("max_connections")
+    return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **kwargs)
 
 
 def make_node_client(client: RedisClient, config: RedisConfig) -> redis.Redis:
@@ -140,9 +145,14 @@ def make_node_client(client: RedisClient, config: RedisConfig) -> redis.Redis:
 class L2Store:
     """Redis operations of the cache, each guarded by the circuit breaker."""
 
-    def __init__(self, client: RedisClient, breaker: CircuitBreaker) -> None:
+    def __init__(
+        self, client: RedisClient, breaker: CircuitBreaker, max_in_flight: int = 64
+    ) -> None:
         self.client = client
         self.breaker = breaker
+        # Bounds the connections the read path opens: a burst queues here (cheaply, no
+        # timer) instead of opening a connection per waiting request.
+        self._slots = asyncio.Semaphore(max_in_flight)
         self.cluster = isinstance(client, RedisCluster)
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
@@ -155,8 +165,9 @@ class L2Store:
             operation.close()
             raise L2Unavailable("circuit breaker open")
         try:
-            result = await operation
-        except _FAILURES as exc:
+            async with self._slots:
+                result = await operation
+        except REDIS_FAILURES as exc:
             self.breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
         self.breaker.success()
@@ -206,8 +217,18 @@ class L2Store:
         return list(groups.values())
 
     async def get(self, name: str) -> bytes | None:
-        result: bytes | None = await self._guard(self.client.get(name))
-        return result
+        # _guard inlined: this is the L2-hit path, where one more coroutine level is a
+        # measurable share of a loopback GET.
+        if not self.breaker.allow():
+            raise L2Unavailable("circuit breaker open")
+        try:
+            async with self._slots:
+                result = await self.client.get(name)
+        except REDIS_FAILURES as exc:
+            self.breaker.failure(exc)
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        self.breaker.success()
+        return result  # type: ignore[return-value]  # bytes: decode_responses is off
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
         """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""

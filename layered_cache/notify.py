@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as redis
 import structlog
-from redis.exceptions import RedisError
+
+from layered_cache.l2 import REDIS_FAILURES
 
 __all__ = ["FillNotifier", "fill_channel"]
 
@@ -61,7 +62,7 @@ class FillNotifier:
             await self._add(sub)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(sub.confirmed.wait(), confirm_timeout)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             _log.debug("fill_subscribe_failed", error=type(exc).__name__)
         try:
             yield sub
@@ -87,7 +88,7 @@ class FillNotifier:
             if waiters:
                 return
             self._waiters.pop(sub.channel, None)
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 await self._pubsub.unsubscribe(sub.channel)
 
     async def _read(self) -> None:
@@ -96,7 +97,7 @@ class FillNotifier:
                 message = await self._pubsub.get_message(
                     ignore_subscribe_messages=False, timeout=1.0
                 )
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 _log.debug("fill_notifier_read_failed", error=type(exc).__name__)
                 await asyncio.sleep(0.1)
                 continue

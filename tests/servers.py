@@ -328,15 +328,20 @@ class RedisClusterServers:
     :meth:`wait_ok` afterwards.
     """
 
-    def __init__(self, masters: int = 3, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, masters: int = 3, extra_args: Sequence[str] = (), replicas: int = 0) -> None:
+        """``replicas`` per master (a failover needs at least 1): redis-cli makes the
+        first ``masters`` servers masters and the rest their replicas."""
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        self.replicas = replicas
         self.dir = Path(tempfile.mkdtemp(prefix="lc-redis-cluster-"))
         self.servers: list[RedisServer] = []
-        for i in range(masters):
+        for i in range(masters * (1 + replicas)):
             bus = free_port()
             args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
             args += ["--cluster-node-timeout", "2000", "--cluster-port", str(bus)]
+            # Replicas sync at once (the default waits 5 s for more replicas to batch).
+            args += ["--repl-diskless-sync-delay", "0"]
             self.servers.append(
                 RedisServer(extra_args=[*args, *extra_args], workdir=self.dir / f"node{i}")
             )
@@ -355,7 +360,7 @@ class RedisClusterServers:
                 s.start(timeout)
             cmd = [shutil.which("redis-cli") or "redis-cli", "--cluster", "create"]
             cmd += [f"{h}:{p}" for h, p in self.nodes]
-            cmd += ["--cluster-replicas", "0", "--cluster-yes"]
+            cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
             (self.dir / "create.log").write_text(out.stdout + out.stderr)
             if out.returncode != 0:
@@ -375,16 +380,34 @@ class RedisClusterServers:
             try:
                 infos = [_cluster_info(s.host, s.port) for s in self.servers if s.running]
                 last = infos[0] if infos else {}
-                if infos and all(
-                    all(i.get(k) == v for k, v in want.items())
-                    and i.get("cluster_known_nodes") == str(len(self.servers))
-                    for i in infos
+                if (
+                    infos
+                    and all(
+                        all(i.get(k) == v for k, v in want.items())
+                        and i.get("cluster_known_nodes") == str(len(self.servers))
+                        for i in infos
+                    )
+                    and self._replicas_in_sync()
                 ):
                     return
             except redis.RedisError:
                 pass
             time.sleep(0.1)
         raise ServerStartError(f"cluster not ok after {timeout:.0f}s: {last}")
+
+    def _replicas_in_sync(self) -> bool:
+        """A replica that never finished its first sync refuses to fail over."""
+        for server in self.servers:
+            if not server.running:
+                continue
+            client = redis.Redis(host=server.host, port=server.port, socket_timeout=1)
+            try:
+                info = client.info("replication")
+            finally:
+                client.close()
+            if info.get("role") == "slave" and info.get("master_link_status") != "up":
+                return False
+        return True
 
     def stop(self) -> None:
         for s in self.servers:
