@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import structlog
+from redis.asyncio.cluster import RedisCluster
 
 from layered_cache.backplane import BackplaneListener, BackplanePublisher
 from layered_cache.breaker import CircuitBreaker
@@ -127,7 +128,12 @@ class LayeredCache:
         await self.close()
 
     async def start(self) -> None:
-        """Start following the backplane (L1 coherence)."""
+        """Start following the backplane (L1 coherence). A cluster client learns the
+        slot map now rather than under the first burst of requests (if the cluster is
+        unreachable it retries on first use; the cache works without it meanwhile)."""
+        if isinstance(self._client, RedisCluster):
+            with contextlib.suppress(*REDIS_FAILURES):
+                await self._client.initialize()
         if self.backplane is not None:
             self.backplane.start()
 

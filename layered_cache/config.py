@@ -129,6 +129,9 @@ class BreakerConfig(_Section, frozen=True):
 class RedisConfig(_Section, frozen=True):
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False
+    # Cluster only: more "host:port" seeds besides the URL's node, so a client that
+    # starts (or re-discovers the slot map) while that one node is down still connects.
+    nodes: list[str] = msgspec.field(default_factory=list)
     timeout: Duration = Duration(0.1)
     connect_timeout: Duration = Duration(0.5)
     prefix: str = ""
@@ -147,6 +150,10 @@ class RedisConfig(_Section, frozen=True):
             )
         if self.timeout <= 0:
             raise ValueError("timeout must be > 0")
+        for node in self.nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f'nodes: expected "host:port", got {node!r}')
 
 
 class KafkaConfig(_Section, frozen=True):

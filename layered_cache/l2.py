@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
@@ -86,7 +86,16 @@ return {data, redis.call('PTTL', KEYS[1])}
 
 # Everything that means "Redis could not answer": RedisClusterException is not a
 # RedisError (e.g. "cannot be connected" while the cluster client re-discovers nodes).
-REDIS_FAILURES = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+# AttributeError: redis-py 8's async cluster client was seen to raise it from a
+# connection torn down underneath a command ("'NoneType' object has no attribute
+# 'writelines'"); for the cache that is one more failed L2 operation, not a crash.
+REDIS_FAILURES = (
+    RedisError,
+    RedisClusterException,
+    OSError,
+    asyncio.TimeoutError,
+    AttributeError,
+)
 _PLAN_TTL = 30.0  # seconds a per-key replica placement plan is trusted
 _MAX_PLANS = 4096
 
@@ -122,12 +131,18 @@ def make_client(config: RedisConfig) -> RedisClient:
     """
     kwargs = _client_kwargs(config)
     if config.cluster:
-        return RedisCluster.from_url(config.url, **kwargs)
+        seeds = [ClusterNode(*_host_port(node)) for node in config.nodes]
+        return RedisCluster.from_url(config.url, startup_nodes=seeds, **kwargs)
     # The pool itself is not capped: a capped pool either fails a burst ("Too many
     # connections") or, as BlockingConnectionPool, costs a timer per command on the hot
     # path. L2Store bounds concurrency with a semaphore instead (``max_connections``).
     kwargs.pop("max_connections")
     return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **kwargs)
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    host, _, port = node.rpartition(":")
+    return host, int(port)
 
 
 def make_node_client(client: RedisClient, config: RedisConfig) -> redis.Redis:

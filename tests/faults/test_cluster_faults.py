@@ -1,0 +1,134 @@
+"""Redis Cluster faults: a master fails over to its replica, a master restarts.
+Reads keep answering and no invalidation is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from consumers import Daemon
+from layered_cache import LayeredCache
+from layered_cache.events import BookPriceChanged, encode_event
+from layered_cache.keys import lease_name, replica_names
+from tests.helpers import CountingLoader, eventually
+from tests.servers import RedisClusterServers, create_topic
+from tests.test_daemon import daemon_config, producer, running
+
+pytestmark = [pytest.mark.kafka, pytest.mark.cluster]
+
+KEYS = 200
+HOT = 1  # book:1 is a static hot key with 8 replicas spread over the masters
+
+
+@pytest.fixture
+def failover_cluster() -> Iterator[RedisClusterServers]:
+    """3 masters + 1 replica each (its own: the test kills a master)."""
+    with RedisClusterServers(3, replicas=1) as cluster:
+        yield cluster
+
+
+async def _remaining(client: RedisCluster, prefix: str) -> list[str]:
+    names = []
+    for i in range(KEYS):
+        key = f"{prefix}book:{i}"
+        names += [key, lease_name(key), *(replica_names(key, 8) if i == HOT else [])]
+    left = []
+    for name in names:
+        with contextlib.suppress(RedisError):
+            if await client.exists(name):
+                left.append(name)
+    return left
+
+
+async def test_master_failover_keeps_reads_answering_and_loses_no_invalidation(
+    failover_cluster: RedisClusterServers, prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    await create_topic(kafka_bootstrap, unique_topic, 2)
+    config = daemon_config(
+        failover_cluster.url,
+        prefix,
+        kafka_bootstrap,
+        unique_topic,
+        namespaces={
+            "book": {
+                "key": "book:{id}",
+                "l1": {"ttl": "200ms"},
+                "hot": {"replicas": 8, "keys": ["book:1"]},
+            }
+        },
+    )
+    # Cluster mode, seeded with every master: the client must find the cluster even
+    # when the URL's own node is the one that died.
+    seeds = [f"{host}:{port}" for host, port in failover_cluster.nodes[:3]]
+    redis_section = msgspec.structs.replace(config.redis, cluster=True, nodes=seeds)
+    config = msgspec.structs.replace(config, redis=redis_section)
+    admin = RedisCluster.from_url(failover_cluster.url)
+    loader = CountingLoader("v1")
+    errors: list[BaseException] = []
+    reads = 0
+    async with LayeredCache.from_config(config) as cache:
+        for start in range(0, KEYS, 50):
+            await asyncio.gather(
+                *(cache.get_or_load("book", {"id": i}, loader) for i in range(start, start + 50))
+            )
+        assert await admin.exists(*[f"{prefix}book:1#{i}" for i in range(8)]) == 8
+        master = failover_cluster.servers[0]  # redis-cli makes the first 3 nodes masters
+        stop_at = time.monotonic() + 8
+
+        async def reader() -> None:
+            nonlocal reads
+            while time.monotonic() < stop_at:
+                try:
+                    await cache.get_or_load("book", {"id": random.randrange(KEYS)}, loader)
+                    reads += 1
+                except BaseException as exc:  # every failure counts
+                    errors.append(exc)
+                await asyncio.sleep(0.005)
+
+        daemon = Daemon(config)
+        async with running(daemon), producer(kafka_bootstrap) as p:
+
+            async def chaos_and_events() -> None:
+                await asyncio.sleep(1)
+                master.kill()  # its replica is promoted after cluster-node-timeout (2 s)
+                loader.value = "v2"  # the database changes, then the events go out
+                for i in range(KEYS):  # every key changes while the master is gone
+                    event = BookPriceChanged(i, "1.00", "2.00", "2026-11-29T10:00:00Z")
+                    await p.send(unique_topic, encode_event(event), partition=i % 2)
+                await p.flush()
+
+            await asyncio.gather(chaos_and_events(), *(reader() for _ in range(20)))
+            # Every base key, replica and lease is gone on the promoted topology.
+            assert await eventually(
+                lambda: _empty(admin, prefix, cache, loader), timeout=30, interval=0.5
+            )
+        print(f"\nreads {reads}, errors {len(errors)}, daemon {daemon.stats}")
+    await admin.aclose()
+    assert errors == []
+    assert reads > 500
+
+
+async def _empty(
+    admin: RedisCluster, prefix: str, cache: LayeredCache, loader: CountingLoader
+) -> bool:
+    # Reads keep refilling keys with "v1": compare against what the loader gives now.
+    loader.value = "v2"
+    left = await _remaining(admin, prefix)
+    stale = []
+    for name in left:
+        if name.endswith(":lease"):
+            stale.append(name)
+            continue
+        with contextlib.suppress(RedisError):
+            raw = await admin.get(name)
+            if raw is not None and cache.policy("book").codec.decode(raw).value == "v1":
+                stale.append(name)
+    return not stale
