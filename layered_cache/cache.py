@@ -225,26 +225,29 @@ class LayeredCache:
         if not policy.cache:
             return
         policy.stats.set += 1
+        self._flight.forget(key)
+        if policy.l1 is not None:
+            policy.l1.discard([key])
+        if not policy.l2:
+            self._fill_l1(policy, key, value, None, None)
+            return
         soft_expiry = self._clock() + policy.l2_ttl_draw()
-        if policy.l2:
-            data = self._encode(policy, key, value, soft_expiry, 0.0)
-            if data is None:
-                return
-            ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
-            names = [key]
-            outdated: list[str] = []
-            if self._is_hot(policy, key):
-                names += replica_names(key, policy.replicas)
-            elif policy.hot is not None and policy.replicas:
-                # Another instance may hold this key hot: its replicas carry the old value.
-                outdated = replica_names(key, policy.replicas)
-            self._flight.forget(key)
-            if policy.l1 is not None:
-                policy.l1.discard([key])
-            await self.l2.set_many(names, data, ttl_ms)
-            await self.l2.delete(outdated)
-            with contextlib.suppress(*REDIS_FAILURES):
-                await self._invalidator.announce([key])
+        data = self._encode(policy, key, value, soft_expiry, 0.0)
+        if data is None:
+            return
+        names = [key]
+        # Revoke any fill in flight (it may carry a value older than ours) by deleting
+        # the lease first; and if another instance holds this key hot, its replicas
+        # carry the old value: delete them when we don't rewrite them.
+        outdated = [lease_name(key)]
+        if self._is_hot(policy, key):
+            names += replica_names(key, policy.replicas)
+        elif policy.hot is not None and policy.replicas:
+            outdated += replica_names(key, policy.replicas)
+        await self.l2.delete(outdated)
+        await self.l2.set_many(names, data, self._redis_ttl_ms(policy, soft_expiry))
+        with contextlib.suppress(*REDIS_FAILURES):
+            await self._invalidator.announce([key])
         self._fill_l1(policy, key, value, soft_expiry, None)
 
     async def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
@@ -336,7 +339,7 @@ class LayeredCache:
                 envelope = await self._read_l2(policy, key)
             except L2Unavailable:
                 policy.stats.redis_error += 1
-                return await self._load_unleased(policy, loader, None)
+                return await self._load_unleased(policy, key, loader, None)
         now = self._clock()
         if envelope is not None and now < envelope.soft_expiry:
             policy.stats.l2_hit += 1
@@ -346,7 +349,7 @@ class LayeredCache:
         policy.stats.miss += 1
         stale = envelope if self._within_stale(policy, envelope, now) else None
         if not policy.l2:
-            value = await self._load_unleased(policy, loader, None)
+            value = await self._load_unleased(policy, key, loader, None)
             self._fill_l1(policy, key, value, None, read_seq)
             return value
         return await self._load_under_lease(policy, key, loader, stale, read_seq)
@@ -423,11 +426,11 @@ class LayeredCache:
                 if result.token is None:
                     # max_wait passed: load ourselves, but never write L2 without a lease.
                     policy.stats.lease_timeout_load += 1
-                    return await self._load_unleased(policy, loader, stale)
+                    return await self._load_unleased(policy, key, loader, stale)
                 token = result.token
         except L2Unavailable:
             policy.stats.redis_error += 1
-            return await self._load_unleased(policy, loader, stale)
+            return await self._load_unleased(policy, key, loader, stale)
         policy.stats.lease_won += 1
         return await self._load_and_fill(policy, key, token, loader, stale, read_seq)
 
@@ -488,13 +491,13 @@ class LayeredCache:
                 observe(policy.name, time.perf_counter() - started, ok)
 
     async def _load_unleased(
-        self, policy: Policy, loader: Loader, stale: Envelope[Any] | None
+        self, policy: Policy, key: str, loader: Loader, stale: Envelope[Any] | None
     ) -> Any:
         """Load without writing L2 (no lease, or Redis unavailable)."""
         try:
             return await self._call_loader(policy, loader)
         except Exception as exc:
-            return self._stale_or_raise(policy, "", stale, exc)
+            return self._stale_or_raise(policy, key, stale, exc)
 
     def _stale_or_raise(
         self, policy: Policy, key: str, stale: Envelope[Any] | None, exc: Exception

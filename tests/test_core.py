@@ -268,3 +268,25 @@ async def test_too_large_value_is_served_but_not_cached(redis_url: str, prefix: 
         assert cache.stats()["book"]["not_cached"] == 1
     assert await admin.exists(f"{prefix}book:1") == 0
     await admin.aclose()
+
+
+async def test_set_in_an_l1_only_namespace_is_served_from_memory(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, {"session": {"key": "session:{id}", "l2": False}})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("session", {"id": 1}, {"user": 7})
+        assert await cache.get("session", {"id": 1}) == {"user": 7}
+        assert cache.stats()["session"]["l1_hit"] == 1
+
+
+async def test_set_revokes_a_fill_in_flight(redis_url: str, prefix: str) -> None:
+    """A slow load that read the old value must not overwrite a value set meanwhile."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    slow = CountingLoader("old", delay=0.2)
+    async with LayeredCache.from_config(config) as cache:
+        load = asyncio.create_task(cache.get_or_load("book", {"id": 1}, slow))
+        await asyncio.sleep(0.05)
+        await cache.set("book", {"id": 1}, "new")
+        assert await load == "old"  # the caller that started before still gets its load
+        assert await cache.get("book", {"id": 1}) == "new"
