@@ -40,6 +40,7 @@ from layered_cache import LayeredCache
 
 TARGET = 1.1
 FLOOR = "floor: redis.asyncio GET + msgspec decode"
+FLOOR_TIMEOUT = "floor with the cache's socket timeout (100 ms)"
 OURS = "layered_cache get_or_load (L2 hit, L1 off)"
 
 
@@ -105,6 +106,9 @@ async def run(env: BenchEnv) -> Section:
     n, repeats = (300, 5) if env.quick else (3_000, 9)
     config = make_config(url, prefix, {"book": {"key": "book:{id}", "l1": False}})
     raw = aioredis.Redis.from_url(url)
+    # The same client with the per-operation timeout the cache must have: redis-py then
+    # arms a timer per read, which the bare floor doesn't pay.
+    raw_timeout = aioredis.Redis.from_url(url, socket_timeout=0.1)
 
     async def loader() -> Any:
         return value
@@ -123,7 +127,11 @@ async def run(env: BenchEnv) -> Section:
                 await get_or_load("book", fields, loader)
             return (time.perf_counter() - start) / count
 
-        contenders: dict[str, Batch] = {FLOOR: raw_l2_floor(raw, key), OURS: ours}
+        contenders: dict[str, Batch] = {
+            FLOOR: raw_l2_floor(raw, key),
+            FLOOR_TIMEOUT: raw_l2_floor(raw_timeout, key),
+            OURS: ours,
+        }
         peers, closers = await _peers(url, prefix, value, section.notes)
         contenders.update(peers)
         results = await interleaved(contenders, n, repeats, batch_seconds=0.25)
@@ -141,6 +149,7 @@ async def run(env: BenchEnv) -> Section:
         for close in closers:
             await close()
     await raw.aclose()
+    await raw_timeout.aclose()
 
     medians = {name: median(values) for name, values in results.items()}
     floor, ours_s = medians[FLOOR], medians[OURS]
@@ -165,18 +174,20 @@ async def run(env: BenchEnv) -> Section:
             + " (counted with cProfile: deterministic, unlike wall time on a busy machine)."
         )
     ratio = ours_s / floor
+    ratio_timeout = ours_s / medians[FLOOR_TIMEOUT]
     peer_medians = {k: v for k, v in medians.items() if k in peers}
     best = min(peer_medians.values()) if peer_medians else None
     section.headline.append(
         Headline(
             "L2 hit, L1 off (get_or_load)",
-            f"{fmt_us(ours_s)} ({ratio:.2f}x floor)",
+            f"{fmt_us(ours_s)} ({ratio:.2f}x floor; {ratio_timeout:.2f}x the floor with the same socket timeout)",
             f"GET+decode {fmt_us(floor)}" + (f"; fastest peer {fmt_us(best)}" if best else ""),
             f"<= {TARGET}x floor",
             "ok" if ratio <= TARGET else "MISSED",
         )
     )
-    section.data = {"median_s": medians, "repeats_s": results, "ratio": ratio, "bytes": len(stored),
+    section.data = {"median_s": medians, "repeats_s": results, "ratio": ratio,
+                    "ratio_same_timeout": ratio_timeout, "bytes": len(stored),
                     "loop_work": work}
     section.seconds = time.perf_counter() - started
     return section

@@ -133,10 +133,11 @@ def make_client(config: RedisConfig) -> RedisClient:
     if config.cluster:
         seeds = [ClusterNode(*_host_port(node)) for node in config.nodes]
         return RedisCluster.from_url(config.url, startup_nodes=seeds, **kwargs)
-    # The pool itself is not capped: a capped pool either fails a burst ("Too many
-    # connections") or, as BlockingConnectionPool, costs a timer per command on the hot
-    # path. L2Store bounds concurrency with a semaphore instead (``max_connections``).
-    kwargs.pop("max_connections")
+    # The pool itself is not capped (redis-py 8 caps at 100 by default): a capped pool
+    # either fails a burst ("Too many connections") or, as BlockingConnectionPool, costs
+    # a lock and a timer per command on the hot path. L2Store bounds its concurrency
+    # with a semaphore instead (``max_connections``).
+    kwargs["max_connections"] = 2**31
     return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **kwargs)
 
 
