@@ -280,21 +280,10 @@ class LayeredCache:
         The return annotation (or ``value_type``) becomes the namespace's value type,
         so L2 hits decode into it.
         """
-        policy = self.policy(namespace)
+        self.policy(namespace)  # an unknown namespace fails here, not at the first call
 
         def decorate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-            signature = inspect.signature(fn)
-            missing = [f for f in policy.template.fields if f not in signature.parameters]
-            if missing:
-                raise KeyError(
-                    f"namespace {namespace!r}: {fn.__qualname__} has no parameter for key "
-                    f"field(s) {missing} of template {policy.template.template!r}"
-                )
-            declared = value_type
-            if declared is None:
-                declared = typing.get_type_hints(fn).get("return")
-            if declared is not None and policy.codec.value_type is Any:
-                self.register_type(namespace, declared)
+            signature = self.prepare_cached(namespace, fn, value_type)
 
             @functools.wraps(fn)
             async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -308,6 +297,27 @@ class LayeredCache:
             return wrapper
 
         return decorate
+
+    def prepare_cached(
+        self, namespace: str, fn: Callable[..., Any], value_type: Any = None
+    ) -> inspect.Signature:
+        """Checks shared by the async and sync ``cached`` decorators: every key field is
+        a parameter of ``fn``; its return annotation (or ``value_type``) becomes the
+        namespace's value type. Returns the signature to bind calls with."""
+        policy = self.policy(namespace)
+        signature = inspect.signature(fn)
+        missing = [f for f in policy.template.fields if f not in signature.parameters]
+        if missing:
+            raise KeyError(
+                f"namespace {namespace!r}: {fn.__qualname__} has no parameter for key "
+                f"field(s) {missing} of template {policy.template.template!r}"
+            )
+        declared = value_type
+        if declared is None:
+            declared = typing.get_type_hints(fn).get("return")
+        if declared is not None and policy.codec.value_type is Any:
+            self.register_type(namespace, declared)
+        return signature
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Counters per namespace, plus ``_redis`` with the breaker state."""

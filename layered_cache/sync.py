@@ -221,25 +221,14 @@ class SyncLayeredCache:
         The return annotation (or ``value_type``) becomes the namespace's value type.
         """
         cache = self.cache
-        policy = cache.policy(namespace)
+        cache.policy(namespace)  # an unknown namespace fails here, not at the first call
 
         def decorate(fn: Callable[P, T]) -> Callable[P, T]:
             if inspect.iscoroutinefunction(fn):
                 raise TypeError(
                     f"{fn.__qualname__} is async: use LayeredCache.cached, not the sync API"
                 )
-            signature = inspect.signature(fn)
-            missing = [f for f in policy.template.fields if f not in signature.parameters]
-            if missing:
-                raise KeyError(
-                    f"namespace {namespace!r}: {fn.__qualname__} has no parameter for key "
-                    f"field(s) {missing} of template {policy.template.template!r}"
-                )
-            declared = value_type
-            if declared is None:
-                declared = typing.get_type_hints(fn).get("return")
-            if declared is not None and policy.codec.value_type is Any:
-                cache.register_type(namespace, declared)
+            signature = cache.prepare_cached(namespace, fn, value_type)
 
             @functools.wraps(fn)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
