@@ -27,7 +27,18 @@ def test_missing_field_names_namespace_and_field() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    ["a b", "a{b}", "x#1", "tab\t", "new\nline", "", "\x00", "é", "x" * (MAX_KEY_LENGTH + 1)],
+    [
+        "a b",
+        "a{b}",
+        "x#1",
+        "tab\t",
+        "new\nline",
+        "",
+        "\x00",
+        "é",
+        "x" * (MAX_KEY_LENGTH + 1),
+        "k" * 10_240,
+    ],
 )
 def test_unsafe_values_are_rejected_naming_the_field(value: str) -> None:
     with pytest.raises(ValueError, match="namespace 'book': field 'id'"):
