@@ -39,6 +39,10 @@ class CircuitBreaker:
         self._probing = False
         self.transitions = 0
 
+    def sibling(self, name: str) -> CircuitBreaker:
+        """A new breaker with the same settings (one per Redis Cluster node)."""
+        return CircuitBreaker(self._threshold, self._reset, name, self._clock)
+
     @property
     def state(self) -> State:
         if self._state == "open" and self._clock() - self._opened_at >= self._reset:

@@ -327,6 +327,10 @@ class LayeredCache:
         result["_redis"] = {
             "breaker": self.breaker.state,
             "breaker_transitions": self.breaker.transitions,
+            # Redis Cluster: one breaker per master (see L2Store.breaker_for).
+            "node_breakers": {
+                node: breaker.state for node, breaker in sorted(self.l2.node_breakers.items())
+            },
         }
         return result
 

@@ -169,6 +169,7 @@ class L2Store:
         # Bounds the connections the read path opens: a burst queues here (cheaply, no
         # timer) instead of opening a connection per waiting request.
         self._slots = asyncio.Semaphore(max_in_flight)
+        self.node_breakers: dict[str, CircuitBreaker] = {}
         self.cluster = isinstance(client, RedisCluster)
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
@@ -176,17 +177,37 @@ class L2Store:
         # key -> (rebuild after, replica indexes grouped per master, replica range)
         self._plans: dict[str, tuple[float, list[list[int]], range]] = {}
 
-    async def _guard(self, operation: Any) -> Any:
-        if not self.breaker.allow():
+    def breaker_for(self, name: str | None) -> CircuitBreaker:
+        """The breaker guarding the node that holds ``name``.
+
+        In a cluster each master gets its own breaker: one dead master must not make
+        every instance skip the healthy ones (all their reads would fall through to the
+        database during a failover). Multi-key operations, a single node, and a slot map
+        not known yet use the shared breaker.
+        """
+        if not self.cluster or name is None:
+            return self.breaker
+        nodes = self.client.nodes_manager.slots_cache.get(key_slot(name.encode()))  # type: ignore[union-attr]
+        if not nodes:
+            return self.breaker
+        node = nodes[0].name
+        breaker = self.node_breakers.get(node)
+        if breaker is None:
+            breaker = self.node_breakers[node] = self.breaker.sibling(f"redis {node}")
+        return breaker
+
+    async def _guard(self, operation: Any, name: str | None = None) -> Any:
+        breaker = self.breaker_for(name)
+        if not breaker.allow():
             operation.close()
             raise L2Unavailable("circuit breaker open")
         try:
             async with self._slots:
                 result = await operation
         except REDIS_FAILURES as exc:
-            self.breaker.failure(exc)
+            breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-        self.breaker.success()
+        breaker.success()
         return result
 
     def pick_replica(self, key: str, replicas: int) -> int:
@@ -235,20 +256,23 @@ class L2Store:
     async def get(self, name: str) -> bytes | None:
         # _guard inlined: this is the L2-hit path, where one more coroutine level is a
         # measurable share of a loopback GET.
-        if not self.breaker.allow():
+        breaker = self.breaker_for(name)
+        if not breaker.allow():
             raise L2Unavailable("circuit breaker open")
         try:
             async with self._slots:
                 result = await self.client.get(name)
         except REDIS_FAILURES as exc:
-            self.breaker.failure(exc)
+            breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-        self.breaker.success()
+        breaker.success()
         return result  # type: ignore[return-value]  # bytes: decode_responses is off
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
         """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""
-        return bool(await self._guard(self.client.set(lease, token, nx=True, px=ttl_ms)))
+        return bool(
+            await self._guard(self.client.set(lease, token, nx=True, px=ttl_ms), lease)
+        )
 
     async def fill(
         self,
@@ -262,11 +286,11 @@ class L2Store:
     ) -> bool:
         """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
         args: list[str | bytes | int] = [token, data, ttl_ms, channel, "1" if release else "0"]
-        return bool(await self._guard(self._fill(keys=[key, lease], args=args)))
+        return bool(await self._guard(self._fill(keys=[key, lease], args=args), key))
 
     async def release(self, lease: str, token: str) -> bool:
         """Compare-and-delete; False means the lease was revoked or taken over."""
-        return bool(await self._guard(self._release(keys=[lease], args=[token])))
+        return bool(await self._guard(self._release(keys=[lease], args=[token]), lease))
 
     async def set_many(self, names: Sequence[str], data: bytes, ttl_ms: int) -> None:
         """SET the same value under several names. In a cluster the pipeline is split
@@ -337,7 +361,7 @@ class L2Store:
     async def read_under_lease(self, key: str, lease: str, token: str) -> tuple[bytes, int] | None:
         """``(value, pttl_ms)`` of ``key`` if ``token`` still held ``lease`` (which this
         releases), else None. Both names share a slot: one atomic script."""
-        result = await self._guard(self._read_under_lease(keys=[key, lease], args=[token]))
+        result = await self._guard(self._read_under_lease(keys=[key, lease], args=[token]), key)
         if not result:
             return None
         data, pttl = result

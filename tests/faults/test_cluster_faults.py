@@ -12,13 +12,14 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from consumers import Daemon
 from layered_cache import LayeredCache
 from layered_cache.events import BookPriceChanged, encode_event
 from layered_cache.keys import lease_name, replica_names
-from tests.helpers import CountingLoader, eventually
+from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisClusterServers, create_topic
 from tests.test_daemon import daemon_config, producer, running
 
@@ -132,3 +133,51 @@ async def _empty(
             if raw is not None and cache.policy("book").codec.decode(raw).value == "v1":
                 stale.append(name)
     return not stale
+
+
+async def test_one_dead_master_does_not_stop_l2_reads_on_the_others(prefix: str) -> None:
+    """Each master has its own breaker: while one is down, keys on the others are still
+    served from Redis, and only the dead master's keys fall through to the loader."""
+    with RedisClusterServers(3) as cluster:
+        seeds = [f"{host}:{port}" for host, port in cluster.nodes]
+        config = make_config(
+            cluster.url,
+            prefix,
+            {"book": {"key": "book:{id}", "l1": False}},
+            redis={"cluster": True, "nodes": seeds},
+            backplane={"enabled": False},
+        )
+        loader = CountingLoader("v")
+        async with LayeredCache.from_config(config) as cache:
+            for start in range(0, 300, 50):
+                await asyncio.gather(
+                    *(
+                        cache.get_or_load("book", {"id": i}, loader)
+                        for i in range(start, start + 50)
+                    )
+                )
+            client = cache.l2.client
+            dead = cluster.servers[0]
+            dead_name = f"{dead.host}:{dead.port}"
+
+            def on_dead(i: int) -> bool:
+                slot = key_slot(f"{prefix}book:{i}".encode())
+                return bool(client.nodes_manager.slots_cache[slot][0].name == dead_name)  # type: ignore[union-attr]
+
+            healthy = [i for i in range(300) if not on_dead(i)]
+            doomed = [i for i in range(300) if on_dead(i)]
+            dead.kill()
+            loads_before = loader.calls
+            for _ in range(3):  # enough failures to open the dead master's breaker
+                for i in doomed[:10]:
+                    assert await cache.get_or_load("book", {"id": i}, loader) == "v"
+            hits_before = cache.stats()["book"]["l2_hit"]
+            for i in healthy:
+                assert await cache.get_or_load("book", {"id": i}, loader) == "v"
+            stats = cache.stats()
+            breakers = stats["_redis"]["node_breakers"]
+        # Every healthy key still came from L2: no load for any of them.
+        assert stats["book"]["l2_hit"] - hits_before == len(healthy)
+        assert loader.calls - loads_before <= 30
+        assert breakers.get(dead_name) in ("open", "half_open")
+        assert all(state == "closed" for node, state in breakers.items() if node != dead_name)
