@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +20,7 @@ from examples.bookstore.app import (
     load_bookstore_config,
     serve,
 )
-from examples.bookstore.db import SQLiteDatabase, parse_price, seed_rows
+from examples.bookstore.db import PostgresDatabase, SQLiteDatabase, parse_price, seed_rows
 from layered_cache import Config
 from tests.helpers import eventually
 from tests.servers import create_topic
@@ -81,7 +83,9 @@ async def test_stampede_across_two_instances_is_one_query(
         replies = await asyncio.gather(*(c.get("/books/23") for c in [a, b] * 40))
         assert {r.status_code for r in replies} == {200}
         assert db.queries["book_detail"] == 1  # the lease: one load across instances
-        stats = {n: (await c.get("/stats")).json()["cache"]["book"] for n, c in (("A", a), ("B", b))}
+        stats = {
+            n: (await c.get("/stats")).json()["cache"]["book"] for n, c in (("A", a), ("B", b))
+        }
         assert stats["A"]["load"] + stats["B"]["load"] == 1
 
 
@@ -114,7 +118,12 @@ async def test_price_change_without_kafka_invalidates_directly(
     new = "7.50" if old != "7.50" else "8.50"
     reply = await shop.put("/books/11/price", json={"price": new})
     assert reply.status_code == 200
-    assert reply.json() == {"book_id": 11, "old_price": old, "new_price": new, "invalidation": "direct"}
+    assert reply.json() == {
+        "book_id": 11,
+        "old_price": old,
+        "new_price": new,
+        "invalidation": "direct",
+    }
     assert (await shop.get("/books/11")).json()["price"] == new
     assert db.queries["book_detail"] == 2
 
@@ -224,3 +233,35 @@ async def test_price_change_reaches_every_instance_through_kafka_and_the_daemon(
         assert took < 3.0, f"price change took {took:.2f}s to reach both instances"
         assert daemon.stats.events == 1 and daemon.stats.keys == 1
         assert db.queries["book_detail"] == 2  # the first fill and one reload after the change
+
+
+async def test_the_service_runs_on_postgresql_too(redis_url: str, prefix: str) -> None:
+    """DATABASE_URL (or the machine's local PostgreSQL) in a database of the test's own."""
+    asyncpg = pytest.importorskip("asyncpg")
+    admin_url = os.environ.get("DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
+    try:
+        admin = await asyncpg.connect(admin_url, timeout=3)
+    except (OSError, asyncpg.PostgresError) as exc:
+        pytest.skip(f"no PostgreSQL reachable at {admin_url}: {exc}")
+    name = f"lc_{uuid.uuid4().hex[:10]}"
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        database = PostgresDatabase(
+            f"{admin_url.rsplit('/', 1)[0]}/{name}", books=100, query_delay=0.05
+        )
+        await database.open()
+        try:
+            async with running(_config(redis_url, prefix), database) as shop:  # type: ignore[arg-type]
+                replies = await asyncio.gather(*(shop.get("/books/17") for _ in range(50)))
+                assert {r.status_code for r in replies} == {200}
+                assert database.queries["book_detail"] == 1
+                assert (
+                    await shop.put("/books/17/price", json={"price": "3.30"})
+                ).status_code == 200
+                assert (await shop.get("/books/17")).json()["price"] == "3.30"
+                assert (await shop.get("/books/17/stock")).status_code == 200
+        finally:
+            await database.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
