@@ -29,6 +29,7 @@ from layered_cache.backplane import BackplaneListener, BackplanePublisher
 from layered_cache.breaker import CircuitBreaker
 from layered_cache.codec import CodecError, Envelope
 from layered_cache.config import Config, RedisConfig
+from layered_cache.hotreport import HotKeyReporter, report_key
 from layered_cache.invalidation import Invalidator
 from layered_cache.keys import lease_name, replica_name, replica_names
 from layered_cache.l1 import MISSING
@@ -113,6 +114,12 @@ class LayeredCache:
         self.load_observers: list[Callable[[str, float, bool], None]] = []
         self.l2_observers: list[Callable[[str, float], None]] = []
         self.load_wrapper: Callable[[str, Loader], Awaitable[Any]] | None = None
+        detecting = any(p.hot is not None and p.hot.threshold for p in self._policies.values())
+        self._hot_reporter = (
+            HotKeyReporter(self._client, report_key(prefix, self.instance_id), self.hot_keys)
+            if detecting
+            else None
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -136,6 +143,8 @@ class LayeredCache:
                 await self._client.initialize()
         if self.backplane is not None:
             self.backplane.start()
+        if self._hot_reporter is not None:
+            self._hot_reporter.start()
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -145,6 +154,8 @@ class LayeredCache:
                 await task
         if self.backplane is not None:
             await self.backplane.stop()
+        if self._hot_reporter is not None:
+            await self._hot_reporter.stop()
         await self._notifier.close()
         for client in (self._client, self._listener_client):
             if client is not None:

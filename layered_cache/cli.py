@@ -43,6 +43,7 @@ from layered_cache.config import (
     Rate,
     load_config,
 )
+from layered_cache.hotreport import fleet_hot_keys
 from layered_cache.keys import lease_name, replica_names
 from layered_cache.l2 import L2Unavailable
 from layered_cache.logs import configure_logging, mask_url_credentials
@@ -417,7 +418,20 @@ async def _hotkeys(config: Config) -> dict[str, Any]:
                 "replicas": policy.replicas,
                 "threshold": f"{hot.threshold:g}/s" if hot.threshold is not None else None,
                 "static": keys,
+                "detected": [],
             }
+        # Live detection, as reported by every running instance (see hotreport.py).
+        fleet = await fleet_hot_keys(cache.l2.client, config.redis.prefix)
+        for name, detected in fleet.items():
+            if name in result:
+                result[name]["detected"] = [
+                    {
+                        "key": key,
+                        "rate": round(entry["rate"], 1),
+                        "instances": int(entry["instances"]),
+                    }
+                    for key, entry in sorted(detected.items(), key=lambda kv: -kv[1]["rate"])
+                ]
         return result
 
 
@@ -432,8 +446,8 @@ def cmd_hotkeys(args: argparse.Namespace, out: TextIO) -> int:
     for name, info in report.items():
         detection = f"detection above {info['threshold']}" if info["threshold"] else "no detection"
         out.write(f"[{name}] replicas={info['replicas']}, {detection}\n")
-        if not info["static"]:
-            out.write("  no static hot keys\n")
+        if not info["static"] and not info["detected"]:
+            out.write("  no static or detected hot keys\n")
         for entry in info["static"]:
             present = entry["replicas_present"]
             out.write(
@@ -442,9 +456,14 @@ def cmd_hotkeys(args: argparse.Namespace, out: TextIO) -> int:
                 + (f" (#{', #'.join(map(str, present))})" if present else "")
                 + "\n"
             )
+        for entry in info["detected"]:
+            out.write(
+                f"  {entry['key']}: detected hot, {entry['rate']:g} L2 reads/s "
+                f"(reported by {entry['instances']} instance(s))\n"
+            )
     out.write(
-        "\nLive detection is per instance: a running service exposes its hot keys through "
-        "cache.hot_keys() and the layered_cache_hot_keys metric.\n"
+        "\nDetected keys come from the running instances (each reports its own detection "
+        "about once a second); static keys come from the config.\n"
     )
     return 0
 

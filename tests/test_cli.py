@@ -217,7 +217,37 @@ def test_hotkeys_lists_static_keys_and_their_replicas(
     assert "review" not in report
     assert main(["hotkeys", "--config", config]) == 0
     out = capsys.readouterr().out
-    assert "replicas 1/4 (#2)" in out and "per instance" in out
+    assert "replicas 1/4 (#2)" in out and "running instances" in out
+
+
+async def test_hotkeys_shows_keys_detected_by_running_instances(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    from layered_cache import LayeredCache, load_config
+
+    extra = (
+        '\n[namespaces.author]\nkey = "author:{id}"\nl1 = false\n'
+        'hot = { replicas = 4, threshold = "20/s", window = "500ms" }\n'
+    )
+    path = write_config(tmp_path, redis_url, prefix, extra)
+    async with LayeredCache.from_config(load_config(path, env={})) as cache:
+
+        async def loader() -> str:
+            return "Wislawa"
+
+        for _ in range(60):  # ~100 L2 reads/s, far above 20/s
+            await cache.get_or_load("author", {"id": 7}, loader)
+            await asyncio.sleep(0.01)
+        assert f"{prefix}author:7" in cache.hot_keys()["author"]
+        await asyncio.sleep(1.2)  # the reporter writes about once a second
+        code = await asyncio.to_thread(main, ["hotkeys", "--config", str(path), "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    detected = report["author"]["detected"]
+    assert [entry["key"] for entry in detected] == [f"{prefix}author:7"]
+    assert detected[0]["rate"] > 20 and detected[0]["instances"] == 1
 
 
 # -- warm ------------------------------------------------------------------------------
