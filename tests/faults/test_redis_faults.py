@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as redis
 
-from layered_cache import LayeredCache
+from layered_cache import Config, LayeredCache
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
@@ -79,8 +79,9 @@ async def test_redis_killed_under_load_causes_no_caller_errors(
     assert stats["redis_error"] > 0
 
 
-async def test_slow_redis_latency_is_bounded_by_the_timeout(proxy: ToxicProxy, prefix: str) -> None:
-    config = make_config(
+def _behind_proxy(proxy: ToxicProxy, prefix: str) -> Config:
+    """L2 only, through the proxy: 100 ms timeouts, a breaker that stays open 5 s."""
+    return make_config(
         proxy.url,
         prefix,
         {"book": {"key": "book:{id}", "l1": False}},
@@ -91,6 +92,10 @@ async def test_slow_redis_latency_is_bounded_by_the_timeout(proxy: ToxicProxy, p
         },
         backplane={"enabled": False},
     )
+
+
+async def test_slow_redis_latency_is_bounded_by_the_timeout(proxy: ToxicProxy, prefix: str) -> None:
+    config = _behind_proxy(proxy, prefix)
     loader = CountingLoader("db", delay=0.01)
     async with LayeredCache.from_config(config) as cache:
         await cache.get_or_load("book", {"id": 1}, loader)  # warm the connection
@@ -110,17 +115,7 @@ async def test_slow_redis_latency_is_bounded_by_the_timeout(proxy: ToxicProxy, p
 async def test_black_holed_redis_latency_is_bounded_by_the_timeout(
     proxy: ToxicProxy, prefix: str
 ) -> None:
-    config = make_config(
-        proxy.url,
-        prefix,
-        {"book": {"key": "book:{id}", "l1": False}},
-        redis={
-            "timeout": "100ms",
-            "connect_timeout": "100ms",
-            "breaker": {"failures": 3, "reset": "5s"},
-        },
-        backplane={"enabled": False},
-    )
+    config = _behind_proxy(proxy, prefix)
     proxy.mode = "blackhole"  # connects succeed, nothing ever answers
     loader = CountingLoader("db")
     async with LayeredCache.from_config(config) as cache:
