@@ -453,6 +453,15 @@ class LayeredCache:
                     policy.stats.lease_timeout_load += 1
                     return await self._load_unleased(policy, key, loader, stale)
                 token = result.token
+            # Double-check under the lease: the previous winner's fill script releases
+            # the lease as it writes, so a fill can land between our miss and our SET NX.
+            # Loading now would be a second load for the same expiry.
+            filled = self._decode(policy, key, await self.l2.get(key))
+            if filled is not None and self._clock() < filled.soft_expiry:
+                await self._release_quietly(key, token)
+                policy.stats.lease_wait_filled += 1
+                self._fill_l1(policy, key, filled.value, filled.soft_expiry, read_seq)
+                return filled.value
         except L2Unavailable:
             policy.stats.redis_error += 1
             return await self._load_unleased(policy, key, loader, stale)

@@ -321,3 +321,25 @@ async def test_waiters_load_themselves_after_max_wait(redis_url: str, prefix: st
     # Without the lease it must not write L2 (stale-set safety).
     assert await admin.exists(f"{prefix}book:5") == 0
     await admin.aclose()
+
+
+async def test_fill_landing_between_a_miss_and_the_lease_causes_no_second_load(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The winner's fill releases the lease as it writes: a reader whose GET missed just
+    before it then wins SET NX. It must re-check L2 under the lease, not load again."""
+    loader = CountingLoader("second load")
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        await cache.set("book", {"id": 8}, "filled by the winner")
+        cache.policy("book").l1.clear()  # type: ignore[union-attr]
+        real_get = cache.l2.get
+        calls = 0
+
+        async def first_read_misses(name: str) -> bytes | None:
+            nonlocal calls
+            calls += 1
+            return None if calls == 1 else await real_get(name)  # the miss that raced
+
+        monkeypatch.setattr(cache.l2, "get", first_read_misses)
+        assert await cache.get_or_load("book", {"id": 8}, loader) == "filled by the winner"
+    assert loader.calls == 0
