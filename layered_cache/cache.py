@@ -414,6 +414,16 @@ class LayeredCache:
             _log.warning("l2_value_undecodable", namespace=policy.name, key=key, error=str(exc))
             return None
 
+    def _recheck(self, policy: Policy, data: bytes | None) -> Envelope[Any] | None:
+        """Decode a second read of the same key; undecodable bytes were already counted
+        and logged by this request's first read, so they aren't again."""
+        if data is None:
+            return None
+        try:
+            return policy.codec.decode(data)
+        except CodecError:
+            return None
+
     def _fresh_data(self, policy: Policy, key: str) -> Callable[[bytes | None], bool]:
         def usable(data: bytes | None) -> bool:
             envelope = self._decode(policy, key, data)
@@ -456,7 +466,7 @@ class LayeredCache:
             # Double-check under the lease: the previous winner's fill script releases
             # the lease as it writes, so a fill can land between our miss and our SET NX.
             # Loading now would be a second load for the same expiry.
-            filled = self._decode(policy, key, await self.l2.get(key))
+            filled = self._recheck(policy, await self.l2.get(key))
             if filled is not None and self._clock() < filled.soft_expiry:
                 await self._release_quietly(key, token)
                 policy.stats.lease_wait_filled += 1
