@@ -255,8 +255,8 @@ class LayeredCache:
             names += replica_names(key, policy.replicas)
         elif policy.hot is not None and policy.replicas:
             outdated += replica_names(key, policy.replicas)
-        await self.l2.delete(outdated)
-        await self.l2.set_many(names, data, self._redis_ttl_ms(policy, soft_expiry))
+        ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
+        await self.l2.set_many(names, data, ttl_ms, delete_first=outdated)
         with contextlib.suppress(*REDIS_FAILURES):
             await self._invalidator.announce([key])
         self._fill_l1(policy, key, value, soft_expiry, None)

@@ -67,4 +67,7 @@ class Invalidator:
 
     async def announce(self, keys: Sequence[str]) -> None:
         if self._backplane is not None and keys:
-            await self._backplane.publish(keys)
+            # Through the store's concurrency bound: a burst of set()/invalidate() must
+            # not open a connection per caller (the pool itself is uncapped).
+            async with self._l2.slots:
+                await self._backplane.publish(keys)

@@ -168,7 +168,7 @@ class L2Store:
         self.breaker = breaker
         # Bounds the connections the read path opens: a burst queues here (cheaply, no
         # timer) instead of opening a connection per waiting request.
-        self._slots = asyncio.Semaphore(max_in_flight)
+        self.slots = asyncio.Semaphore(max_in_flight)
         self.node_breakers: dict[str, CircuitBreaker] = {}
         self.cluster = isinstance(client, RedisCluster)
         self._fill = client.register_script(FILL_SCRIPT)
@@ -202,7 +202,7 @@ class L2Store:
             operation.close()
             raise L2Unavailable("circuit breaker open")
         try:
-            async with self._slots:
+            async with self.slots:
                 result = await operation
         except REDIS_FAILURES as exc:
             breaker.failure(exc)
@@ -260,7 +260,7 @@ class L2Store:
         if not breaker.allow():
             raise L2Unavailable("circuit breaker open")
         try:
-            async with self._slots:
+            async with self.slots:
                 result = await self.client.get(name)
         except REDIS_FAILURES as exc:
             breaker.failure(exc)
@@ -292,12 +292,18 @@ class L2Store:
         """Compare-and-delete; False means the lease was revoked or taken over."""
         return bool(await self._guard(self._release(keys=[lease], args=[token]), lease))
 
-    async def set_many(self, names: Sequence[str], data: bytes, ttl_ms: int) -> None:
-        """SET the same value under several names. In a cluster the pipeline is split
-        per node by redis-py (each name may live in another slot)."""
-        if not names:
+    async def set_many(
+        self, names: Sequence[str], data: bytes, ttl_ms: int, delete_first: Sequence[str] = ()
+    ) -> None:
+        """SET the same value under several names, after deleting ``delete_first``, in
+        one pipeline. In a cluster redis-py splits it per node (each name may live in
+        another slot); commands to one node keep their order, so a DEL of a key's lease
+        (same slot as the key) still runs before the SET of the key."""
+        if not names and not delete_first:
             return
         pipe = self.client.pipeline(transaction=False)
+        for name in delete_first:
+            pipe.delete(name)  # single-key DELs: never one command across slots
         for name in names:
             pipe.set(name, data, px=ttl_ms)
         await self._guard(pipe.execute())

@@ -237,12 +237,17 @@ async def test_hotkeys_shows_keys_detected_by_running_instances(
         async def loader() -> str:
             return "Wislawa"
 
-        for _ in range(60):  # ~100 L2 reads/s, far above 20/s
-            await cache.get_or_load("author", {"id": 7}, loader)
-            await asyncio.sleep(0.01)
+        async def steady_reads() -> None:  # ~100 L2 reads/s, far above 20/s
+            while True:
+                await cache.get_or_load("author", {"id": 7}, loader)
+                await asyncio.sleep(0.01)
+
+        reads = asyncio.create_task(steady_reads())
+        await asyncio.sleep(0.6)
         assert f"{prefix}author:7" in cache.hot_keys()["author"]
         await asyncio.sleep(1.2)  # the reporter writes about once a second
         code = await asyncio.to_thread(main, ["hotkeys", "--config", str(path), "--json"])
+        reads.cancel()
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     detected = report["author"]["detected"]

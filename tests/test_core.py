@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import msgspec
@@ -170,6 +171,7 @@ async def test_ttl_jitter_spreads_10000_expiries(redis_url: str, prefix: str) ->
         backplane={"enabled": False},
     )
     admin = redis.Redis.from_url(redis_url)
+    warm_started = time.monotonic()
     async with LayeredCache.from_config(config) as cache:
         for start in range(0, 10_000, 100):
             await asyncio.gather(
@@ -179,8 +181,9 @@ async def test_ttl_jitter_spreads_10000_expiries(redis_url: str, prefix: str) ->
     for i in range(10_000):
         pipe.pttl(f"{prefix}book:{i}")
     ttls = [ms / 1000 for ms in await pipe.execute()]
+    elapsed = time.monotonic() - warm_started  # TTLs decay while the rest are written
     await admin.aclose()
-    assert all(540 - 5 <= ttl <= 660 for ttl in ttls), (min(ttls), max(ttls))
+    assert all(540 - elapsed - 1 <= ttl <= 660 for ttl in ttls), (min(ttls), max(ttls))
     busiest = max(Counter(int(ttl) for ttl in ttls).values())
     assert busiest <= 130
     assert max(ttls) - min(ttls) > 100  # actually spread, not clustered
