@@ -79,6 +79,7 @@ async def test_broker_restart_under_the_daemon_loses_no_event_and_commits_nothin
     await client.aclose()
 
 
+@pytest.mark.timeout(400)
 async def test_daemon_sigkilled_repeatedly_during_20000_events_deletes_every_key(
     redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str, tmp_path: Path
 ) -> None:
@@ -96,44 +97,48 @@ async def test_daemon_sigkilled_repeatedly_during_20000_events_deletes_every_key
     async def remaining() -> int:
         return int(await client.exists(*keys))
 
+    # The workload waits for the faults: chunk r+1 is produced only once the daemon of
+    # round r has been killed, so keys stay outstanding until every kill has happened,
+    # however fast this machine (or however slow) the daemon happens to be.
+    kills_wanted = 3
+    chunk = total // (kills_wanted + 1)
     async with producer(kafka_bootstrap) as p:
 
-        async def produce() -> None:
-            for start in range(0, total, 1000):
-                for i in range(start, start + 1000):
-                    await p.send(unique_topic, price_changed(i), partition=i % 4)
-                await asyncio.sleep(0.1)
+        async def produce(first: int) -> None:
+            for i in range(first, first + chunk):
+                await p.send(unique_topic, price_changed(i), partition=i % 4)
             await p.flush()
 
-        flow = asyncio.create_task(produce())
         kills = 0
-        for round_ in range(4):
+        for round_ in range(kills_wanted):
+            flow = asyncio.create_task(produce(round_ * chunk))
             log = tmp_path / f"daemon-{round_}.log"
             with daemon_process(path, log) as proc:
                 assert await eventually(
-                    lambda log=log: bool(logged(log, "partitions_assigned")), timeout=30
+                    lambda log=log: bool(logged(log, "partitions_assigned")), timeout=60
                 )
                 before = await remaining()
                 # Let it delete some, then crash it without any shutdown work.
-                await eventually(lambda before=before: _fewer(remaining, before, 1500), timeout=15)
-                if await remaining() == 0:
-                    break
+                assert await eventually(
+                    lambda before=before: _fewer(remaining, before, 1500), timeout=60
+                )
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 kills += 1
-        await flow
+            await flow
+        await produce(kills_wanted * chunk)
         log = tmp_path / "daemon-final.log"
         with daemon_process(path, log) as proc:
             # Started for real (signal handlers installed) before it is asked to stop.
-            assert await eventually(lambda: bool(logged(log, "partitions_assigned")), timeout=30)
-            assert await eventually(lambda: _fewer(remaining, 1, 1), timeout=60)
+            assert await eventually(lambda: bool(logged(log, "partitions_assigned")), timeout=60)
+            assert await eventually(lambda: _fewer(remaining, 1, 1), timeout=120)
             assert await eventually(
                 lambda: committed_total(kafka_bootstrap, config.kafka.group_id, tps, total),
-                timeout=30,
+                timeout=60,
             )
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=20) == 0
-    assert kills >= 3
+    assert kills == kills_wanted
     assert await remaining() == 0
     await client.aclose()
     print(f"\n20,000 events, daemon SIGKILLed {kills} times: every key deleted")
