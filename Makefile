@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Load the service env written by deploy/local/services.sh into the recipe's shell.
 WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
 
-.PHONY: venv demo test bench lint soak services-up services-down ensure-redis clean
+.PHONY: venv demo test test-stress bench lint soak services-up services-down ensure-redis clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ ensure-redis:
 
 test: ensure-redis venv
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The suite STRESS_RUNS times (default 5) with every core kept busy: flaky tests show up here.
+test-stress: ensure-redis venv
+	mkdir -p .run
+	deploy/local/test-stress.sh
 
 lint: venv
 	$(BIN)/ruff check layered_cache consumers tests
