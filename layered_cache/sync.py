@@ -22,8 +22,14 @@ one load).
   it does not see the caller's uncommitted transaction.
 - An L1 hit is answered directly in the calling thread (L1 is thread-safe): no hop to
   the loop thread on the fastest path.
-- Don't call this class from inside a loader it runs on the loop thread; calling from
-  a loader thread (nested cached functions) is fine.
+- Nested cached functions are fine: a loader may call the cache again. A loader that
+  runs on a pool thread and needs another load (``outer`` calling ``inner``) never
+  queues that load behind the pool it occupies, which would deadlock once every pool
+  thread ran an ``outer``: a nested load runs on a thread of its own. A loader that
+  needs its own key (directly or through other loads) would wait for itself forever:
+  that raises ``RecursionError`` naming the key instead.
+- Calling it from a running event loop (async code) raises ``RuntimeError``: blocking
+  would freeze that loop; use ``LayeredCache`` there.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class SyncLayeredCache:
         self._thread: threading.Thread | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._cache: LayeredCache | None = None
+        # Per thread: the keys whose loaders this thread is running (outermost first).
+        # Set only on loader threads; nested calls from them take the nested path.
+        self._loading = threading.local()
 
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> SyncLayeredCache:
@@ -165,16 +174,54 @@ class SyncLayeredCache:
             raise RuntimeError("SyncLayeredCache called from its own event loop thread")
         return asyncio.run_coroutine_threadsafe(coro, loop).result(self._timeout)
 
-    def _async_loader(self, loader: Callable[[], T]) -> Callable[[], Coroutine[Any, Any, T]]:
-        """Wrap a sync loader: run it in the pool, in a copy of the caller's context."""
+    @staticmethod
+    def _refuse_running_loop() -> None:
+        """Blocking inside a running event loop would freeze it for the whole call."""
+        if asyncio.events._get_running_loop() is not None:
+            raise RuntimeError(
+                "SyncLayeredCache called from a running event loop (async code): it would "
+                "block the loop; await the async API instead (layered_cache.LayeredCache, "
+                "e.g. `await cache.get_or_load(...)`)"
+            )
+
+    def _loading_keys(self) -> tuple[str, ...]:
+        keys: tuple[str, ...] = getattr(self._loading, "keys", ())
+        return keys
+
+    def _async_loader(
+        self, key: str, loader: Callable[[], T]
+    ) -> Callable[[], Coroutine[Any, Any, T]]:
+        """Wrap a sync loader for ``key``: it runs in a copy of the caller's context, on
+        the pool, or, when the caller is itself a loader (a nested cached function), on a
+        thread of its own: queueing it behind the pool its caller occupies could wait
+        forever."""
         context = contextvars.copy_context()
         executor = self._executor
+        chain = (*self._loading_keys(), key)
+
+        def run_marked() -> T:
+            self._loading.keys = chain
+            try:
+                return context.run(loader)
+            finally:
+                self._loading.keys = ()
 
         async def load() -> T:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(executor, context.run, loader)
+            if len(chain) == 1:
+                return await loop.run_in_executor(executor, run_marked)
+            return await _in_own_thread(loop, run_marked)
 
         return load
+
+    def _check_not_own_key(self, key: str) -> None:
+        chain = self._loading_keys()
+        if key in chain:
+            path = " -> ".join((*chain[chain.index(key) :], key))
+            raise RecursionError(
+                f"the loader of {key!r} needs {key!r} itself ({path}): it would wait for "
+                "its own load forever"
+            )
 
     def _l1_hit(self, policy: Policy, fields: Mapping[str, object]) -> Any:
         """The L1 value (counted as an L1 hit) or MISSING; validates the key either way."""
@@ -193,24 +240,32 @@ class SyncLayeredCache:
         self, namespace: str, fields: Mapping[str, object], loader: Callable[[], T]
     ) -> T:
         """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
-        value = self._l1_hit(self.cache.policy(namespace), fields)
+        self._refuse_running_loop()
+        policy = self.cache.policy(namespace)
+        value = self._l1_hit(policy, fields)
         if value is not MISSING:
             return typing.cast(T, value)
-        result = self._run(self.cache.get_or_load(namespace, fields, self._async_loader(loader)))
+        key = policy.template.build(fields)
+        self._check_not_own_key(key)
+        load = self._async_loader(key, loader)
+        result = self._run(self.cache.get_or_load(namespace, fields, load))
         return typing.cast(T, result)
 
     def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
         """The cached value or None; never loads."""
+        self._refuse_running_loop()
         value = self._l1_hit(self.cache.policy(namespace), fields)
         if value is not MISSING:
             return value
         return self._run(self.cache.get(namespace, fields))
 
     def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
+        self._refuse_running_loop()
         self._run(self.cache.set(namespace, fields, value))
 
     def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
         """Delete the L2 key, replicas and lease, then drop L1 everywhere."""
+        self._refuse_running_loop()
         self._run(self.cache.invalidate(namespace, fields))
 
     def cached(
@@ -251,6 +306,26 @@ class SyncLayeredCache:
 
     def key(self, namespace: str, fields: Mapping[str, object]) -> str:
         return self.cache.key(namespace, fields)
+
+
+async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a new daemon thread (a nested load: see ``_async_loader``)."""
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting task, not lost in the thread
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_exception, exc))
+        else:
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_result, result))
+
+    threading.Thread(target=run, name="layered-cache-nested-loader", daemon=True).start()
+    return await future
 
 
 def _cancel_leftovers(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:

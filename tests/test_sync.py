@@ -189,3 +189,87 @@ def test_lifecycle(redis_url: str, prefix: str) -> None:
     assert not thread.is_alive()
     with pytest.raises(RuntimeError, match="not started"):
         sync_cache.set("book", {"id": 1}, 1)
+
+
+def _nested_config(redis_url: str, prefix: str) -> Any:
+    return make_config(
+        redis_url,
+        prefix,
+        {"outer": {"key": "outer:{id}"}, "inner": {"key": "inner:{id}"}},
+    )
+
+
+def test_64_threads_through_nested_cached_functions_never_wait_on_the_pool_they_occupy(
+    redis_url: str, prefix: str
+) -> None:
+    """Every pool thread runs an `outer` loader that needs `inner`: were the inner loads
+    queued on the same pool, nothing could ever finish (the pool has 4 threads here,
+    32 by default; 64 callers exhaust either)."""
+    with SyncLayeredCache.from_config(_nested_config(redis_url, prefix), max_workers=4) as cache:
+
+        @cache.cached("inner")
+        def inner(id: int) -> int:
+            time.sleep(0.01)
+            return id * 10
+
+        @cache.cached("outer")
+        def outer(id: int) -> int:
+            time.sleep(0.01)
+            return inner(id) + 1
+
+        barrier = threading.Barrier(64)
+
+        def call(i: int) -> int:
+            barrier.wait(timeout=10)
+            return outer(i)
+
+        with ThreadPoolExecutor(max_workers=64) as callers:
+            futures = [callers.submit(call, i) for i in range(64)]
+            results = [future.result(timeout=30) for future in futures]
+    assert results == [i * 10 + 1 for i in range(64)]
+
+
+def test_a_loader_that_needs_its_own_key_raises_instead_of_waiting_forever(
+    redis_url: str, prefix: str
+) -> None:
+    with SyncLayeredCache.from_config(_nested_config(redis_url, prefix)) as cache:
+
+        def itself() -> int:
+            return cache.get_or_load("outer", {"id": 1}, itself) + 1
+
+        started = time.monotonic()
+        with pytest.raises(RecursionError, match=r"outer:1.*needs.*outer:1"):
+            cache.get_or_load("outer", {"id": 1}, itself)
+
+        # Indirectly too: outer:2 -> inner:2 -> outer:2.
+        def inner_loader() -> int:
+            return cache.get_or_load("outer", {"id": 2}, outer_loader)
+
+        def outer_loader() -> int:
+            return cache.get_or_load("inner", {"id": 2}, inner_loader)
+
+        with pytest.raises(RecursionError, match=r"outer:2 -> .*inner:2 -> .*outer:2"):
+            cache.get_or_load("outer", {"id": 2}, outer_loader)
+        assert time.monotonic() - started < 10
+        # Nothing was left behind: the keys load normally afterwards.
+        assert cache.get_or_load("outer", {"id": 1}, lambda: 7) == 7
+
+
+async def test_the_sync_api_called_from_a_running_event_loop_raises_naming_the_async_api(
+    redis_url: str, prefix: str
+) -> None:
+    cache = SyncLayeredCache.from_config(make_config(redis_url, prefix))
+    cache.start()
+    try:
+        for call in (
+            lambda: cache.get_or_load("book", {"id": 1}, lambda: 1),
+            lambda: cache.get("book", {"id": 1}),
+            lambda: cache.set("book", {"id": 1}, 1),
+            lambda: cache.invalidate("book", {"id": 1}),
+        ):
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match="running event loop.*LayeredCache"):
+                call()
+            assert time.monotonic() - started < 0.5  # refused, not blocked first
+    finally:
+        cache.close()
