@@ -168,8 +168,9 @@ class CacheCollector(Collector):
         )
         breaker = GaugeMetricFamily(
             f"{PREFIX}_breaker_state",
-            "Circuit breaker in front of Redis: 1 for the current state",
-            labels=["instance", "state"],
+            "Circuit breakers in front of Redis: 1 for the current state (node: a Redis "
+            "Cluster master's own breaker, or 'default' for the shared one)",
+            labels=["instance", "node", "state"],
         )
         transitions = CounterMetricFamily(
             f"{PREFIX}_breaker_transitions",
@@ -179,11 +180,17 @@ class CacheCollector(Collector):
         for cache in caches:
             stats = cache.stats()
             redis_stats = stats.pop("_redis", {})
-            state = str(redis_stats.get("breaker", "closed"))
-            for candidate in BREAKER_STATES:
-                breaker.add_metric(
-                    [cache.instance_id, candidate], 1.0 if state == candidate else 0.0
-                )
+            # Every breaker, not only the shared one: in a cluster each master has its own,
+            # and an alert on the shared one alone stays silent while masters are skipped.
+            states = {"default": str(redis_stats.get("breaker", "closed"))}
+            nodes = redis_stats.get("node_breakers", {})
+            if isinstance(nodes, dict):
+                states.update({str(node): str(state) for node, state in nodes.items()})
+            for node, state in states.items():
+                for candidate in BREAKER_STATES:
+                    breaker.add_metric(
+                        [cache.instance_id, node, candidate], 1.0 if state == candidate else 0.0
+                    )
             transitions.add_metric(
                 [cache.instance_id], float(redis_stats.get("breaker_transitions", 0))
             )

@@ -57,8 +57,8 @@ async def test_counters_gauges_and_histograms(redis_url: str, prefix: str) -> No
     assert value(data, "layered_cache_redis_errors_total", namespace="book") == 0
     assert value(data, "layered_cache_hot_keys", namespace="book") == 1  # static book:9
     assert value(data, "layered_cache_l1_entries", namespace="book") == 1
-    assert value(data, "layered_cache_breaker_state", instance=instance, state="closed") == 1
-    assert value(data, "layered_cache_breaker_state", instance=instance, state="open") == 0
+    assert value(data, "layered_cache_breaker_state", instance=instance, node="default", state="closed") == 1
+    assert value(data, "layered_cache_breaker_state", instance=instance, node="default", state="open") == 0
     load = value(data, "layered_cache_load_seconds_count", namespace="book", outcome="ok")
     assert load == 1
     assert value(data, "layered_cache_load_seconds_sum", namespace="book", outcome="ok") >= 0.02
@@ -99,7 +99,7 @@ async def test_failed_loads_and_redis_errors(redis_url: str, prefix: str) -> Non
     assert value(data, "layered_cache_load_errors_total", namespace="book") == 3
     assert value(data, "layered_cache_redis_errors_total", namespace="book") == 3
     assert value(data, "layered_cache_load_seconds_count", namespace="book", outcome="error") == 3
-    assert value(data, "layered_cache_breaker_state", instance=instance, state="closed") == 0
+    assert value(data, "layered_cache_breaker_state", instance=instance, node="default", state="closed") == 0
 
 
 async def test_metrics_disabled_registers_nothing(redis_url: str, prefix: str) -> None:
