@@ -189,6 +189,12 @@ class BackplaneConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         if self.maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {self.maxlen}")
+        if not self.stream.startswith("layered_cache:") or len(self.stream) > 128:
+            # Keys can never start with the reserved segment (docs/keys.md), so a stream
+            # inside it can never be a cache key that set() would overwrite.
+            raise ValueError(
+                f"stream must start with the reserved 'layered_cache:', got {self.stream!r}"
+            )
 
 
 class LoggingConfig(_Section, frozen=True):
@@ -393,12 +399,16 @@ def parse_config(
 
 def _check_cross_references(config: Config) -> None:
     """Checks that span tables: templates compile, events name known namespaces/fields."""
-    from layered_cache.keys import KeyTemplate  # local: keys imports nothing from here
+    from layered_cache.keys import KeyTemplate, validate_prefix  # local: keys imports nothing
 
+    try:
+        validate_prefix(config.redis.prefix)
+    except ValueError as exc:
+        raise ConfigError(f"{config.source}: redis.prefix: {exc}") from None
     templates: dict[str, KeyTemplate] = {}
     for name, ns in config.namespaces.items():
         try:
-            templates[name] = KeyTemplate(name, ns.key)
+            templates[name] = KeyTemplate(name, ns.key, config.redis.prefix)
         except ValueError as exc:
             raise ConfigError(f"{config.source}: namespaces.{name}.key: {exc}") from None
     _check_disjoint_namespaces(config.source, {n: ns.key for n, ns in config.namespaces.items()})
