@@ -107,8 +107,7 @@ def _check_template(namespace: str, template: str, literals: list[str], fields: 
     for literal in literals:
         if not _SAFE_LITERAL.fullmatch(literal):
             raise ValueError(
-                f"{where}: text outside {{field}} placeholders may only contain "
-                f"{_SAFE_DESCRIPTION}"
+                f"{where}: text outside {{field}} placeholders may only contain {_SAFE_DESCRIPTION}"
             )
     if len(set(fields)) != len(fields):
         raise ValueError(f"{where} repeats a field")
@@ -162,7 +161,7 @@ class KeyTemplate:
             except AttributeError:
                 raise self._not_a_mapping(fields) from None
             if type(value) is int:
-                key = literals[0] + self._int_text(single, value) + literals[1]  # type: ignore[arg-type]
+                key = literals[0] + self._int_text(single, value) + literals[1]
                 if len(key) <= MAX_KEY_LENGTH:
                     return key
         elif not isinstance(fields, Mapping):

@@ -113,9 +113,11 @@ def test_bad_templates_say_what_is_wrong(template: str, problem: str) -> None:
         KeyTemplate("book", template)
 
 
-@pytest.mark.parametrize("prefix", ["{tenant}", "shop", "shop:x", ":shop:", "a::", "layered_cache:"])
+@pytest.mark.parametrize(
+    "prefix", ["{tenant}", "shop", "shop:x", ":shop:", "a::", "layered_cache:"]
+)
 def test_bad_prefixes_are_rejected(prefix: str) -> None:
-    with pytest.raises(ValueError, match="redis.prefix"):
+    with pytest.raises(ValueError, match=r"redis\.prefix"):
         KeyTemplate("book", "book:{id}", prefix=prefix)
 
 
@@ -198,7 +200,10 @@ def test_names_are_injective_and_never_reserved(
     if first != second:
         try:  # two namespaces of one config: the config check must accept them together
             parse_config(
-                {"redis": {"prefix": prefix}, "namespaces": {"a": {"key": first}, "b": {"key": second}}},
+                {
+                    "redis": {"prefix": prefix},
+                    "namespaces": {"a": {"key": first}, "b": {"key": second}},
+                },
                 env={},
             )
         except ConfigError:
