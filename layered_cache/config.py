@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from layered_cache.redact import redact, redact_url, remember_secret, remember_url_secrets
+
 __all__ = [
     "ENV_OVERRIDES",
     "BackplaneConfig",
@@ -49,7 +51,14 @@ __all__ = [
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names file, path and problem."""
+    """A configuration that cannot be used; the message names file, path and problem.
+
+    The message is redacted when the error is made (``redact``), so however it is
+    printed later (CLI, daemon, a log line, a traceback) it carries no secret.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 class Duration(float):
@@ -146,7 +155,7 @@ class RedisConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
-                f"url must start with redis://, rediss:// or unix://, got {self.url!r}"
+                f"url must start with redis://, rediss:// or unix://, got {redact_url(self.url)!r}"
             )
         if self.timeout <= 0:
             raise ValueError("timeout must be > 0")
@@ -246,9 +255,7 @@ class HotConfig(_Section, frozen=True):
 
 class StampedeConfig(_Section, frozen=True):
     lease_ttl: Duration = Duration(5.0)
-    retry: list[Duration] = msgspec.field(
-        default_factory=lambda: [Duration(0.05), Duration(0.15)]
-    )
+    retry: list[Duration] = msgspec.field(default_factory=lambda: [Duration(0.05), Duration(0.15)])
     max_wait: Duration = Duration(3.0)
     early_refresh_beta: float = 1.0
     load_timeout: Duration | None = None
@@ -363,6 +370,7 @@ def parse_config(
 ) -> Config:
     """Validate an already parsed TOML document (a dict) and return the Config."""
     data = _apply_env(dict(raw), os.environ if env is None else env)
+    _remember_secrets(data)
     sections: dict[str, Any] = {"source": source}
     known = {"redis", "kafka", "backplane", "logging", "metrics", "namespaces", "events"}
     for key in data:
@@ -395,6 +403,22 @@ def parse_config(
     config = Config(**sections)
     _check_cross_references(config)
     return config
+
+
+def _remember_secrets(data: Mapping[str, Any]) -> None:
+    """Before any check can quote a value: every secret this config holds, whatever its
+    shape, is masked in all later output (see ``layered_cache.redact``)."""
+    redis_table = data.get("redis")
+    if isinstance(redis_table, dict):
+        remember_url_secrets(redis_table.get("url"))
+        remember_secret(redis_table.get("password"))
+        nodes = redis_table.get("nodes")
+        for node in nodes if isinstance(nodes, list) else ():
+            remember_url_secrets(node)
+    kafka_table = data.get("kafka")
+    if isinstance(kafka_table, dict):
+        remember_secret(kafka_table.get("sasl_password"))
+        remember_url_secrets(kafka_table.get("bootstrap_servers"))
 
 
 def _check_cross_references(config: Config) -> None:
