@@ -592,7 +592,11 @@ class LayeredCache:
                 await self.l2.fill_replicas(replicas, token, data, ttl_ms)
         except L2Unavailable:
             policy.stats.redis_error += 1
+            await self._release_after_failed_fill(key, token)
             return False
+        except Exception:
+            await self._release_after_failed_fill(key, token)
+            raise
         if not written:
             policy.stats.fill_revoked += 1
             return False
@@ -643,6 +647,12 @@ class LayeredCache:
             ttl = min(ttl, soft_expiry - self._clock())  # never outlive L2's freshness
         if not l1.put(key, value, ttl, read_seq) and ttl > 0:
             policy.stats.l1_fill_discarded += 1
+
+    async def _release_after_failed_fill(self, key: str, token: str) -> None:
+        """A fill that failed (Redis refused the write, a bug) must not keep its lease:
+        every other reader would wait ``max_wait`` for a fill that never lands."""
+        with contextlib.suppress(Exception):
+            await self.l2.release(lease_name(key), token)
 
     async def _release_quietly(self, key: str, token: str) -> None:
         with contextlib.suppress(L2Unavailable):
