@@ -210,6 +210,7 @@ def effective_config(config: Config) -> dict[str, Any]:
         kafka["sasl_password"] = "***"
     return {
         "source": config.source,
+        "warnings": list(config.warnings),
         "redis": redis_section,
         "kafka": kafka,
         "backplane": _value(config.backplane),
@@ -256,6 +257,8 @@ def cmd_config_check(args: argparse.Namespace, out: TextIO) -> int:
         f"{config.source}: OK ({len(config.namespaces)} namespaces, "
         f"{len(config.events)} event routes)\n"
     )
+    for warning in config.warnings:
+        write(f"warning: {warning}\n")
     for section in ("redis", "kafka", "backplane", "logging", "metrics"):
         write(f"[{section}] {_inline(data[section])}\n")
     for name, ns in data["namespaces"].items():
