@@ -502,6 +502,8 @@ def _check_cross_references(config: Config) -> list[str]:
         except ValueError as exc:
             raise ConfigError(f"{source}: namespaces.{name}.key: {exc}") from None
     _check_disjoint_namespaces(source, {n: ns.key for n, ns in config.namespaces.items()})
+    for name, ns in config.namespaces.items():
+        _check_static_hot_keys(source, name, ns)
     _check_routes(config, templates)
     return [
         warning
@@ -541,6 +543,20 @@ def _check_routes(config: Config, templates: Mapping[str, KeyTemplate]) -> None:
                     f"{sorted(template.fields)} of {target.namespace!r}"
                     f" (missing {sorted(missing)}, unknown {sorted(extra)})"
                 )
+
+
+def _check_static_hot_keys(source: str, name: str, ns: NamespaceConfig) -> None:
+    """``hot.keys`` are key names (without the prefix); one the template can never build
+    would silently never be hot."""
+    if not isinstance(ns.hot, HotConfig):
+        return
+    template = KeyTemplate(name, ns.key)
+    for index, key in enumerate(ns.hot.keys):
+        if template.parse(key) is None:
+            raise ConfigError(
+                f"{source}: namespaces.{name}.hot.keys[{index}]: {key!r} is not a key of "
+                f"template {ns.key!r} (a ':' inside a value is written %3A, see docs/keys.md)"
+            )
 
 
 def _ttl_warning(source: str, name: str, ns: NamespaceConfig) -> str | None:

@@ -41,6 +41,7 @@ RESERVED_SEGMENT = "layered_cache:"
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.:@/=+\-]+")
 _SAFE_LITERAL = re.compile(r"[A-Za-z0-9_.:@/=+\-]*")
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENCODED_VALUE = re.compile(r"(?:[A-Za-z0-9_.@/=+\-]|%3A)+")
 _ABSENT = object()
 _SAFE_DESCRIPTION = "letters, digits and _ . : @ / = + -"
 
@@ -184,6 +185,34 @@ class KeyTemplate:
                 f"over the limit of {MAX_KEY_LENGTH}"
             )
         return key
+
+    def parse(self, name: str) -> dict[str, str] | None:
+        """The field values (as text) ``name`` was built from, or None if no fields build
+        it. The inverse of ``build``: that it exists is why names are injective."""
+        literals = self._literals
+        if not name.startswith(literals[0]):
+            return None
+        position = len(literals[0])
+        values: dict[str, str] = {}
+        last = len(self.fields) - 1
+        for index, field in enumerate(self.fields):
+            after = literals[index + 1]
+            if index < last:
+                # The value holds no ':', so the first ':' ahead is the template's.
+                colon = name.find(":", position)
+                end = colon - after.index(":")
+                if colon < 0 or not name.startswith(after, end):
+                    return None
+            else:
+                end = len(name) - len(after)
+                if not name.endswith(after):
+                    return None
+            text = name[position:end] if end > position else ""
+            if not _ENCODED_VALUE.fullmatch(text):
+                return None
+            values[field] = text.replace("%3A", ":")
+            position = end + len(after)
+        return values if position == len(name) else None
 
     def _not_a_mapping(self, fields: object) -> TypeError:
         return TypeError(

@@ -232,6 +232,10 @@ ROUTE = (
         ("[kafka]\ntopics = []\n", "kafka.topics: expected `array` of length >= 1"),
         ('[kafka]\nheartbeat_interval = "20s"\n', "kafka.heartbeat_interval: must be shorter"),
         ('[backplane]\nstream = "book:1"\n', "backplane.stream: must start with the reserved"),
+        (
+            BOOK + 'hot = { keys = ["author:1"] }\n',
+            "namespaces.book.hot.keys[0]: 'author:1' is not a",
+        ),
         # template errors that say what is wrong
         ('[namespaces.book]\nkey = "book:{id"\n', "namespaces.book.key: .* unclosed placeholder"),
         ('[namespaces.book]\nkey = "book:{}"\n', "namespaces.book.key: .* empty placeholder"),

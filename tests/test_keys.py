@@ -34,6 +34,16 @@ def test_common_keys_keep_their_names() -> None:
     assert KeyTemplate("u", "u:{mail}").build({"mail": "a.b+c@x.org/=1"}) == "u:a.b+c@x.org/=1"
 
 
+def test_parse_is_the_inverse_of_build() -> None:
+    acl = KeyTemplate("acl", "acl:{tenant}:x{user}:end", "shop:")
+    name = acl.build({"tenant": "acme:bob", "user": "x"})
+    assert acl.parse(name) == {"tenant": "acme:bob", "user": "x"}
+    assert acl.parse("shop:acl:acme:xy:end") == {"tenant": "acme", "user": "y"}
+    for other in ("shop:acl:acme:y:end", "acl:a:xb:end", "shop:acl::x1:end", "shop:acl:a:x1:end:"):
+        assert acl.parse(other) is None
+    assert KeyTemplate("c", "config").parse("config") == {}
+
+
 def test_replica_and_lease_names() -> None:
     assert replica_names("book:42", 3) == ["book:42#0", "book:42#1", "book:42#2"]
     assert lease_name("book:42") == "{book:42}:lease"
@@ -213,6 +223,9 @@ def test_names_are_injective_and_never_reserved(
     name_one, name_two = one.build(fields_one), two.build(fields_two)
     same_input = first == second and _normal(fields_one) == _normal(fields_two)
     assert (name_one == name_two) == same_input
+    # build has an inverse: the name gives back exactly the fields it was built from
+    assert one.parse(name_one) == _normal(fields_one)
+    assert two.parse(name_two) == _normal(fields_two)
     for name in (name_one, name_two):
         assert not _reserved(name)
         assert not name.startswith(prefix + RESERVED_SEGMENT)
