@@ -162,7 +162,11 @@ class KeyTemplate:
             except AttributeError:
                 raise self._not_a_mapping(fields) from None
             if type(value) is int:
-                key = literals[0] + self._int_text(single, value) + literals[1]
+                try:
+                    text = str(value)
+                except ValueError:  # past Python's int->str digit limit
+                    text = self._int_text(single, value)  # raises, naming the field
+                key = literals[0] + text + literals[1]
                 if len(key) <= MAX_KEY_LENGTH:
                     return key
         elif not isinstance(fields, Mapping):
