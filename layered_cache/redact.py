@@ -46,7 +46,7 @@ _PASSWORD_PARAMS = r"password|passwd|pwd|pass|secret|token|auth|sasl_password|ac
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*(?::/{1,3}|/{2,3})"
 # scheme (or a damaged form: "redis//", "redis:/"), then userinfo up to the last "@" of
 # the whitespace-free run: a password may contain "@".
-_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME})(?P<userinfo>\S*)@")
+_USERINFO = re.compile(rf"(?<![A-Za-z0-9+.\-])(?P<scheme>{_SCHEME})(?P<userinfo>\S*)@")
 # A password parameter's value runs to the end of the run: it may contain "&" or "#".
 _QUERY_SECRET = re.compile(rf"(?i)(?P<key>[?&;](?:{_PASSWORD_PARAMS})=)\S*")
 _PARAM_NAME = re.compile(rf"(?i){_PASSWORD_PARAMS}")
