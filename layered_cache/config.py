@@ -19,6 +19,7 @@ import warnings as _warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -176,6 +177,29 @@ class BreakerConfig(_Section, frozen=True):
         _positive(self, "reset")
 
 
+def _url_problem(url: str) -> str | None:
+    """What redis-py's ``from_url`` would refuse (its errors quote parts of the URL, so
+    they are refused here, where the message is redacted)."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return "must start with redis://, rediss:// or unix://"
+    parsed = urlsplit(url)
+    try:
+        parsed.port  # noqa: B018 - the property raises for a port that is not 0..65535
+    except ValueError:
+        return (
+            "the port must be a number within 0..65535 "
+            "(a password containing '/' must be percent-encoded)"
+        )
+    if parsed.scheme == "unix":
+        return None if parsed.path else "a unix:// URL needs the socket path"
+    if not parsed.hostname:
+        return "the URL has no host"
+    database = parsed.path.strip("/")
+    if database and not database.isdigit():
+        return "the path must be a database number such as /0"
+    return None
+
+
 class RedisConfig(_Section, frozen=True):
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False
@@ -195,11 +219,8 @@ class RedisConfig(_Section, frozen=True):
     breaker: BreakerConfig = BreakerConfig()
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise _bad(
-                "url",
-                f"must start with redis://, rediss:// or unix://, got {redact_url(self.url)!r}",
-            )
+        if problem := _url_problem(self.url):
+            raise _bad("url", f"{problem}, got {redact_url(self.url)!r}")
         _positive(self, "timeout", "connect_timeout")
         for node in self.nodes:
             host, _, port = node.rpartition(":")

@@ -211,6 +211,10 @@ ROUTE = (
         (BOOK + 'hot = { window = "0s" }\n', "namespaces.book.hot.window: must be > 0"),
         ('[redis]\nprefix = "shop"\n', "redis.prefix: redis.prefix 'shop' must be segments"),
         ('[redis]\nprefix = "sh op:"\n', "redis.prefix: redis.prefix 'sh op:' may only contain"),
+        ('[redis]\nurl = "redis://:pw/word@h:1/0"\n', "redis.url: the port must be a number"),
+        ('[redis]\nurl = "redis://h:70000/0"\n', "redis.url: the port must be a number"),
+        ('[redis]\nurl = "redis://h:1/books"\n', "redis.url: the path must be a database number"),
+        ('[redis]\nurl = "unix://"\n', "redis.url: a unix:// URL needs the socket path"),
         # what only the daemon refused
         (BOOK + ROUTE.format(type="X") + ROUTE.format(type="X"), "events[1].type: 'X' is already"),
         (
@@ -249,6 +253,7 @@ def test_what_the_runtime_would_refuse_is_refused_at_load_with_file_and_path(
         load_config(path, env={})
     message = str(error.value)
     assert message.startswith(f"{path}: ")
+    assert "pw/word" not in message
     assert re.search(expected if ".*" in expected else re.escape(expected), message), message
 
 
