@@ -43,6 +43,7 @@ __all__ = [
     "SALT_ENV",
     "configure_logging",
     "mask_url_credentials",
+    "redact_event",
     "redact_key",
     "reset_logging",
 ]
@@ -86,6 +87,10 @@ def _mask_credentials(_logger: Any, _method: str, event: MutableMapping[str, Any
         if isinstance(value, str | BaseException | dict | list | tuple):
             event[name] = _mask_value(value)
     return event
+
+
+# For other structlog setups (the daemon's): put it before the renderer.
+redact_event = _mask_credentials
 
 
 def _redact_rendered(_logger: Any, _method: str, line: str) -> str:
