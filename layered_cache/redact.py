@@ -41,8 +41,6 @@ __all__ = [
 MASK = "***"
 MIN_SECRET = 4
 _PASSWORD_PARAMS = r"password|passwd|pwd|pass|secret|token|auth|sasl_password|access_key"
-# scheme, then "://" or a damaged form ("//", ":/", ":///"), then userinfo up to the
-# last "@" of the whitespace-free run.
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*(?::/{1,3}|/{2,3})"
 # scheme (or a damaged form: "redis//", "redis:/"), then userinfo up to the last "@" of
 # the whitespace-free run: a password may contain "@".
@@ -79,7 +77,11 @@ def remember_url_secrets(url: object) -> None:
         _, colon, password = userinfo.partition(":")
         _remember_with_pieces(password if colon else userinfo)
     for match in _QUERY_SECRET.finditer(run):
-        _remember_with_pieces(run[match.end("key") : match.end()])
+        value = run[match.end("key") : match.end()]
+        remember_secret(value)  # to the end: the password may hold "&"
+        # What a query parser takes as the value; its pieces, not the other parameters'
+        # (``&ssl_cert_reqs=none`` must not turn every "none" into ***).
+        _remember_with_pieces(re.split(r"[&;#]", value, maxsplit=1)[0])
 
 
 def _remember_with_pieces(secret: str) -> None:

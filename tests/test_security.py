@@ -23,7 +23,13 @@ from consumers.__main__ import main as consumers_main
 from layered_cache import ConfigError, LayeredCache, cli, load_config, parse_config
 from layered_cache.config import LoggingConfig
 from layered_cache.logs import configure_logging, reset_logging
-from layered_cache.redact import forget_secrets, redact, redact_url, remember_secret
+from layered_cache.redact import (
+    forget_secrets,
+    redact,
+    redact_url,
+    remember_secret,
+    remember_url_secrets,
+)
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import free_port
 
@@ -328,3 +334,5 @@ def test_redact_masks_shapes_and_known_secrets() -> None:
     assert redact("x rediss://:pw@h y") == "x rediss://:***@h y"
     assert redact("redis://h/0?db=1&password=pw") == "redis://h/0?db=1&password=***"
     assert redact_url("redis//:pw@h:1") == "redis//***@h:1"
+    remember_url_secrets("redis://h/0?password=hunter22&ssl_cert_reqs=none")
+    assert redact("hunter22, username=none") == "***, username=none"
