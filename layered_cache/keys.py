@@ -61,9 +61,11 @@ def validate_prefix(prefix: str) -> str:
             f"redis.prefix {prefix!r} must be segments each ending with ':', "
             "e.g. 'shop:' or 'prod:shop:'"
         )
-    if prefix.startswith(RESERVED_SEGMENT):
+    if RESERVED_SEGMENT[:-1] in prefix.split(":"):
+        # Not even nested (``shop:layered_cache:``): its keys would be the reserved names
+        # (stream, fleet hashes) of the deployment whose prefix is ``shop:``.
         raise ValueError(
-            f"redis.prefix {prefix!r} may not start with the reserved {RESERVED_SEGMENT!r}"
+            f"redis.prefix {prefix!r} may not contain the reserved segment {RESERVED_SEGMENT!r}"
         )
     return prefix
 

@@ -124,7 +124,7 @@ def test_bad_templates_say_what_is_wrong(template: str, problem: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "prefix", ["{tenant}", "shop", "shop:x", ":shop:", "a::", "layered_cache:"]
+    "prefix", ["{tenant}", "shop", "shop:x", ":shop:", "a::", "layered_cache:", "a:layered_cache:"]
 )
 def test_bad_prefixes_are_rejected(prefix: str) -> None:
     with pytest.raises(ValueError, match=r"redis\.prefix"):
