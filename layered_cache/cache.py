@@ -569,7 +569,23 @@ class LayeredCache:
         delta: float,
         read_seq: int | None,
     ) -> bool:
-        """Write L2 under the lease (base, then replicas for a hot key), then L1."""
+        """Write L2 under the lease (base, then replicas for a hot key), then L1. Any
+        error releases the lease: other readers must not wait max_wait for nothing."""
+        try:
+            return await self._fill_under_lease(policy, key, token, value, delta, read_seq)
+        except Exception:
+            await self._release_after_failed_fill(key, token)
+            raise
+
+    async def _fill_under_lease(
+        self,
+        policy: Policy,
+        key: str,
+        token: str,
+        value: Any,
+        delta: float,
+        read_seq: int | None,
+    ) -> bool:
         soft_expiry = self._clock() + policy.l2_ttl_draw()
         data = self._encode(policy, key, value, soft_expiry, delta)
         if data is None:
@@ -594,9 +610,6 @@ class LayeredCache:
             policy.stats.redis_error += 1
             await self._release_after_failed_fill(key, token)
             return False
-        except Exception:
-            await self._release_after_failed_fill(key, token)
-            raise
         if not written:
             policy.stats.fill_revoked += 1
             return False
@@ -608,7 +621,7 @@ class LayeredCache:
     ) -> bytes | None:
         try:
             data = policy.codec.encode(value, self._clock(), soft_expiry, delta)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: ints > 64 bits
             policy.stats.not_cached += 1
             _log.warning("value_not_encodable", namespace=policy.name, key=key, error=str(exc))
             return None

@@ -186,3 +186,16 @@ async def test_a_fill_that_redis_refuses_releases_its_lease(redis_url: str, pref
         assert await cache.get_or_load("book", {"id": 1}, CountingLoader("w")) == "w"
         assert time.monotonic() - started < 1.0
     await admin.aclose()
+
+
+async def test_a_value_the_codec_cannot_hold_is_served_and_the_lease_released(
+    redis_url: str, prefix: str
+) -> None:
+    """An int past 64 bits (msgpack's limit): served, not cached, no lease left behind."""
+    config = make_config(redis_url, prefix)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        assert await cache.get_or_load("book", {"id": 2}, CountingLoader(2**100)) == 2**100
+        assert cache.stats()["book"]["not_cached"] == 1
+        assert await admin.exists(lease_name(f"{prefix}book:2"), f"{prefix}book:2") == 0
+    await admin.aclose()
