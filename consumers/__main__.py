@@ -16,6 +16,7 @@ import structlog
 from consumers.daemon import Daemon
 from consumers.logs import configure_logging
 from layered_cache.config import ConfigError, load_config
+from layered_cache.redact import redact
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -50,13 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {redact(str(exc))}", file=sys.stderr)
         return 2
     configure_logging(config.logging.level, args.log_format)
     try:
         daemon = Daemon(config, health_port=args.health_port)
     except (KeyError, ValueError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {redact(str(exc))}", file=sys.stderr)
         return 2
     try:
         asyncio.run(_serve(daemon))

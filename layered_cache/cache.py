@@ -569,7 +569,23 @@ class LayeredCache:
         delta: float,
         read_seq: int | None,
     ) -> bool:
-        """Write L2 under the lease (base, then replicas for a hot key), then L1."""
+        """Write L2 under the lease (base, then replicas for a hot key), then L1. Any
+        error releases the lease: other readers must not wait max_wait for nothing."""
+        try:
+            return await self._fill_under_lease(policy, key, token, value, delta, read_seq)
+        except Exception:
+            await self._release_after_failed_fill(key, token)
+            raise
+
+    async def _fill_under_lease(
+        self,
+        policy: Policy,
+        key: str,
+        token: str,
+        value: Any,
+        delta: float,
+        read_seq: int | None,
+    ) -> bool:
         soft_expiry = self._clock() + policy.l2_ttl_draw()
         data = self._encode(policy, key, value, soft_expiry, delta)
         if data is None:
@@ -592,6 +608,7 @@ class LayeredCache:
                 await self.l2.fill_replicas(replicas, token, data, ttl_ms)
         except L2Unavailable:
             policy.stats.redis_error += 1
+            await self._release_after_failed_fill(key, token)
             return False
         if not written:
             policy.stats.fill_revoked += 1
@@ -604,7 +621,7 @@ class LayeredCache:
     ) -> bytes | None:
         try:
             data = policy.codec.encode(value, self._clock(), soft_expiry, delta)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: ints > 64 bits
             policy.stats.not_cached += 1
             _log.warning("value_not_encodable", namespace=policy.name, key=key, error=str(exc))
             return None
@@ -643,6 +660,12 @@ class LayeredCache:
             ttl = min(ttl, soft_expiry - self._clock())  # never outlive L2's freshness
         if not l1.put(key, value, ttl, read_seq) and ttl > 0:
             policy.stats.l1_fill_discarded += 1
+
+    async def _release_after_failed_fill(self, key: str, token: str) -> None:
+        """A fill that failed (Redis refused the write, a bug) must not keep its lease:
+        every other reader would wait ``max_wait`` for a fill that never lands."""
+        with contextlib.suppress(Exception):
+            await self.l2.release(lease_name(key), token)
 
     async def _release_quietly(self, key: str, token: str) -> None:
         with contextlib.suppress(L2Unavailable):

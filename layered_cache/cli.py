@@ -46,8 +46,9 @@ from layered_cache.config import (
 from layered_cache.hotreport import fleet_hot_keys
 from layered_cache.keys import lease_name, replica_names
 from layered_cache.l2 import L2Unavailable
-from layered_cache.logs import configure_logging, mask_url_credentials
+from layered_cache.logs import configure_logging
 from layered_cache.policy import Policy
+from layered_cache.redact import redact, redact_data, redact_url
 
 __all__ = ["CliError", "build_parser", "main", "parse_fields"]
 
@@ -141,7 +142,7 @@ def _load(path: str) -> Config:
 
 
 def _print_json(data: Any, out: TextIO) -> None:
-    out.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    out.write(json.dumps(redact_data(data), indent=2, sort_keys=False, default=str) + "\n")
 
 
 @contextlib.asynccontextmanager
@@ -152,8 +153,8 @@ async def _connected(config: Config) -> AsyncIterator[LayeredCache]:
         try:
             await asyncio.wait_for(cache.l2.client.ping(), config.redis.connect_timeout + 2.0)
         except Exception as exc:  # connection refused, auth, TLS, DNS, cluster init...
-            url = mask_url_credentials(config.redis.url)
-            detail = mask_url_credentials(f"{type(exc).__name__}: {exc}".rstrip(": "))
+            url = redact_url(config.redis.url)
+            detail = redact(f"{type(exc).__name__}: {exc}".rstrip(": "))
             raise CliError(f"cannot reach Redis at {url}: {detail}") from None
         yield cache
     finally:
@@ -201,7 +202,7 @@ def effective_namespace(ns: NamespaceConfig) -> dict[str, Any]:
 
 def effective_config(config: Config) -> dict[str, Any]:
     redis_section = _value(config.redis)
-    redis_section["url"] = mask_url_credentials(config.redis.url)
+    redis_section["url"] = redact_url(config.redis.url)
     if config.redis.password is not None:
         redis_section["password"] = "***"
     kafka = _value(config.kafka)
@@ -209,6 +210,7 @@ def effective_config(config: Config) -> dict[str, Any]:
         kafka["sasl_password"] = "***"
     return {
         "source": config.source,
+        "warnings": list(config.warnings),
         "redis": redis_section,
         "kafka": kafka,
         "backplane": _value(config.backplane),
@@ -244,26 +246,32 @@ def _inline(value: Any) -> str:
 def cmd_config_check(args: argparse.Namespace, out: TextIO) -> int:
     config = _load(args.file)
     data = effective_config(config)
+
+    def write(text: str) -> None:
+        out.write(redact(text))
+
     if args.json:
         _print_json(data, out)
         return 0
-    out.write(
+    write(
         f"{config.source}: OK ({len(config.namespaces)} namespaces, "
         f"{len(config.events)} event routes)\n"
     )
+    for warning in config.warnings:
+        write(f"warning: {warning}\n")
     for section in ("redis", "kafka", "backplane", "logging", "metrics"):
-        out.write(f"[{section}] {_inline(data[section])}\n")
+        write(f"[{section}] {_inline(data[section])}\n")
     for name, ns in data["namespaces"].items():
-        out.write(f"\n[namespaces.{name}] key={ns['key']}\n")
+        write(f"\n[namespaces.{name}] key={ns['key']}\n")
         if not ns["cache"]:
-            out.write("  cache = false (never cached: always read live)\n")
+            write("  cache = false (never cached: always read live)\n")
             continue
         for layer in ("l1", "l2", "hot", "stampede", "stale"):
-            out.write(f"  {layer}: {_inline(ns[layer])}\n")
-        out.write(f"  max_value_bytes: {ns['max_value_bytes']}\n")
+            write(f"  {layer}: {_inline(ns[layer])}\n")
+        write(f"  max_value_bytes: {ns['max_value_bytes']}\n")
     for route in data["events"]:
         targets = ", ".join(f"{t['namespace']}({_inline(t['key'])})" for t in route["invalidate"])
-        out.write(f"\n[events] {route['type']} -> {targets}\n")
+        write(f"\n[events] {route['type']} -> {targets}\n")
     return 0
 
 
@@ -377,7 +385,7 @@ async def _invalidate(config: Config, namespace: str, items: Sequence[str]) -> t
         try:
             await cache.invalidate(namespace, fields)
         except L2Unavailable as exc:
-            raise CliError(f"invalidation failed: {mask_url_credentials(str(exc))}") from None
+            raise CliError(f"invalidation failed: {redact(str(exc))}") from None
         return key, existed
 
 
@@ -559,7 +567,7 @@ async def _warm(
         except* L2Unavailable as errors:
             raise CliError(
                 f"Redis failed after {progress.done} of {len(entries)} entries: "
-                f"{mask_url_credentials(str(errors.exceptions[0]))}"
+                f"{redact(str(errors.exceptions[0]))}"
             ) from None
         progress.finish()
         return len(entries), policy.stats.not_cached - not_cached_before
@@ -652,10 +660,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler: Callable[[argparse.Namespace, TextIO], int] = args.handler
         return handler(args, sys.stdout)
     except CliError as exc:
-        print(f"layered-cache: error: {mask_url_credentials(str(exc))}", file=sys.stderr)
+        print(f"layered-cache: error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except ValueError as exc:  # e.g. an unknown logging format
-        print(f"layered-cache: error: {mask_url_credentials(str(exc))}", file=sys.stderr)
+        print(f"layered-cache: error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

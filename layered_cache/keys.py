@@ -1,17 +1,21 @@
 """Key names: namespace templates, validation, replica and lease names.
 
 Every Redis name the library touches is built here, so the naming contract lives in one
-place:
+place (docs/keys.md):
 
 - base key        ``{prefix}book:42``
 - replica shard   ``{prefix}book:42#3``    (no hash tag: replicas spread over slots)
 - lease           ``{{prefix}book:42}:lease`` (hash tag = the base key: same slot, so one
                   Lua script may check the lease and write the base key atomically)
+- reserved        ``{prefix}layered_cache:...`` (backplane stream, fleet hot-key hashes)
 
-Values inside keys are restricted to a safe character set: no braces (they would change
-the Cluster hash tag), no ``#`` (the replica separator), no whitespace or control
-characters, and a length limit. A bad key is a ``ValueError``/``KeyError`` naming the
-namespace and field, never a silently malformed name.
+One name per value: ``build`` is injective over (prefix, namespace, fields). Field values
+never contain ``:`` in a name (it is written ``%3A``; a raw ``%`` is refused, so the
+encoding is reversible), and between two placeholders a template has literal text with a
+``:``, so every field's extent in a name is unambiguous. Keys never contain ``{``, ``}``
+or ``#``, so no key equals a lease, channel or replica name, and no template can start
+inside the reserved ``layered_cache:`` segment. A bad key is a ``ValueError``/
+``KeyError``/``TypeError`` naming the namespace and field, never a silently malformed name.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "MAX_KEY_LENGTH",
+    "RESERVED_SEGMENT",
     "KeyTemplate",
     "lease_name",
     "replica_name",
@@ -29,20 +34,103 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 512
+MAX_PREFIX_LENGTH = 64
+# Names the library owns (backplane stream, fleet hot-key hashes) live under this
+# segment right after the prefix; no key template may reach into it.
+RESERVED_SEGMENT = "layered_cache:"
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.:@/=+\-]+")
 _SAFE_LITERAL = re.compile(r"[A-Za-z0-9_.:@/=+\-]*")
-_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENCODED_VALUE = re.compile(r"(?:[A-Za-z0-9_.@/=+\-]|%3A)+")
 _ABSENT = object()
 _SAFE_DESCRIPTION = "letters, digits and _ . : @ / = + -"
 
 
 def validate_prefix(prefix: str) -> str:
-    """The global prefix is part of every name, so it obeys the same character rules."""
-    if not _SAFE_LITERAL.fullmatch(prefix) or len(prefix) > 64:
+    """The global prefix is part of every name: safe characters, and it ends with ``:``
+    so that a prefix and the template after it never run into one another."""
+    if not prefix:
+        return prefix
+    if not _SAFE_LITERAL.fullmatch(prefix) or len(prefix) > MAX_PREFIX_LENGTH:
         raise ValueError(
-            f"redis.prefix {prefix!r} may only contain {_SAFE_DESCRIPTION} (at most 64)"
+            f"redis.prefix {prefix!r} may only contain {_SAFE_DESCRIPTION} "
+            f"(at most {MAX_PREFIX_LENGTH})"
+        )
+    if not prefix.endswith(":") or prefix.startswith(":") or "::" in prefix:
+        raise ValueError(
+            f"redis.prefix {prefix!r} must be segments each ending with ':', "
+            "e.g. 'shop:' or 'prod:shop:'"
+        )
+    if RESERVED_SEGMENT[:-1] in prefix.split(":"):
+        # Not even nested (``shop:layered_cache:``): its keys would be the reserved names
+        # (stream, fleet hashes) of the deployment whose prefix is ``shop:``.
+        raise ValueError(
+            f"redis.prefix {prefix!r} may not contain the reserved segment {RESERVED_SEGMENT!r}"
         )
     return prefix
+
+
+def parse_template(namespace: str, template: str) -> tuple[list[str], list[str]]:
+    """Split ``book:{id}:{lang}`` into literals and field names, saying what is wrong."""
+    where = f"namespace {namespace!r}: template {template!r}"
+    literals: list[str] = []
+    fields: list[str] = []
+    literal_start = 0
+    position = 0
+    while position < len(template):
+        char = template[position]
+        if char == "}":
+            raise ValueError(f"{where}: '}}' at {position} closes no placeholder")
+        if char != "{":
+            position += 1
+            continue
+        close = template.find("}", position + 1)
+        nested = template.find("{", position + 1)
+        if close < 0 or 0 <= nested < close:
+            raise ValueError(f"{where}: unclosed placeholder at {position} (missing '}}')")
+        name = template[position + 1 : close]
+        if not name:
+            raise ValueError(f"{where}: empty placeholder '{{}}' at {position}")
+        if not _FIELD_NAME.fullmatch(name):
+            raise ValueError(
+                f"{where}: placeholder {{{name}}} is not a field name "
+                "(letters, digits, _; not starting with a digit)"
+            )
+        literals.append(template[literal_start:position])
+        fields.append(name)
+        position = literal_start = close + 1
+    literals.append(template[literal_start:])
+    return literals, fields
+
+
+def _check_template(namespace: str, template: str, literals: list[str], fields: list[str]) -> None:
+    where = f"namespace {namespace!r}: template {template!r}"
+    if not template:
+        raise ValueError(f"namespace {namespace!r} has an empty key template")
+    for literal in literals:
+        if not _SAFE_LITERAL.fullmatch(literal):
+            raise ValueError(
+                f"{where}: text outside {{field}} placeholders may only contain {_SAFE_DESCRIPTION}"
+            )
+    if len(set(fields)) != len(fields):
+        raise ValueError(f"{where} repeats a field")
+    lead = literals[0]
+    if not lead:
+        raise ValueError(
+            f"{where}: must start with literal text such as '{namespace}:' "
+            "so namespaces can't collide"
+        )
+    if lead.startswith(RESERVED_SEGMENT) or RESERVED_SEGMENT.startswith(lead):
+        raise ValueError(
+            f"{where}: could build names in the reserved {RESERVED_SEGMENT!r} segment "
+            "(backplane stream, fleet hashes); start it with other text"
+        )
+    for between in literals[1:-1]:
+        if ":" not in between:
+            raise ValueError(
+                f"{where}: placeholders must be separated by text containing ':' "
+                "(e.g. '{a}:{b}'), else two different field values could build one name"
+            )
 
 
 class KeyTemplate:
@@ -58,24 +146,8 @@ class KeyTemplate:
         self.namespace = namespace
         self.template = template
         self.prefix = validate_prefix(prefix)
-        literals: list[str] = []
-        fields: list[str] = []
-        position = 0
-        for match in _FIELD.finditer(template):
-            literals.append(template[position : match.start()])
-            fields.append(match.group(1))
-            position = match.end()
-        literals.append(template[position:])
-        for literal in literals:
-            if not _SAFE_LITERAL.fullmatch(literal):
-                raise ValueError(
-                    f"template {template!r} of namespace {namespace!r}: text outside "
-                    f"{{field}} placeholders may only contain {_SAFE_DESCRIPTION}"
-                )
-        if len(set(fields)) != len(fields):
-            raise ValueError(f"template {template!r} repeats a field")
-        if not template:
-            raise ValueError(f"namespace {namespace!r} has an empty key template")
+        literals, fields = parse_template(namespace, template)
+        _check_template(namespace, template, literals, fields)
         literals[0] = self.prefix + literals[0]
         self._literals = tuple(literals)
         self.fields: tuple[str, ...] = tuple(fields)
@@ -87,11 +159,20 @@ class KeyTemplate:
         literals = self._literals
         single = self._single
         if single is not None:
-            value = fields.get(single, _ABSENT)
+            try:
+                value = fields.get(single, _ABSENT)
+            except AttributeError:
+                raise self._not_a_mapping(fields) from None
             if type(value) is int:
-                key = literals[0] + str(value) + literals[1]
+                try:
+                    text = str(value)
+                except ValueError:  # past Python's int->str digit limit
+                    text = self._int_text(single, value)  # raises, naming the field
+                key = literals[0] + text + literals[1]
                 if len(key) <= MAX_KEY_LENGTH:
                     return key
+        elif not isinstance(fields, Mapping):
+            raise self._not_a_mapping(fields)
         parts = [literals[0]]
         for index, name in enumerate(self.fields):
             try:
@@ -111,14 +192,60 @@ class KeyTemplate:
             )
         return key
 
+    def parse(self, name: str) -> dict[str, str] | None:
+        """The field values (as text) ``name`` was built from, or None if no fields build
+        it. The inverse of ``build``: that it exists is why names are injective."""
+        literals = self._literals
+        if not name.startswith(literals[0]):
+            return None
+        position = len(literals[0])
+        values: dict[str, str] = {}
+        last = len(self.fields) - 1
+        for index, field in enumerate(self.fields):
+            after = literals[index + 1]
+            if index < last:
+                # The value holds no ':', so the first ':' ahead is the template's.
+                colon = name.find(":", position)
+                end = colon - after.index(":")
+                if colon < 0 or not name.startswith(after, end):
+                    return None
+            else:
+                end = len(name) - len(after)
+                if not name.endswith(after):
+                    return None
+            text = name[position:end] if end > position else ""
+            if not _ENCODED_VALUE.fullmatch(text):
+                return None
+            values[field] = text.replace("%3A", ":")
+            position = end + len(after)
+        return values if position == len(name) else None
+
+    def _not_a_mapping(self, fields: object) -> TypeError:
+        return TypeError(
+            f"namespace {self.namespace!r}: key fields must be a mapping such as "
+            f"{{{', '.join(repr(f) + ': ...' for f in self.fields)}}}, "
+            f"got {type(fields).__name__}"
+        )
+
+    def _int_text(self, name: str, value: int) -> str:
+        """``str(value)``; an int past Python's digit limit names the namespace and field."""
+        try:
+            return str(value)
+        except ValueError:
+            raise ValueError(
+                f"namespace {self.namespace!r}: field {name!r} is an int too long for a key "
+                f"(limit {MAX_KEY_LENGTH} characters)"
+            ) from None
+
     def _text(self, name: str, value: object) -> str:
+        """One field as it appears in the name: ``:`` written ``%3A`` (see module doc)."""
         kind = type(value)
         if kind is int:
-            return str(value)
+            return self._int_text(name, value)  # type: ignore[arg-type]
         if kind is str:
             text: str = value  # type: ignore[assignment]
             if len(text) <= MAX_KEY_LENGTH and _SAFE_VALUE.fullmatch(text):
-                return text
+                return text.replace(":", "%3A") if ":" in text else text
             shown = text if len(text) <= 40 else text[:40] + "..."
             raise ValueError(
                 f"namespace {self.namespace!r}: field {name!r} = {shown!r} is not a safe "

@@ -14,8 +14,10 @@ be correlated, but the key itself (an e-mail, a user id) never reaches the log. 
 ``LAYERED_CACHE_LOG_REDACT_SALT`` to a secret so that low-entropy keys (``book:42``)
 can't be recovered by hashing guesses.
 
-Independently of redaction, credentials in URLs (``redis://:secret@host``) are masked in
-every string of every event, so a failing connect never logs a password.
+Independently of key redaction, every value of every event (and the rendered traceback)
+goes through the one redaction rule of ``layered_cache.redact``: credentials in URLs of
+any shape and every secret of the loaded config are masked, so a failing connect never
+logs a password.
 
 Records of other libraries that use the standard ``logging`` module (redis-py, aiokafka)
 go through the same processors and renderer, so the output is uniform.
@@ -26,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TextIO
@@ -34,6 +35,7 @@ from typing import Any, TextIO
 import structlog
 
 from layered_cache.config import LoggingConfig
+from layered_cache.redact import redact
 
 __all__ = [
     "FORMAT_ENV",
@@ -41,6 +43,7 @@ __all__ = [
     "SALT_ENV",
     "configure_logging",
     "mask_url_credentials",
+    "redact_event",
     "redact_key",
     "reset_logging",
 ]
@@ -50,20 +53,13 @@ LEVEL_ENV = "LAYERED_CACHE_LOG_LEVEL"
 SALT_ENV = "LAYERED_CACHE_LOG_REDACT_SALT"
 _FORMATS = ("json", "console")
 _REDACTED_FIELDS = ("key", "keys")
-# scheme://user:password@  or  scheme://:password@  -> the password becomes ***
-_URL_CREDENTIALS = re.compile(
-    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]+)@"
-)
-
 _configured = False
 _handler: logging.Handler | None = None
 
 
 def mask_url_credentials(text: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://user:***@host`` (any scheme)."""
-    if "://" not in text:
-        return text
-    return _URL_CREDENTIALS.sub(r"\g<scheme>\g<user>:***@", text)
+    """Kept for callers of the old name: the one redaction rule, ``redact.redact``."""
+    return redact(text)
 
 
 def redact_key(key: str, salt: bytes = b"") -> str:
@@ -74,17 +70,31 @@ def redact_key(key: str, salt: bytes = b"") -> str:
 
 def _mask_value(value: Any) -> Any:
     if isinstance(value, str):
-        return mask_url_credentials(value)
+        return redact(value)
     if isinstance(value, BaseException):
-        return mask_url_credentials(f"{type(value).__name__}: {value}")
+        return redact(f"{type(value).__name__}: {value}")
+    if isinstance(value, dict):
+        return {key: _mask_value(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_mask_value(item) for item in value]
     return value
 
 
 def _mask_credentials(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+    """Every value of every event through the one redaction rule; runs last, after the
+    exception is rendered (``exc_info`` -> ``exception`` text), so tracebacks too."""
     for name, value in event.items():
-        if isinstance(value, str | BaseException):
+        if isinstance(value, str | BaseException | dict | list | tuple):
             event[name] = _mask_value(value)
     return event
+
+
+# For other structlog setups (the daemon's): put it before the renderer.
+redact_event = _mask_credentials
+
+
+def _redact_rendered(_logger: Any, _method: str, line: str) -> str:
+    return redact(line)
 
 
 class _KeyRedactor:
@@ -154,18 +164,17 @@ def configure_logging(
     ]
     if config.redact_keys:
         shared.append(_KeyRedactor(environ.get(SALT_ENV, "").encode()))
-    shared.append(_mask_credentials)
-    renderer: Any
+    final: list[Any] = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
     if fmt == "json":
-        renderer = structlog.processors.JSONRenderer()
-        shared.append(structlog.processors.format_exc_info)
+        # Tracebacks become a string before redaction, so they are redacted too.
+        shared += [structlog.processors.format_exc_info, _mask_credentials]
+        final.append(structlog.processors.JSONRenderer())
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        # The console renderer draws tracebacks itself: redact its finished line.
+        shared.append(_mask_credentials)
+        final += [structlog.dev.ConsoleRenderer(colors=False), _redact_rendered]
 
-    formatter = structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-    )
+    formatter = structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=final)
     handler: logging.Handler = (
         logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     )

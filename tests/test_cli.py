@@ -122,6 +122,30 @@ def test_config_check_masks_the_redis_password(
     assert "s3cretpw" not in out and "redis://app:***@127.0.0.1" in out
 
 
+def test_config_check_shows_warnings_in_text_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = '[namespaces.slow]\nkey = "slow:{id}"\nl1 = { ttl = "1h" }\n'
+    config = write_config(tmp_path, "redis://127.0.0.1:6379/0", "", slow)
+    with pytest.warns(UserWarning):
+        assert main(["config", "check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "OK (4 namespaces" in out
+    assert "warning: " in out and "namespaces.slow.l1.ttl" in out
+    with pytest.warns(UserWarning):
+        assert main(["config", "check", str(config), "--json"]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert len(warnings) == 1 and "l1.ttl: 3600s is longer than l2.ttl" in warnings[0]
+
+
+def test_config_check_refuses_what_the_daemon_would_refuse(tmp_path: Path) -> None:
+    route = '[[events]]\ntype = "A"\ninvalidate = [{ namespace = "book", key = { id = "id" } }]\n'
+    config = write_config(tmp_path, "redis://127.0.0.1:6379/0", "", route + route)
+    result = run_cli("config", "check", str(config))
+    assert result.returncode == 2
+    assert f"{config}: events[1].type: 'A' is already routed by events[0]" in result.stderr
+
+
 # -- inspect / invalidate / hotkeys ----------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from layered_cache import ConfigError, load_config, parse_config
-from layered_cache.config import HotConfig, L1Config, parse_duration, parse_rate
+from layered_cache.config import ConfigWarning, HotConfig, L1Config, parse_duration, parse_rate
 
 FULL = """
 [redis]
@@ -95,7 +96,7 @@ def test_env_overrides_connection_settings(tmp_path: Path) -> None:
             'namespaces.book.l2.ttl: expected a duration like "10m", got "ten"',
         ),
         ('l2 = { ttl = "-5s" }', "namespaces.book.l2.ttl: expected a duration"),
-        ("l1 = { jitter = 1.5 }", "namespaces.book.l1: jitter must be >= 0 and < 1"),
+        ("l1 = { jitter = 1.5 }", "namespaces.book.l1.jitter: must be >= 0 and < 1"),
         (
             'l1 = { ttl = 5, max_entries = "many" }',
             "namespaces.book.l1.max_entries: expected `int`",
@@ -105,7 +106,7 @@ def test_env_overrides_connection_settings(tmp_path: Path) -> None:
             'hot = { threshold = "fast" }',
             'namespaces.book.hot.threshold: expected a rate like "200/s"',
         ),
-        ('stampede = { retry = ["1s"] }', "namespaces.book.stampede: retry must be [min, max]"),
+        ('stampede = { retry = ["1s"] }', "namespaces.book.stampede.retry: must be [min, max]"),
     ],
 )
 def test_errors_name_file_path_and_problem(tmp_path: Path, snippet: str, expected: str) -> None:
@@ -188,3 +189,82 @@ def test_arbitrary_namespace_tables_load_or_raise_config_error(table: object) ->
         parse_config({"namespaces": {"book": table}}, env={})
     except ConfigError as exc:
         assert "namespaces.book" in str(exc)
+
+
+# -- "config check OK" means the cache and the daemon start (issue 13) ---------------
+
+BOOK = '[namespaces.book]\nkey = "book:{id}"\n'
+ROUTE = (
+    '[[events]]\ntype = "{type}"\ninvalidate = [{{ namespace = "book", key = {{ id = "id" }} }}]\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # hangs at runtime
+        ("[redis]\nmax_connections = 0\n", "redis.max_connections: expected `int` >= 1"),
+        ("[redis]\nmax_connections = -1\n", "redis.max_connections: expected `int` >= 1"),
+        (BOOK + "l2 = { ttl = 1e300 }\n", "namespaces.book.l2.ttl: expected a duration of at most"),
+        (BOOK + "stale = { max_age = 1e300 }\n", "namespaces.book.stale.max_age: expected a"),
+        # errors that used to come late or without a path
+        (BOOK + 'hot = { window = "0s" }\n', "namespaces.book.hot.window: must be > 0"),
+        ('[redis]\nprefix = "shop"\n', "redis.prefix: redis.prefix 'shop' must be segments"),
+        ('[redis]\nprefix = "sh op:"\n', "redis.prefix: redis.prefix 'sh op:' may only contain"),
+        ('[redis]\nurl = "redis://:pw/word@h:1/0"\n', "redis.url: the port must be a number"),
+        ('[redis]\nurl = "redis://h:70000/0"\n', "redis.url: the port must be a number"),
+        ('[redis]\nurl = "redis://h:1/books"\n', "redis.url: the path must be a database number"),
+        ('[redis]\nurl = "unix://"\n', "redis.url: a unix:// URL needs the socket path"),
+        # what only the daemon refused
+        (BOOK + ROUTE.format(type="X") + ROUTE.format(type="X"), "events[1].type: 'X' is already"),
+        (
+            BOOK + ROUTE.format(type="CacheInvalidate"),
+            "events[0].type: 'CacheInvalidate' is built in",
+        ),
+        ("[kafka]\nhealth_port = 70000\n", "kafka.health_port: expected `int` <= 65535"),
+        # accepted, but wrong
+        (BOOK + "hot = { threshold = 0 }\n", "namespaces.book.hot.threshold: must be > 0"),
+        (BOOK + "max_value_bytes = -1\n", "namespaces.book.max_value_bytes: expected `int` >= 1"),
+        ("[kafka]\nmax_batch = 0\n", "kafka.max_batch: expected `int` >= 1"),
+        ("[redis]\nconnect_timeout = 0\n", "redis.connect_timeout: must be > 0"),
+        ('[backplane]\nblock = "0s"\n', "backplane.block: must be > 0"),
+        ('[logging]\nlevel = "loud"\n', "logging.level: must be one of debug, info"),
+        ('[logging]\nformat = "xml"\n', "logging.format: invalid enum value 'xml'"),
+        ('[kafka]\nsecurity_protocol = "TLS"\n', "kafka.security_protocol: invalid enum value"),
+        ('[kafka]\nsasl_mechanism = "plain"\n', "kafka.sasl_mechanism: invalid enum value"),
+        ('[kafka]\nauto_offset_reset = "first"\n', "kafka.auto_offset_reset: invalid enum"),
+        ("[kafka]\ntopics = []\n", "kafka.topics: expected `array` of length >= 1"),
+        ('[kafka]\nheartbeat_interval = "20s"\n', "kafka.heartbeat_interval: must be shorter"),
+        ('[backplane]\nstream = "book:1"\n', "backplane.stream: must start with the reserved"),
+        (
+            BOOK + 'hot = { keys = ["author:1"] }\n',
+            "namespaces.book.hot.keys[0]: 'author:1' is not a",
+        ),
+        # template errors that say what is wrong
+        ('[namespaces.book]\nkey = "book:{id"\n', "namespaces.book.key: .* unclosed placeholder"),
+        ('[namespaces.book]\nkey = "book:{}"\n', "namespaces.book.key: .* empty placeholder"),
+    ],
+)
+def test_what_the_runtime_would_refuse_is_refused_at_load_with_file_and_path(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+    message = str(error.value)
+    assert message.startswith(f"{path}: ")
+    assert "pw/word" not in message
+    assert re.search(expected if ".*" in expected else re.escape(expected), message), message
+
+
+def test_log_level_is_case_insensitive_like_the_env_override(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, BOOK), env={"LAYERED_CACHE_LOG_LEVEL": "WARNING"})
+    assert config.logging.level == "WARNING"
+
+
+def test_an_l1_ttl_longer_than_the_l2_ttl_is_a_warning_not_an_error(tmp_path: Path) -> None:
+    text = BOOK + 'l1 = { ttl = "20m" }\nl2 = { ttl = "10m" }\n'
+    with pytest.warns(ConfigWarning, match=r"namespaces\.book\.l1\.ttl: 1200s is longer"):
+        config = load_config(write(tmp_path, text), env={})
+    assert len(config.warnings) == 1
+    assert load_config(write(tmp_path, BOOK), env={}).warnings == []

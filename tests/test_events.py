@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from layered_cache import parse_config
+from layered_cache import ConfigError, parse_config
 from layered_cache.config import Config
 from layered_cache.events import (
     BookPriceChanged,
@@ -18,6 +18,7 @@ from layered_cache.events import (
     encode_event,
     unique_targets,
 )
+from layered_cache.policy import compile_policy
 
 
 def config(events: list[dict[str, Any]] | None = None, **kafka: Any) -> Config:
@@ -130,13 +131,13 @@ def test_oversized_payload_is_rejected_before_parsing() -> None:
     assert "exceeds" in poison_reason(decoder, b"x" * 2000)  # not even looked at
 
 
-def test_routing_cache_invalidate_or_one_type_twice_is_a_config_error() -> None:
+def test_routing_cache_invalidate_or_one_type_twice_is_refused_at_load() -> None:
     route = {"type": "CacheInvalidate", "invalidate": [{"namespace": "book", "key": {"id": "x"}}]}
-    with pytest.raises(ValueError, match="built in"):
-        EventDecoder(config([route]))
+    with pytest.raises(ConfigError, match=r"events\[0\]\.type: 'CacheInvalidate' is built in"):
+        config([route])
     twice = {"type": "T", "invalidate": [{"namespace": "book", "key": {"id": "x"}}]}
-    with pytest.raises(ValueError, match="routed twice"):
-        EventDecoder(config([twice, twice]))
+    with pytest.raises(ConfigError, match=r"events\[1\]\.type: 'T' is already routed"):
+        config([twice, twice])
 
 
 def test_a_batch_invalidates_each_key_once() -> None:
@@ -147,3 +148,16 @@ def test_a_batch_invalidates_each_key_once() -> None:
 def test_typed_event_round_trips_for_producers() -> None:
     event = BookPriceChanged(42, "12.90", "9.90", "2026-11-29T10:00:00Z")
     assert msgspec.json.decode(encode_event(event), type=BookPriceChanged) == event
+
+
+def test_events_build_the_same_encoded_names_as_the_cache() -> None:
+    """The daemon deletes exactly the name the cache wrote, ':' in values included."""
+    cfg = config()
+    data = msgspec.json.encode(
+        {"type": "CacheInvalidate", "namespace": "shelf", "keys": [{"store": "a:b", "id": "c"}]}
+    )
+    [target] = EventDecoder(cfg).decode(data).targets
+    template = compile_policy("shelf", cfg.namespaces["shelf"], "env:").template
+    assert target.key == template.build({"store": "a:b", "id": "c"}) == "env:shelf:a%3Ab:c"
+    other = {"store": "a", "id": "b:c"}
+    assert template.build(other) != target.key

@@ -1,18 +1,47 @@
-"""Key names: templates, validation errors that name the field, replica and lease names."""
+"""Key names: templates, validation errors that name the field, replica and lease names,
+and the one-name-per-value property (docs/keys.md)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from layered_cache.keys import MAX_KEY_LENGTH, KeyTemplate, lease_name, replica_names
+from layered_cache import ConfigError, parse_config
+from layered_cache.hotreport import report_key
+from layered_cache.keys import (
+    MAX_KEY_LENGTH,
+    RESERVED_SEGMENT,
+    KeyTemplate,
+    lease_name,
+    replica_names,
+)
+from layered_cache.notify import fill_channel
 
 
 def test_template_fills_fields_with_prefix() -> None:
     assert KeyTemplate("book", "book:{id}", "shop:").build({"id": 42}) == "shop:book:42"
     template = KeyTemplate("price", "price:{id}:{currency}")
     assert template.build({"id": 1, "currency": "EUR"}) == "price:1:EUR"
+
+
+def test_common_keys_keep_their_names() -> None:
+    """Ints, slugs and ISBN-like strings build the same names as before the encoding."""
+    assert KeyTemplate("book", "book:{id}").build({"id": -7}) == "book:-7"
+    assert KeyTemplate("cat", "category:{slug}").build({"slug": "sci-fi_2"}) == "category:sci-fi_2"
+    isbn = KeyTemplate("isbn", "isbn:{isbn}", "prod:shop:")
+    assert isbn.build({"isbn": "978-3-16-148410-0"}) == "prod:shop:isbn:978-3-16-148410-0"
+    assert KeyTemplate("u", "u:{mail}").build({"mail": "a.b+c@x.org/=1"}) == "u:a.b+c@x.org/=1"
+
+
+def test_parse_is_the_inverse_of_build() -> None:
+    acl = KeyTemplate("acl", "acl:{tenant}:x{user}:end", "shop:")
+    name = acl.build({"tenant": "acme:bob", "user": "x"})
+    assert acl.parse(name) == {"tenant": "acme:bob", "user": "x"}
+    assert acl.parse("shop:acl:acme:xy:end") == {"tenant": "acme", "user": "y"}
+    for other in ("shop:acl:acme:y:end", "acl:a:xb:end", "shop:acl::x1:end", "shop:acl:a:x1:end:"):
+        assert acl.parse(other) is None
+    assert KeyTemplate("c", "config").parse("config") == {}
 
 
 def test_replica_and_lease_names() -> None:
@@ -25,12 +54,29 @@ def test_missing_field_names_namespace_and_field() -> None:
         KeyTemplate("book", "book:{id}").build({"isbn": 1})
 
 
+@pytest.mark.parametrize("fields", [[("id", 1)], "id=1", 42, None])
+def test_fields_that_are_not_a_mapping_get_a_type_error_naming_the_namespace(
+    fields: object,
+) -> None:
+    for template in ("book:{id}", "price:{id}:{currency}"):
+        with pytest.raises(TypeError, match="namespace 'book': key fields must be a mapping"):
+            KeyTemplate("book", template).build(fields)  # type: ignore[arg-type]
+
+
+def test_an_int_too_long_to_convert_names_namespace_and_field() -> None:
+    huge = 10**5000
+    for template in ("book:{id}", "price:{id}:{currency}"):
+        with pytest.raises(ValueError, match="namespace 'book': field 'id' is an int too long"):
+            KeyTemplate("book", template).build({"id": huge, "currency": "EUR"})
+
+
 @pytest.mark.parametrize(
     "value",
     [
         "a b",
         "a{b}",
         "x#1",
+        "50%",
         "tab\t",
         "new\nline",
         "",
@@ -54,13 +100,152 @@ def test_wrong_types_and_overlong_keys_are_rejected() -> None:
         KeyTemplate("book", "book:{id}").build({"id": 10 ** (MAX_KEY_LENGTH + 5)})
 
 
-def test_bad_templates_and_prefixes() -> None:
-    with pytest.raises(ValueError):
-        KeyTemplate("book", "book {id}")
-    with pytest.raises(ValueError):
-        KeyTemplate("book", "book:{id}", prefix="{tenant}")
-    with pytest.raises(ValueError):
-        KeyTemplate("book", "book:{id}:{id}")
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [
+        ("book:{id", "unclosed placeholder"),
+        ("book:{id:{x}", "unclosed placeholder"),
+        ("book:{}", "empty placeholder"),
+        ("book:id}", "closes no placeholder"),
+        ("book:{1d}", "not a field name"),
+        ("book {id}", "may only contain"),
+        ("book:{id}:{id}", "repeats a field"),
+        ("book:{a}{b}", "separated by text containing ':'"),
+        ("book:{a}-{b}", "separated by text containing ':'"),
+        ("{id}", "must start with literal text"),
+        ("layered_cache:{name}", "reserved"),
+        ("layered_{x}:invalidations", "reserved"),
+        ("", "empty key template"),
+    ],
+)
+def test_bad_templates_say_what_is_wrong(template: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        KeyTemplate("book", template)
+
+
+@pytest.mark.parametrize(
+    "prefix", ["{tenant}", "shop", "shop:x", ":shop:", "a::", "layered_cache:", "a:layered_cache:"]
+)
+def test_bad_prefixes_are_rejected(prefix: str) -> None:
+    with pytest.raises(ValueError, match=r"redis\.prefix"):
+        KeyTemplate("book", "book:{id}", prefix=prefix)
+
+
+# -- the three collisions of issue 13 -------------------------------------------------
+
+
+def test_colons_in_values_cannot_move_between_fields() -> None:
+    """Cross-tenant read: ("acme:bob", "x") and ("acme", "bob:x") were one key."""
+    acl = KeyTemplate("acl", "acl:{tenant}:{user}")
+    one = acl.build({"tenant": "acme:bob", "user": "x"})
+    two = acl.build({"tenant": "acme", "user": "bob:x"})
+    assert one != two
+    assert (one, two) == ("acl:acme%3Abob:x", "acl:acme:bob%3Ax")
+
+
+def test_a_value_cannot_reach_into_a_longer_prefix() -> None:
+    """Cross-prefix read: prefix 'app:' + id 'x:5' was a key of prefix 'app:user:'."""
+    outer = KeyTemplate("user", "user:{id}", "app:").build({"id": "x:5"})
+    inner = KeyTemplate("x", "x:{id}", "app:user:").build({"id": 5})
+    assert outer == "app:user:x%3A5"
+    assert outer != inner == "app:user:x:5"
+
+
+def test_no_template_reaches_the_backplane_stream() -> None:
+    """Reserved name: namespace 'layered_cache:{name}' with 'invalidations' was the stream."""
+    with pytest.raises(ConfigError, match=r"namespaces\.evil\.key: .*reserved"):
+        parse_config({"namespaces": {"evil": {"key": "layered_cache:{name}"}}}, env={})
+
+
+# -- the property ---------------------------------------------------------------------
+
+_CHARS = "abcz019_.@/=+-"
+_segment = st.text(alphabet=_CHARS, min_size=1, max_size=4)
+_prefixes = st.one_of(
+    st.just(""), st.lists(_segment, min_size=1, max_size=3).map(lambda s: ":".join(s) + ":")
+)
+_values = st.one_of(
+    st.integers(min_value=-(10**20), max_value=10**20),
+    st.text(alphabet=_CHARS + ":", min_size=1, max_size=8),
+)
+
+
+@st.composite
+def _templates(draw: st.DrawFn) -> str:
+    count = draw(st.integers(min_value=0, max_value=3))
+    text = draw(st.text(alphabet=_CHARS + ":", min_size=1, max_size=5))
+    for index in range(count):
+        text += "{f" + str(index) + "}"
+        if index < count - 1:
+            text += draw(_segment.map(lambda s: s[: len(s) // 2] + ":" + s[len(s) // 2 :]))
+        else:
+            text += draw(st.text(alphabet=_CHARS + ":", max_size=3))
+    return text
+
+
+def _compiled(prefix: str, template: str) -> KeyTemplate:
+    try:
+        return KeyTemplate("ns", template, prefix)
+    except ValueError:
+        assume(False)
+        raise
+
+
+def _normal(fields: dict[str, object]) -> dict[str, str]:
+    """An int and its decimal string are one key value (``{"id": 42}`` = ``{"id": "42"}``)."""
+    return {name: str(value) for name, value in fields.items()}
+
+
+def _reserved(name: str) -> bool:
+    return "{" in name or "}" in name or "#" in name
+
+
+@settings(max_examples=300, deadline=None)
+@given(_prefixes, _templates(), _templates(), st.data())
+def test_names_are_injective_and_never_reserved(
+    prefix: str, first: str, second: str, data: st.DataObject
+) -> None:
+    """Within one config: distinct (namespace, fields) -> distinct names, none reserved."""
+    one, two = _compiled(prefix, first), _compiled(prefix, second)
+    if first != second:
+        try:  # two namespaces of one config: the config check must accept them together
+            parse_config(
+                {
+                    "redis": {"prefix": prefix},
+                    "namespaces": {"a": {"key": first}, "b": {"key": second}},
+                },
+                env={},
+            )
+        except ConfigError:
+            assume(False)
+    fields_one = {name: data.draw(_values) for name in one.fields}
+    fields_two = {name: data.draw(_values) for name in two.fields}
+    name_one, name_two = one.build(fields_one), two.build(fields_two)
+    same_input = first == second and _normal(fields_one) == _normal(fields_two)
+    assert (name_one == name_two) == same_input
+    # build has an inverse: the name gives back exactly the fields it was built from
+    assert one.parse(name_one) == _normal(fields_one)
+    assert two.parse(name_two) == _normal(fields_two)
+    for name in (name_one, name_two):
+        assert not _reserved(name)
+        assert not name.startswith(prefix + RESERVED_SEGMENT)
+        assert name not in (prefix + "layered_cache:invalidations", report_key(prefix, "i-1"))
+        assert name != lease_name(name_one) and name != fill_channel(name_one)
+        assert name not in replica_names(name_one, 8) + replica_names(name_two, 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_prefixes, _prefixes, _templates(), _templates(), st.data())
+def test_deployments_with_sibling_prefixes_never_share_a_name(
+    prefix_a: str, prefix_b: str, first: str, second: str, data: st.DataObject
+) -> None:
+    """Prefixes neither of which starts the other (``shop:``/``blog:``) never collide."""
+    assume(not prefix_a.startswith(prefix_b) and not prefix_b.startswith(prefix_a))
+    one, two = _compiled(prefix_a, first), _compiled(prefix_b, second)
+    name_one = one.build({name: data.draw(_values) for name in one.fields})
+    name_two = two.build({name: data.draw(_values) for name in two.fields})
+    assert name_one != name_two
+    assert not name_one.startswith(prefix_b + RESERVED_SEGMENT)
 
 
 @given(st.one_of(st.text(max_size=600), st.integers()))
@@ -71,3 +256,14 @@ def test_any_value_builds_a_safe_key_or_raises(value: object) -> None:
         return
     assert len(key) <= MAX_KEY_LENGTH
     assert not any(ch in key for ch in "{}# \t\r\n")
+    assert ":" not in key[len("book:") :]
+
+
+def test_a_backplane_stream_outside_the_reserved_segment_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"backplane.*stream.*reserved"):
+        parse_config({"backplane": {"stream": "book:1"}}, env={})
+
+
+def test_an_invalid_prefix_fails_at_load_with_its_path() -> None:
+    with pytest.raises(ConfigError, match=r"<memory>: redis\.prefix: .*must be segments"):
+        parse_config({"redis": {"prefix": "shop"}}, env={})

@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import re
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis.asyncio as redis
+import structlog
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from layered_cache import ConfigError, LayeredCache, parse_config
+from consumers.__main__ import main as consumers_main
+from layered_cache import ConfigError, LayeredCache, cli, load_config, parse_config
+from layered_cache.config import LoggingConfig
+from layered_cache.logs import configure_logging, reset_logging
+from layered_cache.redact import (
+    forget_secrets,
+    redact,
+    redact_url,
+    remember_secret,
+    remember_url_secrets,
+)
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import free_port
 
@@ -193,3 +212,127 @@ async def test_tls_and_acl_credentials_work_and_are_never_logged(
     finally:
         process.kill()
         process.wait()
+
+
+# -- secrets never appear in output (docs/operations.md#redaction) ---------------------
+
+_PIECE = st.text(alphabet="QXZJKVqxzjkv789", min_size=6, max_size=10)
+_PASSWORDS = st.builds(
+    lambda pieces, seps: "".join(p + s for p, s in zip(pieces, seps, strict=False)).rstrip(),
+    st.lists(_PIECE, min_size=1, max_size=3),
+    st.lists(st.sampled_from(list("@:/?#&=%+ !$'()*,;~\"\\")), min_size=3, max_size=3),
+)
+_SHAPES = [
+    "redis://:{pw}@127.0.0.1:{port}/0",
+    "redis://cache:{pw}@127.0.0.1:{port}/0",
+    "Redis://:{pw}@127.0.0.1:{port}",
+    "redis//:{pw}@127.0.0.1:{port}",
+    "redis:/:{pw}@127.0.0.1:{port}",
+    "redis:{pw}@127.0.0.1:{port}",
+    "redis://{pw}@127.0.0.1:{port}",
+    "redis://127.0.0.1:{port}/0?password={pw}",
+    "redis://127.0.0.1:{port}/0?db=0&password={pw}&ssl=false",
+    "rediss://u:{pw}@127.0.0.1:{port}/0",
+    "unix://:{pw}@/nonexistent/redis.sock",
+    "unix:///nonexistent/redis.sock?password={pw}",
+]
+
+
+def _pieces(password: str) -> list[str]:
+    return [password, *re.findall(r"[QXZJKVqxzjkv789]{6,}", password)]
+
+
+def _run(call: Callable[[], object]) -> str:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            call()
+        except (ConfigError, SystemExit) as exc:
+            return out.getvalue() + err.getvalue() + str(exc)
+    return out.getvalue() + err.getvalue()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    password=_PASSWORDS,
+    shape=st.sampled_from(_SHAPES),
+    quoted=st.booleans(),
+    where=st.sampled_from(["url", "password", "sasl_password"]),
+)
+def test_a_password_in_any_url_shape_or_key_never_reaches_any_output(
+    password: str, shape: str, quoted: bool, where: str
+) -> None:
+    """config check (text, JSON), inspect, the daemon's config error, ConfigError and
+    logs: none of them ever shows the password or a piece of it."""
+    port = free_port()
+    secret = quote(password, safe="") if quoted else password
+    url = shape.format(pw=secret, port=port) if where == "url" else f"redis://127.0.0.1:{port}/0"
+    extra = ""
+    if where == "password":
+        extra = f"password = {json.dumps(password)}\n"
+    kafka = f"[kafka]\nsasl_password = {json.dumps(password)}\n" if where == "sasl_password" else ""
+    text = (
+        f'[redis]\nurl = {json.dumps(url)}\nconnect_timeout = "200ms"\n{extra}{kafka}'
+        '[namespaces.book]\nkey = "book:{id}"\n'
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "cache.toml"
+        path.write_text(text)
+        output = _run(lambda: cli.main(["config", "check", str(path)]))
+        output += _run(lambda: cli.main(["config", "check", str(path), "--json"]))
+        output += _run(lambda: cli.main(["inspect", "book", "id=1", "--config", str(path)]))
+        try:
+            config = load_config(path, env={})
+        except ConfigError as exc:
+            output += str(exc) + _run(lambda: consumers_main(["--config", str(path)]))
+        else:
+            output += _logged(config.redis.url, password)
+    for piece in _pieces(password) + _pieces(secret):
+        assert piece not in output
+
+
+def _logged(url: str, password: str) -> str:
+    stream = io.StringIO()
+    for fmt in ("json", "console"):
+        configure_logging(LoggingConfig(format=fmt), stream=stream, env={}, force=True)
+        log = structlog.get_logger("test")
+        log.warning("redis_down", url=url, settings={"url": url, "password": password})
+        try:
+            raise ConnectionError(f"Error connecting to {url}")
+        except ConnectionError:
+            log.exception("connect_failed")
+    reset_logging()
+    return stream.getvalue()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0?password=hunter2hunter2",
+        "redis://:hunter2@hunter2@127.0.0.1:6379/0",
+        "Redis://:hunter2hunter2@127.0.0.1:6379/0",
+        "redis//:hunter2hunter2@127.0.0.1:6379/0",
+    ],
+)
+def test_the_four_leaks_of_issue_13_are_closed(tmp_path: Path, url: str) -> None:
+    """?password=, a password with '@', a wrong scheme, a missing colon: config check,
+    its JSON, and the daemon's config error never print the password."""
+    path = tmp_path / "cache.toml"
+    path.write_text(f'[redis]\nurl = "{url}"\n[namespaces.book]\nkey = "book:{{id}}"\n')
+    output = _run(lambda: cli.main(["config", "check", str(path)]))
+    output += _run(lambda: cli.main(["config", "check", str(path), "--json"]))
+    output += _run(lambda: consumers_main(["--config", str(path)])) if "edis:" not in url else ""
+    assert "hunter2" not in output
+    assert "***" in output
+
+
+def test_redact_masks_shapes_and_known_secrets() -> None:
+    forget_secrets()
+    remember_secret("correct horse battery")
+    assert redact("auth with correct horse battery failed") == "auth with *** failed"
+    assert redact("redis://u:p@ss@h:1/0") == "redis://u:***@h:1/0"
+    assert redact("x rediss://:pw@h y") == "x rediss://:***@h y"
+    assert redact("redis://h/0?db=1&password=pw") == "redis://h/0?db=1&password=***"
+    assert redact_url("redis//:pw@h:1") == "redis//***@h:1"
+    remember_url_secrets("redis://h/0?password=hunter22&ssl_cert_reqs=none")
+    assert redact("hunter22, username=none") == "***, username=none"
