@@ -175,7 +175,15 @@ async def test_tls_and_acl_credentials_work_and_are_never_logged(
     password = "s3cret-Passw0rd"
     process, port, cert = _tls_redis(tmp_path, password)
     try:
-        tls = {"ssl_ca_certs": str(cert), "username": "cache", "password": password}
+        # Generous timeouts: this is about credentials, and a TLS handshake on a busy
+        # machine can take longer than the suite's usual 200 ms.
+        tls = {
+            "ssl_ca_certs": str(cert),
+            "username": "cache",
+            "password": password,
+            "timeout": "2s",
+            "connect_timeout": "2s",
+        }
         config = make_config(f"rediss://127.0.0.1:{port}/0", prefix, redis=tls)
 
         async def tls_up() -> bool:
