@@ -220,6 +220,9 @@ async def test_key_read_steadily_across_expiry_is_refreshed_once_before_it(
                 "stampede": {"early_refresh_beta": 1.0},
             }
         },
+        # About when the refresh starts: a fill that missed a 200 ms reply deadline on a
+        # loaded machine would let the value expire and cause a second load.
+        redis={"timeout": "2s", "connect_timeout": "2s"},
     )
     loader = CountingLoader("v", delay=0.2)
     load_started: list[float] = []  # wall clock, like the envelope's soft expiry

@@ -268,7 +268,7 @@ async def test_the_sync_api_called_from_a_running_event_loop_raises_naming_the_a
             lambda: cache.invalidate("book", {"id": 1}),
         ):
             started = time.monotonic()
-            with pytest.raises(RuntimeError, match="running event loop.*LayeredCache"):
+            with pytest.raises(RuntimeError, match=r"running event loop.*LayeredCache"):
                 call()
             assert time.monotonic() - started < 0.5  # refused, not blocked first
     finally:

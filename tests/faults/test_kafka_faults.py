@@ -31,6 +31,7 @@ from tests.test_daemon import (
 pytestmark = pytest.mark.kafka
 
 
+@pytest.mark.timeout(400)
 async def test_broker_restart_under_the_daemon_loses_no_event_and_commits_nothing_early(
     redis_url: str, prefix: str, durable_kafka_broker: KafkaBroker, unique_topic: str
 ) -> None:
@@ -65,12 +66,14 @@ async def test_broker_restart_under_the_daemon_loses_no_event_and_commits_nothin
     async with running(daemon):
         watcher = asyncio.create_task(watch_commits())
         await produce(range(200))
-        assert await eventually(lambda: committed_total(bootstrap, group, tps, 200), timeout=20)
+        assert await eventually(lambda: committed_total(bootstrap, group, tps, 200), timeout=60)
         durable_kafka_broker.kill()
         await asyncio.sleep(1.0)  # the daemon's fetches and commits fail meanwhile
         durable_kafka_broker.start()
         await produce(range(200, 400))
-        assert await eventually(lambda: committed_total(bootstrap, group, tps, 400), timeout=60)
+        # The restarted broker reloads its state from S3; on a busy machine that and the
+        # group's rejoin take a while: the outcome matters, not the speed.
+        assert await eventually(lambda: committed_total(bootstrap, group, tps, 400), timeout=180)
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
