@@ -120,12 +120,21 @@ async def _gets(node: redis.Redis) -> int:
 
 async def test_cache_operations_work_in_cluster_mode(redis_cluster: Cluster, prefix: str) -> None:
     config = cluster_config(redis_cluster, prefix, threshold="1000/s")
-    loader = CountingLoader({"title": "Dune"}, delay=0.1)
+    loader = CountingLoader({"title": "Dune"})
+    release = asyncio.Event()
+
+    async def held_loader() -> object:  # A's load lasts until B is seen waiting on it
+        await release.wait()
+        return await loader()
+
     async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
         # Lease + Lua fill + fill notification: B waits on A's lease and is woken.
-        results = await asyncio.gather(
-            a.get_or_load("book", {"id": 1}, loader), b.get_or_load("book", {"id": 1}, loader)
-        )
+        in_a = asyncio.create_task(a.get_or_load("book", {"id": 1}, held_loader))
+        assert await eventually(lambda: a.stats()["book"]["lease_won"] == 1, timeout=10)
+        in_b = asyncio.create_task(b.get_or_load("book", {"id": 1}, held_loader))
+        assert await eventually(lambda: b.stats()["book"]["lease_lost"] == 1, timeout=10)
+        release.set()
+        results = await asyncio.gather(in_a, in_b)
         assert list(results) == [{"title": "Dune"}] * 2 and loader.calls == 1
         assert b.stats()["book"]["lease_wait_filled"] + a.stats()["book"]["lease_wait_filled"] == 1
 
