@@ -170,6 +170,7 @@ class KafkaConfig(_Section, frozen=True):
     max_batch: int = 1000
     max_event_bytes: int = 1_000_000
     health_port: int = 9464
+    health_host: str = "0.0.0.0"  # bind address of the daemon's /healthz /readyz /metrics
     # Consumer-group timing and start position (the daemon; tests shorten the timeouts).
     auto_offset_reset: str = "earliest"
     session_timeout: Duration = Duration(10.0)
