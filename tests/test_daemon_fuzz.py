@@ -167,7 +167,10 @@ keys = st.one_of(
     st.none(), st.binary(max_size=64), st.integers(17_000, 40_000).map(lambda n: b"k" * n)
 )
 headers = st.one_of(
-    st.lists(st.tuples(st.text(min_size=1, max_size=12), st.binary(max_size=2_000)), max_size=4),
+    st.lists(
+        st.tuples(st.text(min_size=1, max_size=12), st.none() | st.binary(max_size=2_000)),
+        max_size=4,
+    ),
     st.integers(1, 3).map(lambda n: [(f"big{i}", b"h" * 40_000) for i in range(n)]),
 )
 
