@@ -96,10 +96,15 @@ async def test_daemon_sigkilled_repeatedly_during_20000_events_deletes_every_key
     async def remaining() -> int:
         return int(await client.exists(*keys))
 
+    # The last 2,000 events wait for the third kill: a daemon that restarts quickly (or a
+    # slow producer on a loaded machine) can't finish everything before it is killed 3 times.
+    killed_thrice = asyncio.Event()
     async with producer(kafka_bootstrap) as p:
 
         async def produce() -> None:
             for start in range(0, total, 1000):
+                if start >= total - 2000:
+                    await killed_thrice.wait()
                 for i in range(start, start + 1000):
                     await p.send(unique_topic, price_changed(i), partition=i % 4)
                 await asyncio.sleep(0.1)
@@ -121,6 +126,9 @@ async def test_daemon_sigkilled_repeatedly_during_20000_events_deletes_every_key
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 kills += 1
+                if kills >= 3:
+                    killed_thrice.set()
+        killed_thrice.set()
         await flow
         log = tmp_path / "daemon-final.log"
         with daemon_process(path, log) as proc:
