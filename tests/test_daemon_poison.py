@@ -18,9 +18,11 @@ import redis.asyncio as aioredis
 import structlog
 from aiokafka.structs import TopicPartition
 from confluent_kafka import Producer as RdKafkaProducer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from layered_cache.daemon import Daemon
-from layered_cache.daemon.dlq import REASON_BYTES, RECORD_BYTES
+from layered_cache.daemon.dlq import REASON_BYTES, RECORD_BYTES, Poison, dead_letter_record
 from tests.helpers import eventually
 from tests.servers import create_topic
 from tests.test_daemon import (
@@ -277,3 +279,39 @@ async def test_events_compressed_by_librdkafka_with_each_codec_are_applied(
     assert daemon.stats.events == 50 and daemon.stats.dead_letters == 1
     (record,) = await scenario.dead(1)
     assert record.key == b"bad" and dict(record.headers)["h"] == b"1"
+
+
+# -- the DLQ record builder, over every size ------------------------------------------------
+
+
+@given(
+    key=st.none() | st.integers(0, 200_000).map(lambda n: b"k" * n),
+    value=st.none() | st.integers(0, 3_000_000).map(lambda n: b"v" * n),
+    headers=st.lists(
+        st.tuples(st.text(max_size=300), st.none() | st.integers(0, 300_000).map(lambda n: b"h" * n)),
+        max_size=6,
+    ),
+    reason=st.text(max_size=700_000),
+    event_type=st.none() | st.text(max_size=700_000),
+)
+@settings(max_examples=150, deadline=None)
+def test_every_dead_letter_record_fits_and_has_a_value(
+    key: bytes | None,
+    value: bytes | None,
+    headers: list[tuple[str, bytes | None]],
+    reason: str,
+    event_type: str | None,
+) -> None:
+    """Whatever a poison message carries, its DLQ copy is under the record budget and has
+    a value (aiokafka asserts ``not (value is None and key is None)``)."""
+    poison = Poison("t" * 249, 7, 2**40, 2**41, key, value, tuple(headers), reason, event_type)  # type: ignore[arg-type]
+    out_key, out_value, out_headers = dead_letter_record(poison, 1_000_000)
+    assert out_value is not None
+    size = len(out_key or b"") + len(out_value)
+    size += sum(len(name.encode()) + len(v or b"") + 8 for name, v in out_headers)
+    assert size <= RECORD_BYTES
+    got = dict(out_headers)
+    assert len(got["dlq.reason"]) <= REASON_BYTES
+    assert got["dlq.original.offset"] == str(2**40).encode()
+    if value is not None and len(out_value) < len(value):
+        assert int(got["dlq.original.size"]) == len(value)

@@ -194,6 +194,23 @@ def test_health_port_already_in_use_is_a_one_line_error_and_exit_2(
 # -- entry point ---------------------------------------------------------------------------
 
 
+def test_layered_cache_daemon_with_a_bad_config_is_a_one_line_error_and_exit_2(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[kafka]\nmax_batch = "lots"\n')
+    done = subprocess.run(
+        [*layered_cache_command(), "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "kafka.max_batch" in lines[0], done.stderr
+
+
 async def test_layered_cache_daemon_runs_beside_a_users_own_consumers_package(
     redis_url: str,
     prefix: str,
