@@ -1,7 +1,7 @@
 """Scenario 9: invalidation latency end to end, and the daemon's throughput.
 
 Latency, what: ``BookPriceChanged`` events produced at 1,000/s (4 partitions); the
-daemon (``consumers.daemon.Daemon``, in its own process, as ``python -m consumers``
+daemon (``layered_cache.daemon.Daemon``, in its own process, as ``layered-cache daemon``
 runs it) deletes base key + 8 replicas + lease and appends the key to the backplane
 stream. Measured per event:
 - produced -> L2 keys gone: the backplane entry's ID is Redis' clock at the XADD, which
@@ -60,13 +60,13 @@ def _config(redis_url: str, prefix: str, bootstrap: str, topic: str, max_batch: 
 
 def daemon_process(redis_url: str, prefix: str, bootstrap: str, topic: str, max_batch: int,
                    started: Any, stop: Any) -> None:
-    """What ``python -m consumers --config FILE`` does, with the config built in code."""
+    """What ``layered-cache daemon --config FILE`` does, with the config built in code."""
     import logging
 
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    from consumers.daemon import Daemon
+    from layered_cache.daemon import Daemon
 
     async def main() -> None:
         daemon = Daemon(_config(redis_url, prefix, bootstrap, topic, max_batch), health_port=-1)
@@ -255,9 +255,9 @@ async def run(env: BenchEnv) -> Section:
     started = time.perf_counter()
     section = Section("invalidation", "9. Invalidation latency (Kafka -> L2 -> L1) and daemon throughput")
     try:
-        import consumers.daemon  # noqa: F401
+        import layered_cache.daemon  # noqa: F401
     except ImportError as exc:
-        section.error = f"the consumers daemon is not available ({exc})"
+        section.error = f"the daemon is not available ({exc})"
         section.headline.append(Headline("Invalidation latency / daemon throughput", "n/a",
                                          "", "p99 <= 100 ms; >= 5,000 events/s", "n/a"))
         section.seconds = time.perf_counter() - started

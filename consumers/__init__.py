@@ -1,8 +1,10 @@
-"""The invalidation daemon: Kafka events in, cache keys out (``python -m consumers``).
+"""Repository shim: ``python -m consumers`` runs the daemon from a source checkout.
 
-See ``docs/daemon.md`` for running it, its config keys, delivery semantics and metrics.
+The daemon itself is ``layered_cache.daemon`` (``layered-cache daemon --config FILE``);
+this package is not in the wheel, so it can't clash with a ``consumers`` package of your
+own or the one on PyPI. See ``docs/daemon.md``.
 """
 
-from consumers.daemon import Daemon, DaemonStats
+from layered_cache.daemon import Daemon, DaemonStartError, DaemonStats
 
-__all__ = ["Daemon", "DaemonStats"]
+__all__ = ["Daemon", "DaemonStartError", "DaemonStats"]

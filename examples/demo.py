@@ -253,8 +253,8 @@ async def wait_for(predicate: Callable[[], Awaitable[bool] | bool], within: floa
 
 @contextlib.asynccontextmanager
 async def invalidation_daemon(config: Config) -> Any:
-    """The daemon in this process (``consumers.daemon.Daemon``), ready once it owns partitions."""
-    from consumers.daemon import Daemon
+    """The daemon in this process (``layered_cache.daemon.Daemon``), ready once it owns partitions."""
+    from layered_cache.daemon import Daemon
 
     daemon = Daemon(config, health_port=0)
     task = asyncio.ensure_future(daemon.run())

@@ -5,6 +5,7 @@
     layered-cache invalidate NAMESPACE field=value ... --config FILE
     layered-cache hotkeys --config FILE [--json]
     layered-cache warm NAMESPACE --from FILE.jsonl --config FILE [--concurrency N]
+    layered-cache daemon --config FILE [--log-format json|console] [--health-port N]
     layered-cache bench [ARGS...]
 
 Bad input (config, unknown namespace, missing/unknown/unsafe field, unreadable file,
@@ -585,6 +586,17 @@ def cmd_warm(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+# -- daemon ------------------------------------------------------------------------------
+
+
+def cmd_daemon(args: argparse.Namespace, out: TextIO) -> int:
+    """Runs until SIGTERM/SIGINT; imported here so other commands don't load aiokafka."""
+    from layered_cache.daemon.main import run
+
+    args.config = args.daemon_config  # after main(): the daemon sets its own logging up
+    return run(args)
+
+
 # -- bench -------------------------------------------------------------------------------
 
 
@@ -642,6 +654,16 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--config", required=True, metavar="FILE")
     warm.add_argument("--concurrency", type=int, default=32, help="parallel writes (32)")
     warm.set_defaults(handler=cmd_warm)
+
+    daemon = commands.add_parser(
+        "daemon", help="run the Kafka invalidation daemon (see docs/daemon.md)"
+    )
+    daemon.add_argument("--config", dest="daemon_config", required=True, metavar="FILE")
+    daemon.add_argument("--log-format", choices=["json", "console"], default=None,
+                        help="override logging.format (and LAYERED_CACHE_LOG_FORMAT)")  # fmt: skip
+    daemon.add_argument("--health-port", type=int, default=None,
+                        help="override kafka.health_port (0 = ephemeral, -1 = off)")  # fmt: skip
+    daemon.set_defaults(handler=cmd_daemon)
 
     bench = commands.add_parser("bench", help="run the benchmarks (python -m bench)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")

@@ -253,6 +253,7 @@ class KafkaConfig(_Section, frozen=True):
     max_event_bytes: AtLeastOne = 1_000_000
     # -1 = no health server, 0 = an ephemeral port.
     health_port: Port = 9464
+    health_host: str = "0.0.0.0"  # bind address of the daemon's /healthz /readyz /metrics
     # Consumer-group timing and start position (the daemon; tests shorten the timeouts).
     auto_offset_reset: Literal["earliest", "latest", "none"] = "earliest"
     session_timeout: Duration = Duration(10.0)

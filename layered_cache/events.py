@@ -18,6 +18,7 @@ daemon writes to the dead-letter topic.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import msgspec
 
 from layered_cache.config import Config, EventRoute
 from layered_cache.keys import KeyTemplate
+from layered_cache.logs import SALT_ENV, redact_key
 from layered_cache.policy import compile_policy
 
 __all__ = [
@@ -112,8 +114,14 @@ class EventDecoder:
     so decoding an event is one JSON parse plus a dict lookup per routed field.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, env: Mapping[str, str] | None = None) -> None:
         self.max_bytes = config.kafka.max_event_bytes
+        # With logging.redact_keys a reason names a rejected key value by its hash only
+        # (the same keyed hash the logs use), since reasons reach logs and DLQ headers.
+        self._redact_salt: bytes | None = None
+        if config.logging.redact_keys:
+            environ = os.environ if env is None else env
+            self._redact_salt = environ.get(SALT_ENV, "").encode()
         prefix = config.redis.prefix
         self._namespaces: dict[str, _Namespace] = {}
         for name, ns in config.namespaces.items():
@@ -145,7 +153,20 @@ class EventDecoder:
         self._routes[route.type] = compiled
 
     def decode(self, data: bytes | None) -> DecodedEvent:
-        """Targets of one message, or ``PoisonEvent`` saying why there are none."""
+        """Targets of one message, or ``PoisonEvent`` saying why there are none.
+
+        Total: whatever goes wrong while turning these bytes into targets (deep nesting,
+        out-of-range numbers, anything a parser may raise) ends as ``PoisonEvent`` with
+        a reason naming the problem, never as another exception."""
+        try:
+            return self._decode(data)
+        except PoisonEvent:
+            raise
+        except Exception as exc:  # e.g. RecursionError from 2,000 nested '['
+            detail = "(detail withheld: redact_keys)" if self._redact_salt is not None else exc
+            raise PoisonEvent(f"{type(exc).__name__} while decoding: {detail}") from None
+
+    def _decode(self, data: bytes | None) -> DecodedEvent:
         if data is None:
             raise PoisonEvent("empty message (no value)")
         # Size first: never parse a payload we would reject anyway.
@@ -155,8 +176,11 @@ class EventDecoder:
             )
         try:
             event = msgspec.json.decode(data)
+        except msgspec.ValidationError as exc:
+            # Valid JSON that msgspec can't hold, e.g. an integer of 5,000 digits.
+            raise PoisonEvent(f"JSON value out of range (ValidationError): {exc}") from None
         except msgspec.DecodeError as exc:
-            raise PoisonEvent(f"not JSON: {exc}") from None
+            raise PoisonEvent(f"not JSON (DecodeError): {exc}") from None
         if not isinstance(event, dict):
             raise PoisonEvent(f"not a JSON object but {type(event).__name__}")
         event_type = event.get("type")
@@ -166,7 +190,7 @@ class EventDecoder:
             return DecodedEvent(event_type, self._generic(event))
         routes = self._routes.get(event_type)
         if routes is None:
-            raise PoisonEvent(f"unknown event type {event_type!r}", event_type)
+            raise PoisonEvent(f"unknown event type {_shown(event_type)}", event_type)
         targets = [self._routed(event_type, event, route) for route in routes]
         return DecodedEvent(event_type, targets)
 
@@ -193,12 +217,14 @@ class EventDecoder:
         namespace = self._namespaces.get(generic.namespace)
         if namespace is None:
             raise PoisonEvent(
-                f"{CACHE_INVALIDATE}: unknown namespace {generic.namespace!r}", CACHE_INVALIDATE
+                f"{CACHE_INVALIDATE}: unknown namespace {_shown(generic.namespace)}",
+                CACHE_INVALIDATE,
             )
         return [self._target(CACHE_INVALIDATE, namespace, fields) for fields in generic.keys]
 
-    @staticmethod
-    def _target(event_type: str, namespace: _Namespace, fields: Mapping[str, object]) -> Target:
+    def _target(
+        self, event_type: str, namespace: _Namespace, fields: Mapping[str, object]
+    ) -> Target:
         template = namespace.template
         for name in template.fields:
             if name not in fields:
@@ -217,8 +243,27 @@ class EventDecoder:
         try:
             key = template.build(fields)
         except (KeyError, ValueError) as exc:
-            raise PoisonEvent(f"{event_type}: {exc.args[0]}", event_type) from None
+            reason = self._scrub(str(exc.args[0]), fields)
+            raise PoisonEvent(f"{event_type}: {reason}", event_type) from None
         return Target(template.namespace, key, namespace.replicas)
+
+    def _scrub(self, message: str, fields: Mapping[str, object]) -> str:
+        """With redact_keys, every key value quoted in ``message`` becomes its hash."""
+        if self._redact_salt is None:
+            return message
+        for value in fields.values():
+            if isinstance(value, str) and value:
+                hashed = redact_key(value, self._redact_salt)
+                for form in (repr(value), repr(value[:40] + "...")):
+                    message = message.replace(form, hashed)
+        return message
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """``repr`` of a producer-supplied string, cut: a reason must stay small."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def unique_targets(targets: Sequence[Target]) -> list[tuple[str, int]]:

@@ -459,6 +459,9 @@ rebalance_timeout = {kafka.rebalance_timeout}
 retry_max_backoff = "200ms"
 health_port = -1
 
+[logging]
+format = "json"
+
 {namespaces_toml}
 
 [[events]]
@@ -564,8 +567,8 @@ async def _deleted_at_least(left: Any, total: int, count: int) -> bool:
 
 
 def test_kafka_security_settings_are_passed_through() -> None:
-    from consumers.kafka import consumer_kwargs, producer_kwargs
     from layered_cache.config import KafkaConfig
+    from layered_cache.daemon.kafka import consumer_kwargs, producer_kwargs
 
     kafka = KafkaConfig(
         security_protocol="SASL_PLAINTEXT",

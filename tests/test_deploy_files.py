@@ -170,7 +170,7 @@ def test_deployment_runs_the_daemon_with_probes_and_resources() -> None:
     (container,) = pod["containers"]
     argv = [*container.get("command", []), *container.get("args", [])]
     assert_entry_point(argv)
-    assert argv[:3] == ["python", "-m", "consumers"]
+    assert argv[:2] == ["layered-cache", "daemon"]
     assert assert_config_flag(argv) == CONFIG_PATH
     # The config file is the ConfigMap, mounted where --config points.
     mount = next(m for m in container["volumeMounts"] if CONFIG_PATH.startswith(m["mountPath"]))
@@ -188,7 +188,7 @@ def test_deployment_runs_the_daemon_with_probes_and_resources() -> None:
         assert (ports[port] if isinstance(port, str) else port) == health_port
         probe_paths.add(get["path"])
     assert probe_paths <= {"/healthz", "/readyz"}
-    source = (ROOT / "consumers/health.py").read_text()
+    source = (ROOT / "layered_cache/daemon/health.py").read_text()
     for path in probe_paths:
         assert f'"{path}"' in source, f"the daemon serves no {path}"
     requests = container["resources"]["requests"]
@@ -235,7 +235,7 @@ def test_dockerfile_names_real_entry_points_and_files() -> None:
     entrypoint = [json.loads(a) for ins, a in instructions if ins == "ENTRYPOINT"]
     argv = [*(entrypoint[-1] if entrypoint else []), *argv]
     assert_entry_point(argv)
-    assert argv[:3] == ["python", "-m", "consumers"]
+    assert argv[:2] == ["layered-cache", "daemon"]
     config_path = assert_config_flag(argv)
     # The default config is baked in where CMD looks, from a file that validates.
     copies = [a.split() for ins, a in instructions if ins == "COPY" and not a.startswith("--from")]
@@ -301,11 +301,22 @@ def test_systemd_unit_runs_the_daemon() -> None:
     unit.read(DEPLOY / "systemd/layered-cache-invalidator.service")
     service = unit["Service"]
     argv = shlex.split(service["ExecStart"])
-    assert argv[0].endswith("/python")
-    assert_entry_point(["python", *argv[1:]])
+    assert argv[0].endswith("/bin/layered-cache")
+    assert argv[1] == "daemon"
+    assert_entry_point(["layered-cache", *argv[1:]])
     assert assert_config_flag(argv) == CONFIG_PATH
     assert service["KillSignal"] == "SIGTERM"
     assert service["Restart"] == "on-failure"
     assert "2" in service["RestartPreventExitStatus"].split()  # config error: no restart loop
     assert service.get("User") or service.get("DynamicUser") == "yes"  # never root
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_kafka_codec_library_is_a_runtime_dependency_the_image_installs() -> None:
+    """snappy, lz4 and zstd batches need cramjam (aiokafka's codec library): it must come
+    with the package itself, so the wheel, the dev venv and the image all have it."""
+    dependencies = _pyproject()["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "cramjam" for d in dependencies)
+    runs = [a for ins, a in _dockerfile_instructions() if ins == "RUN"]
+    assert any("pip wheel" in r and '".[' in r for r in runs)  # the package and its deps
+    assert any("pip install" in r and "layered_cache" in r for r in runs)

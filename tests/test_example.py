@@ -183,7 +183,7 @@ def test_price_parsing_and_seed() -> None:
 
 @contextlib.asynccontextmanager
 async def daemon_running(config: Config) -> AsyncIterator[Any]:
-    from consumers.daemon import Daemon
+    from layered_cache.daemon import Daemon
 
     daemon = Daemon(config, health_port=0)
     task = asyncio.ensure_future(daemon.run())

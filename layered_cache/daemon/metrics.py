@@ -33,6 +33,19 @@ class DaemonMetrics:
         self.dead_letters = Counter(
             _PREFIX + "dead_letters_total", "Poison events written to the DLQ", registry=r
         )
+        self.dead_letters_rejected = Counter(
+            _PREFIX + "dead_letters_rejected_total",
+            "Poison events the DLQ refused for good (too large, invalid): set aside, logged",
+            registry=r,
+        )
+        self.tombstones = Counter(
+            _PREFIX + "tombstones_total", "Null-value records (tombstones) skipped", registry=r
+        )
+        self.connect_retries = Counter(
+            _PREFIX + "connect_retries_total",
+            "Failed attempts to reach the Kafka broker at start (retried)",
+            registry=r,
+        )
         self.redis_retries = Counter(
             _PREFIX + "redis_retries_total", "Failed invalidation attempts (retried)", registry=r
         )

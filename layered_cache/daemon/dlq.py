@@ -1,0 +1,173 @@
+"""The dead-letter topic: poison events with the reason and where they came from.
+
+Headers (all UTF-8 text), after the original message's own headers:
+
+    dlq.reason               why the event was rejected (at most REASON_BYTES)
+    dlq.original.topic       topic it was read from
+    dlq.original.partition   its partition
+    dlq.original.offset      its offset
+    dlq.original.timestamp   its timestamp (ms)
+    dlq.event.type           its ``type`` if it had one (at most REASON_BYTES)
+    dlq.original.size        only when the value was truncated: its size in bytes
+    dlq.original.key.size    only when the key was truncated: its size in bytes
+    dlq.original.headers.dropped   only when original headers were left out: how many
+
+Every record fits the producer's 1 MiB request limit by construction: the reason is
+capped, the original headers and key get a budget of their own, and a value over
+``kafka.max_event_bytes`` (or over what is left of RECORD_BYTES) is cut to its first
+64 KiB, with its original size in a header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidMessageError,
+    InvalidTimestampError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
+
+__all__ = [
+    "PREVIEW_BYTES",
+    "REASON_BYTES",
+    "RECORD_BYTES",
+    "REJECTED",
+    "Poison",
+    "cap_text",
+    "dead_letter_record",
+    "send_dead_letters",
+]
+
+PREVIEW_BYTES = 64 * 1024
+REASON_BYTES = 300
+# Key + value + headers of one DLQ record: under aiokafka's default max_request_size
+# (1,048,576) and Kafka's default message.max.bytes (1,048,588), with room for framing.
+RECORD_BYTES = 1_000_000
+HEADERS_BYTES = 64 * 1024  # the original message's headers kept on the DLQ copy
+KEY_BYTES = 16 * 1024
+_HEADER_OVERHEAD = 8  # per header on the wire (varint lengths), a generous estimate
+
+#: Producer failures that no retry can fix: the record itself is refused (too large,
+#: invalid), or the client rejects its arguments. The record is set aside, counted and
+#: logged; the partition moves on. Everything else (broker down, timeouts, leader
+#: changes, authorisation) may pass and is retried without committing.
+REJECTED: tuple[type[BaseException], ...] = (
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    RecordListTooLargeError,
+    CorruptRecordException,
+    InvalidMessageError,
+    InvalidTimestampError,
+    AssertionError,
+    ValueError,
+    TypeError,
+)
+
+
+class Poison(msgspec.Struct, frozen=True):
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    reason: str
+    event_type: str | None
+
+
+def cap_text(text: str, limit: int = REASON_BYTES) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes, the cut marked with the original size."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    marker = f"... [{len(data)} bytes]"
+    return data[: max(0, limit - len(marker))].decode("utf-8", "ignore") + marker
+
+
+def _header_size(name: str, value: bytes | None) -> int:
+    return len(name.encode("utf-8", "replace")) + len(value or b"") + _HEADER_OVERHEAD
+
+
+def dead_letter_record(
+    poison: Poison, max_event_bytes: int
+) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
+    """(key, value, headers) of the DLQ message for ``poison``; always fits RECORD_BYTES."""
+    meta = [
+        ("dlq.reason", cap_text(poison.reason).encode()),
+        ("dlq.original.topic", poison.topic.encode()),
+        ("dlq.original.partition", str(poison.partition).encode()),
+        ("dlq.original.offset", str(poison.offset).encode()),
+        ("dlq.original.timestamp", str(poison.timestamp).encode()),
+    ]
+    if poison.event_type is not None:
+        meta.append(("dlq.event.type", cap_text(poison.event_type).encode()))
+    headers: list[tuple[str, bytes]] = []
+    used = 0
+    dropped = 0
+    for name, header_value in poison.headers:
+        size = _header_size(name, header_value)
+        if used + size > HEADERS_BYTES:
+            dropped += 1
+            continue
+        headers.append((name, header_value))
+        used += size
+    if dropped:
+        meta.append(("dlq.original.headers.dropped", str(dropped).encode()))
+    key = poison.key
+    if key is not None and len(key) > KEY_BYTES:
+        meta.append(("dlq.original.key.size", str(len(key)).encode()))
+        key = key[:KEY_BYTES]
+    value = poison.value if poison.value is not None else b""
+    fixed = used + sum(_header_size(n, v) for n, v in meta) + len(key or b"")
+    room = RECORD_BYTES - fixed - 64  # 64: the dlq.original.size header added below
+    if len(value) > max_event_bytes or len(value) > room:
+        meta.append(("dlq.original.size", str(len(value)).encode()))
+        value = value[: min(PREVIEW_BYTES, room)]
+    return key, value, headers + meta
+
+
+async def send_dead_letters(
+    producer: Any,
+    topic: str,
+    pending: list[Poison],
+    max_event_bytes: int,
+    on_rejected: Callable[[Poison, BaseException], None],
+) -> None:
+    """Send every record of ``pending`` and wait for the acks.
+
+    Records that were written, or refused for good (``REJECTED``: ``on_rejected`` is
+    told), leave ``pending``. If any failed transiently, ``pending`` keeps exactly those
+    and the first such error is raised: the caller retries only them (a duplicate on the
+    DLQ is acceptable, losing a poison event is not)."""
+    loop = asyncio.get_running_loop()
+    futures: list[asyncio.Future[Any]] = []
+    for poison in pending:
+        try:
+            key, value, headers = dead_letter_record(poison, max_event_bytes)
+            futures.append(await producer.send(topic, value=value, key=key, headers=headers))
+        except Exception as exc:  # refused before it was queued (size, arguments)
+            failed: asyncio.Future[Any] = loop.create_future()
+            failed.set_exception(exc)
+            futures.append(failed)
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    transient: list[Poison] = []
+    first: BaseException | None = None
+    for poison, result in zip(list(pending), results, strict=True):
+        if not isinstance(result, BaseException):
+            continue
+        if isinstance(result, REJECTED):
+            on_rejected(poison, result)
+        else:
+            transient.append(poison)
+            first = first or result
+    pending[:] = transient
+    if first is not None:
+        raise first

@@ -1,0 +1,317 @@
+"""The daemon never crashes and never stalls on one message (issue 11), on the real broker.
+
+Each scenario puts one kind of hostile message between valid events on one partition and
+checks what an operator would: the valid events' keys are gone, the group's offset is
+committed to the end, the message is on the dead-letter topic with a reason that names
+the problem (or counted, for tombstones and records the DLQ refuses), and the daemon is
+still running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+import structlog
+from aiokafka.structs import TopicPartition
+from confluent_kafka import Producer as RdKafkaProducer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from layered_cache.daemon import Daemon
+from layered_cache.daemon.dlq import REASON_BYTES, RECORD_BYTES, Poison, dead_letter_record
+from tests.helpers import eventually
+from tests.servers import create_topic
+from tests.test_daemon import (
+    committed,
+    daemon_config,
+    existing,
+    price_changed,
+    producer,
+    read_all,
+    running,
+    seed,
+)
+
+pytestmark = pytest.mark.kafka
+
+Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+class Scenario:
+    """One topic + DLQ, a daemon on it, and the keys of the valid events around the
+    hostile message: ``book:1`` before it, ``book:2`` after it."""
+
+    def __init__(self, redis_url: str, prefix: str, bootstrap: str, topic: str, **kafka: Any):
+        self.config = daemon_config(redis_url, prefix, bootstrap, topic, **kafka)
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.prefix = prefix
+        self.tp = TopicPartition(topic, 0)
+
+    async def setup(self, redis_client: aioredis.Redis) -> None:
+        await create_topic(self.bootstrap, self.topic, 1)
+        await create_topic(self.bootstrap, self.config.kafka.dead_letter_topic, 1)
+        await seed(redis_client, [f"{self.prefix}book:{i}" for i in (1, 2)], replicas=8)
+
+    async def produce(self, hostile: Sequence[Message]) -> int:
+        """book:1, the hostile messages, book:2; returns how many were produced."""
+        async with producer(self.bootstrap) as p:
+            await p.send_and_wait(self.topic, price_changed(1), partition=0)
+            for key, value, headers in hostile:
+                await p.send_and_wait(
+                    self.topic, value, key=key, headers=headers or None, partition=0
+                )
+            await p.send_and_wait(self.topic, price_changed(2), partition=0)
+        return len(hostile) + 2
+
+    async def settled(self, daemon: Daemon, redis_client: aioredis.Redis, total: int) -> None:
+        """The partition moved past everything: keys gone, offset committed to the end."""
+
+        async def done() -> bool:
+            offsets = await committed(self.bootstrap, self.config.kafka.group_id, [self.tp])
+            return offsets[0] >= total
+
+        assert await eventually(done, timeout=20), daemon.stats
+        keys = [f"{self.prefix}book:{i}" for i in (1, 2)]
+        assert await existing(redis_client, keys) == []
+
+    async def dead(self, count: int) -> list[Any]:
+        return await read_all(self.bootstrap, self.config.kafka.dead_letter_topic, count)
+
+
+async def dead_letter_one(
+    scenario: Scenario, redis_client: aioredis.Redis, message: Message, **daemon_kwargs: Any
+) -> tuple[Daemon, Any]:
+    """Run the scenario with one hostile message; return the daemon and its DLQ record."""
+    await scenario.setup(redis_client)
+    daemon = Daemon(scenario.config, **daemon_kwargs)
+    async with running(daemon):
+        total = await scenario.produce([message])
+        await scenario.settled(daemon, redis_client, total)
+        assert await eventually(lambda: daemon.stats.dead_letters >= 1, timeout=10)
+    (record,) = await scenario.dead(1)
+    return daemon, record
+
+
+def reason(record: Any) -> str:
+    return str(dict(record.headers)["dlq.reason"].decode())
+
+
+@pytest.fixture
+def scenario(redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str) -> Scenario:
+    return Scenario(redis_url, prefix, kafka_bootstrap, unique_topic)
+
+
+# -- total decoding -----------------------------------------------------------------------
+
+
+async def test_message_with_2000_nested_brackets_is_dead_lettered_and_partition_moves_on(
+    scenario: Scenario, redis_client: aioredis.Redis
+) -> None:
+    daemon, record = await dead_letter_one(scenario, redis_client, (None, b"[" * 2000, []))
+    assert "RecursionError" in reason(record)
+    assert record.value == b"[" * 2000
+    assert daemon.stats.events == 2
+
+
+async def test_integer_of_5000_digits_is_dead_lettered_as_out_of_range_not_as_not_json(
+    scenario: Scenario, redis_client: aioredis.Redis
+) -> None:
+    value = b'{"type": "BookPriceChanged", "book_id": ' + b"9" * 5000 + b"}"
+    _, record = await dead_letter_one(scenario, redis_client, (b"k", value, []))
+    text = reason(record)
+    assert "not JSON" not in text
+    assert "out of range" in text and "ValidationError" in text
+    assert len(text.encode()) <= REASON_BYTES
+
+
+# -- records that always fit ---------------------------------------------------------------
+
+
+async def test_cache_invalidate_with_600_kb_namespace_is_dead_lettered_with_a_short_reason(
+    scenario: Scenario, redis_client: aioredis.Redis
+) -> None:
+    namespace = "n" * 600_000
+    value = msgspec.json.encode({"type": "CacheInvalidate", "namespace": namespace, "keys": []})
+    _, record = await dead_letter_one(scenario, redis_client, (b"k", value, []))
+    headers = dict(record.headers)
+    assert len(headers["dlq.reason"]) <= REASON_BYTES
+    assert "unknown namespace" in reason(record)
+    assert record.value == value  # under max_event_bytes: kept whole
+    assert "dlq.original.size" not in headers
+
+
+async def test_poison_too_big_for_the_dlq_goes_there_truncated_with_its_origin(
+    scenario: Scenario, redis_client: aioredis.Redis
+) -> None:
+    # Under max_event_bytes on its own, but key + headers + value exceed what one DLQ
+    # record may carry (the old daemon retried MessageSizeTooLargeError forever).
+    key = b"K" * 300_000
+    headers = [("big", b"v" * 200_000)] + [(f"h{i}", b"v" * 20_000) for i in range(3)]
+    value = b'{"type": "Nope", "pad": "' + b"x" * 960_000 + b'"}'
+    _, record = await dead_letter_one(scenario, redis_client, (key, value, headers))
+    got = dict(record.headers)
+    size = len(record.key) + len(record.value) + sum(len(k) + len(v) for k, v in record.headers)
+    assert size <= RECORD_BYTES
+    assert int(got["dlq.original.size"]) == len(value)
+    assert int(got["dlq.original.key.size"]) == len(key)
+    assert int(got["dlq.original.headers.dropped"]) == 1  # the 200 KB one
+    assert [k for k, _ in record.headers[:3]] == ["h0", "h1", "h2"]  # the others are kept
+    assert got["dlq.original.topic"].decode() == scenario.topic
+    assert got["dlq.original.partition"] == b"0"
+    assert got["dlq.original.offset"] == b"1"
+    assert value.startswith(record.value) and record.value
+
+
+# -- tombstones ----------------------------------------------------------------------------
+
+
+async def test_tombstones_are_counted_and_skipped_not_dead_lettered(
+    scenario: Scenario, redis_client: aioredis.Redis
+) -> None:
+    await scenario.setup(redis_client)
+    daemon = Daemon(scenario.config, health_port=0)
+    async with running(daemon):
+        total = await scenario.produce([(b"book-7", None, []), (b"book-8", None, [("h", b"1")])])
+        await scenario.settled(daemon, redis_client, total)
+        assert daemon.health is not None and daemon.health.bound_port
+        text = daemon.metrics.render().decode()
+    assert daemon.stats.tombstones == 2
+    assert daemon.stats.dead_letters == 0 and daemon.stats.events == 2
+    assert "layered_cache_daemon_tombstones_total 2.0" in text
+    assert await scenario.dead(0) == []
+
+
+async def test_message_with_neither_key_nor_value_is_skipped_and_partition_moves_on(
+    scenario: Scenario, redis_client: aioredis.Redis
+) -> None:
+    """aiokafka can't produce it (it asserts); librdkafka can, and so can other clients.
+    The old daemon dead-lettered it and crashed on aiokafka's assert."""
+    await scenario.setup(redis_client)
+    daemon = Daemon(scenario.config)
+    async with running(daemon):
+        rd = RdKafkaProducer({"bootstrap.servers": scenario.bootstrap})
+        rd.produce(scenario.topic, value=price_changed(1), partition=0)
+        rd.produce(scenario.topic, partition=0)  # neither key nor value
+        rd.produce(scenario.topic, value=price_changed(2), partition=0)
+        assert rd.flush(10) == 0
+        await scenario.settled(daemon, redis_client, 3)
+    assert daemon.stats.tombstones == 1 and daemon.stats.events == 2
+
+
+# -- retries only for transient failures ----------------------------------------------------
+
+
+async def test_dead_letter_refused_for_good_is_set_aside_counted_and_partition_moves_on(
+    scenario: Scenario, redis_client: aioredis.Redis
+) -> None:
+    # A producer limit below the record's size: aiokafka raises MessageSizeTooLargeError,
+    # which no retry fixes (the old daemon retried it forever, committing nothing).
+    await scenario.setup(redis_client)
+    daemon = Daemon(scenario.config, producer_options={"max_request_size": 50_000})
+    value = b'{"type": "Nope", "pad": "' + b"x" * 100_000 + b'"}'
+    with structlog.testing.capture_logs() as logs:
+        async with running(daemon):
+            total = await scenario.produce([(None, value, []), (None, b"not json", [])])
+            await scenario.settled(daemon, redis_client, total)
+            assert await eventually(lambda: daemon.stats.dead_letters >= 1, timeout=10)
+            text = daemon.metrics.render().decode()
+    assert daemon.stats.dead_letters_rejected == 1
+    assert daemon.stats.dead_letters == 1  # the small one still made it
+    assert "layered_cache_daemon_dead_letters_rejected_total 1.0" in text
+    (skipped,) = [e for e in logs if e["event"] == "dead_letter_rejected_skipped"]
+    assert "MessageSizeTooLargeError" in skipped["error"] and skipped["offset"] == 1
+    (record,) = await scenario.dead(1)
+    assert record.value == b"not json"
+
+
+# -- compression codecs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["none", "gzip", "snappy", "lz4", "zstd"])
+async def test_events_compressed_by_librdkafka_with_each_codec_are_applied(
+    codec: str,
+    redis_url: str,
+    prefix: str,
+    kafka_bootstrap: str,
+    unique_topic: str,
+    redis_client: aioredis.Redis,
+) -> None:
+    """snappy, lz4 and zstd need cramjam (a runtime dependency): without it the old
+    daemon died with UnsupportedCodecError on the first such batch."""
+    scenario = Scenario(redis_url, prefix, kafka_bootstrap, unique_topic)
+    await scenario.setup(redis_client)
+    keys = [f"{prefix}book:{i}" for i in range(100, 150)]
+    await seed(redis_client, keys)
+    daemon = Daemon(scenario.config)
+    async with running(daemon):
+        rd = RdKafkaProducer(
+            {"bootstrap.servers": kafka_bootstrap, "compression.type": codec, "linger.ms": 20}
+        )
+        for i in range(100, 150):
+            rd.produce(
+                unique_topic,
+                value=price_changed(i),
+                key=f"book-{i}".encode(),
+                headers=[("trace-id", f"t{i}".encode()), ("source", b"catalog")],
+                partition=0,
+            )
+        rd.produce(unique_topic, value=b"{not json", key=b"bad", headers=[("h", b"1")], partition=0)
+        assert rd.flush(10) == 0
+
+        async def done() -> bool:
+            offsets = await committed(kafka_bootstrap, scenario.config.kafka.group_id, [scenario.tp])
+            return offsets[0] >= 51
+
+        assert await eventually(done, timeout=20), daemon.stats
+    assert await existing(redis_client, keys) == []
+    assert daemon.stats.events == 50 and daemon.stats.dead_letters == 1
+    (record,) = await scenario.dead(1)
+    assert record.key == b"bad" and dict(record.headers)["h"] == b"1"
+
+
+# -- the DLQ record builder, over every size ------------------------------------------------
+
+
+@given(
+    key=st.none() | st.integers(0, 200_000).map(lambda n: b"k" * n),
+    value=st.none() | st.integers(0, 3_000_000).map(lambda n: b"v" * n),
+    headers=st.lists(
+        st.tuples(st.text(max_size=300), st.none() | st.integers(0, 300_000).map(lambda n: b"h" * n)),
+        max_size=6,
+    ),
+    reason=st.text(max_size=700_000),
+    event_type=st.none() | st.text(max_size=700_000),
+)
+@settings(max_examples=150, deadline=None)
+def test_every_dead_letter_record_fits_and_has_a_value(
+    key: bytes | None,
+    value: bytes | None,
+    headers: list[tuple[str, bytes | None]],
+    reason: str,
+    event_type: str | None,
+) -> None:
+    """Whatever a poison message carries, its DLQ copy is under the record budget and has
+    a value (aiokafka asserts ``not (value is None and key is None)``)."""
+    poison = Poison("t" * 249, 7, 2**40, 2**41, key, value, tuple(headers), reason, event_type)  # type: ignore[arg-type]
+    out_key, out_value, out_headers = dead_letter_record(poison, 1_000_000)
+    assert out_value is not None
+    size = len(out_key or b"") + len(out_value)
+    size += sum(len(name.encode()) + len(v or b"") + 8 for name, v in out_headers)
+    assert size <= RECORD_BYTES
+    got = dict(out_headers)
+    assert len(got["dlq.reason"]) <= REASON_BYTES
+    assert got["dlq.original.offset"] == str(2**40).encode()
+    if value is not None and len(out_value) < len(value):
+        assert int(got["dlq.original.size"]) == len(value)
