@@ -19,9 +19,9 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.__main__ import main as consumers_main
 from layered_cache import ConfigError, LayeredCache, cli, load_config, parse_config
 from layered_cache.config import LoggingConfig
+from layered_cache.daemon.main import main as daemon_main
 from layered_cache.logs import configure_logging, reset_logging
 from layered_cache.redact import (
     forget_secrets,
@@ -292,7 +292,7 @@ def test_a_password_in_any_url_shape_or_key_never_reaches_any_output(
         try:
             config = load_config(path, env={})
         except ConfigError as exc:
-            output += str(exc) + _run(lambda: consumers_main(["--config", str(path)]))
+            output += str(exc) + _run(lambda: daemon_main(["--config", str(path)]))
         else:
             output += _logged(config.redis.url, password)
     for piece in _pieces(password) + _pieces(secret):
@@ -329,7 +329,7 @@ def test_the_four_leaks_of_issue_13_are_closed(tmp_path: Path, url: str) -> None
     path.write_text(f'[redis]\nurl = "{url}"\n[namespaces.book]\nkey = "book:{{id}}"\n')
     output = _run(lambda: cli.main(["config", "check", str(path)]))
     output += _run(lambda: cli.main(["config", "check", str(path), "--json"]))
-    output += _run(lambda: consumers_main(["--config", str(path)])) if "edis:" not in url else ""
+    output += _run(lambda: daemon_main(["--config", str(path)])) if "edis:" not in url else ""
     assert "hunter2" not in output
     assert "***" in output
 
