@@ -207,6 +207,9 @@ class L2Store:
         except REDIS_FAILURES as exc:
             breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            breaker.abandon()  # cancelled: a probe must not stay in flight forever
+            raise
         breaker.success()
         return result
 
@@ -265,6 +268,11 @@ class L2Store:
         except REDIS_FAILURES as exc:
             breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            # Cancelled (client timeout/disconnect). Free: try/except costs nothing
+            # until something is raised (zero-cost exceptions, CPython 3.11+).
+            breaker.abandon()
+            raise
         breaker.success()
         return result  # type: ignore[return-value]  # bytes: decode_responses is off
 

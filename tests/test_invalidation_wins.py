@@ -1,0 +1,44 @@
+"""Invalidation wins everywhere (issue 12): each scenario forces one interleaving that
+once let a superseded copy outlive an invalidation (or switched Redis off), against a
+real Redis. Interleavings are forced from the test side: loaders that wait on an
+``asyncio.Event`` and wrappers around the store's methods, never production hooks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from tests.helpers import CountingLoader, make_config
+from tests.servers import RedisServer
+
+
+async def test_cancelled_half_open_probe_does_not_stick_the_breaker(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    config = make_config(redis_server.url, prefix, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        redis_server.pause()  # hung: every command times out (200 ms)
+        try:
+            for _ in range(2):
+                await cache.get("book", {"id": 1})
+            assert cache.breaker.state == "open"
+            await asyncio.sleep(0.35)  # past reset: the next request is the probe
+            assert cache.breaker.state == "half_open"
+            # The probe's caller goes away (client timeout) while Redis hangs.
+            probe = asyncio.ensure_future(cache.get("book", {"id": 1}))
+            await asyncio.sleep(0.05)
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+        finally:
+            redis_server.resume()
+        await cache.set("book", {"id": 2}, "v2")  # raised L2Unavailable forever before
+        await cache.invalidate("book", {"id": 2})
+        loader = CountingLoader("db")
+        for _ in range(5):
+            cache.policy("book").l1.clear()  # type: ignore[union-attr]
+            assert await cache.get_or_load("book", {"id": 3}, loader) == "db"
+        assert loader.calls == 1  # later reads were L2 hits, not loads
+        assert cache.breaker.state == "closed"
+
