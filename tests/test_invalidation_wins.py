@@ -42,3 +42,22 @@ async def test_cancelled_half_open_probe_does_not_stick_the_breaker(
         assert loader.calls == 1  # later reads were L2 hits, not loads
         assert cache.breaker.state == "closed"
 
+
+async def test_wrong_type_key_is_a_miss_that_the_next_fill_repairs(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    admin = redis.Redis.from_url(redis_url)
+    await admin.rpush(f"{prefix}book:666", "not", "a", "string")
+    loader = CountingLoader("db")
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "healthy")
+        for _ in range(5):  # failures=2 opened the instance-wide breaker before
+            assert await cache.get_or_load("book", {"id": 666}, loader) == "db"
+            assert await cache.get("book", {"id": 1}) == "healthy"
+        stats = cache.stats()
+    assert stats["_redis"]["breaker"] == "closed"
+    assert await admin.type(f"{prefix}book:666") == b"string"  # the fill overwrote it
+    assert loader.calls == 1  # the repaired key served the later reads from L2
+    assert stats["book"]["l2_hit"] == 5 + 4
+    await admin.aclose()
