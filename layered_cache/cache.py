@@ -246,20 +246,39 @@ class LayeredCache:
         data = self._encode(policy, key, value, soft_expiry, 0.0)
         if data is None:
             return
-        names = [key]
-        # Revoke any fill in flight (it may carry a value older than ours) by deleting
-        # the lease first; and if another instance holds this key hot, its replicas
-        # carry the old value: delete them when we don't rewrite them.
-        outdated = [lease_name(key)]
-        if self._is_hot(policy, key):
-            names += replica_names(key, policy.replicas)
-        elif policy.hot is not None and policy.replicas:
-            outdated += replica_names(key, policy.replicas)
+        names, outdated = self._set_names(policy, key)
         ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
+        if self.l2.cluster and len(outdated) > 1:
+            # A cluster pipeline is not ordered across nodes: the base lease must be gone
+            # before any replica lease is (see _set_names), so it goes first, alone.
+            await self.l2.delete([outdated[0]])
         await self.l2.set_many(names, data, ttl_ms, delete_first=outdated)
         with contextlib.suppress(*REDIS_FAILURES):
             await self._invalidator.announce([key])
         self._fill_l1(policy, key, value, soft_expiry, None)
+
+    def _set_names(self, policy: Policy, key: str) -> tuple[list[str], list[str]]:
+        """(names ``set()`` writes, names it deletes first, in this order).
+
+        Revoke any fill in flight (it may carry a value older than ours): the base lease
+        first, then every replica's own lease. A hot fill reserves the replica leases
+        before its base-lease check and writes each replica only while its reservation
+        holds (see ``_fill``), so a fill that passed its check before our base-lease
+        delete still loses every replica write that comes after our replica-lease
+        delete - and one that came before is overwritten (or deleted) below. Replicas
+        we don't rewrite (the key is not hot here, maybe elsewhere) are deleted.
+        """
+        names = [key]
+        outdated = [lease_name(key)]
+        if policy.hot is None or not policy.replicas:
+            return names, outdated
+        shards = replica_names(key, policy.replicas)
+        outdated += [lease_name(shard) for shard in shards]
+        if self._is_hot(policy, key):
+            names += shards
+        else:
+            outdated += shards
+        return names, outdated
 
     async def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
         """Delete the L2 key, every replica and the lease; then drop L1 everywhere.

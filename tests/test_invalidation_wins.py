@@ -6,6 +6,7 @@ real Redis. Interleavings are forced from the test side: loaders that wait on an
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as redis
 
@@ -60,4 +61,57 @@ async def test_wrong_type_key_is_a_miss_that_the_next_fill_repairs(
     assert await admin.type(f"{prefix}book:666") == b"string"  # the fill overwrote it
     assert loader.calls == 1  # the repaired key served the later reads from L2
     assert stats["book"]["l2_hit"] == 5 + 4
+    await admin.aclose()
+
+
+class Gate:
+    """Wraps an async method: callers block after (or before) the real call until
+    ``release()``; ``entered`` tells the test a caller got there."""
+
+    def __init__(self, method: Any, *, after: bool = False) -> None:
+        self.method = method
+        self.after = after
+        self.entered = asyncio.Event()
+        self.opened = asyncio.Event()
+
+    def release(self) -> None:
+        self.opened.set()
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.after:
+            self.entered.set()
+            await self.opened.wait()
+            return await self.method(*args, **kwargs)
+        result = await self.method(*args, **kwargs)
+        self.entered.set()
+        await self.opened.wait()
+        return result
+
+
+HOT = {"book": {"key": "book:{id}", "hot": {"replicas": 4, "keys": ["book:1"]}}}
+
+
+async def test_set_revokes_a_hot_fill_in_flight_from_every_replica(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, HOT)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(config) as filler,
+        LayeredCache.from_config(config) as writer,
+    ):
+        gate = Gate(filler.l2.fill_replicas)
+        filler.l2.fill_replicas = gate  # type: ignore[method-assign]
+        # The fill passed its base-lease check and wrote the base key; its replica
+        # writes are still to come when set() runs.
+        load = asyncio.ensure_future(filler.get_or_load("book", {"id": 1}, CountingLoader("old")))
+        await asyncio.wait_for(gate.entered.wait(), 5)
+        await writer.set("book", {"id": 1}, "new")
+        gate.release()
+        assert await load == "old"  # its caller may have it: it read before the set
+        codec = writer.policy("book").codec
+        for index in range(4):
+            data = await admin.get(f"{prefix}book:1#{index}")
+            assert data is None or codec.decode(data).value == "new", index
+        assert codec.decode(await admin.get(f"{prefix}book:1")).value == "new"
     await admin.aclose()
