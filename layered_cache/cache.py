@@ -237,10 +237,15 @@ class LayeredCache:
             return
         policy.stats.set += 1
         self._flight.forget(key)
+        read_seq: int | None = None
         if policy.l1 is not None:
             policy.l1.discard([key])
+            # Like every other L1 fill: a remote set()/invalidate() of this key that
+            # reaches us (backplane) while our write is in flight tombstones the key,
+            # and then our value is superseded and must not sit in L1 for its TTL.
+            read_seq = policy.l1.begin_read()
         if not policy.l2:
-            self._fill_l1(policy, key, value, None, None)
+            self._fill_l1(policy, key, value, None, read_seq)
             return
         soft_expiry = self._clock() + policy.l2_ttl_draw()
         data = self._encode(policy, key, value, soft_expiry, 0.0)
@@ -255,7 +260,7 @@ class LayeredCache:
         await self.l2.set_many(names, data, ttl_ms, delete_first=outdated)
         with contextlib.suppress(*REDIS_FAILURES):
             await self._invalidator.announce([key])
-        self._fill_l1(policy, key, value, soft_expiry, None)
+        self._fill_l1(policy, key, value, soft_expiry, read_seq)
 
     def _set_names(self, policy: Policy, key: str) -> tuple[list[str], list[str]]:
         """(names ``set()`` writes, names it deletes first, in this order).

@@ -115,3 +115,32 @@ async def test_set_revokes_a_hot_fill_in_flight_from_every_replica(
             assert data is None or codec.decode(data).value == "new", index
         assert codec.decode(await admin.get(f"{prefix}book:1")).value == "new"
     await admin.aclose()
+
+
+async def _backplane_delivered(cache: LayeredCache, seen: int) -> None:
+    assert cache.backplane is not None
+    while cache.backplane.entries_seen <= seen:
+        await asyncio.sleep(0.005)
+
+
+async def test_set_does_not_fill_l1_after_a_remote_invalidation_overtook_it(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        gate = Gate(local.l2.set_many, after=True)
+        local.l2.set_many = gate  # type: ignore[method-assign]
+        writing = asyncio.ensure_future(local.set("book", {"id": 1}, "ours"))
+        await asyncio.wait_for(gate.entered.wait(), 5)  # L2 written, L1 not yet
+        seen = local.backplane.entries_seen
+        await remote.invalidate("book", {"id": 1})
+        await asyncio.wait_for(_backplane_delivered(local, seen), 5)
+        gate.release()
+        await writing
+        # The invalidation came after our write: no copy of "ours" may be served.
+        assert await local.get("book", {"id": 1}) is None
