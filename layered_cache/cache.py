@@ -521,7 +521,7 @@ class LayeredCache:
                     # finish in the background (still under the lease) and fill then.
                     policy.stats.stale_served += 1
                     _log.warning("load_timeout_serving_stale", namespace=policy.name, key=key)
-                    self._spawn(self._finish_fill(policy, key, token, task, started))
+                    self._spawn(self._finish_fill(policy, key, token, task, started, read_seq))
                     return stale.value
             value = await asyncio.shield(task)
         except Exception as exc:
@@ -531,14 +531,22 @@ class LayeredCache:
         return value
 
     async def _finish_fill(
-        self, policy: Policy, key: str, token: str, task: asyncio.Task[Any], started: float
+        self,
+        policy: Policy,
+        key: str,
+        token: str,
+        task: asyncio.Task[Any],
+        started: float,
+        read_seq: int | None,
     ) -> None:
         try:
             value = await task
         except Exception:
             await self._release_quietly(key, token)
             return
-        await self._fill(policy, key, token, value, time.monotonic() - started, None)
+        # The request's read_seq, not None: an invalidation delivered while this slow
+        # load ran (or between its L2 write and here) must keep it out of L1.
+        await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
 
     async def _call_loader(self, policy: Policy, loader: Loader) -> Any:
         policy.stats.load += 1

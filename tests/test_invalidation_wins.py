@@ -144,3 +144,62 @@ async def test_set_does_not_fill_l1_after_a_remote_invalidation_overtook_it(
         await writing
         # The invalidation came after our write: no copy of "ours" may be served.
         assert await local.get("book", {"id": 1}) is None
+
+
+class GatedLoader:
+    """A loader that blocks until ``release()``, then returns ``value`` (or raises)."""
+
+    def __init__(self, value: Any = "fresh", error: Exception | None = None) -> None:
+        self.value = value
+        self.error = error
+        self.started = asyncio.Event()
+        self.opened = asyncio.Event()
+        self.calls = 0
+
+    def release(self) -> None:
+        self.opened.set()
+
+    async def __call__(self) -> Any:
+        self.calls += 1
+        self.started.set()
+        await self.opened.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+STALE = {
+    "book": {
+        "key": "book:{id}",
+        "l2": {"ttl": "200ms", "jitter": 0},
+        "stale": {"max_age": "1m"},
+        "stampede": {"load_timeout": "50ms"},
+    }
+}
+
+
+async def test_load_timeout_background_fill_does_not_fill_l1_after_an_invalidation(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, STALE)
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        await remote.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)  # past the soft expiry: stale, within stale.max_age
+        gate = Gate(local.l2.fill, after=True)
+        local.l2.fill = gate  # type: ignore[method-assign]
+        loader = GatedLoader("fresh")
+        # Slow loader: the caller gets the stale value, the load goes on in background.
+        assert await local.get_or_load("book", {"id": 1}, loader) == "stale"
+        loader.release()
+        await asyncio.wait_for(gate.entered.wait(), 5)  # L2 filled, L1 not yet
+        seen = local.backplane.entries_seen
+        await remote.invalidate("book", {"id": 1})
+        await asyncio.wait_for(_backplane_delivered(local, seen), 5)
+        gate.release()
+        await asyncio.sleep(0.05)
+        assert await local.get("book", {"id": 1}) is None
