@@ -750,11 +750,19 @@ class LayeredCache:
     # -- backplane callbacks -----------------------------------------------------------
 
     def _drop_l1(self, keys: list[str]) -> None:
+        """An invalidation (local, or from the backplane: the daemon or another
+        instance): drop L1 and detach in-flight loads of the keys. A load that began
+        before the invalidation may return the old value; callers arriving after it
+        start a fresh load instead of joining that one. The old load's own fills are
+        refused anyway (its lease is gone, its L1 read_seq is older than the tombstone)."""
+        for key in keys:
+            self._flight.forget(key)
         for policy in self._policies.values():
             if policy.l1 is not None:
                 policy.l1.discard(keys)
 
     def _clear_l1(self) -> None:
+        self._flight.forget_all()
         for policy in self._policies.values():
             if policy.l1 is not None:
                 policy.l1.clear()

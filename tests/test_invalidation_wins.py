@@ -203,3 +203,28 @@ async def test_load_timeout_background_fill_does_not_fill_l1_after_an_invalidati
         gate.release()
         await asyncio.sleep(0.05)
         assert await local.get("book", {"id": 1}) is None
+
+
+async def test_callers_after_a_remote_invalidation_do_not_join_the_older_load(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        old_load = GatedLoader("old")
+        first = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, old_load))
+        await asyncio.wait_for(old_load.started.wait(), 5)
+        seen = local.backplane.entries_seen
+        await remote.invalidate("book", {"id": 1})  # e.g. the daemon: via the backplane
+        await asyncio.wait_for(_backplane_delivered(local, seen), 5)
+        later = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, CountingLoader("new")))
+        await asyncio.sleep(0.05)
+        old_load.release()
+        assert await first == "old"  # began before the invalidation: allowed
+        assert await later == "new"
+        assert await local.get("book", {"id": 1}) == "new"
+        assert await remote.get("book", {"id": 1}) == "new"
