@@ -485,7 +485,7 @@ class LayeredCache:
                 if result.token is None:
                     # max_wait passed: load ourselves, but never write L2 without a lease.
                     policy.stats.lease_timeout_load += 1
-                    return await self._load_unleased(policy, key, loader, stale)
+                    return await self._load_unleased(policy, key, loader, stale, read_seq)
                 token = result.token
             # Double-check under the lease: the previous winner's fill script releases
             # the lease as it writes, so a fill can land between our miss and our SET NX.
@@ -498,7 +498,7 @@ class LayeredCache:
                 return filled.value
         except L2Unavailable:
             policy.stats.redis_error += 1
-            return await self._load_unleased(policy, key, loader, stale)
+            return await self._load_unleased(policy, key, loader, stale, read_seq)
         policy.stats.lease_won += 1
         return await self._load_and_fill(policy, key, token, loader, stale, read_seq)
 
@@ -516,7 +516,7 @@ class LayeredCache:
         try:
             if stale is not None and policy.load_timeout is not None:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
-                if not done:
+                if not done and await self._stale_usable(policy, key, stale, read_seq):
                     # Slow loader and a stale value at hand: serve stale now, let the load
                     # finish in the background (still under the lease) and fill then.
                     policy.stats.stale_served += 1
@@ -526,7 +526,7 @@ class LayeredCache:
             value = await asyncio.shield(task)
         except Exception as exc:
             await self._release_quietly(key, token)
-            return self._stale_or_raise(policy, key, stale, exc)
+            return await self._stale_or_raise(policy, key, stale, exc, read_seq)
         await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
         return value
 
@@ -567,18 +567,29 @@ class LayeredCache:
                 observe(policy.name, time.perf_counter() - started, ok)
 
     async def _load_unleased(
-        self, policy: Policy, key: str, loader: Loader, stale: Envelope[Any] | None
+        self,
+        policy: Policy,
+        key: str,
+        loader: Loader,
+        stale: Envelope[Any] | None,
+        read_seq: int | None = None,
     ) -> Any:
         """Load without writing L2 (no lease, or Redis unavailable)."""
         try:
             return await self._call_loader(policy, loader)
         except Exception as exc:
-            return self._stale_or_raise(policy, key, stale, exc)
+            return await self._stale_or_raise(policy, key, stale, exc, read_seq)
 
-    def _stale_or_raise(
-        self, policy: Policy, key: str, stale: Envelope[Any] | None, exc: Exception
+    async def _stale_or_raise(
+        self,
+        policy: Policy,
+        key: str,
+        stale: Envelope[Any] | None,
+        exc: Exception,
+        read_seq: int | None,
     ) -> Any:
-        if stale is not None and self._within_stale(policy, stale, self._clock()):
+        if await self._stale_usable(policy, key, stale, read_seq):
+            assert stale is not None
             policy.stats.stale_served += 1
             _log.warning(
                 "loader_failed_serving_stale",
@@ -588,6 +599,30 @@ class LayeredCache:
             )
             return stale.value
         raise exc
+
+    async def _stale_usable(
+        self, policy: Policy, key: str, stale: Envelope[Any] | None, read_seq: int | None
+    ) -> bool:
+        """Whether the fail-safe may serve ``stale``: within ``stale.max_age`` and not
+        invalidated or overwritten since we read it. The load may have run for seconds,
+        so "still the value in L2" is re-read (one GET, only on this fallback path): an
+        invalidation deletes the key, a set() replaces it. The local tombstone catches an
+        invalidation already delivered by the backplane without a round trip. If Redis
+        can't confirm, don't serve: an invalidated value is never a fallback."""
+        if stale is None or not self._within_stale(policy, stale, self._clock()):
+            return False
+        l1 = policy.l1
+        if l1 is not None and read_seq is not None and l1.invalidated_since(key, read_seq):
+            return False
+        try:
+            current = self._recheck(policy, await self.l2.get(key))
+        except L2Unavailable:
+            return False
+        return (
+            current is not None
+            and current.written_at == stale.written_at
+            and current.soft_expiry == stale.soft_expiry
+        )
 
     def _within_stale(self, policy: Policy, envelope: Envelope[Any] | None, now: float) -> bool:
         return envelope is not None and now - envelope.soft_expiry <= policy.stale_max_age

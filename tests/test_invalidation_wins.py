@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
@@ -228,3 +229,72 @@ async def test_callers_after_a_remote_invalidation_do_not_join_the_older_load(
         assert await later == "new"
         assert await local.get("book", {"id": 1}) == "new"
         assert await remote.get("book", {"id": 1}) == "new"
+
+
+def _stale_config(redis_url: str, prefix: str, load_timeout: str | None = None) -> Any:
+    book: dict[str, Any] = {**STALE["book"], "stampede": {}}
+    if load_timeout is not None:
+        book["stampede"] = {"load_timeout": load_timeout}
+    return make_config(redis_url, prefix, {"book": book})
+
+
+async def test_loader_failure_after_an_invalidation_does_not_serve_the_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    async with (
+        LayeredCache.from_config(_stale_config(redis_url, prefix)) as local,
+        LayeredCache.from_config(_stale_config(redis_url, prefix)) as remote,
+    ):
+        await remote.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)  # past the soft expiry, within stale.max_age
+        loader = GatedLoader(error=RuntimeError("database down"))
+        reading = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, loader))
+        await asyncio.wait_for(loader.started.wait(), 5)  # it has read the stale value
+        await remote.invalidate("book", {"id": 1})
+        loader.release()
+        with pytest.raises(RuntimeError, match="database down"):
+            await reading  # served the invalidated "stale" before
+
+
+async def test_lease_waiter_does_not_fall_back_to_an_invalidated_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    config = _stale_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as waiter,
+        LayeredCache.from_config(config) as winner,
+    ):
+        await winner.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)
+        slow = GatedLoader("fresh")
+        winning = asyncio.ensure_future(winner.get_or_load("book", {"id": 1}, slow))
+        await asyncio.wait_for(slow.started.wait(), 5)  # holds the lease
+        failing = GatedLoader(error=RuntimeError("database down"))
+        waiting = asyncio.ensure_future(waiter.get_or_load("book", {"id": 1}, failing))
+        await asyncio.sleep(0.1)  # read the stale value, lost the lease, waits
+        await winner.invalidate("book", {"id": 1})
+        failing.release()
+        with pytest.raises(RuntimeError, match="database down"):
+            await waiting
+        slow.release()
+        assert await winning == "fresh"
+
+
+async def test_load_timeout_does_not_serve_an_invalidated_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    config = _stale_config(redis_url, prefix, load_timeout="300ms")
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        await remote.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)
+        loader = GatedLoader("fresh")
+        reading = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, loader))
+        await asyncio.wait_for(loader.started.wait(), 5)
+        await remote.invalidate("book", {"id": 1})  # before load_timeout fires
+        await asyncio.sleep(0.4)  # load_timeout passed: "stale" was served here before
+        assert not reading.done()
+        loader.release()
+        assert await reading == "fresh"
