@@ -6,13 +6,16 @@ real Redis. Interleavings are forced from the test side: loaders that wait on an
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
-from tests.helpers import CountingLoader, make_config
+from layered_cache.l1 import MISSING
+from tests.faults.proxy import ToxicProxy
+from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
 
 
@@ -298,3 +301,43 @@ async def test_load_timeout_does_not_serve_an_invalidated_stale_value(
         assert not reading.done()
         loader.release()
         assert await reading == "fresh"
+
+
+@pytest.fixture
+async def proxy(redis_url: str) -> AsyncIterator[ToxicProxy]:
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    toxic = await ToxicProxy("127.0.0.1", port).start()
+    yield toxic
+    await toxic.stop()
+
+
+@pytest.mark.parametrize("emptied_by", ["DEL", "XTRIM MAXLEN 0"])
+async def test_stream_emptied_while_disconnected_clears_l1_on_reconnect(
+    redis_url: str, prefix: str, proxy: ToxicProxy, emptied_by: str
+) -> None:
+    backplane = {"block": "200ms"}
+    local_config = make_config(proxy.url, prefix, backplane=backplane)
+    config = make_config(redis_url, prefix, backplane=backplane)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(local_config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await remote.invalidate("book", {"id": 0})  # the stream exists, local saw it
+        assert await local.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        proxy.mode = "blackhole"
+        proxy.cut()  # local is disconnected (and can't reconnect) from here
+        await asyncio.sleep(0.3)
+        await remote.invalidate("book", {"id": 1})  # local misses this entry...
+        stream = remote.config.redis.prefix + remote.config.backplane.stream
+        if emptied_by == "DEL":  # ... and the stream forgets it
+            await admin.delete(stream)
+        else:
+            await admin.xtrim(stream, maxlen=0)
+        proxy.mode = "pass"
+        l1 = local.policy("book").l1
+        assert l1 is not None
+        assert await eventually(lambda: l1.get(f"{prefix}book:1") is MISSING, timeout=8)
+        assert local.backplane.gaps >= 1
+    await admin.aclose()
