@@ -189,9 +189,10 @@ def make_node_client(client: RedisClient, config: RedisConfig) -> redis.Redis:
     cluster client knows no nodes before its first command, and a lost notification only
     costs a waiter its jittered re-read, so no node discovery is needed here.)"""
     del client  # same URL either way; kept for callers that pass the main client
-    kwargs = _client_kwargs(config)
-    kwargs["socket_timeout"] = None  # pub/sub reads block by design
-    return redis.Redis.from_url(config.url, **kwargs)
+    # socket_timeout stays ``redis.timeout``: it bounds the connect handshake and every
+    # command a waiter sends (SUBSCRIBE/UNSUBSCRIBE) on a hung Redis. The reader's
+    # ``get_message(timeout=...)`` passes its own read timeout, which overrides it.
+    return redis.Redis.from_url(config.url, **_client_kwargs(config))
 
 
 class L2Store:

@@ -341,3 +341,40 @@ async def test_stream_emptied_while_disconnected_clears_l1_on_reconnect(
         assert await eventually(lambda: l1.get(f"{prefix}book:1") is MISSING, timeout=8)
         assert local.backplane.gaps >= 1
     await admin.aclose()
+
+
+async def test_lease_waiter_connecting_to_a_hung_redis_waits_at_most_max_wait(
+    redis_url: str, prefix: str, proxy: ToxicProxy
+) -> None:
+    book = {"key": "book:{id}", "stampede": {"max_wait": "1s"}}
+    hung = {"timeout": "100ms", "connect_timeout": "100ms", "breaker": {"failures": 100}}
+    waiter_config = make_config(
+        proxy.url, prefix, {"book": book}, redis=hung, backplane={"enabled": False}
+    )
+    config = make_config(redis_url, prefix, {"book": book})
+    async with (
+        LayeredCache.from_config(waiter_config) as waiter,
+        LayeredCache.from_config(config) as winner,
+    ):
+        slow = GatedLoader("winner's")
+        winning = asyncio.ensure_future(winner.get_or_load("book", {"id": 1}, slow))
+        await asyncio.wait_for(slow.started.wait(), 5)  # holds the lease
+        acquire = waiter.l2.acquire_lease
+
+        async def lose_then_hang(*args: Any) -> bool:
+            won: bool = await acquire(*args)
+            proxy.mode = "blackhole"  # Redis hangs right when the waiter subscribes
+            return won
+
+        waiter.l2.acquire_lease = lose_then_hang  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        value = await asyncio.wait_for(
+            waiter.get_or_load("book", {"id": 1}, CountingLoader("own")), 10
+        )
+        elapsed = loop.time() - started
+        assert value == "own"
+        assert elapsed < 1.3, elapsed  # max_wait 1 s (took 6 s and more before)
+        proxy.mode = "pass"
+        slow.release()
+        await winning
