@@ -248,9 +248,10 @@ class LayeredCache:
             self._fill_l1(policy, key, value, None, read_seq)
             return
         soft_expiry = self._clock() + policy.l2_ttl_draw()
-        data = self._encode(policy, key, value, soft_expiry, 0.0)
-        if data is None:
+        encoded = self._encode(policy, key, value, soft_expiry, 0.0)
+        if encoded is None:
             return
+        data, value = encoded
         names, outdated = self._set_names(policy, key)
         ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
         if self.l2.cluster and len(outdated) > 1:
@@ -527,8 +528,7 @@ class LayeredCache:
         except Exception as exc:
             await self._release_quietly(key, token)
             return await self._stale_or_raise(policy, key, stale, exc, read_seq)
-        await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
-        return value
+        return await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
 
     async def _finish_fill(
         self,
@@ -576,9 +576,13 @@ class LayeredCache:
     ) -> Any:
         """Load without writing L2 (no lease, or Redis unavailable)."""
         try:
-            return await self._call_loader(policy, loader)
+            value = await self._call_loader(policy, loader)
         except Exception as exc:
             return await self._stale_or_raise(policy, key, stale, exc, read_seq)
+        if not policy.l2:
+            return value  # no L2 layer: the loader's object is what every layer returns
+        encoded = self._encode(policy, key, value, 0.0, 0.0)
+        return value if encoded is None else encoded[1]  # the type an L2 hit returns
 
     async def _stale_or_raise(
         self,
@@ -635,13 +639,15 @@ class LayeredCache:
         value: Any,
         delta: float,
         read_seq: int | None,
-    ) -> bool:
-        """Write L2 under the lease (base, then replicas for a hot key), then L1."""
+    ) -> Any:
+        """Write L2 under the lease (base, then replicas for a hot key), then L1.
+        Returns the value as L2 readers will see it (see ``_encode``)."""
         soft_expiry = self._clock() + policy.l2_ttl_draw()
-        data = self._encode(policy, key, value, soft_expiry, delta)
-        if data is None:
+        encoded = self._encode(policy, key, value, soft_expiry, delta)
+        if encoded is None:
             await self._release_quietly(key, token)
-            return False
+            return value
+        data, value = encoded
         ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
         replicas = self._replica_leases(policy, key) if self._is_hot(policy, key) else []
         try:
@@ -659,19 +665,27 @@ class LayeredCache:
                 await self.l2.fill_replicas(replicas, token, data, ttl_ms)
         except L2Unavailable:
             policy.stats.redis_error += 1
-            return False
+            return value
         if not written:
             policy.stats.fill_revoked += 1
-            return False
+            return value
         self._fill_l1(policy, key, value, soft_expiry, read_seq)
-        return True
+        return value
 
     def _encode(
         self, policy: Policy, key: str, value: Any, soft_expiry: float, delta: float
-    ) -> bytes | None:
+    ) -> tuple[bytes, Any] | None:
+        """(envelope bytes, the value decoded back from them), or None if not cacheable.
+
+        Callers return and keep in L1 the decoded value, not the loader's object: a call
+        must return the same type whichever layer answers it, and L2 hands out what the
+        codec decodes (without a declared type: dict for a dataclass, str for a Decimal,
+        UUID or date, list for a tuple or set). The decode happens once per fill or
+        set(), never on an L1 hit (measured in docs/operations.md)."""
         try:
             data = policy.codec.encode(value, self._clock(), soft_expiry, delta)
-        except (TypeError, ValueError) as exc:
+            value = policy.codec.decode(data).value
+        except (TypeError, ValueError) as exc:  # CodecError: not decodable as declared
             policy.stats.not_cached += 1
             _log.warning("value_not_encodable", namespace=policy.name, key=key, error=str(exc))
             return None
@@ -685,7 +699,7 @@ class LayeredCache:
                 limit=policy.max_value_bytes,
             )
             return None
-        return data
+        return data, value
 
     def _redis_ttl_ms(self, policy: Policy, soft_expiry: float) -> int:
         """Hard expiry = soft expiry + the stale window the fail-safe may serve from."""

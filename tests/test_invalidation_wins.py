@@ -6,6 +6,10 @@ real Redis. Interleavings are forced from the test side: loaders that wait on an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
+import decimal
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -378,3 +382,47 @@ async def test_lease_waiter_connecting_to_a_hung_redis_waits_at_most_max_wait(
         proxy.mode = "pass"
         slow.release()
         await winning
+
+
+@dataclasses.dataclass
+class Edition:
+    isbn: uuid.UUID
+    price: decimal.Decimal
+    published: datetime.date
+    formats: tuple[str, ...]
+    tags: set[str]
+
+
+async def test_a_call_returns_the_same_type_from_loader_l1_and_l2(
+    redis_url: str, prefix: str
+) -> None:
+    """No value_types declared: every layer returns what L2 decodes to."""
+    edition = Edition(
+        uuid.uuid4(),
+        decimal.Decimal("9.90"),
+        datetime.date(2026, 1, 2),
+        ("paper", "ebook"),
+        {"scifi"},
+    )
+    config = make_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as first,
+        LayeredCache.from_config(config) as second,
+    ):
+        loaded = await first.get_or_load("book", {"id": 1}, CountingLoader(edition))
+        from_l1 = await first.get_or_load("book", {"id": 1}, CountingLoader(edition))
+        from_l2 = await second.get_or_load("book", {"id": 1}, CountingLoader(edition))
+        assert first.stats()["book"]["l1_hit"] == 1
+        assert second.stats()["book"]["l2_hit"] == 1
+        await first.set("book", {"id": 2}, edition)
+        after_set = await first.get("book", {"id": 2})  # L1
+    expected = {
+        "isbn": str(edition.isbn),
+        "price": "9.90",
+        "published": "2026-01-02",
+        "formats": ["paper", "ebook"],
+        "tags": ["scifi"],
+    }
+    for value in (loaded, from_l1, from_l2, after_set):
+        assert value == expected
+        assert [type(v) for v in value.values()] == [str, str, str, list, list]
