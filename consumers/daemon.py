@@ -40,7 +40,7 @@ from layered_cache.backplane import BackplanePublisher
 from layered_cache.breaker import CircuitBreaker
 from layered_cache.config import Config, Duration
 from layered_cache.events import EventDecoder, PoisonEvent, Target, unique_targets
-from layered_cache.invalidation import Invalidator
+from layered_cache.invalidation import Invalidator, check_replica_counts, replica_counts
 from layered_cache.l2 import REDIS_FAILURES, L2Store, L2Unavailable, RedisClient, make_client
 
 __all__ = ["Daemon", "DaemonStats"]
@@ -153,6 +153,7 @@ class Daemon:
             config.redis, timeout=Duration(max(config.redis.timeout, _MIN_REDIS_TIMEOUT))
         )
         self._redis = make_client(redis_config)
+        await _check_replicas(self._redis, config)  # refuses a fleet-inconsistent config
         breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
         publisher = None
         if config.backplane.enabled:
@@ -380,6 +381,15 @@ class Daemon:
 
 
 _DLQ_FAILURES: tuple[type[BaseException], ...] = (KafkaError, OSError, asyncio.TimeoutError)
+
+
+async def _check_replicas(client: RedisClient, config: Config) -> None:
+    """Raise ReplicaCountMismatch if this config's hot.replicas differ from the fleet's:
+    the daemon would leave replicas behind. Redis unreachable: start unchecked."""
+    try:
+        await check_replica_counts(client, config.redis.prefix, replica_counts(config))
+    except REDIS_FAILURES as exc:
+        _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
 
 def _names(partitions: set[TopicPartition]) -> list[str]:

@@ -30,7 +30,7 @@ from layered_cache.breaker import CircuitBreaker
 from layered_cache.codec import CodecError, Envelope
 from layered_cache.config import Config, RedisConfig
 from layered_cache.hotreport import HotKeyReporter, report_key
-from layered_cache.invalidation import Invalidator
+from layered_cache.invalidation import Invalidator, ReplicaCountMismatch, check_replica_counts
 from layered_cache.keys import lease_name, replica_name, replica_names
 from layered_cache.l1 import MISSING
 from layered_cache.l2 import (
@@ -141,10 +141,24 @@ class LayeredCache:
         if isinstance(self._client, RedisCluster):
             with contextlib.suppress(*REDIS_FAILURES):
                 await self._client.initialize()
+        try:
+            await self._check_replicas()
+        except ReplicaCountMismatch:
+            await self.close()
+            raise
         if self.backplane is not None:
             self.backplane.start()
         if self._hot_reporter is not None:
             self._hot_reporter.start()
+
+    async def _check_replicas(self) -> None:
+        """Refuse to start with a hot.replicas other than the fleet's (see invalidation).
+        Redis unreachable: start anyway (the cache works without Redis), unchecked."""
+        counts = {name: policy.replicas for name, policy in self._policies.items() if policy.l2}
+        try:
+            await check_replica_counts(self._client, self.config.redis.prefix, counts)
+        except REDIS_FAILURES as exc:
+            _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
     async def close(self) -> None:
         for task in list(self._background):

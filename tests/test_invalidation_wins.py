@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import redis.asyncio as redis
 
-from layered_cache import LayeredCache
+from layered_cache import LayeredCache, ReplicaCountMismatch
+from layered_cache.invalidation import replica_record_name
 from layered_cache.l1 import MISSING
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import CountingLoader, eventually, make_config
@@ -126,9 +127,9 @@ async def test_set_revokes_a_hot_fill_in_flight_from_every_replica(
 
 
 async def _backplane_delivered(cache: LayeredCache, seen: int) -> None:
-    assert cache.backplane is not None
-    while cache.backplane.entries_seen <= seen:
-        await asyncio.sleep(0.005)
+    backplane = cache.backplane
+    assert backplane is not None
+    assert await eventually(lambda: backplane.entries_seen > seen, interval=0.005)
 
 
 async def test_set_does_not_fill_l1_after_a_remote_invalidation_overtook_it(
@@ -147,7 +148,7 @@ async def test_set_does_not_fill_l1_after_a_remote_invalidation_overtook_it(
         await asyncio.wait_for(gate.entered.wait(), 5)  # L2 written, L1 not yet
         seen = local.backplane.entries_seen
         await remote.invalidate("book", {"id": 1})
-        await asyncio.wait_for(_backplane_delivered(local, seen), 5)
+        await _backplane_delivered(local, seen)
         gate.release()
         await writing
         # The invalidation came after our write: no copy of "ours" may be served.
@@ -207,7 +208,7 @@ async def test_load_timeout_background_fill_does_not_fill_l1_after_an_invalidati
         await asyncio.wait_for(gate.entered.wait(), 5)  # L2 filled, L1 not yet
         seen = local.backplane.entries_seen
         await remote.invalidate("book", {"id": 1})
-        await asyncio.wait_for(_backplane_delivered(local, seen), 5)
+        await _backplane_delivered(local, seen)
         gate.release()
         await asyncio.sleep(0.05)
         assert await local.get("book", {"id": 1}) is None
@@ -228,7 +229,7 @@ async def test_callers_after_a_remote_invalidation_do_not_join_the_older_load(
         await asyncio.wait_for(old_load.started.wait(), 5)
         seen = local.backplane.entries_seen
         await remote.invalidate("book", {"id": 1})  # e.g. the daemon: via the backplane
-        await asyncio.wait_for(_backplane_delivered(local, seen), 5)
+        await _backplane_delivered(local, seen)
         later = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, CountingLoader("new")))
         await asyncio.sleep(0.05)
         old_load.release()
@@ -426,3 +427,20 @@ async def test_a_call_returns_the_same_type_from_loader_l1_and_l2(
     for value in (loaded, from_l1, from_l2, after_set):
         assert value == expected
         assert [type(v) for v in value.values()] == [str, str, str, list, list]
+
+
+async def test_instance_with_another_replica_count_refuses_to_start(
+    redis_url: str, prefix: str
+) -> None:
+    hot = make_config(redis_url, prefix, HOT)  # book: 4 replicas
+    plain = make_config(redis_url, prefix)  # book: no hot section = 0 replicas
+    async with LayeredCache.from_config(hot) as first:
+        await first.set("book", {"id": 1}, "v")
+        with pytest.raises(ReplicaCountMismatch, match=r"'book': hot.replicas = 0 here, 4"):
+            async with LayeredCache.from_config(plain):
+                pass
+        async with LayeredCache.from_config(hot) as same:  # same count: starts
+            assert await same.get("book", {"id": 1}) == "v"
+    admin = redis.Redis.from_url(redis_url)
+    assert await admin.hgetall(replica_record_name(prefix)) == {b"book": b"4"}
+    await admin.aclose()
