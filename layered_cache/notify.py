@@ -101,8 +101,12 @@ class FillNotifier:
             if waiters:
                 return
             self._waiters.pop(sub.channel, None)
-            with contextlib.suppress(*REDIS_FAILURES):
-                await self._pubsub.unsubscribe(sub.channel)
+            try:
+                with contextlib.suppress(*REDIS_FAILURES):
+                    await self._pubsub.unsubscribe(sub.channel)
+            except asyncio.CancelledError:
+                await self._reset()  # timed out mid-command: don't reuse the connection
+                raise
 
     async def _reset(self) -> None:
         """Replace the pub/sub connection. Other waiters' subscriptions are lost with it;
