@@ -125,9 +125,17 @@ class BackplaneListener:
                 backoff = min(backoff * 2, 2.0)
 
     async def _tail_id(self) -> bytes:
-        """Start after the newest entry: a new instance's L1 is empty anyway."""
+        """Start after the newest entry: a new instance's L1 is empty anyway.
+
+        No stream (or an empty one) yet: create it with an entry that carries no keys
+        (readers skip it). From then on a missing stream means it was deleted - a gap -
+        rather than "nothing was invalidated yet", so a fleet that never invalidates
+        doesn't clear L1 after every blip."""
         newest: Any = await self._client.xrevrange(self._stream, count=1)
-        return bytes(newest[0][0]) if newest else b"0-0"
+        if newest:
+            return bytes(newest[0][0])
+        marker: Any = await self._client.xadd(self._stream, {"origin": self._origin or b"-"})
+        return marker.encode() if isinstance(marker, str) else bytes(marker)
 
     async def _check_gap(self) -> None:
         """After a disconnect or a full batch: were entries after our position trimmed?"""
@@ -138,9 +146,8 @@ class BackplaneListener:
             if "no such key" not in str(exc).lower():
                 raise
             # The stream is gone (DEL, or a Redis restarted empty) while we weren't
-            # reading: whatever it held after our position is lost. We can't tell that
-            # apart from "never existed", so err on the safe side (a reload, not a stale
-            # value for a whole TTL).
+            # reading: whatever it held after our position is lost. (It existed: we
+            # created it at start if nobody had.)
             self._gap("stream_missing")
             return
         if self._missed_entries(info, parse_id(self.last_id)):

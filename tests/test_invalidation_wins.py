@@ -444,3 +444,22 @@ async def test_instance_with_another_replica_count_refuses_to_start(
     admin = redis.Redis.from_url(redis_url)
     assert await admin.hgetall(replica_record_name(prefix)) == {b"book": b"4"}
     await admin.aclose()
+
+
+async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
+    redis_url: str, prefix: str, proxy: ToxicProxy
+) -> None:
+    """The listener creates the stream at start, so "no stream" after a blip means it
+    was deleted (a gap), not "nothing was invalidated yet" (no reason to clear L1)."""
+    config = make_config(proxy.url, prefix, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as cache:
+        backplane = cache.backplane
+        assert backplane is not None
+        await asyncio.wait_for(backplane.connected.wait(), 5)
+        assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        proxy.cut()
+        assert await eventually(lambda: not backplane.connected.is_set())
+        assert await eventually(backplane.connected.is_set)
+        await asyncio.sleep(0.3)
+        assert backplane.gaps == 0
+        assert cache.policy("book").l1.get(f"{prefix}book:1") == "v1"  # type: ignore[union-attr]
