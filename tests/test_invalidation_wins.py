@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as redis
+from redis.asyncio.cluster import RedisCluster
 
 from layered_cache import LayeredCache, ReplicaCountMismatch
 from layered_cache.invalidation import replica_record_name
@@ -103,8 +104,22 @@ HOT = {"book": {"key": "book:{id}", "hot": {"replicas": 4, "keys": ["book:1"]}}}
 async def test_set_revokes_a_hot_fill_in_flight_from_every_replica(
     redis_url: str, prefix: str
 ) -> None:
-    config = make_config(redis_url, prefix, HOT)
     admin = redis.Redis.from_url(redis_url)
+    await _set_during_hot_fill(make_config(redis_url, prefix, HOT), admin)
+    await admin.aclose()
+
+
+async def test_set_revokes_a_hot_fill_in_flight_from_every_replica_in_a_cluster(
+    redis_cluster: Any, prefix: str
+) -> None:
+    config = make_config(redis_cluster.url, prefix, HOT, redis={"cluster": True, "timeout": "1s"})
+    admin = RedisCluster.from_url(redis_cluster.url)
+    await _set_during_hot_fill(config, admin)
+    await admin.aclose()
+
+
+async def _set_during_hot_fill(config: Any, admin: Any) -> None:
+    prefix = config.redis.prefix
     async with (
         LayeredCache.from_config(config) as filler,
         LayeredCache.from_config(config) as writer,
@@ -123,7 +138,6 @@ async def test_set_revokes_a_hot_fill_in_flight_from_every_replica(
             data = await admin.get(f"{prefix}book:1#{index}")
             assert data is None or codec.decode(data).value == "new", index
         assert codec.decode(await admin.get(f"{prefix}book:1")).value == "new"
-    await admin.aclose()
 
 
 async def _backplane_delivered(cache: LayeredCache, seen: int) -> None:
