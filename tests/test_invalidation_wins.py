@@ -477,3 +477,15 @@ async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
         await asyncio.sleep(0.3)
         assert backplane.gaps == 0
         assert cache.policy("book").l1.get(f"{prefix}book:1") == "v1"  # type: ignore[union-attr]
+
+
+async def test_daemon_with_another_replica_count_refuses_to_start(
+    redis_url: str, prefix: str
+) -> None:
+    from consumers.daemon import Daemon
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, HOT)):
+        pass  # the fleet recorded book: 4 replicas
+    daemon = Daemon(make_config(redis_url, prefix))  # book without hot keys: 0
+    with pytest.raises(ReplicaCountMismatch, match=r"'book': hot.replicas = 0 here, 4"):
+        await daemon.run()  # refused before it connects to Kafka
