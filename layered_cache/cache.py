@@ -695,11 +695,10 @@ class LayeredCache:
         must return the same type whichever layer answers it, and L2 hands out what the
         codec decodes (without a declared type: dict for a dataclass, str for a Decimal,
         UUID or date, list for a tuple or set). The decode happens once per fill or
-        set(), never on an L1 hit (measured in docs/operations.md)."""
+        set(), never on a hit (cost measured in the README, "Use")."""
         try:
             data = policy.codec.encode(value, self._clock(), soft_expiry, delta)
-            value = policy.codec.decode(data).value
-        except (TypeError, ValueError) as exc:  # CodecError: not decodable as declared
+        except (TypeError, ValueError) as exc:
             policy.stats.not_cached += 1
             _log.warning("value_not_encodable", namespace=policy.name, key=key, error=str(exc))
             return None
@@ -713,7 +712,12 @@ class LayeredCache:
                 limit=policy.max_value_bytes,
             )
             return None
-        return data, value
+        try:
+            return data, policy.codec.decode(data).value
+        except CodecError as exc:  # encodable, but not as the declared type: L2 readers
+            policy.stats.not_cached += 1  # would find it undecodable, so don't cache it
+            _log.warning("value_not_decodable", namespace=policy.name, key=key, error=str(exc))
+            return None
 
     def _redis_ttl_ms(self, policy: Policy, soft_expiry: float) -> int:
         """Hard expiry = soft expiry + the stale window the fail-safe may serve from."""
