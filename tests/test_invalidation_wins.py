@@ -471,8 +471,10 @@ async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
         assert backplane is not None
         await asyncio.wait_for(backplane.connected.wait(), 5)
         assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        proxy.mode = "blackhole"  # a blip long enough to be seen
         proxy.cut()
         assert await eventually(lambda: not backplane.connected.is_set())
+        proxy.mode = "pass"
         assert await eventually(backplane.connected.is_set)
         await asyncio.sleep(0.3)
         assert backplane.gaps == 0
