@@ -275,7 +275,26 @@ class LayeredCache:
         await self.l2.set_many(names, data, ttl_ms, delete_first=outdated)
         with contextlib.suppress(*REDIS_FAILURES):
             await self._invalidator.announce([key])
-        self._fill_l1(policy, key, value, soft_expiry, read_seq)
+        self._settle_after_set(policy, key, value, soft_expiry, read_seq)
+
+    def _settle_after_set(
+        self, policy: Policy, key: str, value: Any, soft_expiry: float, read_seq: int | None
+    ) -> None:
+        """After our write landed: a load of this key that began while it was in flight
+        may have read the value we replaced. Detach it (later callers must not join it)
+        and tombstone the key again (its L1 fill is refused), then fill L1 with our value
+        - unless a remote set()/invalidate() overtook ours meanwhile. No await in here:
+        nothing can run between the checks and the fill."""
+        self._flight.forget(key)
+        l1 = policy.l1
+        if l1 is None:
+            return
+        superseded = read_seq is not None and l1.invalidated_since(key, read_seq)
+        l1.discard([key])
+        if superseded:
+            policy.stats.l1_fill_discarded += 1
+            return
+        self._fill_l1(policy, key, value, soft_expiry, l1.begin_read())
 
     def _set_names(self, policy: Policy, key: str) -> tuple[list[str], list[str]]:
         """(names ``set()`` writes, names it deletes first, in this order).

@@ -491,3 +491,33 @@ async def test_daemon_with_another_replica_count_refuses_to_start(
     daemon = Daemon(make_config(redis_url, prefix))  # book without hot keys: 0
     with pytest.raises(ReplicaCountMismatch, match=r"'book': hot.replicas = 0 here, 4"):
         await daemon.run()  # refused before it connects to Kafka
+
+
+@pytest.mark.parametrize("l1", [True, False])
+async def test_load_that_began_during_a_set_is_not_served_after_it(
+    redis_url: str, prefix: str, l1: bool
+) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": l1}})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "old")
+        if cache.policy("book").l1 is not None:
+            cache.policy("book").l1.clear()  # type: ignore[union-attr]
+        write = Gate(cache.l2.set_many)  # set() has begun, its write not sent yet
+        cache.l2.set_many = write  # type: ignore[method-assign]
+        setting = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
+        await asyncio.wait_for(write.entered.wait(), 5)
+        read = Gate(cache.l2.get, after=True)  # a load reads "old", resumes late
+        cache.l2.get = read  # type: ignore[method-assign]
+        reading = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, CountingLoader()))
+        await asyncio.wait_for(read.entered.wait(), 5)
+        cache.l2.get = read.method  # type: ignore[method-assign]
+        write.release()
+        await setting
+        # set() returned: a caller now must not join the load that read "old" ...
+        later = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, CountingLoader()))
+        await asyncio.sleep(0.05)
+        read.release()
+        assert await reading == "old"  # it began before the set() returned: allowed
+        assert await later == "new"
+        # ... and that load's L1 fill, landing after the set(), is refused.
+        assert await cache.get("book", {"id": 1}) == "new"
