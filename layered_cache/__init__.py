@@ -4,6 +4,7 @@ hot-key replica sharding and event-driven invalidation."""
 from layered_cache.cache import LayeredCache
 from layered_cache.codec import CodecError
 from layered_cache.config import Config, ConfigError, ConfigWarning, load_config, parse_config
+from layered_cache.invalidation import ReplicaCountMismatch
 from layered_cache.l2 import L2Unavailable
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "ConfigWarning",
     "L2Unavailable",
     "LayeredCache",
+    "ReplicaCountMismatch",
     "load_config",
     "parse_config",
 ]

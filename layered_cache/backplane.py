@@ -125,9 +125,17 @@ class BackplaneListener:
                 backoff = min(backoff * 2, 2.0)
 
     async def _tail_id(self) -> bytes:
-        """Start after the newest entry: a new instance's L1 is empty anyway."""
+        """Start after the newest entry: a new instance's L1 is empty anyway.
+
+        No stream (or an empty one) yet: create it with an entry that carries no keys
+        (readers skip it). From then on a missing stream means it was deleted - a gap -
+        rather than "nothing was invalidated yet", so a fleet that never invalidates
+        doesn't clear L1 after every blip."""
         newest: Any = await self._client.xrevrange(self._stream, count=1)
-        return bytes(newest[0][0]) if newest else b"0-0"
+        if newest:
+            return bytes(newest[0][0])
+        marker: Any = await self._client.xadd(self._stream, {"origin": self._origin or b"-"})
+        return marker.encode() if isinstance(marker, str) else bytes(marker)
 
     async def _check_gap(self) -> None:
         """After a disconnect or a full batch: were entries after our position trimmed?"""
@@ -135,13 +143,21 @@ class BackplaneListener:
         try:
             info: Any = await self._client.xinfo_stream(self._stream)
         except RedisError as exc:
-            if "no such key" in str(exc).lower():
-                return
-            raise
+            if "no such key" not in str(exc).lower():
+                raise
+            # The stream is gone (DEL, or a Redis restarted empty) while we weren't
+            # reading: whatever it held after our position is lost. (It existed: we
+            # created it at start if nobody had.)
+            self._gap("stream_missing")
+            return
         if self._missed_entries(info, parse_id(self.last_id)):
-            self.gaps += 1
-            _log.warning("backplane_gap_clearing_l1", last_id=self.last_id.decode())
-            self._on_gap()
+            self._gap("entries_missing")
+
+    def _gap(self, reason: str) -> None:
+        assert self.last_id is not None
+        self.gaps += 1
+        _log.warning("backplane_gap_clearing_l1", last_id=self.last_id.decode(), reason=reason)
+        self._on_gap()
 
     @staticmethod
     def _missed_entries(info: Any, ours: tuple[int, int]) -> bool:
@@ -159,8 +175,15 @@ class BackplaneListener:
         deleted = field("max-deleted-entry-id")
         if deleted is not None and parse_id(deleted) > ours:
             return True  # an XDEL removed an entry we have not read
+        last = field("last-generated-id")
+        if last is not None and parse_id(last) < ours:
+            return True  # IDs went back: the stream was deleted and created anew
         first = field("first-entry")
-        if not first or parse_id(first[0]) <= ours:
+        if not first:
+            # Empty (XTRIM MAXLEN 0, or every entry XDELed): anything added after our
+            # position is gone unread.
+            return last is not None and parse_id(last) > ours
+        if parse_id(first[0]) <= ours:
             return False
         if ours == (0, 0):
             # We started before the stream existed: XREAD from 0-0 reads every entry

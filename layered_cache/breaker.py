@@ -69,6 +69,13 @@ class CircuitBreaker:
         if self._state != "closed":
             self._transition("closed")
 
+    def abandon(self) -> None:
+        """The request ended without an answer from Redis (cancelled: a client timeout or
+        disconnect, or any other BaseException). It proves nothing either way, but if it
+        was the half-open probe the probe is over: without this ``_probing`` would stay
+        True and no request would ever be let through again."""
+        self._probing = False
+
     def failure(self, error: BaseException | None = None) -> None:
         self._probing = False
         self._failures += 1

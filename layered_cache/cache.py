@@ -30,7 +30,7 @@ from layered_cache.breaker import CircuitBreaker
 from layered_cache.codec import CodecError, Envelope
 from layered_cache.config import Config, RedisConfig
 from layered_cache.hotreport import HotKeyReporter, report_key
-from layered_cache.invalidation import Invalidator
+from layered_cache.invalidation import Invalidator, ReplicaCountMismatch, check_replica_counts
 from layered_cache.keys import lease_name, replica_name, replica_names
 from layered_cache.l1 import MISSING
 from layered_cache.l2 import (
@@ -141,10 +141,24 @@ class LayeredCache:
         if isinstance(self._client, RedisCluster):
             with contextlib.suppress(*REDIS_FAILURES):
                 await self._client.initialize()
+        try:
+            await self._check_replicas()
+        except ReplicaCountMismatch:
+            await self.close()
+            raise
         if self.backplane is not None:
             self.backplane.start()
         if self._hot_reporter is not None:
             self._hot_reporter.start()
+
+    async def _check_replicas(self) -> None:
+        """Refuse to start with a hot.replicas other than the fleet's (see invalidation).
+        Redis unreachable: start anyway (the cache works without Redis), unchecked."""
+        counts = {name: policy.replicas for name, policy in self._policies.items() if policy.l2}
+        try:
+            await check_replica_counts(self._client, self.config.redis.prefix, counts)
+        except REDIS_FAILURES as exc:
+            _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -237,29 +251,73 @@ class LayeredCache:
             return
         policy.stats.set += 1
         self._flight.forget(key)
+        read_seq: int | None = None
         if policy.l1 is not None:
             policy.l1.discard([key])
+            # Like every other L1 fill: a remote set()/invalidate() of this key that
+            # reaches us (backplane) while our write is in flight tombstones the key,
+            # and then our value is superseded and must not sit in L1 for its TTL.
+            read_seq = policy.l1.begin_read()
         if not policy.l2:
-            self._fill_l1(policy, key, value, None, None)
+            self._fill_l1(policy, key, value, None, read_seq)
             return
         soft_expiry = self._clock() + policy.l2_ttl_draw()
-        data = self._encode(policy, key, value, soft_expiry, 0.0)
-        if data is None:
+        encoded = self._encode(policy, key, value, soft_expiry, 0.0)
+        if encoded is None:
             return
-        names = [key]
-        # Revoke any fill in flight (it may carry a value older than ours) by deleting
-        # the lease first; and if another instance holds this key hot, its replicas
-        # carry the old value: delete them when we don't rewrite them.
-        outdated = [lease_name(key)]
-        if self._is_hot(policy, key):
-            names += replica_names(key, policy.replicas)
-        elif policy.hot is not None and policy.replicas:
-            outdated += replica_names(key, policy.replicas)
+        data, value = encoded
+        names, outdated = self._set_names(policy, key)
         ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
+        if self.l2.cluster and len(outdated) > 1:
+            # A cluster pipeline is not ordered across nodes: the base lease must be gone
+            # before any replica lease is (see _set_names), so it goes first, alone.
+            await self.l2.delete([outdated[0]])
         await self.l2.set_many(names, data, ttl_ms, delete_first=outdated)
         with contextlib.suppress(*REDIS_FAILURES):
             await self._invalidator.announce([key])
-        self._fill_l1(policy, key, value, soft_expiry, None)
+        self._settle_after_set(policy, key, value, soft_expiry, read_seq)
+
+    def _settle_after_set(
+        self, policy: Policy, key: str, value: Any, soft_expiry: float, read_seq: int | None
+    ) -> None:
+        """After our write landed: a load of this key that began while it was in flight
+        may have read the value we replaced. Detach it (later callers must not join it)
+        and tombstone the key again (its L1 fill is refused), then fill L1 with our value
+        - unless a remote set()/invalidate() overtook ours meanwhile. No await in here:
+        nothing can run between the checks and the fill."""
+        self._flight.forget(key)
+        l1 = policy.l1
+        if l1 is None:
+            return
+        superseded = read_seq is not None and l1.invalidated_since(key, read_seq)
+        l1.discard([key])
+        if superseded:
+            policy.stats.l1_fill_discarded += 1
+            return
+        self._fill_l1(policy, key, value, soft_expiry, l1.begin_read())
+
+    def _set_names(self, policy: Policy, key: str) -> tuple[list[str], list[str]]:
+        """(names ``set()`` writes, names it deletes first, in this order).
+
+        Revoke any fill in flight (it may carry a value older than ours): the base lease
+        first, then every replica's own lease. A hot fill reserves the replica leases
+        before its base-lease check and writes each replica only while its reservation
+        holds (see ``_fill``), so a fill that passed its check before our base-lease
+        delete still loses every replica write that comes after our replica-lease
+        delete - and one that came before is overwritten (or deleted) below. Replicas
+        we don't rewrite (the key is not hot here, maybe elsewhere) are deleted.
+        """
+        names = [key]
+        outdated = [lease_name(key)]
+        if policy.hot is None or not policy.replicas:
+            return names, outdated
+        shards = replica_names(key, policy.replicas)
+        outdated += [lease_name(shard) for shard in shards]
+        if self._is_hot(policy, key):
+            names += shards
+        else:
+            outdated += shards
+        return names, outdated
 
     async def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
         """Delete the L2 key, every replica and the lease; then drop L1 everywhere.
@@ -461,7 +519,7 @@ class LayeredCache:
                 if result.token is None:
                     # max_wait passed: load ourselves, but never write L2 without a lease.
                     policy.stats.lease_timeout_load += 1
-                    return await self._load_unleased(policy, key, loader, stale)
+                    return await self._load_unleased(policy, key, loader, stale, read_seq)
                 token = result.token
             # Double-check under the lease: the previous winner's fill script releases
             # the lease as it writes, so a fill can land between our miss and our SET NX.
@@ -474,7 +532,7 @@ class LayeredCache:
                 return filled.value
         except L2Unavailable:
             policy.stats.redis_error += 1
-            return await self._load_unleased(policy, key, loader, stale)
+            return await self._load_unleased(policy, key, loader, stale, read_seq)
         policy.stats.lease_won += 1
         return await self._load_and_fill(policy, key, token, loader, stale, read_seq)
 
@@ -492,29 +550,36 @@ class LayeredCache:
         try:
             if stale is not None and policy.load_timeout is not None:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
-                if not done:
+                if not done and await self._stale_usable(policy, key, stale, read_seq):
                     # Slow loader and a stale value at hand: serve stale now, let the load
                     # finish in the background (still under the lease) and fill then.
                     policy.stats.stale_served += 1
                     _log.warning("load_timeout_serving_stale", namespace=policy.name, key=key)
-                    self._spawn(self._finish_fill(policy, key, token, task, started))
+                    self._spawn(self._finish_fill(policy, key, token, task, started, read_seq))
                     return stale.value
             value = await asyncio.shield(task)
         except Exception as exc:
             await self._release_quietly(key, token)
-            return self._stale_or_raise(policy, key, stale, exc)
-        await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
-        return value
+            return await self._stale_or_raise(policy, key, stale, exc, read_seq)
+        return await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
 
     async def _finish_fill(
-        self, policy: Policy, key: str, token: str, task: asyncio.Task[Any], started: float
+        self,
+        policy: Policy,
+        key: str,
+        token: str,
+        task: asyncio.Task[Any],
+        started: float,
+        read_seq: int | None,
     ) -> None:
         try:
             value = await task
         except Exception:
             await self._release_quietly(key, token)
             return
-        await self._fill(policy, key, token, value, time.monotonic() - started, None)
+        # The request's read_seq, not None: an invalidation delivered while this slow
+        # load ran (or between its L2 write and here) must keep it out of L1.
+        await self._fill(policy, key, token, value, time.monotonic() - started, read_seq)
 
     async def _call_loader(self, policy: Policy, loader: Loader) -> Any:
         policy.stats.load += 1
@@ -535,18 +600,33 @@ class LayeredCache:
                 observe(policy.name, time.perf_counter() - started, ok)
 
     async def _load_unleased(
-        self, policy: Policy, key: str, loader: Loader, stale: Envelope[Any] | None
+        self,
+        policy: Policy,
+        key: str,
+        loader: Loader,
+        stale: Envelope[Any] | None,
+        read_seq: int | None = None,
     ) -> Any:
         """Load without writing L2 (no lease, or Redis unavailable)."""
         try:
-            return await self._call_loader(policy, loader)
+            value = await self._call_loader(policy, loader)
         except Exception as exc:
-            return self._stale_or_raise(policy, key, stale, exc)
+            return await self._stale_or_raise(policy, key, stale, exc, read_seq)
+        if not policy.l2:
+            return value  # no L2 layer: the loader's object is what every layer returns
+        encoded = self._encode(policy, key, value, 0.0, 0.0)
+        return value if encoded is None else encoded[1]  # the type an L2 hit returns
 
-    def _stale_or_raise(
-        self, policy: Policy, key: str, stale: Envelope[Any] | None, exc: Exception
+    async def _stale_or_raise(
+        self,
+        policy: Policy,
+        key: str,
+        stale: Envelope[Any] | None,
+        exc: Exception,
+        read_seq: int | None,
     ) -> Any:
-        if stale is not None and self._within_stale(policy, stale, self._clock()):
+        if await self._stale_usable(policy, key, stale, read_seq):
+            assert stale is not None
             policy.stats.stale_served += 1
             _log.warning(
                 "loader_failed_serving_stale",
@@ -556,6 +636,30 @@ class LayeredCache:
             )
             return stale.value
         raise exc
+
+    async def _stale_usable(
+        self, policy: Policy, key: str, stale: Envelope[Any] | None, read_seq: int | None
+    ) -> bool:
+        """Whether the fail-safe may serve ``stale``: within ``stale.max_age`` and not
+        invalidated or overwritten since we read it. The load may have run for seconds,
+        so "still the value in L2" is re-read (one GET, only on this fallback path): an
+        invalidation deletes the key, a set() replaces it. The local tombstone catches an
+        invalidation already delivered by the backplane without a round trip. If Redis
+        can't confirm, don't serve: an invalidated value is never a fallback."""
+        if stale is None or not self._within_stale(policy, stale, self._clock()):
+            return False
+        l1 = policy.l1
+        if l1 is not None and read_seq is not None and l1.invalidated_since(key, read_seq):
+            return False
+        try:
+            current = self._recheck(policy, await self.l2.get(key))
+        except L2Unavailable:
+            return False
+        return (
+            current is not None
+            and current.written_at == stale.written_at
+            and current.soft_expiry == stale.soft_expiry
+        )
 
     def _within_stale(self, policy: Policy, envelope: Envelope[Any] | None, now: float) -> bool:
         return envelope is not None and now - envelope.soft_expiry <= policy.stale_max_age
@@ -568,9 +672,10 @@ class LayeredCache:
         value: Any,
         delta: float,
         read_seq: int | None,
-    ) -> bool:
-        """Write L2 under the lease (base, then replicas for a hot key), then L1. Any
-        error releases the lease: other readers must not wait max_wait for nothing."""
+    ) -> Any:
+        """Write L2 under the lease (base, then replicas for a hot key), then L1.
+        Returns the value as L2 readers will see it (see ``_encode``). Any error
+        releases the lease: other readers must not wait max_wait for nothing."""
         try:
             return await self._fill_under_lease(policy, key, token, value, delta, read_seq)
         except Exception:
@@ -585,12 +690,13 @@ class LayeredCache:
         value: Any,
         delta: float,
         read_seq: int | None,
-    ) -> bool:
+    ) -> Any:
         soft_expiry = self._clock() + policy.l2_ttl_draw()
-        data = self._encode(policy, key, value, soft_expiry, delta)
-        if data is None:
+        encoded = self._encode(policy, key, value, soft_expiry, delta)
+        if encoded is None:
             await self._release_quietly(key, token)
-            return False
+            return value
+        data, value = encoded
         ttl_ms = self._redis_ttl_ms(policy, soft_expiry)
         replicas = self._replica_leases(policy, key) if self._is_hot(policy, key) else []
         try:
@@ -609,16 +715,23 @@ class LayeredCache:
         except L2Unavailable:
             policy.stats.redis_error += 1
             await self._release_after_failed_fill(key, token)
-            return False
+            return value
         if not written:
             policy.stats.fill_revoked += 1
-            return False
+            return value
         self._fill_l1(policy, key, value, soft_expiry, read_seq)
-        return True
+        return value
 
     def _encode(
         self, policy: Policy, key: str, value: Any, soft_expiry: float, delta: float
-    ) -> bytes | None:
+    ) -> tuple[bytes, Any] | None:
+        """(envelope bytes, the value decoded back from them), or None if not cacheable.
+
+        Callers return and keep in L1 the decoded value, not the loader's object: a call
+        must return the same type whichever layer answers it, and L2 hands out what the
+        codec decodes (without a declared type: dict for a dataclass, str for a Decimal,
+        UUID or date, list for a tuple or set). The decode happens once per fill or
+        set(), never on a hit (cost measured in the README, "Use")."""
         try:
             data = policy.codec.encode(value, self._clock(), soft_expiry, delta)
         except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: ints > 64 bits
@@ -635,7 +748,12 @@ class LayeredCache:
                 limit=policy.max_value_bytes,
             )
             return None
-        return data
+        try:
+            return data, policy.codec.decode(data).value
+        except CodecError as exc:  # encodable, but not as the declared type: L2 readers
+            policy.stats.not_cached += 1  # would find it undecodable, so don't cache it
+            _log.warning("value_not_decodable", namespace=policy.name, key=key, error=str(exc))
+            return None
 
     def _redis_ttl_ms(self, policy: Policy, soft_expiry: float) -> int:
         """Hard expiry = soft expiry + the stale window the fail-safe may serve from."""
@@ -741,11 +859,19 @@ class LayeredCache:
     # -- backplane callbacks -----------------------------------------------------------
 
     def _drop_l1(self, keys: list[str]) -> None:
+        """An invalidation (local, or from the backplane: the daemon or another
+        instance): drop L1 and detach in-flight loads of the keys. A load that began
+        before the invalidation may return the old value; callers arriving after it
+        start a fresh load instead of joining that one. The old load's own fills are
+        refused anyway (its lease is gone, its L1 read_seq is older than the tombstone)."""
+        for key in keys:
+            self._flight.forget(key)
         for policy in self._policies.values():
             if policy.l1 is not None:
                 policy.l1.discard(keys)
 
     def _clear_l1(self) -> None:
+        self._flight.forget_all()
         for policy in self._policies.values():
             if policy.l1 is not None:
                 policy.l1.clear()

@@ -16,17 +16,77 @@ trip per node (in a cluster: one DEL per slot, a key and its lease in one comman
 single node both phases are one atomic DEL.
 
 Idempotent: deleting missing names is harmless, so at-least-once delivery is fine.
+
+Replica counts must agree: a process that invalidates with fewer replicas than another
+writes leaves replicas behind that nothing ever deletes. So every cache instance and the
+daemon record each namespace's count in one Redis hash at start (``HSETNX``: the first
+one wins) and refuse to start when theirs differs (``check_replica_counts``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from layered_cache.backplane import BackplanePublisher
+from layered_cache.config import Config
 from layered_cache.keys import lease_name, replica_names
-from layered_cache.l2 import L2Store
+from layered_cache.l2 import L2Store, RedisClient
+from layered_cache.policy import compile_policy
 
-__all__ = ["Invalidator", "delete_phases", "names_to_delete"]
+__all__ = [
+    "Invalidator",
+    "ReplicaCountMismatch",
+    "check_replica_counts",
+    "delete_phases",
+    "names_to_delete",
+    "replica_counts",
+    "replica_record_name",
+]
+
+
+class ReplicaCountMismatch(ValueError):
+    """This process's ``hot.replicas`` differs from the count its fleet recorded."""
+
+
+def replica_record_name(prefix: str) -> str:
+    """The hash of recorded replica counts. Braces can't occur in a key (keys.py), and
+    it ends neither in ``:lease`` nor ``:filled``: no key, lease or channel is named so."""
+    return "{" + prefix + "layered_cache}:replicas"
+
+
+def replica_counts(config: Config) -> dict[str, int]:
+    """namespace -> hot.replicas (0 without a hot section) of every namespace with L2."""
+    policies = (compile_policy(n, ns, config.redis.prefix) for n, ns in config.namespaces.items())
+    return {policy.name: policy.replicas for policy in policies if policy.l2}
+
+
+async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping[str, int]) -> None:
+    """Record ``counts`` (namespace -> hot.replicas, 0 without hot keys) where none is
+    recorded yet, then compare: raises ``ReplicaCountMismatch`` naming every namespace
+    whose recorded count differs. Raises Redis errors (the caller decides)."""
+    if not counts:
+        return
+    name = replica_record_name(prefix)
+    pipe = client.pipeline(transaction=False)
+    for namespace, count in counts.items():
+        pipe.hsetnx(name, namespace, count)
+    pipe.hmget(name, list(counts))
+    results: list[Any] = await pipe.execute()
+    recorded = results[-1]
+    wrong = [
+        f"namespace {ns!r}: hot.replicas = {count} here, {int(seen)} recorded"
+        for (ns, count), seen in zip(counts.items(), recorded, strict=True)
+        if seen is not None and int(seen) != count
+    ]
+    if wrong:
+        raise ReplicaCountMismatch(
+            "; ".join(wrong)
+            + f" in {name} by the processes sharing this Redis and prefix. Every cache"
+            " instance and the daemon must use the same count (0 = no hot section), or"
+            " invalidations leave replicas behind. To change it, see docs/hotkeys.md"
+            ' ("Changing hot.replicas").'
+        )
 
 
 def delete_phases(key: str, replicas: int) -> tuple[list[str], list[str]]:

@@ -86,12 +86,15 @@ class L1Cache:
         if ttl <= 0:
             return False
         with self._lock:
-            if read_seq is not None and (
-                read_seq < self._floor or self._tombstones.get(key, -1) > read_seq
-            ):
+            if read_seq is not None and self.invalidated_since(key, read_seq):
                 return False
             self._entries[key] = (value, self._timer() + ttl)
         return True
+
+    def invalidated_since(self, key: str, read_seq: int) -> bool:
+        """Whether ``key`` was invalidated (or L1 cleared) after ``begin_read`` returned
+        ``read_seq``."""
+        return read_seq < self._floor or self._tombstones.get(key, -1) > read_seq
 
     def discard(self, keys: Iterable[str]) -> None:
         """Drop keys and tombstone them so in-flight fills of them are discarded."""

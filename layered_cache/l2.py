@@ -27,11 +27,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as redis
+import structlog
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from layered_cache.breaker import CircuitBreaker
 from layered_cache.config import RedisConfig
@@ -96,6 +107,31 @@ REDIS_FAILURES = (
     asyncio.TimeoutError,
     AttributeError,
 )
+# Error replies that speak for the whole node (a replica after failover, out of memory,
+# cluster down, a resharding in progress, ...): they count against the breaker like a
+# timeout. Every other error reply (WRONGTYPE, a script error) is about one key: the node
+# answered, so it is no reason to skip Redis for every other key.
+_NODE_REPLIES = (
+    ReadOnlyError,
+    OutOfMemoryError,
+    ClusterDownError,
+    TryAgainError,
+    AskError,
+    NoScriptError,
+)
+_NODE_REPLY_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "NOAUTH", "OOM", "READONLY")
+
+
+def is_key_error(exc: BaseException) -> bool:
+    """Whether a Redis error is about one key (the node is fine), not about the node."""
+    return (
+        isinstance(exc, ResponseError)
+        and not isinstance(exc, _NODE_REPLIES)
+        and not str(exc).startswith(_NODE_REPLY_PREFIXES)
+    )
+
+
+_log = structlog.get_logger("layered_cache.l2")
 _PLAN_TTL = 30.0  # seconds a per-key replica placement plan is trusted
 _MAX_PLANS = 4096
 
@@ -153,9 +189,10 @@ def make_node_client(client: RedisClient, config: RedisConfig) -> redis.Redis:
     cluster client knows no nodes before its first command, and a lost notification only
     costs a waiter its jittered re-read, so no node discovery is needed here.)"""
     del client  # same URL either way; kept for callers that pass the main client
-    kwargs = _client_kwargs(config)
-    kwargs["socket_timeout"] = None  # pub/sub reads block by design
-    return redis.Redis.from_url(config.url, **kwargs)
+    # socket_timeout stays ``redis.timeout``: it bounds the connect handshake and every
+    # command a waiter sends (SUBSCRIBE/UNSUBSCRIBE) on a hung Redis. The reader's
+    # ``get_message(timeout=...)`` passes its own read timeout, which overrides it.
+    return redis.Redis.from_url(config.url, **_client_kwargs(config))
 
 
 class L2Store:
@@ -170,6 +207,7 @@ class L2Store:
         # timer) instead of opening a connection per waiting request.
         self.slots = asyncio.Semaphore(max_in_flight)
         self.node_breakers: dict[str, CircuitBreaker] = {}
+        self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures
         self.cluster = isinstance(client, RedisCluster)
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
@@ -205,8 +243,15 @@ class L2Store:
             async with self.slots:
                 result = await operation
         except REDIS_FAILURES as exc:
-            breaker.failure(exc)
+            if is_key_error(exc):
+                breaker.success()  # the node answered: not a node failure
+                self.key_errors += 1
+            else:
+                breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            breaker.abandon()  # cancelled: a probe must not stay in flight forever
+            raise
         breaker.success()
         return result
 
@@ -262,9 +307,24 @@ class L2Store:
         try:
             async with self.slots:
                 result = await self.client.get(name)
+        except ResponseError as exc:
+            if not is_key_error(exc):
+                breaker.failure(exc)
+                raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+            # WRONGTYPE & co: this key is unusable, the node is fine. A miss: the
+            # next fill's SET overwrites a value of any type and repairs the key.
+            breaker.success()
+            self.key_errors += 1
+            _log.warning("l2_key_error", key=name, error=str(exc))
+            return None
         except REDIS_FAILURES as exc:
             breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            # Cancelled (client timeout/disconnect). Free: try/except costs nothing
+            # until something is raised (zero-cost exceptions, CPython 3.11+).
+            breaker.abandon()
+            raise
         breaker.success()
         return result  # type: ignore[return-value]  # bytes: decode_responses is off
 

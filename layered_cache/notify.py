@@ -59,15 +59,22 @@ class FillNotifier:
         the subscription so that a re-read after it cannot miss a fill in between."""
         sub = _Subscription(channel)
         try:
-            await self._add(sub)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(sub.confirmed.wait(), confirm_timeout)
+            # One bound for connecting, SUBSCRIBE and its confirmation: a waiter must
+            # never wait on pub/sub longer than it would re-read L2 (the socket timeout
+            # bounds each step too; this bounds their sum).
+            async with asyncio.timeout(confirm_timeout):
+                await self._add(sub)
+                await sub.confirmed.wait()
+        except TimeoutError:
+            _log.debug("fill_subscribe_timeout", channel=channel)
         except REDIS_FAILURES as exc:
             _log.debug("fill_subscribe_failed", error=type(exc).__name__)
         try:
             yield sub
         finally:
-            await self._remove(sub)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(confirm_timeout):
+                    await self._remove(sub)
 
     async def _add(self, sub: _Subscription) -> None:
         async with self._lock:
@@ -76,7 +83,13 @@ class FillNotifier:
             if len(waiters) > 1:
                 sub.confirmed.set()
                 return
-            await self._pubsub.subscribe(sub.channel)
+            try:
+                await self._pubsub.subscribe(sub.channel)
+            except asyncio.CancelledError:
+                # Timed out mid-connect or mid-command: the connection's state is
+                # unknown (a half-read handshake), so it is not reused.
+                await self._reset()
+                raise
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="layered_cache.notify")
 
@@ -88,8 +101,19 @@ class FillNotifier:
             if waiters:
                 return
             self._waiters.pop(sub.channel, None)
-            with contextlib.suppress(*REDIS_FAILURES):
-                await self._pubsub.unsubscribe(sub.channel)
+            try:
+                with contextlib.suppress(*REDIS_FAILURES):
+                    await self._pubsub.unsubscribe(sub.channel)
+            except asyncio.CancelledError:
+                await self._reset()  # timed out mid-command: don't reuse the connection
+                raise
+
+    async def _reset(self) -> None:
+        """Replace the pub/sub connection. Other waiters' subscriptions are lost with it;
+        they fall back to their jittered re-reads (a lost message costs no more)."""
+        old, self._pubsub = self._pubsub, self._client.pubsub()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(old.aclose(), 0.1)  # type: ignore[no-untyped-call]
 
     async def _read(self) -> None:
         while self._waiters or self._pubsub.subscribed:
@@ -97,7 +121,7 @@ class FillNotifier:
                 message = await self._pubsub.get_message(
                     ignore_subscribe_messages=False, timeout=1.0
                 )
-            except REDIS_FAILURES as exc:
+            except (*REDIS_FAILURES, RuntimeError) as exc:  # RuntimeError: reset, no connection yet
                 _log.debug("fill_notifier_read_failed", error=type(exc).__name__)
                 await asyncio.sleep(0.1)
                 continue

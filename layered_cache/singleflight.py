@@ -35,6 +35,10 @@ class SingleFlight(Generic[T]):
         an invalidation: a load that began before it may return the old value)."""
         self._calls.pop(key, None)
 
+    def forget_all(self) -> None:
+        """``forget`` every key (the backplane lost track: every load may be outdated)."""
+        self._calls.clear()
+
     async def do(self, key: str, fn: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
         """Returns ``(result, shared)``; ``shared`` is True for callers that joined."""
         while (future := self._calls.get(key)) is not None:

@@ -76,7 +76,8 @@ class LeaseWaiter:
         deadline = self._clock() + max_wait
         if self._notifier is None:
             return await self._poll(key, lease, lease_ttl, retry, deadline, usable)
-        async with self._notifier.subscribe(fill_channel(key), retry[1]) as sub:
+        # Subscribing is bounded like one silent pause (and never past max_wait).
+        async with self._notifier.subscribe(fill_channel(key), min(retry[1], max_wait)) as sub:
             # Re-read once the subscription is confirmed: a fill that landed between our
             # lost SET NX and the SUBSCRIBE would otherwise go unnoticed.
             data = await self._l2.get(key)

@@ -43,7 +43,7 @@ from layered_cache.daemon.health import HealthServer
 from layered_cache.daemon.kafka import consumer_kwargs, producer_kwargs
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.events import EventDecoder, PoisonEvent, Target, unique_targets
-from layered_cache.invalidation import Invalidator
+from layered_cache.invalidation import Invalidator, check_replica_counts, replica_counts
 from layered_cache.l2 import REDIS_FAILURES, L2Store, L2Unavailable, RedisClient, make_client
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
@@ -169,6 +169,7 @@ class Daemon:
             config.redis, timeout=Duration(max(config.redis.timeout, _MIN_REDIS_TIMEOUT))
         )
         self._redis = make_client(redis_config)
+        await _check_replicas(self._redis, config)  # refuses a fleet-inconsistent config
         breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
         publisher = None
         if config.backplane.enabled:
@@ -475,6 +476,15 @@ class Daemon:
             "partitions": _names(self.assignment),
             **msgspec.structs.asdict(self.stats),
         }
+
+
+async def _check_replicas(client: RedisClient, config: Config) -> None:
+    """Raise ReplicaCountMismatch if this config's hot.replicas differ from the fleet's:
+    the daemon would leave replicas behind. Redis unreachable: start unchecked."""
+    try:
+        await check_replica_counts(client, config.redis.prefix, replica_counts(config))
+    except REDIS_FAILURES as exc:
+        _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
 
 def _names(partitions: set[TopicPartition]) -> list[str]:

@@ -21,6 +21,7 @@ import structlog
 
 from layered_cache.config import Config, ConfigError, load_config
 from layered_cache.daemon.core import Daemon, DaemonStartError
+from layered_cache.invalidation import ReplicaCountMismatch
 from layered_cache.logs import FORMAT_ENV, configure_logging, mask_url_credentials
 
 __all__ = ["build_parser", "main"]
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace, prog: str = "layered-cache daemon") -> int:
         return _error(prog, f"config error: {exc}")
     try:
         asyncio.run(_serve(daemon))
-    except DaemonStartError as exc:
+    except (DaemonStartError, ReplicaCountMismatch) as exc:
         return _error(prog, str(exc))
     except Exception:
         structlog.get_logger("layered_cache.daemon").exception("daemon_crashed")

@@ -1,0 +1,523 @@
+"""Invalidation wins everywhere (issue 12): each scenario forces one interleaving that
+once let a superseded copy outlive an invalidation (or switched Redis off), against a
+real Redis. Interleavings are forced from the test side: loaders that wait on an
+``asyncio.Event`` and wrappers around the store's methods, never production hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import decimal
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+from redis.asyncio.cluster import RedisCluster
+
+from layered_cache import LayeredCache, ReplicaCountMismatch
+from layered_cache.invalidation import replica_record_name
+from layered_cache.l1 import MISSING
+from tests.faults.proxy import ToxicProxy
+from tests.helpers import CountingLoader, eventually, make_config
+from tests.servers import RedisServer
+
+
+async def test_cancelled_half_open_probe_does_not_stick_the_breaker(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    config = make_config(redis_server.url, prefix, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        redis_server.pause()  # hung: every command times out (200 ms)
+        try:
+            for _ in range(2):
+                await cache.get("book", {"id": 1})
+            assert cache.breaker.state == "open"
+            await asyncio.sleep(0.35)  # past reset: the next request is the probe
+            assert cache.breaker.state == "half_open"
+            # The probe's caller goes away (client timeout) while Redis hangs.
+            probe = asyncio.ensure_future(cache.get("book", {"id": 1}))
+            await asyncio.sleep(0.05)
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+        finally:
+            redis_server.resume()
+        await cache.set("book", {"id": 2}, "v2")  # raised L2Unavailable forever before
+        await cache.invalidate("book", {"id": 2})
+        loader = CountingLoader("db")
+        for _ in range(5):
+            cache.policy("book").l1.clear()  # type: ignore[union-attr]
+            assert await cache.get_or_load("book", {"id": 3}, loader) == "db"
+        assert loader.calls == 1  # later reads were L2 hits, not loads
+        assert cache.breaker.state == "closed"
+
+
+async def test_wrong_type_key_is_a_miss_that_the_next_fill_repairs(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    admin = redis.Redis.from_url(redis_url)
+    await admin.rpush(f"{prefix}book:666", "not", "a", "string")
+    loader = CountingLoader("db")
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "healthy")
+        for _ in range(5):  # failures=2 opened the instance-wide breaker before
+            assert await cache.get_or_load("book", {"id": 666}, loader) == "db"
+            assert await cache.get("book", {"id": 1}) == "healthy"
+        stats = cache.stats()
+    assert stats["_redis"]["breaker"] == "closed"
+    assert await admin.type(f"{prefix}book:666") == b"string"  # the fill overwrote it
+    assert loader.calls == 1  # the repaired key served the later reads from L2
+    assert stats["book"]["l2_hit"] == 5 + 4
+    await admin.aclose()
+
+
+class Gate:
+    """Wraps an async method: callers block after (or before) the real call until
+    ``release()``; ``entered`` tells the test a caller got there."""
+
+    def __init__(self, method: Any, *, after: bool = False) -> None:
+        self.method = method
+        self.after = after
+        self.entered = asyncio.Event()
+        self.opened = asyncio.Event()
+
+    def release(self) -> None:
+        self.opened.set()
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.after:
+            self.entered.set()
+            await self.opened.wait()
+            return await self.method(*args, **kwargs)
+        result = await self.method(*args, **kwargs)
+        self.entered.set()
+        await self.opened.wait()
+        return result
+
+
+HOT = {"book": {"key": "book:{id}", "hot": {"replicas": 4, "keys": ["book:1"]}}}
+
+
+async def test_set_revokes_a_hot_fill_in_flight_from_every_replica(
+    redis_url: str, prefix: str
+) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    await _set_during_hot_fill(make_config(redis_url, prefix, HOT), admin)
+    await admin.aclose()
+
+
+async def test_set_revokes_a_hot_fill_in_flight_from_every_replica_in_a_cluster(
+    redis_cluster: Any, prefix: str
+) -> None:
+    config = make_config(redis_cluster.url, prefix, HOT, redis={"cluster": True, "timeout": "1s"})
+    admin = RedisCluster.from_url(redis_cluster.url)
+    await _set_during_hot_fill(config, admin)
+    await admin.aclose()
+
+
+async def _set_during_hot_fill(config: Any, admin: Any) -> None:
+    prefix = config.redis.prefix
+    async with (
+        LayeredCache.from_config(config) as filler,
+        LayeredCache.from_config(config) as writer,
+    ):
+        gate = Gate(filler.l2.fill_replicas)
+        filler.l2.fill_replicas = gate  # type: ignore[method-assign]
+        # The fill passed its base-lease check and wrote the base key; its replica
+        # writes are still to come when set() runs.
+        load = asyncio.ensure_future(filler.get_or_load("book", {"id": 1}, CountingLoader("old")))
+        await asyncio.wait_for(gate.entered.wait(), 5)
+        await writer.set("book", {"id": 1}, "new")
+        gate.release()
+        assert await load == "old"  # its caller may have it: it read before the set
+        codec = writer.policy("book").codec
+        for index in range(4):
+            data = await admin.get(f"{prefix}book:1#{index}")
+            assert data is None or codec.decode(data).value == "new", index
+        assert codec.decode(await admin.get(f"{prefix}book:1")).value == "new"
+
+
+async def _backplane_delivered(cache: LayeredCache, seen: int) -> None:
+    backplane = cache.backplane
+    assert backplane is not None
+    assert await eventually(lambda: backplane.entries_seen > seen, interval=0.005)
+
+
+async def test_set_does_not_fill_l1_after_a_remote_invalidation_overtook_it(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        gate = Gate(local.l2.set_many, after=True)
+        local.l2.set_many = gate  # type: ignore[method-assign]
+        writing = asyncio.ensure_future(local.set("book", {"id": 1}, "ours"))
+        await asyncio.wait_for(gate.entered.wait(), 5)  # L2 written, L1 not yet
+        seen = local.backplane.entries_seen
+        await remote.invalidate("book", {"id": 1})
+        await _backplane_delivered(local, seen)
+        gate.release()
+        await writing
+        # The invalidation came after our write: no copy of "ours" may be served.
+        assert await local.get("book", {"id": 1}) is None
+
+
+class GatedLoader:
+    """A loader that blocks until ``release()``, then returns ``value`` (or raises)."""
+
+    def __init__(self, value: Any = "fresh", error: Exception | None = None) -> None:
+        self.value = value
+        self.error = error
+        self.started = asyncio.Event()
+        self.opened = asyncio.Event()
+        self.calls = 0
+
+    def release(self) -> None:
+        self.opened.set()
+
+    async def __call__(self) -> Any:
+        self.calls += 1
+        self.started.set()
+        await self.opened.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+STALE = {
+    "book": {
+        "key": "book:{id}",
+        "l2": {"ttl": "200ms", "jitter": 0},
+        "stale": {"max_age": "1m"},
+        "stampede": {"load_timeout": "50ms"},
+    }
+}
+
+
+async def test_load_timeout_background_fill_does_not_fill_l1_after_an_invalidation(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, STALE)
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        await remote.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)  # past the soft expiry: stale, within stale.max_age
+        gate = Gate(local.l2.fill, after=True)
+        local.l2.fill = gate  # type: ignore[method-assign]
+        loader = GatedLoader("fresh")
+        # Slow loader: the caller gets the stale value, the load goes on in background.
+        assert await local.get_or_load("book", {"id": 1}, loader) == "stale"
+        loader.release()
+        await asyncio.wait_for(gate.entered.wait(), 5)  # L2 filled, L1 not yet
+        seen = local.backplane.entries_seen
+        await remote.invalidate("book", {"id": 1})
+        await _backplane_delivered(local, seen)
+        gate.release()
+        await asyncio.sleep(0.05)
+        assert await local.get("book", {"id": 1}) is None
+
+
+async def test_callers_after_a_remote_invalidation_do_not_join_the_older_load(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        old_load = GatedLoader("old")
+        first = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, old_load))
+        await asyncio.wait_for(old_load.started.wait(), 5)
+        seen = local.backplane.entries_seen
+        await remote.invalidate("book", {"id": 1})  # e.g. the daemon: via the backplane
+        await _backplane_delivered(local, seen)
+        later = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, CountingLoader("new")))
+        await asyncio.sleep(0.05)
+        old_load.release()
+        assert await first == "old"  # began before the invalidation: allowed
+        assert await later == "new"
+        assert await local.get("book", {"id": 1}) == "new"
+        assert await remote.get("book", {"id": 1}) == "new"
+
+
+def _stale_config(redis_url: str, prefix: str, load_timeout: str | None = None) -> Any:
+    book: dict[str, Any] = {**STALE["book"], "stampede": {}}
+    if load_timeout is not None:
+        book["stampede"] = {"load_timeout": load_timeout}
+    return make_config(redis_url, prefix, {"book": book})
+
+
+async def test_loader_failure_after_an_invalidation_does_not_serve_the_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    async with (
+        LayeredCache.from_config(_stale_config(redis_url, prefix)) as local,
+        LayeredCache.from_config(_stale_config(redis_url, prefix)) as remote,
+    ):
+        await remote.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)  # past the soft expiry, within stale.max_age
+        loader = GatedLoader(error=RuntimeError("database down"))
+        reading = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, loader))
+        await asyncio.wait_for(loader.started.wait(), 5)  # it has read the stale value
+        await remote.invalidate("book", {"id": 1})
+        loader.release()
+        with pytest.raises(RuntimeError, match="database down"):
+            await reading  # served the invalidated "stale" before
+
+
+async def test_lease_waiter_does_not_fall_back_to_an_invalidated_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    config = _stale_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as waiter,
+        LayeredCache.from_config(config) as winner,
+    ):
+        await winner.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)
+        slow = GatedLoader("fresh")
+        winning = asyncio.ensure_future(winner.get_or_load("book", {"id": 1}, slow))
+        await asyncio.wait_for(slow.started.wait(), 5)  # holds the lease
+        failing = GatedLoader(error=RuntimeError("database down"))
+        waiting = asyncio.ensure_future(waiter.get_or_load("book", {"id": 1}, failing))
+        await asyncio.sleep(0.1)  # read the stale value, lost the lease, waits
+        await winner.invalidate("book", {"id": 1})
+        failing.release()
+        with pytest.raises(RuntimeError, match="database down"):
+            await waiting
+        slow.release()
+        assert await winning == "fresh"
+
+
+async def test_load_timeout_does_not_serve_an_invalidated_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    config = _stale_config(redis_url, prefix, load_timeout="300ms")
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        await remote.set("book", {"id": 1}, "stale")
+        await asyncio.sleep(0.3)
+        loader = GatedLoader("fresh")
+        reading = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, loader))
+        await asyncio.wait_for(loader.started.wait(), 5)
+        await remote.invalidate("book", {"id": 1})  # before load_timeout fires
+        await asyncio.sleep(0.4)  # load_timeout passed: "stale" was served here before
+        assert not reading.done()
+        loader.release()
+        assert await reading == "fresh"
+
+
+@pytest.fixture
+async def proxy(redis_url: str) -> AsyncIterator[ToxicProxy]:
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    toxic = await ToxicProxy("127.0.0.1", port).start()
+    yield toxic
+    await toxic.stop()
+
+
+@pytest.mark.parametrize("emptied_by", ["DEL", "XTRIM MAXLEN 0"])
+async def test_stream_emptied_while_disconnected_clears_l1_on_reconnect(
+    redis_url: str, prefix: str, proxy: ToxicProxy, emptied_by: str
+) -> None:
+    backplane = {"block": "200ms"}
+    local_config = make_config(proxy.url, prefix, backplane=backplane)
+    config = make_config(redis_url, prefix, backplane=backplane)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(local_config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local.backplane is not None
+        await remote.invalidate("book", {"id": 0})  # the stream exists, local saw it
+        assert await local.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        proxy.mode = "blackhole"
+        proxy.cut()  # local is disconnected (and can't reconnect) from here
+        await asyncio.sleep(0.3)
+        await remote.invalidate("book", {"id": 1})  # local misses this entry...
+        stream = remote.config.redis.prefix + remote.config.backplane.stream
+        if emptied_by == "DEL":  # ... and the stream forgets it
+            await admin.delete(stream)
+        else:
+            await admin.xtrim(stream, maxlen=0)
+        proxy.mode = "pass"
+        l1 = local.policy("book").l1
+        assert l1 is not None
+        assert await eventually(lambda: l1.get(f"{prefix}book:1") is MISSING, timeout=8)
+        assert local.backplane.gaps >= 1
+    await admin.aclose()
+
+
+async def test_lease_waiter_connecting_to_a_hung_redis_waits_at_most_max_wait(
+    redis_url: str, prefix: str, proxy: ToxicProxy
+) -> None:
+    book = {"key": "book:{id}", "stampede": {"max_wait": "1s"}}
+    hung = {"timeout": "100ms", "connect_timeout": "100ms", "breaker": {"failures": 100}}
+    waiter_config = make_config(
+        proxy.url, prefix, {"book": book}, redis=hung, backplane={"enabled": False}
+    )
+    config = make_config(redis_url, prefix, {"book": book})
+    async with (
+        LayeredCache.from_config(waiter_config) as waiter,
+        LayeredCache.from_config(config) as winner,
+    ):
+        slow = GatedLoader("winner's")
+        winning = asyncio.ensure_future(winner.get_or_load("book", {"id": 1}, slow))
+        await asyncio.wait_for(slow.started.wait(), 5)  # holds the lease
+        acquire = waiter.l2.acquire_lease
+
+        async def lose_then_hang(*args: Any) -> bool:
+            won: bool = await acquire(*args)
+            proxy.mode = "blackhole"  # Redis hangs right when the waiter subscribes
+            return won
+
+        waiter.l2.acquire_lease = lose_then_hang  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        value = await asyncio.wait_for(
+            waiter.get_or_load("book", {"id": 1}, CountingLoader("own")), 10
+        )
+        elapsed = loop.time() - started
+        assert value == "own"
+        assert elapsed < 1.3, elapsed  # max_wait 1 s (took 6 s and more before)
+        proxy.mode = "pass"
+        slow.release()
+        await winning
+
+
+@dataclasses.dataclass
+class Edition:
+    isbn: uuid.UUID
+    price: decimal.Decimal
+    published: datetime.date
+    formats: tuple[str, ...]
+    tags: set[str]
+
+
+async def test_a_call_returns_the_same_type_from_loader_l1_and_l2(
+    redis_url: str, prefix: str
+) -> None:
+    """No value_types declared: every layer returns what L2 decodes to."""
+    edition = Edition(
+        uuid.uuid4(),
+        decimal.Decimal("9.90"),
+        datetime.date(2026, 1, 2),
+        ("paper", "ebook"),
+        {"scifi"},
+    )
+    config = make_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config) as first,
+        LayeredCache.from_config(config) as second,
+    ):
+        loaded = await first.get_or_load("book", {"id": 1}, CountingLoader(edition))
+        from_l1 = await first.get_or_load("book", {"id": 1}, CountingLoader(edition))
+        from_l2 = await second.get_or_load("book", {"id": 1}, CountingLoader(edition))
+        assert first.stats()["book"]["l1_hit"] == 1
+        assert second.stats()["book"]["l2_hit"] == 1
+        await first.set("book", {"id": 2}, edition)
+        after_set = await first.get("book", {"id": 2})  # L1
+    expected = {
+        "isbn": str(edition.isbn),
+        "price": "9.90",
+        "published": "2026-01-02",
+        "formats": ["paper", "ebook"],
+        "tags": ["scifi"],
+    }
+    for value in (loaded, from_l1, from_l2, after_set):
+        assert value == expected
+        assert [type(v) for v in value.values()] == [str, str, str, list, list]
+
+
+async def test_instance_with_another_replica_count_refuses_to_start(
+    redis_url: str, prefix: str
+) -> None:
+    hot = make_config(redis_url, prefix, HOT)  # book: 4 replicas
+    plain = make_config(redis_url, prefix)  # book: no hot section = 0 replicas
+    async with LayeredCache.from_config(hot) as first:
+        await first.set("book", {"id": 1}, "v")
+        with pytest.raises(ReplicaCountMismatch, match=r"'book': hot.replicas = 0 here, 4"):
+            async with LayeredCache.from_config(plain):
+                pass
+        async with LayeredCache.from_config(hot) as same:  # same count: starts
+            assert await same.get("book", {"id": 1}) == "v"
+    admin = redis.Redis.from_url(redis_url)
+    assert await admin.hgetall(replica_record_name(prefix)) == {b"book": b"4"}
+    await admin.aclose()
+
+
+async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
+    redis_url: str, prefix: str, proxy: ToxicProxy
+) -> None:
+    """The listener creates the stream at start, so "no stream" after a blip means it
+    was deleted (a gap), not "nothing was invalidated yet" (no reason to clear L1)."""
+    config = make_config(proxy.url, prefix, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as cache:
+        backplane = cache.backplane
+        assert backplane is not None
+        await asyncio.wait_for(backplane.connected.wait(), 5)
+        assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        proxy.mode = "blackhole"  # a blip long enough to be seen
+        proxy.cut()
+        assert await eventually(lambda: not backplane.connected.is_set())
+        proxy.mode = "pass"
+        assert await eventually(backplane.connected.is_set)
+        await asyncio.sleep(0.3)
+        assert backplane.gaps == 0
+        assert cache.policy("book").l1.get(f"{prefix}book:1") == "v1"  # type: ignore[union-attr]
+
+
+async def test_daemon_with_another_replica_count_refuses_to_start(
+    redis_url: str, prefix: str
+) -> None:
+    from consumers.daemon import Daemon
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, HOT)):
+        pass  # the fleet recorded book: 4 replicas
+    daemon = Daemon(make_config(redis_url, prefix))  # book without hot keys: 0
+    with pytest.raises(ReplicaCountMismatch, match=r"'book': hot.replicas = 0 here, 4"):
+        await daemon.run()  # refused before it connects to Kafka
+
+
+@pytest.mark.parametrize("l1", [True, False])
+async def test_load_that_began_during_a_set_is_not_served_after_it(
+    redis_url: str, prefix: str, l1: bool
+) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": l1}})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "old")
+        if cache.policy("book").l1 is not None:
+            cache.policy("book").l1.clear()  # type: ignore[union-attr]
+        write = Gate(cache.l2.set_many)  # set() has begun, its write not sent yet
+        cache.l2.set_many = write  # type: ignore[method-assign]
+        setting = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
+        await asyncio.wait_for(write.entered.wait(), 5)
+        read = Gate(cache.l2.get, after=True)  # a load reads "old", resumes late
+        cache.l2.get = read  # type: ignore[method-assign]
+        reading = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, CountingLoader()))
+        await asyncio.wait_for(read.entered.wait(), 5)
+        cache.l2.get = read.method  # type: ignore[method-assign]
+        write.release()
+        await setting
+        # set() returned: a caller now must not join the load that read "old" ...
+        later = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, CountingLoader()))
+        await asyncio.sleep(0.05)
+        read.release()
+        assert await reading == "old"  # it began before the set() returned: allowed
+        assert await later == "new"
+        # ... and that load's L1 fill, landing after the set(), is refused.
+        assert await cache.get("book", {"id": 1}) == "new"
