@@ -232,11 +232,11 @@ async def test_key_read_steadily_across_expiry_is_refreshed_once_before_it(
         return await loader()
 
     admin = redis.Redis.from_url(redis_url)
-    # XFetch's draw fixed at 0.1: a refresh starts when the remaining life is at most
+    # XFetch draw fixed (1 - 0.9 = 0.1): a refresh starts when the remaining life is at most
     # delta * -ln(0.1) = 0.46 s (delta: the 0.2 s load). With random draws a second
     # early refresh inside the 2.6 s window happens by chance in some runs; the
     # formula's distribution has its own tests (test_xfetch*).
-    async with LayeredCache.from_config(config, rand=lambda: 0.1) as cache:
+    async with LayeredCache.from_config(config, rand=lambda: 0.9) as cache:
         start = time.monotonic()
         await cache.get_or_load("book", {"id": 1}, timed_loader)
         raw = await admin.get(f"{prefix}book:1")
