@@ -5,6 +5,7 @@
     layered-cache invalidate NAMESPACE field=value ... --config FILE
     layered-cache hotkeys --config FILE [--json]
     layered-cache warm NAMESPACE --from FILE.jsonl --config FILE [--concurrency N]
+                       [--start-line K]
     layered-cache bench [ARGS...]
 
 Bad input (config, unknown namespace, missing/unknown/unsafe field, unreadable file,
@@ -20,13 +21,14 @@ import contextlib
 import importlib.util
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import msgspec
 
@@ -49,10 +51,20 @@ from layered_cache.l2 import L2Unavailable
 from layered_cache.logs import configure_logging
 from layered_cache.policy import Policy
 from layered_cache.redact import redact, redact_data, redact_url
+from layered_cache.warm import (
+    STOPPED_BY_SIGINT,
+    JsonlReader,
+    Progress,
+    Warmer,
+    WarmReport,
+    file_size,
+)
 
 __all__ = ["CliError", "build_parser", "main", "parse_fields"]
 
+EXIT_PARTIAL = 1  # warm: finished, but some entries failed (listed on stderr)
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 _INT = re.compile(r"-?[1-9][0-9]*|0")
 
 
@@ -479,110 +491,100 @@ def cmd_hotkeys(args: argparse.Namespace, out: TextIO) -> int:
 # -- warm --------------------------------------------------------------------------------
 
 
-class Progress:
-    """A one-line progress bar on a stream, redrawn at most 10 times a second."""
-
-    def __init__(self, total: int, label: str, stream: TextIO, width: int = 30) -> None:
-        self.total = total
-        self.label = label
-        self.stream = stream
-        self.width = width
-        self.done = 0
-        self._drawn = 0.0
-        self._started = time.monotonic()
-
-    def advance(self, count: int = 1) -> None:
-        self.done += count
-        now = time.monotonic()
-        if now - self._drawn >= 0.1 or self.done >= self.total:
-            self._drawn = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        fraction = self.done / self.total if self.total else 1.0
-        filled = int(fraction * self.width)
-        rate = self.done / max(now - self._started, 1e-6)
-        self.stream.write(
-            f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
-            f"{self.done}/{self.total} {fraction:4.0%} {rate:,.0f}/s"
-        )
-        self.stream.flush()
-
-    def finish(self) -> None:
-        self._draw(time.monotonic())
-        self.stream.write("\n")
-        self.stream.flush()
+class WarmArgs(msgspec.Struct, frozen=True):
+    namespace: str
+    path: str
+    concurrency: int
+    start_line: int
 
 
-def read_warm_file(path: str, policy: Policy) -> list[tuple[dict[str, object], Any]]:
-    """Parse and validate every line first: a bad line fails before anything is written."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-    entries: list[tuple[dict[str, object], Any]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CliError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
-        if not isinstance(record, dict) or "key" not in record or "value" not in record:
-            raise CliError(f'{path}:{number}: expected {{"key": {{...}}, "value": ...}}')
-        fields = record["key"]
-        if not isinstance(fields, dict):
-            raise CliError(f"{path}:{number}: key must be an object of key fields")
-        try:
-            _build_key(policy, fields)
-        except CliError as exc:
-            raise CliError(f"{path}:{number}: {exc}") from None
-        entries.append((fields, record["value"]))
-    return entries
+def _without_l1(config: Config) -> Config:
+    """The config with every L1 off: a CLI process exits right after warming, so an L1
+    copy of each value would only cost memory (up to ``max_entries`` values)."""
+    namespaces = {
+        name: msgspec.structs.replace(ns, l1=False) for name, ns in config.namespaces.items()
+    }
+    return msgspec.structs.replace(config, namespaces=namespaces)
 
 
-async def _warm(
-    config: Config, namespace: str, path: str, concurrency: int, stream: TextIO
-) -> tuple[int, int]:
-    async with _connected(config) as cache:
-        policy = _policy(cache, namespace)
+async def _warm(config: Config, args: WarmArgs, source: BinaryIO, stream: TextIO) -> WarmReport:
+    async with _connected(_without_l1(config)) as cache:
+        policy = _policy(cache, args.namespace)
         if not policy.cache or not policy.l2:
             raise CliError(
-                f"namespace {namespace!r} has no L2 (cache or l2 is off): nothing to warm"
+                f"namespace {args.namespace!r} has no L2 (cache or l2 is off): nothing to warm"
             )
-        entries = read_warm_file(path, policy)
-        progress = Progress(len(entries), f"warm {namespace}", stream)
-        not_cached_before = policy.stats.not_cached
-        queue = iter(entries)
+        reader = JsonlReader(source, policy, args.start_line)
+        progress = Progress(file_size(source), f"warm {args.namespace}", stream)
+        warmer = Warmer(cache, policy, reader, args.concurrency, progress)
+        with _on_sigint(warmer.interrupt):
+            try:
+                return await warmer.run()
+            except OSError as exc:  # a read error halfway (e.g. a vanished mount)
+                progress.finish()
+                raise CliError(f"{args.path}: cannot read: {exc.strerror or exc}") from None
 
-        async def worker() -> None:
-            for fields, value in queue:  # the shared iterator hands each entry out once
-                await cache.set(namespace, fields, value)  # jittered TTL, replicas if hot
-                progress.advance()
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                for _ in range(max(1, min(concurrency, len(entries)))):
-                    group.create_task(worker())
-        except* L2Unavailable as errors:
-            raise CliError(
-                f"Redis failed after {progress.done} of {len(entries)} entries: "
-                f"{redact(str(errors.exceptions[0]))}"
-            ) from None
-        progress.finish()
-        return len(entries), policy.stats.not_cached - not_cached_before
+@contextlib.contextmanager
+def _on_sigint(handler: Callable[[], None]) -> Iterator[None]:
+    """Route SIGINT to ``handler`` inside the loop instead of raising KeyboardInterrupt
+    into whichever task happens to run (which loses the summary and leaves tasks whose
+    exception nobody retrieves)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, handler)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, Windows
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _warm_summary(report: WarmReport, args: WarmArgs, out: TextIO) -> None:
+    read = "read so far" if report.stopped_by is not None else ""
+    line = f"warmed {report.warmed} of {report.read} {args.namespace} entries {read}".rstrip()
+    if report.failed:
+        line += f"; {report.failed} failed"
+    if report.not_cached:
+        line += f"; {report.not_cached} not cached by set() (see the log)"
+    out.write(line + "\n")
+    if report.resume_line is not None:
+        out.write(
+            f"stopped at line {report.resume_line} ({report.stopped_by}); every entry before "
+            f"it is warmed or listed as failed. Resume with --start-line {report.resume_line}\n"
+        )
+
+
+def _warm_failures(report: WarmReport, path: str, err: TextIO) -> None:
+    for failure in report.failures:
+        err.write(redact(f"{path}:{failure.line}: {failure.reason}") + "\n")
+    hidden = report.failed - len(report.failures)
+    if hidden > 0:
+        err.write(f"... and {hidden} more failed line(s)\n")
 
 
 def cmd_warm(args: argparse.Namespace, out: TextIO) -> int:
     config = _load(args.config)
     if args.concurrency < 1:
         raise CliError("--concurrency must be >= 1")
-    total, skipped = asyncio.run(
-        _warm(config, args.namespace, args.source, args.concurrency, sys.stderr)
-    )
-    note = f" ({skipped} not cached: too large or not encodable)" if skipped else ""
-    out.write(f"warmed {total - skipped} of {total} {args.namespace} entries{note}\n")
-    return 0
+    if args.start_line < 1:
+        raise CliError("--start-line must be >= 1")
+    warm = WarmArgs(args.namespace, args.source, args.concurrency, args.start_line)
+    try:
+        source = open(warm.path, "rb")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise CliError(f"{warm.path}: cannot read: {exc.strerror or exc}") from None
+    with source:
+        report = asyncio.run(_warm(config, warm, source, sys.stderr))
+    _warm_failures(report, warm.path, sys.stderr)
+    _warm_summary(report, warm, out)
+    if report.stopped_by == STOPPED_BY_SIGINT:
+        return EXIT_INTERRUPTED
+    if report.stopped_by is not None:
+        return EXIT_ERROR
+    return EXIT_PARTIAL if report.failed or report.not_cached else 0
 
 
 # -- bench -------------------------------------------------------------------------------
@@ -641,6 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help='JSONL: one {"key": {...fields}, "value": ...} per line')  # fmt: skip
     warm.add_argument("--config", required=True, metavar="FILE")
     warm.add_argument("--concurrency", type=int, default=32, help="parallel writes (32)")
+    warm.add_argument("--start-line", type=int, default=1, metavar="K",
+                      help="skip the lines before K (resume where a stopped run said)")  # fmt: skip
     warm.set_defaults(handler=cmd_warm)
 
     bench = commands.add_parser("bench", help="run the benchmarks (python -m bench)")
@@ -666,4 +670,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"layered-cache: error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

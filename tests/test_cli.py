@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -294,7 +297,8 @@ def test_warm_fills_with_jittered_ttls_and_shows_progress(
     )
     assert result.returncode == 0, result.stderr
     assert "warmed 200 of 200 book entries" in result.stdout
-    assert "200/200" in result.stderr and "100%" in result.stderr  # the progress bar
+    assert "100%" in result.stderr and "200 warmed" in result.stderr  # the progress bar
+    assert result.stderr.endswith("\n")  # the progress line is terminated
     ttls = [admin.pttl(f"{prefix}book:{i}") / 1000 for i in range(200)]
     assert all(540 - 5 <= ttl <= 660 for ttl in ttls)
     assert max(ttls) - min(ttls) > 10  # jittered, not one expiry for all
@@ -305,31 +309,203 @@ def test_warm_fills_with_jittered_ttls_and_shows_progress(
     assert admin.exists(*(f"{prefix}book:1#{i}" for i in range(4))) == 4
 
 
-def test_warm_rejects_a_bad_line_before_writing_anything(
+def test_warm_reports_bad_lines_by_number_and_warms_the_rest(
     tmp_path: Path,
     redis_url: str,
     prefix: str,
     admin: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = str(write_config(tmp_path, redis_url, prefix))
+    big = '[namespaces.big]\nkey = "big:{id}"\nmax_value_bytes = 100\n'
+    config = str(write_config(tmp_path, redis_url, prefix, extra=big))
     source = tmp_path / "bad.jsonl"
-    source.write_text(
-        json.dumps({"key": {"id": 1}, "value": 1})
-        + "\n"
-        + json.dumps({"key": {"id": "a b"}, "value": 2})
-        + "\n"
-    )
-    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
-    err = capsys.readouterr().err
-    assert f"{source}:2:" in err and "'id'" in err and "not a safe key value" in err
-    assert admin.exists(f"{prefix}book:1") == 0
-    source.write_text("{not json\n")
-    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
-    assert f"{source}:1: not valid JSON" in capsys.readouterr().err
-    source.write_text('{"value": 1}\n')
-    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
-    assert '"key"' in capsys.readouterr().err
+    lines = [
+        json.dumps({"key": {"id": 1}, "value": 1}),
+        json.dumps({"key": {"id": "a b"}, "value": 2}),  # unsafe key value
+        "{not json",
+        '{"value": 1}',  # no key
+        json.dumps({"key": {"id": 5}, "value": "x" * 200}),  # too large for `big`
+        json.dumps({"key": {"id": 6}, "value": {"url": "redis://u:s3cretpw@h:1/0"}}),
+    ]
+    source.write_text("\n".join(lines) + "\n")
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 1
+    captured = capsys.readouterr()
+    assert "warmed 3 of 6 book entries; 3 failed" in captured.out
+    assert f"{source}:2:" in captured.err and "not a safe key value" in captured.err
+    assert f"{source}:3: not valid JSON" in captured.err
+    assert f"{source}:4: expected" in captured.err and '"key"' in captured.err
+    assert admin.exists(f"{prefix}book:1", f"{prefix}book:5", f"{prefix}book:6") == 3
+
+    assert main(["warm", "big", "--from", str(source), "--config", config]) == 1
+    captured = capsys.readouterr()
+    assert f"{source}:5: value too large" in captured.err
+    assert admin.exists(f"{prefix}big:5") == 0 and admin.exists(f"{prefix}big:6") == 1
+
+
+def test_warm_lists_only_the_first_failures_and_counts_the_rest(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    source = tmp_path / "junk.jsonl"
+    source.write_text("junk\n" * 25)
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("not valid JSON") == 10
+    assert "... and 15 more failed line(s)" in captured.err
+    assert "warmed 0 of 25 book entries; 25 failed" in captured.out
+
+
+def test_warm_start_line_skips_the_lines_before_it(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    source = generate(tmp_path / "books.jsonl", 10)
+    args = ["warm", "book", "--from", str(source), "--config", config, "--start-line", "4"]
+    assert main(args) == 0
+    assert "warmed 7 of 7 book entries" in capsys.readouterr().out
+    assert admin.exists(*(f"{prefix}book:{i}" for i in range(1, 4))) == 0
+    assert admin.exists(*(f"{prefix}book:{i}" for i in range(4, 11))) == 7
+
+
+# -- warm at size and under Ctrl-C -----------------------------------------------------
+
+
+def book_line(i: int, filler: int = 8) -> str:
+    """Line i of a generated file (line number == id, so the resume line maps to ids)."""
+    return json.dumps({"key": {"id": i}, "value": {"id": i, "title": f"title {i}" * filler}}) + "\n"
+
+
+def generate(path: Path, lines: int, filler: int = 8) -> Path:
+    with path.open("w") as out:
+        out.writelines(book_line(i, filler) for i in range(1, lines + 1))
+    return path
+
+
+# Few but large lines: a 64 MB file warms in seconds. The old reader held the text, its
+# lines and every parsed value at once: over 3x the file size in RSS.
+BIG_LINES, BIG_FILLER = 8_000, 800
+SIGINT_LINES = 10_000
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("warm") / "big.jsonl", BIG_LINES, BIG_FILLER)
+
+
+@pytest.fixture(scope="module")
+def sigint_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("warm") / "books.jsonl", SIGINT_LINES)
+
+
+# Runs the CLI and prints the process' peak RSS (KiB on Linux) as the last stderr line.
+PEAK_RSS = (
+    "import resource, sys\n"
+    "from layered_cache.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+def peak_rss_mib(*args: str) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LAYERED_CACHE_REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, *args], capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return int(result.stderr.rsplit("maxrss", 1)[1]) / 1024
+
+
+@pytest.mark.timeout(600)
+def test_warm_streams_a_large_file_in_flat_memory(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, big_file: Path
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    small = generate(tmp_path / "small.jsonl", 10, BIG_FILLER)
+    baseline = peak_rss_mib("warm", "book", "--from", str(small), "--config", config)
+    peak = peak_rss_mib("warm", "book", "--from", str(big_file), "--config", config)
+    assert big_file.stat().st_size > 60 * 2**20
+    assert peak - baseline < 30, (baseline, peak)  # the old reader: +110 MB
+    assert missing_ids(admin, prefix, range(1, BIG_LINES + 1)) == []
+
+
+def start_warm(config: Path, source: Path, stderr: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LAYERED_CACHE_REDIS_URL", None)
+    args = ["warm", "book", "--from", str(source), "--config", str(config), *extra]
+    return subprocess.Popen(
+        [sys.executable, "-m", "layered_cache", *args],
+        stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, cwd=ROOT, env=env,
+    )  # fmt: skip
+
+
+def wait_for_progress(stderr: Path, warmed: int, timeout: float = 60.0) -> None:
+    """Until the progress line shows at least ``warmed`` entries written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts = re.findall(r"(\d+) warmed", stderr.read_text())
+        if counts and int(counts[-1]) >= warmed:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no progress past {warmed}: {stderr.read_text()[-500:]}")
+
+
+def interrupt_warm(tmp_path: Path, config: Path, source: Path, signals: int) -> tuple[str, str]:
+    stderr = tmp_path / f"stderr-{signals}.txt"
+    process = start_warm(config, source, stderr, "--concurrency", "16")
+    wait_for_progress(stderr, 1000)
+    for _ in range(signals):
+        process.send_signal(signal.SIGINT)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, (out, stderr.read_text()[-2000:])
+    return out, stderr.read_text()
+
+
+def resume_line(out: str) -> int:
+    match = re.search(r"stopped at line (\d+) \(SIGINT\).*--start-line (\d+)", out)
+    assert match is not None, out
+    assert match.group(1) == match.group(2)
+    return int(match.group(1))
+
+
+def missing_ids(admin: Any, prefix: str, ids: range) -> list[int]:
+    pipe = admin.pipeline(transaction=False)
+    for i in ids:
+        pipe.exists(f"{prefix}book:{i}")
+    return [i for i, found in zip(ids, pipe.execute(), strict=True) if not found]
+
+
+def test_warm_stops_on_sigint_with_a_summary_and_resumes_where_it_stopped(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, sigint_file: Path
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    out, err = interrupt_warm(tmp_path, config, sigint_file, signals=1)
+    stop = resume_line(out)
+    assert 1000 < stop < SIGINT_LINES
+    assert re.search(r"warmed \d+ of \d+ book entries read so far", out), out
+    assert err.endswith("\n") and "Traceback" not in err
+    assert missing_ids(admin, prefix, range(1, stop)) == []  # all before the stop line
+
+    result = run_cli(
+        "warm", "book", "--from", str(sigint_file), "--config", str(config),
+        "--start-line", str(stop), "--concurrency", "32",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rest = SIGINT_LINES - stop + 1
+    assert f"warmed {rest} of {rest}" in result.stdout
+    assert missing_ids(admin, prefix, range(1, SIGINT_LINES + 1)) == []
+
+
+def test_warm_two_sigints_cancel_in_flight_writes_without_a_traceback(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, sigint_file: Path
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    out, err = interrupt_warm(tmp_path, config, sigint_file, signals=2)
+    stop = resume_line(out)
+    assert "Traceback" not in err and "never retrieved" not in err, err[-2000:]
+    assert missing_ids(admin, prefix, range(1, stop)) == []
 
 
 # -- errors ----------------------------------------------------------------------------
