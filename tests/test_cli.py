@@ -9,17 +9,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import redis
+from redis.crc import key_slot
 
 from layered_cache.cli import main
 from layered_cache.codec import Codec
-from tests.servers import free_port
+from layered_cache.config import load_config
+from tests.servers import RedisClusterServers, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -572,3 +574,95 @@ def test_value_round_trip_through_warm_decodes_into_structs(
     raw = admin.get(f"{prefix}book:99")
     assert raw is not None
     assert Codec(Book).decode(raw).value == Book("Emma")
+
+
+# -- a cluster with a dead master ------------------------------------------------------
+
+
+def write_cluster_config(tmp_path: Path, url: str, seeds: str, prefix: str) -> Path:
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        f"""
+[redis]
+url = "{url}"
+cluster = true
+nodes = [{seeds}]
+prefix = "{prefix}"
+timeout = "500ms"
+
+[namespaces.book]
+key = "book:{{id}}"
+hot = {{ replicas = 4 }}
+
+[namespaces.review]
+key = "review:{{id}}"
+"""
+    )
+    return path
+
+
+def slot_owners(cluster: RedisClusterServers) -> Callable[[str], str]:
+    """name -> "host:port" of the master that holds its slot (from CLUSTER SLOTS)."""
+    host, port = cluster.nodes[0]
+    client: Any = redis.Redis(host=host, port=port)
+    ranges = [(start, end, f"{node[0].decode()}:{node[1]}")
+              for start, end, node, *_ in client.execute_command("CLUSTER SLOTS")]  # fmt: skip
+    client.close()
+    return lambda name: next(o for a, b, o in ranges if a <= key_slot(name.encode()) <= b)
+
+
+@pytest.mark.cluster
+def test_cli_with_a_dead_master_names_it_and_still_serves_keys_on_live_masters(
+    tmp_path: Path, prefix: str
+) -> None:
+    # cluster-require-full-coverage no: what docs/operations.md recommends for caches.
+    with RedisClusterServers(3, extra_args=["--cluster-require-full-coverage", "no"]) as cluster:
+        config = write_cluster_config(
+            tmp_path, cluster.url, ", ".join(f'"{h}:{p}"' for h, p in cluster.nodes), prefix
+        )
+        owner = slot_owners(cluster)
+        stream = prefix + load_config(str(config)).backplane.stream
+        # Not the node the URL names (the old message named it), nor the stream's.
+        dead = next(s for s in cluster.servers[1:] if owner(stream) != f"{s.host}:{s.port}")
+        dead_name = f"{dead.host}:{dead.port}"
+        healthy = next(i for i in range(100) if owner(f"{prefix}review:{i}") != dead_name)
+        doomed = next(i for i in range(100) if owner(f"{prefix}review:{i}") == dead_name)
+        live_host, live_port = owner(f"{prefix}review:{healthy}").split(":")
+        live: Any = redis.Redis(host=live_host, port=int(live_port))
+        live.set(f"{prefix}review:{healthy}", envelope({"stars": 5}))
+        dead.kill()
+        cfg = ("--config", str(config))
+
+        shown = run_cli("inspect", "review", f"id={healthy}", *cfg)
+        assert shown.returncode == 0, shown.stderr
+        assert "L2         present" in shown.stdout
+        gone = run_cli("invalidate", "review", f"id={healthy}", *cfg)
+        assert gone.returncode == 0, gone.stderr
+        assert "1 name(s) deleted" in gone.stdout
+        assert live.exists(f"{prefix}review:{healthy}") == 0
+        live.close()
+        # A key on a live master whose hot-key replicas are partly on the dead one.
+        book = next(
+            i for i in range(100)
+            if owner(f"{prefix}book:{i}") != dead_name
+            and any(owner(f"{prefix}book:{i}#{r}") == dead_name for r in range(4))
+        )  # fmt: skip
+        partial = run_cli("inspect", "book", f"id={book}", *cfg)
+        assert partial.returncode == 0, partial.stderr
+        assert f"(on master {dead_name}, which is down)" in partial.stdout
+
+        failures = [
+            run_cli("inspect", "review", f"id={doomed}", *cfg),
+            run_cli("invalidate", "review", f"id={doomed}", *cfg),
+            run_cli("hotkeys", *cfg),
+            run_cli("warm", "review", "--from", "/dev/null", *cfg),
+        ]
+        for result in failures:
+            assert result.returncode == 2, result
+            assert dead_name in result.stderr.splitlines()[0]
+            assert f"master {dead_name}" in result.stderr and "is down" in result.stderr
+            assert "still working: `inspect` and `invalidate`" in result.stderr
+            assert "cannot reach Redis at" not in result.stderr  # not the live URL's fault
+            assert "Traceback" not in result.stderr
+        assert "`hotkeys` needs every master" in failures[2].stderr
+        assert "nothing was deleted" in failures[1].stderr
