@@ -51,7 +51,7 @@ class WarmReport(msgspec.Struct):
     """The outcome. ``resume_line`` is set when the run stopped early: every entry on a
     line before it is in Redis or listed as failed; ``--start-line`` resumes there."""
 
-    read: int = 0
+    read: int = 0  # entries (non-blank lines) taken from the file
     warmed: int = 0
     failed: int = 0
     failures: list[Failure] = msgspec.field(default_factory=list)
@@ -234,9 +234,14 @@ class Warmer:
         self.progress.update(self.reader.position, self.report.warmed, self._line())
 
     def _fail(self, failure: Failure) -> None:
+        """Count it; keep the ``SHOWN_FAILURES`` lowest lines (writers finish out of
+        order), so the report starts with the first bad line of the file."""
         self.report.failed += 1
-        if len(self.report.failures) < SHOWN_FAILURES:
-            self.report.failures.append(failure)
+        shown = self.report.failures
+        shown.append(failure)
+        if len(shown) > SHOWN_FAILURES:
+            shown.remove(max(shown, key=lambda f: f.line))
+        shown.sort(key=lambda f: f.line)
 
 
 def file_size(source: BinaryIO) -> int:

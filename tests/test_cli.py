@@ -21,7 +21,7 @@ from redis.crc import key_slot
 from layered_cache.cli import main
 from layered_cache.codec import Codec
 from layered_cache.config import load_config
-from tests.servers import RedisClusterServers, free_port
+from tests.servers import RedisClusterServers, RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -574,6 +574,24 @@ def test_value_round_trip_through_warm_decodes_into_structs(
     raw = admin.get(f"{prefix}book:99")
     assert raw is not None
     assert Codec(Book).decode(raw).value == Book("Emma")
+
+
+def test_warm_stops_at_a_redis_failure_and_reports_the_line_to_resume_from(
+    tmp_path: Path, redis_server: RedisServer, prefix: str, sigint_file: Path
+) -> None:
+    config = write_config(tmp_path, redis_server.url, prefix)
+    stderr = tmp_path / "stderr.txt"
+    process = start_warm(config, sigint_file, stderr, "--concurrency", "16")
+    wait_for_progress(stderr, 1000)
+    redis_server.kill()
+    out, _ = process.communicate(timeout=60)
+    err = stderr.read_text()
+    assert process.returncode == 2, (out, err[-2000:])
+    match = re.search(r"stopped at line (\d+) \(Redis error\)", out)
+    assert match is not None, out
+    failed = [int(n) for n in re.findall(rf"{re.escape(str(sigint_file))}:(\d+): Redis: ", err)]
+    assert failed and min(failed) >= int(match.group(1))  # retried by the resumed run
+    assert "Traceback" not in err
 
 
 # -- a cluster with a dead master ------------------------------------------------------
