@@ -109,7 +109,7 @@ class JsonlReader:
     def __init__(self, source: BinaryIO, policy: Policy, start_line: int = 1) -> None:
         self._source = source
         self._policy = policy
-        self._start_line = start_line
+        self.start_line = start_line
         self.next_line = 1  # the number of the next line to read
         self.position = 0  # bytes consumed so far
 
@@ -118,7 +118,7 @@ class JsonlReader:
             number = self.next_line
             self.next_line += 1
             self.position += len(raw)
-            if number < self._start_line or not raw.strip():
+            if number < self.start_line or not raw.strip():
                 continue
             yield self._parse(number, raw)
 
@@ -189,6 +189,7 @@ class Warmer:
 
     async def run(self) -> WarmReport:
         not_cached_before = self.policy.stats.not_cached
+        self.progress.update(0, 0, self.reader.start_line, force=True)  # at once, not after a write
         self._tasks = [asyncio.create_task(self._writer()) for _ in range(self.concurrency)]
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.progress.update(self.reader.position, self.report.warmed, self._line(), force=True)
