@@ -206,8 +206,28 @@ async def _masters(cache: LayeredCache, config: Config) -> Masters:
 
     results = await asyncio.gather(*(ping(node) for node in nodes))
     dead = {node.name: why for node, why in zip(nodes, results, strict=True) if why is not None}
-    live = [node.name for node, why in zip(nodes, results, strict=True) if why is None]
-    return Masters(dead, live, {name: _slot_ranges(client, name) for name in dead})
+    live = [node for node, why in zip(nodes, results, strict=True) if why is None]
+    masters = Masters(dead, [n.name for n in live], {n: _slot_ranges(client, n) for n in dead})
+    if dead and live and await _cluster_failed(live[0], limit):
+        raise CliError(
+            f"{_down(masters)}, and the cluster refuses every key (cluster_state:fail, as "
+            "cluster-require-full-coverage yes, the Redis default, makes it): nothing works "
+            "until the master is back or its slots are reassigned. Cache clusters should run "
+            "with `no` (docs/operations.md)"
+        )
+    return masters
+
+
+async def _cluster_failed(node: Any, limit: float) -> bool:
+    """Whether ``node`` says the cluster is down as a whole (CLUSTER INFO)."""
+    try:
+        info: Any = await asyncio.wait_for(node.execute_command("CLUSTER INFO"), limit)
+    except Exception:  # it answered PING a moment ago; let the command itself fail
+        return False
+    if isinstance(info, dict):
+        return str(info.get("cluster_state", "")) == "fail"
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:fail" in text
 
 
 def _slot_ranges(client: Any, node: str) -> str:

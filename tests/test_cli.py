@@ -684,3 +684,29 @@ def test_cli_with_a_dead_master_names_it_and_still_serves_keys_on_live_masters(
             assert "Traceback" not in result.stderr
         assert "`hotkeys` needs every master" in failures[2].stderr
         assert "nothing was deleted" in failures[1].stderr
+
+
+@pytest.mark.cluster
+def test_cli_says_why_a_full_coverage_cluster_refuses_every_key_after_a_master_dies(
+    tmp_path: Path, prefix: str
+) -> None:
+    with RedisClusterServers(3) as cluster:  # Redis's default: cluster-require-full-coverage yes
+        seeds = ", ".join(f'"{h}:{p}"' for h, p in cluster.nodes)
+        config = write_cluster_config(tmp_path, cluster.url, seeds, prefix)
+        owner = slot_owners(cluster)
+        dead = cluster.servers[1]
+        dead_name = f"{dead.host}:{dead.port}"
+        healthy = next(i for i in range(100) if owner(f"{prefix}review:{i}") != dead_name)
+        live_host, live_port = cluster.nodes[0]
+        live: Any = redis.Redis(host=live_host, port=live_port)
+        dead.kill()
+        deadline = time.monotonic() + 30
+        while live.cluster("info")["cluster_state"] != "fail":  # the node timeout: 2 s
+            assert time.monotonic() < deadline, "the cluster never marked itself failed"
+            time.sleep(0.1)
+        live.close()
+        result = run_cli("inspect", "review", f"id={healthy}", "--config", str(config))
+        assert result.returncode == 2, result
+        assert f"master {dead_name}" in result.stderr and "cluster_state:fail" in result.stderr
+        assert "cluster-require-full-coverage" in result.stderr
+        assert "Traceback" not in result.stderr
