@@ -697,11 +697,7 @@ async def _warm(config: Config, args: WarmArgs, source: BinaryIO, stream: TextIO
         progress = Progress(file_size(source), f"warm {args.namespace}", stream)
         warmer = Warmer(cache, policy, reader, args.concurrency, progress)
         with _on_sigint(warmer.interrupt):
-            try:
-                return await warmer.run()
-            except OSError as exc:  # a read error halfway (e.g. a vanished mount)
-                progress.finish()
-                raise CliError(f"{args.path}: cannot read: {exc.strerror or exc}") from None
+            return await warmer.run()
 
 
 @contextlib.contextmanager

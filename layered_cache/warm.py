@@ -191,9 +191,12 @@ class Warmer:
         not_cached_before = self.policy.stats.not_cached
         self.progress.update(0, 0, self.reader.start_line, force=True)  # at once, not after a write
         self._tasks = [asyncio.create_task(self._writer()) for _ in range(self.concurrency)]
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
         self.progress.update(self.reader.position, self.report.warmed, self._line(), force=True)
         self.progress.finish()
+        for result in results:  # a bug must surface, not leave entries silently unwritten
+            if isinstance(result, Exception):
+                raise result
         if self.report.stopped_by is not None:
             self.report.resume_line = self._line()
         self.report.not_cached = self.policy.stats.not_cached - not_cached_before
@@ -209,7 +212,11 @@ class Warmer:
 
     async def _writer(self) -> None:
         while self.report.stopped_by is None:
-            item = next(self._entries, None)
+            try:
+                item = next(self._entries, None)
+            except (OSError, ValueError) as exc:  # the file went away (unmounted, closed)
+                self._stop(redact(f"read error: {getattr(exc, 'strerror', None) or exc}"))
+                return
             if item is None:
                 return
             self.report.read += 1

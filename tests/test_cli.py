@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -21,6 +22,8 @@ from redis.crc import key_slot
 from layered_cache.cli import main
 from layered_cache.codec import Codec
 from layered_cache.config import load_config
+from layered_cache.warm import JsonlReader, Progress, Warmer
+from tests.helpers import make_config, open_cache
 from tests.servers import RedisClusterServers, RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -710,3 +713,31 @@ def test_cli_says_why_a_full_coverage_cluster_refuses_every_key_after_a_master_d
         assert f"master {dead_name}" in result.stderr and "cluster_state:fail" in result.stderr
         assert "cluster-require-full-coverage" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+class FailingFile(io.BytesIO):
+    """A file whose read fails after ``good`` lines, as on an unmounted volume."""
+
+    def __init__(self, data: bytes, good: int) -> None:
+        super().__init__(data)
+        self.left = good
+
+    def __next__(self) -> bytes:
+        if self.left == 0:
+            raise OSError(5, "Input/output error")
+        self.left -= 1
+        return super().__next__()
+
+
+async def test_warm_stops_at_a_read_error_with_the_line_to_resume_from(
+    redis_url: str, prefix: str
+) -> None:
+    source = FailingFile("".join(book_line(i) for i in range(1, 11)).encode(), good=4)
+    async with open_cache(make_config(redis_url, prefix)) as cache:
+        policy = cache.policy("book")
+        progress = Progress(0, "warm book", io.StringIO())
+        warmer = Warmer(cache, policy, JsonlReader(source, policy), 3, progress)
+        report = await warmer.run()
+        assert report.stopped_by == "read error: Input/output error"
+        assert (report.warmed, report.resume_line) == (4, 5)
+        assert await cache.get("book", {"id": 4}) is not None
