@@ -5,6 +5,7 @@
     layered-cache invalidate NAMESPACE field=value ... --config FILE
     layered-cache hotkeys --config FILE [--json]
     layered-cache warm NAMESPACE --from FILE.jsonl --config FILE [--concurrency N]
+                       [--start-line K]
     layered-cache daemon --config FILE [--log-format json|console] [--health-port N]
     layered-cache bench [ARGS...]
 
@@ -21,15 +22,18 @@ import contextlib
 import importlib.util
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO, TypeVar
 
 import msgspec
+from redis.crc import key_slot
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 
 from layered_cache.cache import LayeredCache
 from layered_cache.codec import CodecError, decode_meta
@@ -45,15 +49,27 @@ from layered_cache.config import (
     load_config,
 )
 from layered_cache.hotreport import fleet_hot_keys
+from layered_cache.invalidation import names_to_delete
 from layered_cache.keys import lease_name, replica_names
 from layered_cache.l2 import L2Unavailable
 from layered_cache.logs import configure_logging
 from layered_cache.policy import Policy
 from layered_cache.redact import redact, redact_data, redact_url
+from layered_cache.warm import (
+    STOPPED_BY_SIGINT,
+    JsonlReader,
+    Progress,
+    Warmer,
+    WarmReport,
+    file_size,
+)
 
 __all__ = ["CliError", "build_parser", "main", "parse_fields"]
 
+T = TypeVar("T")
+EXIT_PARTIAL = 1  # warm: finished, but some entries failed (listed on stderr)
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 _INT = re.compile(r"-?[1-9][0-9]*|0")
 
 
@@ -146,20 +162,149 @@ def _print_json(data: Any, out: TextIO) -> None:
     out.write(json.dumps(redact_data(data), indent=2, sort_keys=False, default=str) + "\n")
 
 
+class Masters(msgspec.Struct, frozen=True):
+    """A cluster's masters as the CLI found them: the dead ones ("host:port" -> why, as
+    the PING to that node failed) and the live ones. Always empty off a cluster."""
+
+    dead: dict[str, str] = msgspec.field(default_factory=dict)
+    live: list[str] = msgspec.field(default_factory=list)
+    slots: dict[str, str] = msgspec.field(default_factory=dict)  # dead node -> "0-5460"
+
+
+async def _reach(cache: LayeredCache, config: Config) -> None:
+    """Raise a ``CliError`` naming the configured URL if no Redis answers at all.
+
+    A cluster client only needs one seed to learn the slot map; a dead master is found
+    (and named) by ``_masters`` afterwards, not reported as the seed's failure."""
+    client: Any = cache.l2.client
+    first = client.initialize() if config.redis.cluster else client.ping()
+    try:
+        await asyncio.wait_for(first, config.redis.connect_timeout + 2.0)
+    except Exception as exc:  # connection refused, auth, TLS, DNS, cluster init...
+        url = redact_url(config.redis.url)
+        raise CliError(f"cannot reach Redis at {url}: {_why(exc)}") from None
+
+
+def _why(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".rstrip(": .") if str(exc) else type(exc).__name__
+    return redact(text)
+
+
+async def _masters(cache: LayeredCache, config: Config) -> Masters:
+    """PING every master of the slot map, each on its own connection, concurrently."""
+    if not config.redis.cluster:
+        return Masters()
+    client: Any = cache.l2.client
+    nodes = client.get_primaries()
+    limit = config.redis.connect_timeout + config.redis.timeout
+
+    async def ping(node: Any) -> str | None:
+        try:
+            await asyncio.wait_for(node.execute_command("PING"), limit)
+        except Exception as exc:  # refused, timeout, LOADING, ...
+            return _why(exc)
+        return None
+
+    results = await asyncio.gather(*(ping(node) for node in nodes))
+    dead = {node.name: why for node, why in zip(nodes, results, strict=True) if why is not None}
+    live = [node for node, why in zip(nodes, results, strict=True) if why is None]
+    masters = Masters(dead, [n.name for n in live], {n: _slot_ranges(client, n) for n in dead})
+    if dead and live and await _cluster_failed(live[0], limit):
+        raise CliError(
+            f"{_down(masters)}, and the cluster refuses every key (cluster_state:fail, as "
+            "cluster-require-full-coverage yes, the Redis default, makes it): nothing works "
+            "until the master is back or its slots are reassigned. Cache clusters should run "
+            "with `no` (docs/operations.md)"
+        )
+    return masters
+
+
+async def _cluster_failed(node: Any, limit: float) -> bool:
+    """Whether ``node`` says the cluster is down as a whole (CLUSTER INFO)."""
+    try:
+        info: Any = await asyncio.wait_for(node.execute_command("CLUSTER INFO"), limit)
+    except Exception:  # it answered PING a moment ago; let the command itself fail
+        return False
+    if isinstance(info, dict):
+        return str(info.get("cluster_state", "")) == "fail"
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:fail" in text
+
+
+def _slot_ranges(client: Any, node: str) -> str:
+    owned = sorted(slot for slot, nodes in client.nodes_manager.slots_cache.items()
+                   if nodes and nodes[0].name == node)  # fmt: skip
+    ranges: list[list[int]] = []
+    for slot in owned:
+        if ranges and ranges[-1][1] == slot - 1:
+            ranges[-1][1] = slot
+        else:
+            ranges.append([slot, slot])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges) or "none"
+
+
+def _owner(cache: LayeredCache, name: str) -> str:
+    """The master ("host:port") whose slot holds ``name``, per the client's slot map."""
+    client: Any = cache.l2.client
+    return str(client.nodes_manager.slots_cache[key_slot(name.encode())][0].name)
+
+
+def _down(masters: Masters) -> str:
+    """'master 127.0.0.1:7001 is down (why; slots 5461-10922)', for one or more."""
+    parts = [f"{name} ({why}; slots {masters.slots[name]})" for name, why in masters.dead.items()]
+    noun = "master" if len(parts) == 1 else "masters"
+    verb = "is" if len(parts) == 1 else "are"
+    return f"Redis Cluster {noun} {', '.join(parts)} {verb} down"
+
+
+def _still_working(masters: Masters) -> str:
+    return (
+        f"still working: `inspect` and `invalidate` of keys whose slots are on the live "
+        f"masters ({', '.join(masters.live)}), with cluster-require-full-coverage no "
+        "(docs/operations.md)"
+    )
+
+
 @contextlib.asynccontextmanager
-async def _connected(config: Config) -> AsyncIterator[LayeredCache]:
-    """A cache whose Redis answered PING (no backplane listener: a CLI needs none)."""
+async def _degraded_ok(config: Config) -> AsyncIterator[tuple[LayeredCache, Masters]]:
+    """A cache that answered, with the dead cluster masters if any (no backplane
+    listener: a CLI needs none). For single-key commands, which work on live slots."""
     cache = LayeredCache.from_config(config)
     try:
-        try:
-            await asyncio.wait_for(cache.l2.client.ping(), config.redis.connect_timeout + 2.0)
-        except Exception as exc:  # connection refused, auth, TLS, DNS, cluster init...
-            url = redact_url(config.redis.url)
-            detail = redact(f"{type(exc).__name__}: {exc}".rstrip(": "))
-            raise CliError(f"cannot reach Redis at {url}: {detail}") from None
-        yield cache
+        await _reach(cache, config)
+        masters = await _masters(cache, config)
+        if masters.dead and not masters.live:
+            raise CliError(f"{_down(masters)}: no master answers")
+        yield cache, masters
     finally:
         await cache.close()
+
+
+@contextlib.asynccontextmanager
+async def _connected(config: Config, command: str) -> AsyncIterator[LayeredCache]:
+    """A cache whose Redis answered, every cluster master included: ``command`` needs
+    them all (it scans or writes keys anywhere)."""
+    async with _degraded_ok(config) as (cache, masters):
+        if masters.dead:
+            raise CliError(
+                f"{_down(masters)}: `{command}` needs every master; {_still_working(masters)}"
+            )
+        yield cache
+
+
+def _run(command: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run``, with Redis failing halfway through reported as a ``CliError``
+    (one line, redacted) instead of a traceback."""
+    try:
+        return asyncio.run(command)
+    except ClusterDownError as exc:
+        raise CliError(
+            f"Redis Cluster is down: {_why(exc)}. With cluster-require-full-coverage yes "
+            "(the Redis default) one dead master stops every key; cache clusters should "
+            "run with `no` (docs/operations.md)"
+        ) from None
+    except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
+        raise CliError(f"Redis failed: {_why(exc)}") from None
 
 
 async def _pttl(cache: LayeredCache, name: str) -> int:
@@ -279,10 +424,31 @@ def cmd_config_check(args: argparse.Namespace, out: TextIO) -> int:
 # -- inspect -----------------------------------------------------------------------------
 
 
+def _on_dead(cache: LayeredCache, masters: Masters, names: Sequence[str]) -> dict[str, list[str]]:
+    """Of ``names``, those whose slot is on a dead master, by master."""
+    found: dict[str, list[str]] = {}
+    if masters.dead:
+        for name in names:
+            owner = _owner(cache, name)
+            if owner in masters.dead:
+                found.setdefault(owner, []).append(name)
+    return found
+
+
+def _key_on_dead_master(key: str, owner: str, masters: Masters) -> CliError:
+    return CliError(
+        f"{key} is in slot {key_slot(key.encode())}, on master {owner}. "
+        f"{_down(masters)}; {_still_working(masters)}"
+    )
+
+
 async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> dict[str, Any]:
-    async with _connected(config) as cache:
+    async with _degraded_ok(config) as (cache, masters):
         policy = _policy(cache, namespace)
         _, key = parse_fields(items, policy)
+        for owner in _on_dead(cache, masters, [key]):  # its lease shares the slot
+            raise _key_on_dead_master(key, owner, masters)
+        unreachable = _on_dead(cache, masters, replica_names(key, policy.replicas))
         client = cache.l2.client
         now = time.time()
         data: Any = await client.get(key)
@@ -305,7 +471,10 @@ async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> dict
                     "value_size": len(meta.value),
                 }
         replicas: list[dict[str, Any]] = []
+        skipped = {name for names in unreachable.values() for name in names}
         for name in replica_names(key, policy.replicas):
+            if name in skipped:
+                continue
             pttl = await _pttl(cache, name)
             if pttl != -2:
                 replicas.append({"name": name, "pttl_ms": pttl})
@@ -318,6 +487,7 @@ async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> dict
             "base": base,
             "replicas_configured": policy.replicas,
             "replicas": replicas,
+            "replicas_unreachable": {node: names for node, names in unreachable.items()},
             "lease": {
                 "name": lease,
                 "holder": holder.decode(errors="replace") if holder is not None else None,
@@ -328,7 +498,7 @@ async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> dict
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     config = _load(args.config)
-    report = asyncio.run(_inspect(config, args.namespace, args.fields))
+    report = _run(_inspect(config, args.namespace, args.fields))
     if args.json:
         _print_json(report, out)
         return 0
@@ -361,6 +531,9 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
             + (f": #{present}" if present else "")
             + "\n"
         )
+        for node, names in report["replicas_unreachable"].items():
+            shards = ", #".join(name.rsplit("#", 1)[1] for name in names)
+            out.write(f"           unknown: #{shards} (on master {node}, which is down)\n")
     else:
         out.write("replicas   none (namespace has no hot-key replicas)\n")
     lease = report["lease"]
@@ -378,9 +551,10 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _invalidate(config: Config, namespace: str, items: Sequence[str]) -> tuple[str, int]:
-    async with _connected(config) as cache:
+    async with _degraded_ok(config) as (cache, masters):
         policy = _policy(cache, namespace)
         fields, key = parse_fields(items, policy)
+        _refuse_partial_invalidation(cache, config, masters, key, policy.replicas)
         names = [key, *replica_names(key, policy.replicas), lease_name(key)]
         existed = int(sum([await cache.l2.client.exists(name) for name in names]))
         try:
@@ -390,9 +564,26 @@ async def _invalidate(config: Config, namespace: str, items: Sequence[str]) -> t
         return key, existed
 
 
+def _refuse_partial_invalidation(
+    cache: LayeredCache, config: Config, masters: Masters, key: str, replicas: int
+) -> None:
+    """Delete nothing unless every name can be deleted and announced: a half-done
+    invalidation (say, replicas left on a master that comes back) would look done."""
+    names = names_to_delete(key, replicas)
+    if config.backplane.enabled:
+        names.append(config.redis.prefix + config.backplane.stream)
+    blocked = _on_dead(cache, masters, names)
+    if blocked:
+        where = "; ".join(f"{', '.join(found)} on {node}" for node, found in blocked.items())
+        raise CliError(
+            f"cannot invalidate {key}: {where}. {_down(masters)}; nothing was deleted. "
+            f"Retry when it is back or its slots have moved; {_still_working(masters)}"
+        )
+
+
 def cmd_invalidate(args: argparse.Namespace, out: TextIO) -> int:
     config = _load(args.config)
-    key, existed = asyncio.run(_invalidate(config, args.namespace, args.fields))
+    key, existed = _run(_invalidate(config, args.namespace, args.fields))
     where = "announced on the backplane" if config.backplane.enabled else "backplane disabled"
     out.write(f"invalidated {key}: {existed} name(s) deleted (key, replicas, lease); {where}\n")
     return 0
@@ -402,7 +593,7 @@ def cmd_invalidate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _hotkeys(config: Config) -> dict[str, Any]:
-    async with _connected(config) as cache:
+    async with _connected(config, "hotkeys") as cache:
         result: dict[str, Any] = {}
         for name, ns in config.namespaces.items():
             policy = cache.policy(name)
@@ -446,7 +637,7 @@ async def _hotkeys(config: Config) -> dict[str, Any]:
 
 def cmd_hotkeys(args: argparse.Namespace, out: TextIO) -> int:
     config = _load(args.config)
-    report = asyncio.run(_hotkeys(config))
+    report = _run(_hotkeys(config))
     if args.json:
         _print_json(report, out)
         return 0
@@ -480,110 +671,96 @@ def cmd_hotkeys(args: argparse.Namespace, out: TextIO) -> int:
 # -- warm --------------------------------------------------------------------------------
 
 
-class Progress:
-    """A one-line progress bar on a stream, redrawn at most 10 times a second."""
-
-    def __init__(self, total: int, label: str, stream: TextIO, width: int = 30) -> None:
-        self.total = total
-        self.label = label
-        self.stream = stream
-        self.width = width
-        self.done = 0
-        self._drawn = 0.0
-        self._started = time.monotonic()
-
-    def advance(self, count: int = 1) -> None:
-        self.done += count
-        now = time.monotonic()
-        if now - self._drawn >= 0.1 or self.done >= self.total:
-            self._drawn = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        fraction = self.done / self.total if self.total else 1.0
-        filled = int(fraction * self.width)
-        rate = self.done / max(now - self._started, 1e-6)
-        self.stream.write(
-            f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
-            f"{self.done}/{self.total} {fraction:4.0%} {rate:,.0f}/s"
-        )
-        self.stream.flush()
-
-    def finish(self) -> None:
-        self._draw(time.monotonic())
-        self.stream.write("\n")
-        self.stream.flush()
+class WarmArgs(msgspec.Struct, frozen=True):
+    namespace: str
+    path: str
+    concurrency: int
+    start_line: int
 
 
-def read_warm_file(path: str, policy: Policy) -> list[tuple[dict[str, object], Any]]:
-    """Parse and validate every line first: a bad line fails before anything is written."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-    entries: list[tuple[dict[str, object], Any]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CliError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
-        if not isinstance(record, dict) or "key" not in record or "value" not in record:
-            raise CliError(f'{path}:{number}: expected {{"key": {{...}}, "value": ...}}')
-        fields = record["key"]
-        if not isinstance(fields, dict):
-            raise CliError(f"{path}:{number}: key must be an object of key fields")
-        try:
-            _build_key(policy, fields)
-        except CliError as exc:
-            raise CliError(f"{path}:{number}: {exc}") from None
-        entries.append((fields, record["value"]))
-    return entries
+def _without_l1(config: Config) -> Config:
+    """The config with every L1 off: a CLI process exits right after warming, so an L1
+    copy of each value would only cost memory (up to ``max_entries`` values)."""
+    namespaces = {
+        name: msgspec.structs.replace(ns, l1=False) for name, ns in config.namespaces.items()
+    }
+    return msgspec.structs.replace(config, namespaces=namespaces)
 
 
-async def _warm(
-    config: Config, namespace: str, path: str, concurrency: int, stream: TextIO
-) -> tuple[int, int]:
-    async with _connected(config) as cache:
-        policy = _policy(cache, namespace)
+async def _warm(config: Config, args: WarmArgs, source: BinaryIO, stream: TextIO) -> WarmReport:
+    async with _connected(_without_l1(config), "warm") as cache:
+        policy = _policy(cache, args.namespace)
         if not policy.cache or not policy.l2:
             raise CliError(
-                f"namespace {namespace!r} has no L2 (cache or l2 is off): nothing to warm"
+                f"namespace {args.namespace!r} has no L2 (cache or l2 is off): nothing to warm"
             )
-        entries = read_warm_file(path, policy)
-        progress = Progress(len(entries), f"warm {namespace}", stream)
-        not_cached_before = policy.stats.not_cached
-        queue = iter(entries)
+        reader = JsonlReader(source, policy, args.start_line)
+        progress = Progress(file_size(source), f"warm {args.namespace}", stream)
+        warmer = Warmer(cache, policy, reader, args.concurrency, progress)
+        with _on_sigint(warmer.interrupt):
+            return await warmer.run()
 
-        async def worker() -> None:
-            for fields, value in queue:  # the shared iterator hands each entry out once
-                await cache.set(namespace, fields, value)  # jittered TTL, replicas if hot
-                progress.advance()
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                for _ in range(max(1, min(concurrency, len(entries)))):
-                    group.create_task(worker())
-        except* L2Unavailable as errors:
-            raise CliError(
-                f"Redis failed after {progress.done} of {len(entries)} entries: "
-                f"{redact(str(errors.exceptions[0]))}"
-            ) from None
-        progress.finish()
-        return len(entries), policy.stats.not_cached - not_cached_before
+@contextlib.contextmanager
+def _on_sigint(handler: Callable[[], None]) -> Iterator[None]:
+    """Route SIGINT to ``handler`` inside the loop instead of raising KeyboardInterrupt
+    into whichever task happens to run (which loses the summary and leaves tasks whose
+    exception nobody retrieves)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, handler)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, Windows
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _warm_summary(report: WarmReport, args: WarmArgs, out: TextIO) -> None:
+    read = "read so far" if report.stopped_by is not None else ""
+    line = f"warmed {report.warmed} of {report.read} {args.namespace} entries {read}".rstrip()
+    if report.failed:
+        line += f"; {report.failed} failed"
+    if report.not_cached:
+        line += f"; {report.not_cached} not cached by set() (see the log)"
+    out.write(line + "\n")
+    if report.resume_line is not None:
+        out.write(
+            f"stopped at line {report.resume_line} ({report.stopped_by}); every entry before "
+            f"it is warmed or listed as failed. Resume with --start-line {report.resume_line}\n"
+        )
+
+
+def _warm_failures(report: WarmReport, path: str, err: TextIO) -> None:
+    for failure in report.failures:
+        err.write(redact(f"{path}:{failure.line}: {failure.reason}") + "\n")
+    hidden = report.failed - len(report.failures)
+    if hidden > 0:
+        err.write(f"... and {hidden} more failed line(s)\n")
 
 
 def cmd_warm(args: argparse.Namespace, out: TextIO) -> int:
     config = _load(args.config)
     if args.concurrency < 1:
         raise CliError("--concurrency must be >= 1")
-    total, skipped = asyncio.run(
-        _warm(config, args.namespace, args.source, args.concurrency, sys.stderr)
-    )
-    note = f" ({skipped} not cached: too large or not encodable)" if skipped else ""
-    out.write(f"warmed {total - skipped} of {total} {args.namespace} entries{note}\n")
-    return 0
+    if args.start_line < 1:
+        raise CliError("--start-line must be >= 1")
+    warm = WarmArgs(args.namespace, args.source, args.concurrency, args.start_line)
+    try:
+        source = open(warm.path, "rb")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise CliError(f"{warm.path}: cannot read: {exc.strerror or exc}") from None
+    with source:
+        report = _run(_warm(config, warm, source, sys.stderr))
+    _warm_failures(report, warm.path, sys.stderr)
+    _warm_summary(report, warm, out)
+    if report.stopped_by == STOPPED_BY_SIGINT:
+        return EXIT_INTERRUPTED
+    if report.stopped_by is not None:
+        return EXIT_ERROR
+    return EXIT_PARTIAL if report.failed or report.not_cached else 0
 
 
 # -- daemon ------------------------------------------------------------------------------
@@ -653,6 +830,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help='JSONL: one {"key": {...fields}, "value": ...} per line')  # fmt: skip
     warm.add_argument("--config", required=True, metavar="FILE")
     warm.add_argument("--concurrency", type=int, default=32, help="parallel writes (32)")
+    warm.add_argument("--start-line", type=int, default=1, metavar="K",
+                      help="skip the lines before K (resume where a stopped run said)")  # fmt: skip
     warm.set_defaults(handler=cmd_warm)
 
     daemon = commands.add_parser(
@@ -688,4 +867,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"layered-cache: error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import redis
+from redis.crc import key_slot
 
 from layered_cache.cli import main
 from layered_cache.codec import Codec
-from tests.servers import free_port
+from layered_cache.config import load_config
+from layered_cache.warm import JsonlReader, Progress, Warmer
+from tests.helpers import make_config, open_cache
+from tests.servers import RedisClusterServers, RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -294,7 +302,8 @@ def test_warm_fills_with_jittered_ttls_and_shows_progress(
     )
     assert result.returncode == 0, result.stderr
     assert "warmed 200 of 200 book entries" in result.stdout
-    assert "200/200" in result.stderr and "100%" in result.stderr  # the progress bar
+    assert "100%" in result.stderr and "200 warmed" in result.stderr  # the progress bar
+    assert result.stderr.endswith("\n")  # the progress line is terminated
     ttls = [admin.pttl(f"{prefix}book:{i}") / 1000 for i in range(200)]
     assert all(540 - 5 <= ttl <= 660 for ttl in ttls)
     assert max(ttls) - min(ttls) > 10  # jittered, not one expiry for all
@@ -305,31 +314,203 @@ def test_warm_fills_with_jittered_ttls_and_shows_progress(
     assert admin.exists(*(f"{prefix}book:1#{i}" for i in range(4))) == 4
 
 
-def test_warm_rejects_a_bad_line_before_writing_anything(
+def test_warm_reports_bad_lines_by_number_and_warms_the_rest(
     tmp_path: Path,
     redis_url: str,
     prefix: str,
     admin: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = str(write_config(tmp_path, redis_url, prefix))
+    big = '[namespaces.big]\nkey = "big:{id}"\nmax_value_bytes = 100\n'
+    config = str(write_config(tmp_path, redis_url, prefix, extra=big))
     source = tmp_path / "bad.jsonl"
-    source.write_text(
-        json.dumps({"key": {"id": 1}, "value": 1})
-        + "\n"
-        + json.dumps({"key": {"id": "a b"}, "value": 2})
-        + "\n"
-    )
-    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
-    err = capsys.readouterr().err
-    assert f"{source}:2:" in err and "'id'" in err and "not a safe key value" in err
-    assert admin.exists(f"{prefix}book:1") == 0
-    source.write_text("{not json\n")
-    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
-    assert f"{source}:1: not valid JSON" in capsys.readouterr().err
-    source.write_text('{"value": 1}\n')
-    assert main(["warm", "book", "--from", str(source), "--config", config]) == 2
-    assert '"key"' in capsys.readouterr().err
+    lines = [
+        json.dumps({"key": {"id": 1}, "value": 1}),
+        json.dumps({"key": {"id": "a b"}, "value": 2}),  # unsafe key value
+        "{not json",
+        '{"value": 1}',  # no key
+        json.dumps({"key": {"id": 5}, "value": "x" * 200}),  # too large for `big`
+        json.dumps({"key": {"id": 6}, "value": {"url": "redis://u:s3cretpw@h:1/0"}}),
+    ]
+    source.write_text("\n".join(lines) + "\n")
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 1
+    captured = capsys.readouterr()
+    assert "warmed 3 of 6 book entries; 3 failed" in captured.out
+    assert f"{source}:2:" in captured.err and "not a safe key value" in captured.err
+    assert f"{source}:3: not valid JSON" in captured.err
+    assert f"{source}:4: expected" in captured.err and '"key"' in captured.err
+    assert admin.exists(f"{prefix}book:1", f"{prefix}book:5", f"{prefix}book:6") == 3
+
+    assert main(["warm", "big", "--from", str(source), "--config", config]) == 1
+    captured = capsys.readouterr()
+    assert f"{source}:5: value too large" in captured.err
+    assert admin.exists(f"{prefix}big:5") == 0 and admin.exists(f"{prefix}big:6") == 1
+
+
+def test_warm_lists_only_the_first_failures_and_counts_the_rest(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    source = tmp_path / "junk.jsonl"
+    source.write_text("junk\n" * 25)
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("not valid JSON") == 10
+    assert "... and 15 more failed line(s)" in captured.err
+    assert "warmed 0 of 25 book entries; 25 failed" in captured.out
+
+
+def test_warm_start_line_skips_the_lines_before_it(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    source = generate(tmp_path / "books.jsonl", 10)
+    args = ["warm", "book", "--from", str(source), "--config", config, "--start-line", "4"]
+    assert main(args) == 0
+    assert "warmed 7 of 7 book entries" in capsys.readouterr().out
+    assert admin.exists(*(f"{prefix}book:{i}" for i in range(1, 4))) == 0
+    assert admin.exists(*(f"{prefix}book:{i}" for i in range(4, 11))) == 7
+
+
+# -- warm at size and under Ctrl-C -----------------------------------------------------
+
+
+def book_line(i: int, filler: int = 8) -> str:
+    """Line i of a generated file (line number == id, so the resume line maps to ids)."""
+    return json.dumps({"key": {"id": i}, "value": {"id": i, "title": f"title {i}" * filler}}) + "\n"
+
+
+def generate(path: Path, lines: int, filler: int = 8) -> Path:
+    with path.open("w") as out:
+        out.writelines(book_line(i, filler) for i in range(1, lines + 1))
+    return path
+
+
+# Few but large lines: a 64 MB file warms in seconds. The old reader held the text, its
+# lines and every parsed value at once: over 3x the file size in RSS.
+BIG_LINES, BIG_FILLER = 8_000, 800
+SIGINT_LINES = 10_000
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("warm") / "big.jsonl", BIG_LINES, BIG_FILLER)
+
+
+@pytest.fixture(scope="module")
+def sigint_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("warm") / "books.jsonl", SIGINT_LINES)
+
+
+# Runs the CLI and prints the process' peak RSS (KiB on Linux) as the last stderr line.
+PEAK_RSS = (
+    "import resource, sys\n"
+    "from layered_cache.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+def peak_rss_mib(*args: str) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LAYERED_CACHE_REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, *args], capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return int(result.stderr.rsplit("maxrss", 1)[1]) / 1024
+
+
+@pytest.mark.timeout(600)
+def test_warm_streams_a_large_file_in_flat_memory(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, big_file: Path
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    small = generate(tmp_path / "small.jsonl", 10, BIG_FILLER)
+    baseline = peak_rss_mib("warm", "book", "--from", str(small), "--config", config)
+    peak = peak_rss_mib("warm", "book", "--from", str(big_file), "--config", config)
+    assert big_file.stat().st_size > 60 * 2**20
+    assert peak - baseline < 30, (baseline, peak)  # the old reader: +110 MB
+    assert missing_ids(admin, prefix, range(1, BIG_LINES + 1)) == []
+
+
+def start_warm(config: Path, source: Path, stderr: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LAYERED_CACHE_REDIS_URL", None)
+    args = ["warm", "book", "--from", str(source), "--config", str(config), *extra]
+    return subprocess.Popen(
+        [sys.executable, "-m", "layered_cache", *args],
+        stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, cwd=ROOT, env=env,
+    )  # fmt: skip
+
+
+def wait_for_progress(stderr: Path, warmed: int, timeout: float = 60.0) -> None:
+    """Until the progress line shows at least ``warmed`` entries written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts = re.findall(r"(\d+) warmed", stderr.read_text())
+        if counts and int(counts[-1]) >= warmed:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no progress past {warmed}: {stderr.read_text()[-500:]}")
+
+
+def interrupt_warm(tmp_path: Path, config: Path, source: Path, signals: int) -> tuple[str, str]:
+    stderr = tmp_path / f"stderr-{signals}.txt"
+    process = start_warm(config, source, stderr, "--concurrency", "16")
+    wait_for_progress(stderr, 1000)
+    for _ in range(signals):
+        process.send_signal(signal.SIGINT)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, (out, stderr.read_text()[-2000:])
+    return out, stderr.read_text()
+
+
+def resume_line(out: str) -> int:
+    match = re.search(r"stopped at line (\d+) \(SIGINT\).*--start-line (\d+)", out)
+    assert match is not None, out
+    assert match.group(1) == match.group(2)
+    return int(match.group(1))
+
+
+def missing_ids(admin: Any, prefix: str, ids: range) -> list[int]:
+    pipe = admin.pipeline(transaction=False)
+    for i in ids:
+        pipe.exists(f"{prefix}book:{i}")
+    return [i for i, found in zip(ids, pipe.execute(), strict=True) if not found]
+
+
+def test_warm_stops_on_sigint_with_a_summary_and_resumes_where_it_stopped(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, sigint_file: Path
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    out, err = interrupt_warm(tmp_path, config, sigint_file, signals=1)
+    stop = resume_line(out)
+    assert 1000 < stop < SIGINT_LINES
+    assert re.search(r"warmed \d+ of \d+ book entries read so far", out), out
+    assert err.endswith("\n") and "Traceback" not in err
+    assert missing_ids(admin, prefix, range(1, stop)) == []  # all before the stop line
+
+    result = run_cli(
+        "warm", "book", "--from", str(sigint_file), "--config", str(config),
+        "--start-line", str(stop), "--concurrency", "32",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rest = SIGINT_LINES - stop + 1
+    assert f"warmed {rest} of {rest}" in result.stdout
+    assert missing_ids(admin, prefix, range(1, SIGINT_LINES + 1)) == []
+
+
+def test_warm_two_sigints_cancel_in_flight_writes_without_a_traceback(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, sigint_file: Path
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    out, err = interrupt_warm(tmp_path, config, sigint_file, signals=2)
+    stop = resume_line(out)
+    assert "Traceback" not in err and "never retrieved" not in err, err[-2000:]
+    assert missing_ids(admin, prefix, range(1, stop)) == []
 
 
 # -- errors ----------------------------------------------------------------------------
@@ -396,3 +577,167 @@ def test_value_round_trip_through_warm_decodes_into_structs(
     raw = admin.get(f"{prefix}book:99")
     assert raw is not None
     assert Codec(Book).decode(raw).value == Book("Emma")
+
+
+def test_warm_stops_at_a_redis_failure_and_reports_the_line_to_resume_from(
+    tmp_path: Path, redis_server: RedisServer, prefix: str, sigint_file: Path
+) -> None:
+    config = write_config(tmp_path, redis_server.url, prefix)
+    stderr = tmp_path / "stderr.txt"
+    process = start_warm(config, sigint_file, stderr, "--concurrency", "16")
+    wait_for_progress(stderr, 1000)
+    redis_server.kill()
+    out, _ = process.communicate(timeout=60)
+    err = stderr.read_text()
+    assert process.returncode == 2, (out, err[-2000:])
+    match = re.search(r"stopped at line (\d+) \(Redis error\)", out)
+    assert match is not None, out
+    failed = [int(n) for n in re.findall(rf"{re.escape(str(sigint_file))}:(\d+): Redis: ", err)]
+    assert failed and min(failed) >= int(match.group(1))  # retried by the resumed run
+    assert "Traceback" not in err
+
+
+# -- a cluster with a dead master ------------------------------------------------------
+
+
+def write_cluster_config(tmp_path: Path, url: str, seeds: str, prefix: str) -> Path:
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        f"""
+[redis]
+url = "{url}"
+cluster = true
+nodes = [{seeds}]
+prefix = "{prefix}"
+timeout = "500ms"
+
+[namespaces.book]
+key = "book:{{id}}"
+hot = {{ replicas = 4 }}
+
+[namespaces.review]
+key = "review:{{id}}"
+"""
+    )
+    return path
+
+
+def slot_owners(cluster: RedisClusterServers) -> Callable[[str], str]:
+    """name -> "host:port" of the master that holds its slot (from CLUSTER SLOTS)."""
+    host, port = cluster.nodes[0]
+    client: Any = redis.Redis(host=host, port=port)
+    ranges = [(start, end, f"{node[0].decode()}:{node[1]}")
+              for start, end, node, *_ in client.execute_command("CLUSTER SLOTS")]  # fmt: skip
+    client.close()
+    return lambda name: next(o for a, b, o in ranges if a <= key_slot(name.encode()) <= b)
+
+
+@pytest.mark.cluster
+def test_cli_with_a_dead_master_names_it_and_still_serves_keys_on_live_masters(
+    tmp_path: Path, prefix: str
+) -> None:
+    # cluster-require-full-coverage no: what docs/operations.md recommends for caches.
+    with RedisClusterServers(3, extra_args=["--cluster-require-full-coverage", "no"]) as cluster:
+        config = write_cluster_config(
+            tmp_path, cluster.url, ", ".join(f'"{h}:{p}"' for h, p in cluster.nodes), prefix
+        )
+        owner = slot_owners(cluster)
+        stream = prefix + load_config(str(config)).backplane.stream
+        # Not the node the URL names (the old message named it), nor the stream's.
+        dead = next(s for s in cluster.servers[1:] if owner(stream) != f"{s.host}:{s.port}")
+        dead_name = f"{dead.host}:{dead.port}"
+        healthy = next(i for i in range(100) if owner(f"{prefix}review:{i}") != dead_name)
+        doomed = next(i for i in range(100) if owner(f"{prefix}review:{i}") == dead_name)
+        live_host, live_port = owner(f"{prefix}review:{healthy}").split(":")
+        live: Any = redis.Redis(host=live_host, port=int(live_port))
+        live.set(f"{prefix}review:{healthy}", envelope({"stars": 5}))
+        dead.kill()
+        cfg = ("--config", str(config))
+
+        shown = run_cli("inspect", "review", f"id={healthy}", *cfg)
+        assert shown.returncode == 0, shown.stderr
+        assert "L2         present" in shown.stdout
+        gone = run_cli("invalidate", "review", f"id={healthy}", *cfg)
+        assert gone.returncode == 0, gone.stderr
+        assert "1 name(s) deleted" in gone.stdout
+        assert live.exists(f"{prefix}review:{healthy}") == 0
+        live.close()
+        # A key on a live master whose hot-key replicas are partly on the dead one.
+        book = next(
+            i for i in range(100)
+            if owner(f"{prefix}book:{i}") != dead_name
+            and any(owner(f"{prefix}book:{i}#{r}") == dead_name for r in range(4))
+        )  # fmt: skip
+        partial = run_cli("inspect", "book", f"id={book}", *cfg)
+        assert partial.returncode == 0, partial.stderr
+        assert f"(on master {dead_name}, which is down)" in partial.stdout
+
+        failures = [
+            run_cli("inspect", "review", f"id={doomed}", *cfg),
+            run_cli("invalidate", "review", f"id={doomed}", *cfg),
+            run_cli("hotkeys", *cfg),
+            run_cli("warm", "review", "--from", "/dev/null", *cfg),
+        ]
+        for result in failures:
+            assert result.returncode == 2, result
+            assert dead_name in result.stderr.splitlines()[0]
+            assert f"master {dead_name}" in result.stderr and "is down" in result.stderr
+            assert "still working: `inspect` and `invalidate`" in result.stderr
+            assert "cannot reach Redis at" not in result.stderr  # not the live URL's fault
+            assert "Traceback" not in result.stderr
+        assert "`hotkeys` needs every master" in failures[2].stderr
+        assert "nothing was deleted" in failures[1].stderr
+
+
+@pytest.mark.cluster
+def test_cli_says_why_a_full_coverage_cluster_refuses_every_key_after_a_master_dies(
+    tmp_path: Path, prefix: str
+) -> None:
+    with RedisClusterServers(3) as cluster:  # Redis's default: cluster-require-full-coverage yes
+        seeds = ", ".join(f'"{h}:{p}"' for h, p in cluster.nodes)
+        config = write_cluster_config(tmp_path, cluster.url, seeds, prefix)
+        owner = slot_owners(cluster)
+        dead = cluster.servers[1]
+        dead_name = f"{dead.host}:{dead.port}"
+        healthy = next(i for i in range(100) if owner(f"{prefix}review:{i}") != dead_name)
+        live_host, live_port = cluster.nodes[0]
+        live: Any = redis.Redis(host=live_host, port=live_port)
+        dead.kill()
+        deadline = time.monotonic() + 30
+        while live.cluster("info")["cluster_state"] != "fail":  # the node timeout: 2 s
+            assert time.monotonic() < deadline, "the cluster never marked itself failed"
+            time.sleep(0.1)
+        live.close()
+        result = run_cli("inspect", "review", f"id={healthy}", "--config", str(config))
+        assert result.returncode == 2, result
+        assert f"master {dead_name}" in result.stderr and "cluster_state:fail" in result.stderr
+        assert "cluster-require-full-coverage" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+class FailingFile(io.BytesIO):
+    """A file whose read fails after ``good`` lines, as on an unmounted volume."""
+
+    def __init__(self, data: bytes, good: int) -> None:
+        super().__init__(data)
+        self.left = good
+
+    def __next__(self) -> bytes:
+        if self.left == 0:
+            raise OSError(5, "Input/output error")
+        self.left -= 1
+        return super().__next__()
+
+
+async def test_warm_stops_at_a_read_error_with_the_line_to_resume_from(
+    redis_url: str, prefix: str
+) -> None:
+    source = FailingFile("".join(book_line(i) for i in range(1, 11)).encode(), good=4)
+    async with open_cache(make_config(redis_url, prefix)) as cache:
+        policy = cache.policy("book")
+        progress = Progress(0, "warm book", io.StringIO())
+        warmer = Warmer(cache, policy, JsonlReader(source, policy), 3, progress)
+        report = await warmer.run()
+        assert report.stopped_by == "read error: Input/output error"
+        assert (report.warmed, report.resume_line) == (4, 5)
+        assert await cache.get("book", {"id": 4}) is not None

@@ -1,0 +1,260 @@
+"""``layered-cache warm``: stream a JSONL file into a namespace through ``cache.set``.
+
+Why a module of its own: warming is a small pipeline with a contract the rest of the CLI
+lacks. Memory stays flat in the file size (one line is parsed when a writer is free, at
+most ``concurrency`` entries are held), and no entry is ever silently missing: every
+entry ends warmed, failed (reported with its line number) or at/after the reported
+resume line. The first SIGINT stops reading and lets in-flight writes finish; a second
+one cancels them. Neither raises ``KeyboardInterrupt`` inside the loop, so no task dies
+with an exception nobody retrieves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any, BinaryIO, TextIO
+
+import msgspec
+
+from layered_cache.cache import LayeredCache
+from layered_cache.l2 import L2Unavailable
+from layered_cache.policy import Policy
+from layered_cache.redact import redact
+
+__all__ = ["Entry", "Failure", "JsonlReader", "Progress", "WarmReport", "Warmer"]
+
+SHOWN_FAILURES = 10
+STOPPED_BY_SIGINT = "SIGINT"
+STOPPED_BY_REDIS = "Redis error"
+
+
+class Entry(msgspec.Struct, frozen=True):
+    """One valid line: the key fields and the value to write."""
+
+    line: int
+    fields: dict[str, object]
+    value: Any
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """An entry that was not written, with why (already redacted)."""
+
+    line: int
+    reason: str
+
+
+class WarmReport(msgspec.Struct):
+    """The outcome. ``resume_line`` is set when the run stopped early: every entry on a
+    line before it is in Redis or listed as failed; ``--start-line`` resumes there."""
+
+    read: int = 0  # entries (non-blank lines) taken from the file
+    warmed: int = 0
+    failed: int = 0
+    failures: list[Failure] = msgspec.field(default_factory=list)
+    stopped_by: str | None = None
+    resume_line: int | None = None
+    not_cached: int = 0
+
+
+class Progress:
+    """One progress line on a stream, redrawn at most 10 times a second.
+
+    The total is the file's size in bytes, known before anything is read, so the bar
+    moves from the first line on instead of after a full pass over the file."""
+
+    def __init__(self, total_bytes: int, label: str, stream: TextIO, width: int = 30) -> None:
+        self.total = total_bytes
+        self.label = label
+        self.stream = stream
+        self.width = width
+        self._drawn = 0.0
+        self._started = time.monotonic()
+        self._open = False
+
+    def update(self, position: int, warmed: int, line: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._drawn < 0.1:
+            return
+        self._drawn = now
+        fraction = min(position / self.total, 1.0) if self.total else 1.0
+        filled = int(fraction * self.width)
+        rate = warmed / max(now - self._started, 1e-6)
+        self.stream.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {fraction:4.0%} "
+            f"line {line}, {warmed} warmed, {rate:,.0f}/s"
+        )
+        self.stream.flush()
+        self._open = True
+
+    def finish(self) -> None:
+        """End the line, so whatever is printed next starts on a line of its own."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+
+
+class JsonlReader:
+    """Lines of a JSONL file as ``Entry`` or ``Failure``, one at a time.
+
+    Each line is validated the way ``cache.set`` would see it (JSON shape, key fields,
+    encodable value within ``max_value_bytes``), so a bad line becomes a numbered
+    failure instead of an exception halfway through, or a value ``set`` drops quietly.
+    Lines before ``start_line`` are skipped unparsed."""
+
+    def __init__(self, source: BinaryIO, policy: Policy, start_line: int = 1) -> None:
+        self._source = source
+        self._policy = policy
+        self.start_line = start_line
+        self.next_line = 1  # the number of the next line to read
+        self.position = 0  # bytes consumed so far
+
+    def __iter__(self) -> Iterator[Entry | Failure]:
+        for raw in self._source:
+            number = self.next_line
+            self.next_line += 1
+            self.position += len(raw)
+            if number < self.start_line or not raw.strip():
+                continue
+            yield self._parse(number, raw)
+
+    def _parse(self, number: int, raw: bytes) -> Entry | Failure:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            return Failure(number, "not UTF-8")
+        except json.JSONDecodeError as exc:
+            return Failure(number, f"not valid JSON: {exc.msg}")
+        if not isinstance(record, dict) or "key" not in record or "value" not in record:
+            return Failure(number, 'expected {"key": {...}, "value": ...}')
+        fields = record["key"]
+        if not isinstance(fields, dict):
+            return Failure(number, "key must be an object of key fields")
+        problem = self._key_problem(fields) or self._value_problem(record["value"])
+        if problem is not None:
+            return Failure(number, redact(problem))
+        return Entry(number, fields, record["value"])
+
+    def _key_problem(self, fields: dict[str, object]) -> str | None:
+        try:
+            self._policy.template.build(fields)
+        except (KeyError, ValueError) as exc:
+            return str(exc.args[0]) if exc.args else str(exc)
+        return None
+
+    def _value_problem(self, value: Any) -> str | None:
+        try:  # the envelope's size does not depend on the timestamps (fixed-width floats)
+            size = len(self._policy.codec.encode(value, 0.0, 0.0, 0.0))
+        except (TypeError, ValueError, OverflowError) as exc:
+            return f"value not encodable: {exc}"
+        if size > self._policy.max_value_bytes:
+            return f"value too large: {size} bytes > max_value_bytes {self._policy.max_value_bytes}"
+        return None
+
+
+class Warmer:
+    """Runs ``concurrency`` writers over one reader and keeps the books for the report."""
+
+    def __init__(
+        self,
+        cache: LayeredCache,
+        policy: Policy,
+        reader: JsonlReader,
+        concurrency: int,
+        progress: Progress,
+    ) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.reader = reader
+        self.concurrency = concurrency
+        self.progress = progress
+        self.report = WarmReport()
+        self._entries = iter(reader)
+        self._pending: set[int] = set()  # lines taken whose write has not succeeded
+        self._tasks: list[asyncio.Task[None]] = []
+        self._interrupts = 0
+
+    def interrupt(self) -> None:
+        """SIGINT: the first stops reading (in-flight writes finish), the next cancels
+        the writes in flight; their lines stay pending, so the resume line covers them."""
+        self._interrupts += 1
+        self._stop(STOPPED_BY_SIGINT)
+        if self._interrupts > 1:
+            for task in self._tasks:
+                task.cancel()
+
+    async def run(self) -> WarmReport:
+        not_cached_before = self.policy.stats.not_cached
+        self.progress.update(0, 0, self.reader.start_line, force=True)  # at once, not after a write
+        self._tasks = [asyncio.create_task(self._writer()) for _ in range(self.concurrency)]
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.progress.update(self.reader.position, self.report.warmed, self._line(), force=True)
+        self.progress.finish()
+        for result in results:  # a bug must surface, not leave entries silently unwritten
+            if isinstance(result, Exception):
+                raise result
+        if self.report.stopped_by is not None:
+            self.report.resume_line = self._line()
+        self.report.not_cached = self.policy.stats.not_cached - not_cached_before
+        return self.report
+
+    def _line(self) -> int:
+        """The first line not yet warmed nor failed for good."""
+        return min(self._pending, default=self.reader.next_line)
+
+    def _stop(self, reason: str) -> None:
+        if self.report.stopped_by is None:
+            self.report.stopped_by = reason
+
+    async def _writer(self) -> None:
+        while self.report.stopped_by is None:
+            try:
+                item = next(self._entries, None)
+            except (OSError, ValueError) as exc:  # the file went away (unmounted, closed)
+                self._stop(redact(f"read error: {getattr(exc, 'strerror', None) or exc}"))
+                return
+            if item is None:
+                return
+            self.report.read += 1
+            if isinstance(item, Failure):
+                self._fail(item)
+            else:
+                await self._write(item)
+
+    async def _write(self, entry: Entry) -> None:
+        self._pending.add(entry.line)
+        try:
+            await self.cache.set(self.policy.name, entry.fields, entry.value)
+        except L2Unavailable as exc:  # stays pending: a resumed run writes it again
+            self._fail(Failure(entry.line, redact(f"Redis: {exc}")))
+            self._stop(STOPPED_BY_REDIS)
+            return
+        except Exception as exc:  # anything else is this entry's own problem
+            self._pending.discard(entry.line)
+            self._fail(Failure(entry.line, redact(f"{type(exc).__name__}: {exc}")))
+            return
+        self._pending.discard(entry.line)
+        self.report.warmed += 1
+        self.progress.update(self.reader.position, self.report.warmed, self._line())
+
+    def _fail(self, failure: Failure) -> None:
+        """Count it; keep the ``SHOWN_FAILURES`` lowest lines (writers finish out of
+        order), so the report starts with the first bad line of the file."""
+        self.report.failed += 1
+        shown = self.report.failures
+        shown.append(failure)
+        if len(shown) > SHOWN_FAILURES:
+            shown.remove(max(shown, key=lambda f: f.line))
+        shown.sort(key=lambda f: f.line)
+
+
+def file_size(source: BinaryIO) -> int:
+    """Bytes in a regular file; 0 (no percentage) for a pipe."""
+    try:
+        return os.fstat(source.fileno()).st_size
+    except (OSError, ValueError):
+        return 0
