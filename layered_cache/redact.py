@@ -106,14 +106,18 @@ def _scheme_end(url: str) -> int:
 
 
 def redact(text: str) -> str:
-    """``text`` with credentials masked by shape and every known secret replaced."""
+    """``text`` with every known secret replaced, then credentials masked by shape.
+
+    Known secrets first: masking by shape cuts a URL at its last ``@``, and a secret
+    that itself holds an ``@`` (``?password=A;B@C``) would be cut in two, its tail left
+    in plain sight and no longer matching the whole secret."""
+    for secret in _known:
+        if secret in text:
+            text = text.replace(secret, MASK)
     if "@" in text:
         text = _USERINFO.sub(_mask_userinfo, text)
     if "=" in text:
         text = _QUERY_SECRET.sub(rf"\g<key>{MASK}", text)
-    for secret in _known:
-        if secret in text:
-            text = text.replace(secret, MASK)
     return text
 
 

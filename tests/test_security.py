@@ -320,6 +320,8 @@ def _logged(url: str, password: str) -> str:
         "redis://:hunter2@hunter2@127.0.0.1:6379/0",
         "Redis://:hunter2hunter2@127.0.0.1:6379/0",
         "redis//:hunter2hunter2@127.0.0.1:6379/0",
+        # A query password holding an '@': masking by shape alone cut it at the '@'.
+        "redis://h:p/0?password=hunter2;x@hunter2'",
     ],
 )
 def test_the_four_leaks_of_issue_13_are_closed(tmp_path: Path, url: str) -> None:
