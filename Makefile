@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Load the service env written by deploy/local/services.sh into the recipe's shell.
 WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
 
-.PHONY: venv demo test test-stress bench lint soak services-up services-down ensure-redis clean
+.PHONY: venv demo test test-stress explore bench lint soak services-up services-down ensure-redis clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,12 @@ test-stress: ensure-redis venv
 lint: venv
 	$(BIN)/ruff check layered_cache consumers tests
 	$(BIN)/mypy
+
+# The schedule explorer with a long budget (make test runs 1,200 schedules); set
+# EXPLORER_SEED to explore programs CI has not seen.
+EXPLORER_SCHEDULES ?= 20000
+explore: ensure-redis venv
+	EXPLORER_SCHEDULES=$(EXPLORER_SCHEDULES) $(BIN)/pytest -q -s tests/test_explorer.py -p no:timeout $(PYTEST_ARGS)
 
 soak: ensure-redis venv
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/pytest -q -m soak tests $(PYTEST_ARGS)

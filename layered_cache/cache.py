@@ -547,6 +547,10 @@ class LayeredCache:
     ) -> Any:
         started = time.monotonic()
         task: asyncio.Task[Any] = asyncio.ensure_future(self._call_loader(policy, loader))
+        # The load runs on if our caller is cancelled (it holds the lease; shield below):
+        # then nobody awaits it, and its failure must not surface as "Task exception was
+        # never retrieved" (it is counted in load_error already).
+        task.add_done_callback(_retrieve_outcome)
         try:
             if stale is not None and policy.load_timeout is not None:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
@@ -875,6 +879,11 @@ class LayeredCache:
         for policy in self._policies.values():
             if policy.l1 is not None:
                 policy.l1.clear()
+
+
+def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _with_timeout(config: RedisConfig, timeout: float) -> RedisConfig:

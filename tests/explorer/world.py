@@ -1,0 +1,474 @@
+"""The explorer's world: two cache instances and a daemon on one Redis, a database of
+versions, and random programs of operations run under a seeded scheduler.
+
+Operations (weights in ``_KINDS``): ``get_or_load`` and ``get`` on either instance;
+writes that bump the database version and then ``invalidate()`` (on either instance),
+``set()`` the new value (write-through), or let the daemon invalidate (the same
+``Invalidator`` the daemon runs after decoding an event; Kafka adds nothing to the
+ordering); cancellation of a random operation at a random point. Loaders read the
+database at their start (their linearisation point) and may fail, which exercises the
+stale fail-safe. Variants switch on the paths that only some configs take: hot keys
+with replicas, short soft expiry with stale fallback, early refresh and
+``load_timeout``, no L1. Redis faults are injected at a rate drawn per schedule.
+
+After the program, a quiet phase checks liveness: with faults off and the breaker's
+reset passed, a final write must succeed on every instance and every instance must
+then read the final version (a stuck breaker or a replica nobody deletes fails here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from layered_cache import LayeredCache
+from layered_cache.backplane import BackplanePublisher, parse_id
+from layered_cache.breaker import CircuitBreaker
+from layered_cache.config import Config
+from layered_cache.invalidation import Invalidator
+from layered_cache.keys import replica_names
+from layered_cache.l2 import REDIS_FAILURES, L2Store, L2Unavailable, make_client
+from tests.explorer.history import History, Read, Write
+from tests.explorer.scheduler import PROBE, Probe, Scheduler
+from tests.helpers import make_config
+
+__all__ = ["VARIANTS", "World", "run_schedule"]
+
+BREAKER_RESET = 0.02
+
+# name -> namespace settings of `book` (key template fixed: book:{id})
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "hot": {"hot": {"replicas": 4, "threshold": "1/s", "window": "1s", "cooldown": "30s"}},
+    "stale": {
+        "l2": {"ttl": "8ms", "jitter": 0.0},
+        "stale": {"max_age": "30s"},
+        "stampede": {
+            "lease_ttl": "1s",
+            "retry": ["2ms", "10ms"],
+            "max_wait": "300ms",
+            "early_refresh_beta": 4.0,
+            "load_timeout": "3ms",
+        },
+    },
+    "no_l1": {"l1": False},
+}
+_STAMPEDE = {"lease_ttl": "1s", "retry": ["2ms", "10ms"], "max_wait": "300ms"}
+
+_KINDS = [
+    ("get_or_load", 34),
+    ("get", 10),
+    ("invalidate", 16),
+    ("set", 14),
+    ("daemon", 12),
+    ("cancel", 8),
+    ("outage", 4),
+]
+
+
+def variant_config(url: str, prefix: str, variant: str, cluster: bool = False) -> Config:
+    namespace: dict[str, Any] = {"key": "book:{id}", "stampede": dict(_STAMPEDE)}
+    namespace.update(VARIANTS[variant])
+    return make_config(
+        url,
+        prefix,
+        {"book": namespace},
+        redis={
+            "cluster": cluster,
+            "timeout": "500ms",
+            "breaker": {"failures": 3, "reset": f"{int(BREAKER_RESET * 1000)}ms"},
+        },
+        backplane={"block": "50ms"},
+    )
+
+
+@dataclass
+class World:
+    """Long-lived per variant: instances are reused across schedules (keys differ)."""
+
+    variant: str
+    config: Config
+    probe: Probe
+    instances: dict[str, LayeredCache] = field(default_factory=dict)
+    daemon: Invalidator | None = None
+    _daemon_client: Any = None
+
+    @classmethod
+    async def start(cls, url: str, prefix: str, variant: str, cluster: bool = False) -> World:
+        config = variant_config(url, f"{prefix}{variant}:", variant, cluster)
+        world = cls(variant, config, Probe())
+        # Start everything under the probe: background tasks (backplane listeners,
+        # fills, refreshes) inherit the context, so their awaits are yield points too.
+        token = PROBE.set(world.probe)
+        try:
+            for name in ("A", "B"):
+                cache = LayeredCache(config)
+                await cache.start()
+                world.instances[name] = cache
+            world._daemon_client = make_client(config.redis)
+            breaker = CircuitBreaker(3, BREAKER_RESET)
+            stream = config.redis.prefix + config.backplane.stream
+            publisher = BackplanePublisher(world._daemon_client, stream, config.backplane.maxlen)
+            world.daemon = Invalidator(L2Store(world._daemon_client, breaker), publisher)
+        finally:
+            PROBE.reset(token)
+        for cache in world.instances.values():
+            assert cache.backplane is not None
+            await asyncio.wait_for(cache.backplane.connected.wait(), 10)
+        return world
+
+    async def close(self) -> None:
+        for cache in self.instances.values():
+            await cache.close()
+        if self._daemon_client is not None:
+            await self._daemon_client.aclose()
+
+    def name_of(self, cache: LayeredCache) -> str:
+        return next(name for name, other in self.instances.items() if other is cache)
+
+
+@dataclass
+class Op:
+    index: int
+    kind: str
+    instance: str
+    key_id: int
+    stagger: int
+    target: int = -1  # cancel: index of the op to cancel
+
+
+@dataclass
+class Outcome:
+    seed: int
+    variant: str
+    violations: list[str]
+    points: int
+    faults: int
+    trace: list[str]
+
+
+def make_program(rng: random.Random, keys: int) -> list[Op]:
+    kinds = [k for k, _ in _KINDS]
+    weights = [w for _, w in _KINDS]
+    count = rng.randint(5, 12)
+    program = []
+    for index in range(count):
+        kind = rng.choices(kinds, weights)[0]
+        op = Op(index, kind, rng.choice("AB"), rng.randrange(keys), rng.randrange(40))
+        if kind == "cancel":
+            op.target = rng.randrange(count)
+        program.append(op)
+    return program
+
+
+class _Run:
+    """One schedule: the database, the history and the operations' bodies."""
+
+    def __init__(self, world: World, seed: int, keys: int) -> None:
+        self.world = world
+        self.seed = seed
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.history = History()
+        if world.variant == "no_l1":
+            self.history.instances_without_l1 = set(world.instances)
+        self.keys = [{"id": f"s{seed}k{i}"} for i in range(keys)]
+        self.db = {self.key(i): 0 for i in range(keys)}
+        for name in self.db:
+            self.history.writes[(name, 0)] = Write(0, "initial", name, None, 0, 0, True)
+        self.fail_loads = self.rng.random() < 0.5
+        self.current_write: dict[asyncio.Task[Any], Write] = {}
+
+    def key(self, index: int) -> str:
+        return self.world.instances["A"].key("book", self.keys[index])
+
+    def loader(
+        self, name: str, who: str, state: list[str] | None = None
+    ) -> Callable[[], Awaitable[Any]]:
+        """``state`` (if given) records the load's progress: a read whose own load
+        failed or was still running when it returned got a fallback (stale) value."""
+        scheduler = self.world.probe.scheduler
+        assert scheduler is not None
+        progress = state if state is not None else []
+
+        async def load() -> Any:
+            progress.append("running")
+            await scheduler.point()
+            version = self.db[name]
+            self.history.tick(f"{who} loader read v{version}")
+            # The query takes a while, sometimes long enough for whole invalidations to
+            # run (and reach the other instance) meanwhile.
+            await asyncio.sleep(scheduler.rng.choice((0.0, 0.001, 0.005, 0.015, 0.015)))
+            await scheduler.point()
+            if self.fail_loads and scheduler.rng.random() < 0.3:
+                self.history.tick(f"{who} loader failed")
+                progress.append("failed")
+                raise RuntimeError("explorer: database error")
+            progress.append("ok")
+            return {"key": name, "v": version}
+
+        return load
+
+    async def run_op(self, op: Op, tasks: list[asyncio.Task[Any]]) -> None:
+        scheduler = self.world.probe.scheduler
+        assert scheduler is not None
+        if op.stagger < 20:
+            for _ in range(op.stagger):
+                await asyncio.sleep(0)
+        else:  # a later arrival: after other operations may have finished
+            await asyncio.sleep((op.stagger - 20) / 1000)
+        cache = self.world.instances[op.instance]
+        fields = self.keys[op.key_id]
+        name = self.key(op.key_id)
+        who = f"#{op.index} {op.kind}@{op.instance}"
+        if op.kind == "outage":
+            scheduler.outage = scheduler.rng.randint(3, 25)
+            self.history.tick(f"{who}: the next {scheduler.outage} commands fail")
+            return
+        if op.kind == "cancel":
+            target = tasks[op.target]
+            if not target.done():
+                self.history.tick(f"{who} cancels #{op.target}")
+                target.cancel()
+            return
+        if op.kind in ("get_or_load", "get"):
+            began = self.history.tick(f"{who} {name} begins")
+            state: list[str] = []
+            if op.kind == "get":
+                read = cache.get("book", fields)
+            else:
+                read = cache.get_or_load("book", fields, self.loader(name, who, state))
+            if scheduler.rng.random() < 0.25:
+                # A client timeout: the request is cancelled wherever it is.
+                value = await asyncio.wait_for(read, scheduler.rng.uniform(0.001, 0.02))
+            else:
+                value = await read
+            version = None if value is None else int(value["v"])
+            fallback = bool(state) and state[-1] != "ok"
+            ended = self.history.tick(
+                f"{who} returned v{version}{' (fallback: its load failed or is running)' if fallback else ''}"
+            )
+            self.history.reads.append(
+                Read(op.kind, name, op.instance, began, ended, version, fallback)
+            )
+            return
+        await self.write(op, cache, fields, name, who)
+
+    async def write(self, op: Op, cache: LayeredCache, fields: Any, name: str, who: str) -> None:
+        version = self.db[name] + 1
+        self.db[name] = version
+        instance = None if op.kind == "daemon" else op.instance
+        began = self.history.tick(f"{who} {name} db=v{version}")
+        write = Write(version, op.kind, name, instance, began)
+        self.history.writes[(name, version)] = write
+        task = asyncio.current_task()
+        assert task is not None
+        self.current_write[task] = write
+        try:
+            if op.kind == "invalidate":
+                await cache.invalidate("book", fields)
+            elif op.kind == "set":
+                await cache.set("book", fields, {"key": name, "v": version})
+            else:
+                assert self.world.daemon is not None
+                try:
+                    await self.world.daemon.invalidate([(name, cache.policy("book").replicas)])
+                except REDIS_FAILURES as exc:
+                    # The daemon retries the batch and commits only after it succeeds;
+                    # this attempt failed and committed nothing.
+                    raise L2Unavailable(str(exc)) from exc
+            write.ok = True
+        finally:
+            write.ended = self.history.tick(f"{who} v{version} {'ok' if write.ok else 'failed'}")
+            del self.current_write[task]
+
+    def on_reply(self, command: str, args: tuple[Any, ...], result: Any) -> None:
+        """Backplane bookkeeping: a write's entry id, and how far each listener read."""
+        task = asyncio.current_task()
+        if command == "XADD":
+            write = self.current_write.get(task) if task is not None else None
+            if write is not None and result:
+                write.entry_id = parse_id(result)
+        elif command == "XREAD" and result and task is not None:
+            instance = self._listener_instance(task)
+            if instance is not None:
+                entries = result[0][1]
+                if entries:
+                    self.history.delivered(instance, parse_id(entries[-1][0]))
+
+    def _listener_instance(self, task: asyncio.Task[Any]) -> str | None:
+        for name, cache in self.world.instances.items():
+            backplane = cache.backplane
+            if backplane is not None and backplane._task is task:
+                return name
+        return None
+
+
+async def run_schedule(world: World, seed: int, *, keys: int = 1) -> Outcome:
+    rng = random.Random(seed)
+    fault_rate = rng.choice([0.0, 0.0, 0.0, 0.02, 0.06])
+    scheduler = Scheduler(seed, fault_rate=fault_rate)
+    run = _Run(world, seed, keys)
+    probe = world.probe
+    probe.scheduler = scheduler
+    probe.on_reply = run.on_reply
+    probe.trace = run.history.tick
+    token = PROBE.set(probe)
+    program = make_program(rng, keys)
+    violations: list[str] = []
+    try:
+        tasks: list[asyncio.Task[Any]] = []
+        for op in program:
+            tasks.append(asyncio.ensure_future(_guarded(run, op, tasks)))
+        done, pending = await asyncio.wait(tasks, timeout=20)
+        if pending:
+            violations.append(f"{len(pending)} operations still running after 20 s (hung)")
+            for task in pending:
+                task.cancel()
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                error = task.exception()
+                violations.append(f"an operation raised {type(error).__name__}: {error}")
+        violations += run.history.violations()
+        # Quiet phase: no faults; the layers agree, every instance recovers and converges.
+        scheduler.fault_rate = 0.0
+        scheduler.outage = 0
+        violations += await _coherent(run)
+        violations += await _converges(run)
+    finally:
+        PROBE.reset(token)
+        probe.scheduler = None
+        probe.on_reply = None
+        probe.trace = None
+    return Outcome(
+        seed, world.variant, violations, scheduler.points, scheduler.faults, run.history.events
+    )
+
+
+async def _guarded(run: _Run, op: Op, tasks: list[asyncio.Task[Any]]) -> None:
+    """Expected failures are outcomes, not test errors: Redis unavailable for a write,
+    a loader error with no stale value, a cancellation."""
+    with contextlib.suppress(
+        L2Unavailable, RuntimeError, asyncio.CancelledError, asyncio.TimeoutError
+    ):
+        await run.run_op(op, tasks)
+
+
+async def _coherent(run: _Run, settle: float = 0.3) -> list[str]:
+    """Once every backplane entry has reached every instance and background work has had
+    time to finish: each replica holds the base key's value or nothing, and each
+    instance's ``get()`` answers the base key's value or nothing. (Which of two
+    concurrent writers' values L2 keeps is not checked: their order is undefined.)
+    Incoherence is a state, so it is reported only if it lasts ``settle`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settle
+    while True:
+        problems = await _incoherence(run)
+        if not problems or loop.time() > deadline:
+            return problems
+        await asyncio.sleep(0.02)
+
+
+async def _incoherence(run: _Run) -> list[str]:
+    world = run.world
+    any_cache = world.instances["A"]
+    client = any_cache.l2.client
+    stream = world.config.redis.prefix + world.config.backplane.stream
+    newest = await client.xrevrange(stream, count=1)
+    if newest:
+        tail = parse_id(newest[0][0])
+        for instance in world.instances:
+            await _delivered(run, instance, tail)
+    policy = any_cache.policy("book")
+
+    async def version(name: str) -> int | None:
+        data = await client.get(name)
+        if data is None:
+            return None
+        return int(policy.codec.decode(data).value["v"])
+
+    problems = []
+    for index in range(len(run.keys)):
+        name = run.key(index)
+        if any(w.key == name and not w.ok for w in run.history.writes.values()):
+            # A write that failed or was cancelled may have landed in L2 without being
+            # announced (Redis was what failed): other instances learn nothing, and the
+            # L1 TTL is the bound. The read rule still applies to every read.
+            continue
+        base = await version(name)
+        for replica in replica_names(name, policy.replicas):
+            held = await version(replica)
+            if held is not None and held != base:
+                problems.append(f"replica {replica} holds v{held} while {name} holds v{base}")
+        for instance, cache in world.instances.items():
+            value = await cache.get("book", run.keys[index])
+            if value is not None and int(value["v"]) != base:
+                problems.append(f"{instance} serves v{value['v']} of {name}; L2 holds v{base}")
+    return problems
+
+
+async def _converges(run: _Run) -> list[str]:
+    """A final invalidate (on A or B, by seed) of each key must succeed once the breaker's
+    reset has passed, and then every instance must read the final version."""
+    world = run.world
+    run.fail_loads = False
+    problems = []
+    names = list(world.instances)
+    for index in range(len(run.keys)):
+        name = run.key(index)
+        fields = run.keys[index]
+        instance = names[(run.seed + index) % len(names)]
+        cache = world.instances[instance]
+        final = run.db[name] + 1
+        run.db[name] = final
+        write = Write(final, "final-invalidate", name, instance, run.history.tick())
+        run.history.writes[(name, final)] = write
+        task = asyncio.current_task()
+        assert task is not None
+        run.current_write[task] = write
+        ok = await _retry_until(lambda c=cache, f=fields: c.invalidate("book", f), 3.0)
+        del run.current_write[task]
+        if not ok:
+            problems.append(f"invalidate@{instance} of {name} still failing 3 s after faults")
+            continue
+        write.ok, write.ended = True, run.history.tick(f"final invalidate@{instance} ok")
+        for reader_name, reader in world.instances.items():
+            if reader_name != instance and write.entry_id is not None:
+                await _delivered(run, reader_name, write.entry_id)
+            value = await reader.get_or_load(
+                "book", fields, run.loader(name, f"final read@{reader_name}")
+            )
+            if int(value["v"]) != final:
+                problems.append(
+                    f"after the final invalidate@{instance} of {name}, "
+                    f"{reader_name} read v{value['v']}, not v{final}"
+                )
+    return problems
+
+
+async def _retry_until(attempt: Callable[[], Awaitable[None]], limit: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while True:
+        try:
+            await attempt()
+            return True
+        except L2Unavailable:
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(BREAKER_RESET / 2)
+
+
+async def _delivered(run: _Run, instance: str, entry_id: tuple[int, int]) -> None:
+    """Wait until ``instance``'s backplane listener has read up to ``entry_id``."""
+    backplane = run.world.instances[instance].backplane
+    assert backplane is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while loop.time() < deadline:
+        if backplane.last_id is not None and parse_id(backplane.last_id) >= entry_id:
+            return
+        await asyncio.sleep(0.002)
