@@ -42,7 +42,7 @@ lint: venv
 	$(BIN)/ruff check layered_cache consumers tests
 	$(BIN)/mypy
 
-# The schedule explorer with a long budget (make test runs 1,200 schedules); set
+# The schedule explorer with a long budget (make test runs 1,000 schedules); set
 # EXPLORER_SEED to explore programs CI has not seen.
 EXPLORER_SCHEDULES ?= 20000
 explore: ensure-redis venv

@@ -3,7 +3,7 @@ events, faults and cancellations over two instances and a daemon, each checked a
 the guarantee "no value superseded before a read began is returned beyond the bound"
 (tests/explorer/history.py states the rule; tests/explorer/world.py the operations).
 
-``EXPLORER_SCHEDULES`` sets the budget (default 1,200 on one Redis, 120 on the cluster;
+``EXPLORER_SCHEDULES`` sets the budget (default 1,000 on one Redis, 100 on the cluster;
 ``make explore`` runs 20,000), ``EXPLORER_SEED`` the first seed (default: a fixed base, so
 CI explores the same programs every run; set it to explore new ones).
 """
@@ -77,7 +77,7 @@ def _report(failed: list[Outcome]) -> str:
 async def test_thousands_of_interleavings_never_serve_a_superseded_value(
     redis_url: str, prefix: str
 ) -> None:
-    failed = await _explore(redis_url, prefix, _budget(1200))
+    failed = await _explore(redis_url, prefix, _budget(1000))
     assert not failed, _report(failed)
 
 
@@ -85,5 +85,5 @@ async def test_thousands_of_interleavings_never_serve_a_superseded_value(
 async def test_interleavings_on_a_redis_cluster_never_serve_a_superseded_value(
     redis_cluster: RedisClusterServers, prefix: str
 ) -> None:
-    failed = await _explore(redis_cluster.url, prefix, _budget(1200) // 10, cluster=True)
+    failed = await _explore(redis_cluster.url, prefix, _budget(1000) // 10, cluster=True)
     assert not failed, _report(failed)
