@@ -45,6 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "hot": {"hot": {"replicas": 4, "threshold": "1/s", "window": "1s", "cooldown": "30s"}},
     "stale": {
+        "l1": {"ttl": "8ms"},  # L1 never outlives the soft expiry anyway; this says so
         "l2": {"ttl": "8ms", "jitter": 0.0},
         "stale": {"max_age": "30s"},
         "stampede": {
