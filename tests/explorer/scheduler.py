@@ -57,9 +57,15 @@ class Scheduler:
         self.faults = 0
         self.outage = 0  # the next N commands all fail (opens breakers, makes probes)
 
-    async def point(self) -> None:
-        """Stand aside for a drawn number of loop turns (or a short real pause)."""
+    async def point(self, slow: float = 0.0) -> None:
+        """Stand aside for a drawn number of loop turns (or a short real pause). With
+        ``slow``, that chance of a longer pause (2-15 ms): used after the replies whose
+        window matters most (a fill script, a set's pipeline), where an invalidation
+        that lands before the caller resumes is the race being looked for."""
         self.points += 1
+        if slow and self.rng.random() < slow:
+            await asyncio.sleep(self.rng.uniform(0.002, 0.015))
+            return
         if self.rng.random() < self.pause_rate:
             await asyncio.sleep(self.rng.uniform(0.0, self.max_pause))
             return
@@ -93,6 +99,11 @@ class Probe:
 PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("explorer_probe", default=None)
 
 
+# Replies after which the caller updates L1 (or returns from set()): the window where a
+# concurrent invalidation must still win.
+_WRITES = frozenset({"EVALSHA", "EVAL", "PIPELINE"})
+
+
 def _command_name(args: tuple[Any, ...]) -> str:
     if not args:
         return "?"
@@ -113,7 +124,7 @@ def _wrap(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
             _note(probe, f"fault before {name}")
             raise RedisConnectionError(f"explorer: {name} failed before reaching Redis")
         result = await original(self, *args, **kwargs)
-        await scheduler.point()
+        await scheduler.point(slow=0.25 if name in _WRITES else 0.0)
         if name != "XREAD" and scheduler.fail():
             # Redis ran it; the reply is lost (a timeout): the caller can't tell.
             _note(probe, f"fault after {name} (it ran)")
