@@ -62,6 +62,7 @@ class History:
     # instance -> [(time, newest entry id its listener had read by then)]
     deliveries: dict[str, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    type_errors: list[str] = field(default_factory=list)
 
     def tick(self, text: str = "") -> int:
         self.clock += 1

@@ -209,7 +209,9 @@ class _Run:
                 progress.append("failed")
                 raise RuntimeError("explorer: database error")
             progress.append("ok")
-            return {"key": name, "v": version}
+            # A tuple inside: L2 can only hand it back as a list, so a read that returns a
+            # tuple got the loader's own object (fix 11: every layer returns one type).
+            return {"key": name, "v": version, "shape": (version, name)}
 
         return load
 
@@ -248,6 +250,11 @@ class _Run:
             else:
                 value = await read
             version = None if value is None else int(value["v"])
+            if value is not None and "shape" in value and not isinstance(value["shape"], list):
+                self.history.type_errors.append(
+                    f"{who} got {type(value['shape']).__name__} where L2 returns list: "
+                    "the type depends on the layer that answered"
+                )
             fallback = bool(state) and state[-1] != "ok"
             ended = self.history.tick(
                 f"{who} returned v{version}{' (fallback: its load failed or is running)' if fallback else ''}"
@@ -333,7 +340,7 @@ async def run_schedule(world: World, seed: int, *, keys: int = 1) -> Outcome:
             if not task.cancelled() and task.exception() is not None:
                 error = task.exception()
                 violations.append(f"an operation raised {type(error).__name__}: {error}")
-        violations += run.history.violations()
+        violations += run.history.violations() + run.history.type_errors
         # Quiet phase: no faults; the layers agree, every instance recovers and converges.
         scheduler.fault_rate = 0.0
         scheduler.outage = 0
