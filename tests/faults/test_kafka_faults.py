@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -63,23 +64,43 @@ async def test_broker_restart_under_the_daemon_loses_no_event_and_commits_nothin
             await asyncio.sleep(0.1)
 
     daemon = Daemon(config)
+    try:
+        async with asyncio.timeout(300):
+            await _restart_scenario(daemon, durable_kafka_broker, produce, watch_commits, tps)
+    except BaseException:
+        # Seen once on a loaded machine: a hang after the restart, with the daemon
+        # refused by the broker's port. Keep the servers' own account for next time.
+        print(durable_kafka_broker.log_tail(80))
+        if durable_kafka_broker.s3 is not None:
+            print(durable_kafka_broker.s3.log_tail(20))
+        raise
+    assert violations == [], violations[:3]
+    assert await existing(client, [key(i) for i in range(400)]) == []
+    await client.aclose()
+
+
+async def _restart_scenario(
+    daemon: Daemon,
+    broker: KafkaBroker,
+    produce: Callable[[range], Awaitable[None]],
+    watch_commits: Callable[[], Awaitable[None]],
+    tps: list[TopicPartition],
+) -> None:
+    bootstrap, group = broker.bootstrap, daemon.config.kafka.group_id
     async with running(daemon):
         watcher = asyncio.create_task(watch_commits())
         await produce(range(200))
         assert await eventually(lambda: committed_total(bootstrap, group, tps, 200), timeout=60)
-        durable_kafka_broker.kill()
+        broker.kill()
         await asyncio.sleep(1.0)  # the daemon's fetches and commits fail meanwhile
-        durable_kafka_broker.start()
-        await produce(range(200, 400))
+        broker.start()
+        await asyncio.wait_for(produce(range(200, 400)), 120)
         # The restarted broker reloads its state from S3; on a busy machine that and the
         # group's rejoin take a while: the outcome matters, not the speed.
         assert await eventually(lambda: committed_total(bootstrap, group, tps, 400), timeout=180)
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-    assert violations == [], violations[:3]
-    assert await existing(client, [key(i) for i in range(400)]) == []
-    await client.aclose()
 
 
 @pytest.mark.timeout(400)
