@@ -244,7 +244,11 @@ class LayeredCache:
 
     async def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
         """Write ``value`` to L2 (base and replicas) and this instance's L1; other
-        instances drop their L1 copy through the backplane."""
+        instances drop their L1 copy through the backplane.
+
+        Raises ``L2Unavailable`` if Redis fails, including when the value was written
+        but the backplane append failed: then other instances may still serve their old
+        L1 copy for its TTL, and returning normally would promise otherwise."""
         policy = self.policy(namespace)
         key = policy.template.build(fields)
         if not policy.cache:
@@ -273,8 +277,20 @@ class LayeredCache:
             # before any replica lease is (see _set_names), so it goes first, alone.
             await self.l2.delete([outdated[0]])
         await self.l2.set_many(names, data, ttl_ms, delete_first=outdated)
-        with contextlib.suppress(*REDIS_FAILURES):
+        try:
             await self._invalidator.announce([key])
+        except REDIS_FAILURES as exc:
+            # L2 holds our value, but the other instances were not told to drop their L1
+            # copies: set() must not return as if the write had reached everyone (like
+            # invalidate(), it raises). Our own L1 is left empty: reads here go to L2.
+            policy.stats.redis_error += 1
+            self._flight.forget(key)
+            if policy.l1 is not None:
+                policy.l1.discard([key])
+            raise L2Unavailable(
+                f"set() wrote L2 but could not announce it on the backplane: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         self._settle_after_set(policy, key, value, soft_expiry, read_seq)
 
     def _settle_after_set(

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 
-from layered_cache import LayeredCache, ReplicaCountMismatch
+from layered_cache import L2Unavailable, LayeredCache, ReplicaCountMismatch
 from layered_cache.invalidation import replica_record_name
 from layered_cache.l1 import MISSING
 from tests.faults.proxy import ToxicProxy
@@ -521,3 +521,23 @@ async def test_load_that_began_during_a_set_is_not_served_after_it(
         assert await later == "new"
         # ... and that load's L1 fill, landing after the set(), is refused.
         assert await cache.get("book", {"id": 1}) == "new"
+
+
+async def test_set_whose_backplane_append_fails_raises_instead_of_promising_coherence(
+    redis_url: str, prefix: str
+) -> None:
+    """Found by the schedule explorer under load: set() wrote L2, its XADD failed, and it
+    returned normally while another instance kept serving its old L1 copy."""
+    config = make_config(redis_url, prefix)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        assert await b.get_or_load("book", {"id": 1}, CountingLoader("old")) == "old"
+        stream = config.redis.prefix + config.backplane.stream
+        await admin.delete(stream)
+        await admin.set(stream, "not a stream")  # every XADD now fails (WRONGTYPE)
+        with pytest.raises(L2Unavailable, match="could not announce"):
+            await a.set("book", {"id": 1}, "new")
+        # L2 holds the new value; A doesn't keep it in L1 as if the write were everywhere.
+        assert await a.get("book", {"id": 1}) == "new"
+        await admin.delete(stream)
+    await admin.aclose()
