@@ -358,10 +358,16 @@ class L2Store:
         """SET the same value under several names, after deleting ``delete_first``, in
         one pipeline. In a cluster redis-py splits it per node (each name may live in
         another slot); commands to one node keep their order, so a DEL of a key's lease
-        (same slot as the key) still runs before the SET of the key."""
+        (same slot as the key) still runs before the SET of the key.
+
+        On a single node the pipeline is a MULTI/EXEC transaction (same round trip):
+        two concurrent set() calls of a hot key must not interleave their commands,
+        or the base key could end with one writer's value and the replicas with the
+        other's. A cluster can't make names of several slots atomic; there the
+        replicas of concurrent writers may disagree until their TTL (docs/hotkeys.md)."""
         if not names and not delete_first:
             return
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=not self.cluster)
         for name in delete_first:
             pipe.delete(name)  # single-key DELs: never one command across slots
         for name in names:
