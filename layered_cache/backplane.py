@@ -20,7 +20,7 @@ import msgspec
 import structlog
 from redis.exceptions import RedisError
 
-from layered_cache.l2 import REDIS_FAILURES, RedisClient
+from layered_cache.clients import REDIS_FAILURES, RedisClient
 
 __all__ = ["BackplaneListener", "BackplanePublisher", "parse_id"]
 

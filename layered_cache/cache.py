@@ -27,20 +27,20 @@ from redis.asyncio.cluster import RedisCluster
 
 from layered_cache.backplane import BackplaneListener, BackplanePublisher
 from layered_cache.breaker import CircuitBreaker
+from layered_cache.clients import (
+    REDIS_FAILURES,
+    RedisClient,
+    make_client,
+    make_node_client,
+    with_timeout,
+)
 from layered_cache.codec import CodecError, Envelope
-from layered_cache.config import Config, RedisConfig
+from layered_cache.config import Config
 from layered_cache.hotreport import HotKeyReporter, report_key
 from layered_cache.invalidation import Invalidator, ReplicaCountMismatch, check_replica_counts
 from layered_cache.keys import lease_name, replica_name, replica_names
 from layered_cache.l1 import MISSING
-from layered_cache.l2 import (
-    REDIS_FAILURES,
-    L2Store,
-    L2Unavailable,
-    RedisClient,
-    make_client,
-    make_node_client,
-)
+from layered_cache.l2 import L2Store, L2Unavailable
 from layered_cache.notify import FillNotifier, fill_channel
 from layered_cache.policy import Policy, compile_policy
 from layered_cache.singleflight import SingleFlight
@@ -83,7 +83,7 @@ class LayeredCache:
         self.breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
         self._client: RedisClient = make_client(config.redis)
         self.l2 = L2Store(self._client, self.breaker, config.redis.max_connections)
-        self._notifier = FillNotifier(make_node_client(self._client, config.redis))
+        self._notifier = FillNotifier(make_node_client(config.redis))
         self._leases = LeaseWaiter(self.l2, self._notifier)
         stream = prefix + config.backplane.stream
         publisher = (
@@ -96,7 +96,7 @@ class LayeredCache:
         self.backplane: BackplaneListener | None = None
         if config.backplane.enabled:
             # Blocking XREAD needs a socket timeout longer than the block time.
-            listener_config = _with_timeout(config.redis, config.backplane.block + 1.0)
+            listener_config = with_timeout(config.redis, config.backplane.block + 1.0)
             self._listener_client = make_client(listener_config)
             self.backplane = BackplaneListener(
                 self._listener_client,
@@ -901,10 +901,3 @@ def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
-
-def _with_timeout(config: RedisConfig, timeout: float) -> RedisConfig:
-    import msgspec
-
-    from layered_cache.config import Duration
-
-    return msgspec.structs.replace(config, timeout=Duration(timeout))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import structlog
 
-from layered_cache.l2 import REDIS_FAILURES, RedisClient
+from layered_cache.clients import REDIS_FAILURES, RedisClient
 
 __all__ = ["HotKeyReporter", "fleet_hot_keys", "report_key"]
 

@@ -29,9 +29,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache.backplane import BackplanePublisher
+from layered_cache.clients import RedisClient
 from layered_cache.config import Config
 from layered_cache.keys import lease_name, replica_names
-from layered_cache.l2 import L2Store, RedisClient
+from layered_cache.l2 import L2Store
 from layered_cache.policy import compile_policy
 
 __all__ = [

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as redis
 import structlog
 
-from layered_cache.l2 import REDIS_FAILURES
+from layered_cache.clients import REDIS_FAILURES
 
 __all__ = ["FillNotifier", "fill_channel"]
 

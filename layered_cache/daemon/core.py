@@ -36,7 +36,8 @@ from aiokafka.structs import TopicPartition
 
 from layered_cache.backplane import BackplanePublisher
 from layered_cache.breaker import CircuitBreaker
-from layered_cache.config import Config, Duration
+from layered_cache.clients import REDIS_FAILURES, RedisClient, make_client, with_timeout
+from layered_cache.config import Config
 from layered_cache.daemon.backoff import Backoff
 from layered_cache.daemon.dlq import Poison, cap_text, send_dead_letters
 from layered_cache.daemon.health import HealthServer
@@ -44,7 +45,7 @@ from layered_cache.daemon.kafka import consumer_kwargs, producer_kwargs
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.events import EventDecoder, PoisonEvent, Target, unique_targets
 from layered_cache.invalidation import Invalidator, check_replica_counts, replica_counts
-from layered_cache.l2 import REDIS_FAILURES, L2Store, L2Unavailable, RedisClient, make_client
+from layered_cache.l2 import L2Store, L2Unavailable
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
 
@@ -165,9 +166,7 @@ class Daemon:
 
     async def _start(self) -> bool:
         config = self.config
-        redis_config = msgspec.structs.replace(
-            config.redis, timeout=Duration(max(config.redis.timeout, _MIN_REDIS_TIMEOUT))
-        )
+        redis_config = with_timeout(config.redis, max(config.redis.timeout, _MIN_REDIS_TIMEOUT))
         self._redis = make_client(redis_config)
         await _check_replicas(self._redis, config)  # refuses a fleet-inconsistent config
         breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)

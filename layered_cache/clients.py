@@ -1,0 +1,95 @@
+"""Redis clients built from the config, and what counts as "Redis failed".
+
+One place for the wiring the library, the daemon and the CLI share: client options
+(timeouts, TLS, credentials, pool size), the plain node connection pub/sub needs in a
+cluster, and the exception tuple every layer catches to fall back instead of crashing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import redis.asyncio as redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
+
+from layered_cache.config import Duration, RedisConfig
+
+__all__ = ["REDIS_FAILURES", "RedisClient", "make_client", "make_node_client", "with_timeout"]
+
+RedisClient = redis.Redis | RedisCluster
+
+# Everything that means "Redis could not answer": RedisClusterException is not a
+# RedisError (e.g. "cannot be connected" while the cluster client re-discovers nodes).
+# AttributeError: redis-py 8's async cluster client was seen to raise it from a
+# connection torn down underneath a command ("'NoneType' object has no attribute
+# 'writelines'"); for the cache that is one more failed L2 operation, not a crash.
+REDIS_FAILURES = (
+    RedisError,
+    RedisClusterException,
+    OSError,
+    asyncio.TimeoutError,
+    AttributeError,
+)
+def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "socket_timeout": config.timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "max_connections": config.max_connections,
+    }
+    if config.username is not None:
+        kwargs["username"] = config.username
+    if config.password is not None:
+        kwargs["password"] = config.password
+    if config.url.startswith("rediss://"):
+        for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            value = getattr(config, option)
+            if value is not None:
+                kwargs[option] = value
+    return kwargs
+
+
+def make_client(config: RedisConfig) -> RedisClient:
+    """A redis.asyncio client for the config: RedisCluster when ``cluster = true``.
+
+    Standalone clients get no automatic retries: a retry would multiply the time a
+    request waits on a sick Redis, and the breaker plus the loader are the fallback.
+    The cluster client keeps redis-py's MOVED/ASK handling and its default retries.
+    """
+    kwargs = _client_kwargs(config)
+    if config.cluster:
+        seeds = [ClusterNode(*_host_port(node)) for node in config.nodes]
+        return RedisCluster.from_url(config.url, startup_nodes=seeds, **kwargs)
+    # The pool itself is not capped (redis-py 8 caps at 100 by default): a capped pool
+    # either fails a burst ("Too many connections") or, as BlockingConnectionPool, costs
+    # a lock and a timer per command on the hot path. L2Store bounds its concurrency
+    # with a semaphore instead (``max_connections``).
+    kwargs["max_connections"] = 2**31
+    return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **kwargs)
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    host, _, port = node.rpartition(":")
+    return host, int(port)
+
+
+def make_node_client(config: RedisConfig) -> redis.Redis:
+    """A plain connection for pub/sub. In a cluster, classic PUBLISH (also from a Lua
+    script) is broadcast over the cluster bus to every node, so subscribing on any one
+    node sees every fill notification: the node of the configured URL is used. (The
+    cluster client knows no nodes before its first command, and a lost notification only
+    costs a waiter its jittered re-read, so no node discovery is needed here.)"""
+    # socket_timeout stays ``redis.timeout``: it bounds the connect handshake and every
+    # command a waiter sends (SUBSCRIBE/UNSUBSCRIBE) on a hung Redis. The reader's
+    # ``get_message(timeout=...)`` passes its own read timeout, which overrides it.
+    return redis.Redis.from_url(config.url, **_client_kwargs(config))
+
+
+def with_timeout(config: RedisConfig, timeout: float) -> RedisConfig:
+    """``config`` with another socket timeout: a blocking XREAD needs one longer than
+    its block time, the daemon's deletes one that survives a busy node."""
+    return msgspec.structs.replace(config, timeout=Duration(timeout))
