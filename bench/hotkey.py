@@ -120,7 +120,7 @@ async def _detection_overhead(env: BenchEnv, quick: bool) -> dict[str, Any]:
             {"no hot config": batch_for("plain"), "detection on": batch_for("detect")},
             3000, 5 if quick else 11, batch_seconds=0.25,
         )
-        detector = cache.policy("detect").hot
+        detector = cache.namespace("detect").policy.hot
         assert detector is not None and not detector.hot_keys(), "nothing should be promoted"
         key = cache.key("detect", {"id": 1})
         n = 200_000

@@ -96,8 +96,8 @@ def listener_process(redis_url: str, prefix: str, bootstrap: str, topic: str,
 
     async def main() -> None:
         cache = LayeredCache.from_config(_config(redis_url, prefix, bootstrap, topic, 1000))
-        assert cache.backplane is not None
-        original = cache.backplane._on_keys
+        assert cache._backplane is not None
+        original = cache._backplane._on_keys
 
         def on_keys(keys: list[str]) -> None:
             now = time.time()
@@ -105,9 +105,9 @@ def listener_process(redis_url: str, prefix: str, bootstrap: str, topic: str,
                 dropped.setdefault(key, now)
             original(keys)
 
-        cache.backplane._on_keys = on_keys  # observe the callback the backplane drives
+        cache._backplane._on_keys = on_keys  # observe the callback the backplane drives
         async with cache:
-            await cache.backplane.connected.wait()
+            await cache._backplane.connected.wait()
             ready.set()
             while not stop.is_set():
                 await asyncio.sleep(0.05)

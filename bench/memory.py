@@ -76,7 +76,7 @@ async def run(env: BenchEnv) -> Section:
         gc.collect()
         ours_bytes = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
-        l1 = cache.policy("book").l1
+        l1 = cache.namespace("book").policy.l1
         held = len(l1) if l1 is not None else 0
     assert held == entries, held
 

@@ -204,7 +204,7 @@ async def warm(cache: LayeredCache, namespace: str, count: int) -> tuple[int, fl
     out in pipelines of 1,000 so warming 10,000 keys takes well under a second. The
     expiries are then read back from Redis (PTTL), not computed.
     """
-    policy = cache.policy(namespace)
+    policy = cache.namespace(namespace).policy
     client = aioredis.Redis.from_url(cache.config.redis.url)
     try:
         for start in range(0, count, 1000):
@@ -385,7 +385,7 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
         for field in fields:
             print(f"  {field:<22}" + "".join(f"{n(s['cache']['book'][field]):>10}" for s in stats.values()))
         print(f"  {'stock: load (live)':<22}" + "".join(f"{n(s['cache']['stock']['load']):>10}" for s in stats.values()))
-        print(f"  {'breaker':<22}" + "".join(f"{s['cache']['_redis']['breaker']:>10}" for s in stats.values()))
+        print(f"  {'breaker':<22}" + "".join(f"{s['redis']['breaker']:>10}" for s in stats.values()))
         print(f"  database queries (shared): {dict(db.queries)}")
         print("    book_detail: the stampede's one fill + one reload after the price change;"
               " stock: every read")

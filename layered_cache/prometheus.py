@@ -124,7 +124,7 @@ class CacheCollector(Collector):
         self.load_seconds = _Histogram(LOAD_BUCKETS)
         self.l2_read_seconds = _Histogram(L2_BUCKETS)
 
-    # hooks called by LayeredCache (see cache.load_observers / l2_observers)
+    # hooks called by LayeredCache (see cache.hooks.load_observers / l2_observers)
     def observe_load(self, namespace: str, seconds: float, ok: bool) -> None:
         self.load_seconds.observe((namespace, "ok" if ok else "error"), seconds)
 
@@ -135,15 +135,15 @@ class CacheCollector(Collector):
         if cache in self._caches:
             return
         self._caches.add(cache)
-        cache.load_observers.append(self.observe_load)
-        cache.l2_observers.append(self.observe_l2_read)
+        cache.hooks.load_observers.append(self.observe_load)
+        cache.hooks.l2_observers.append(self.observe_l2_read)
 
     def remove(self, cache: LayeredCache) -> None:
         self._caches.discard(cache)
-        while self.observe_load in cache.load_observers:
-            cache.load_observers.remove(self.observe_load)
-        while self.observe_l2_read in cache.l2_observers:
-            cache.l2_observers.remove(self.observe_l2_read)
+        while self.observe_load in cache.hooks.load_observers:
+            cache.hooks.load_observers.remove(self.observe_load)
+        while self.observe_l2_read in cache.hooks.l2_observers:
+            cache.hooks.l2_observers.remove(self.observe_l2_read)
 
     def describe(self) -> Iterator[Metric]:
         # Families are dynamic (namespaces come from caches added later): don't let the
@@ -179,20 +179,17 @@ class CacheCollector(Collector):
         )
         for cache in caches:
             stats = cache.stats()
-            redis_stats = stats.pop("_redis", {})
+            status = cache.redis_status()
             # Every breaker, not only the shared one: in a cluster each master has its own,
             # and an alert on the shared one alone stays silent while masters are skipped.
-            states = {"default": str(redis_stats.get("breaker", "closed"))}
-            nodes = redis_stats.get("node_breakers", {})
-            if isinstance(nodes, dict):
-                states.update({str(node): str(state) for node, state in nodes.items()})
+            states = {"default": status.breaker, **status.node_breakers}
             for node, state in states.items():
                 for candidate in BREAKER_STATES:
                     breaker.add_metric(
                         [cache.instance_id, node, candidate], 1.0 if state == candidate else 0.0
                     )
             transitions.add_metric(
-                [cache.instance_id], float(redis_stats.get("breaker_transitions", 0))
+                [cache.instance_id], float(status.breaker_transitions)
             )
             for namespace, counters in stats.items():
                 row = totals.setdefault(namespace, {})
@@ -264,10 +261,10 @@ def _hot_keys(cache: LayeredCache) -> dict[str, Any]:
 
 def _l1_entries(cache: LayeredCache) -> dict[str, int]:
     result: dict[str, int] = {}
-    for namespace in cache.config.namespaces:
-        l1 = cache.policy(namespace).l1
+    for namespace in cache:
+        l1 = namespace.policy.l1
         if l1 is not None:
-            result[namespace] = len(l1)
+            result[namespace.name] = len(l1)
     return result
 
 

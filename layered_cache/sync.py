@@ -44,8 +44,9 @@ import typing
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, ParamSpec, TypeVar
 
-from layered_cache.cache import LayeredCache
+from layered_cache.cache import LayeredCache, RedisStatus
 from layered_cache.config import Config
+from layered_cache.decorate import bind_key_fields
 from layered_cache.l1 import MISSING
 from layered_cache.policy import Policy
 
@@ -241,20 +242,19 @@ class SyncLayeredCache:
     ) -> T:
         """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
         self._refuse_running_loop()
-        policy = self.cache.policy(namespace)
+        policy = self.cache.namespace(namespace).policy
         value = self._l1_hit(policy, fields)
         if value is not MISSING:
             return typing.cast(T, value)
         key = policy.template.build(fields)
         self._check_not_own_key(key)
         load = self._async_loader(key, loader)
-        result = self._run(self.cache.get_or_load(namespace, fields, load))
-        return typing.cast(T, result)
+        return self._run(self.cache.get_or_load(namespace, fields, load))
 
     def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
         """The cached value or None; never loads."""
         self._refuse_running_loop()
-        value = self._l1_hit(self.cache.policy(namespace), fields)
+        value = self._l1_hit(self.cache.namespace(namespace).policy, fields)
         if value is not MISSING:
             return value
         return self._run(self.cache.get(namespace, fields))
@@ -275,15 +275,14 @@ class SyncLayeredCache:
 
         The return annotation (or ``value_type``) becomes the namespace's value type.
         """
-        cache = self.cache
-        cache.policy(namespace)  # an unknown namespace fails here, not at the first call
+        ns = self.cache.namespace(namespace)  # an unknown namespace fails here, not at a call
 
         def decorate(fn: Callable[P, T]) -> Callable[P, T]:
             if inspect.iscoroutinefunction(fn):
                 raise TypeError(
                     f"{fn.__qualname__} is async: use LayeredCache.cached, not the sync API"
                 )
-            signature = cache.prepare_cached(namespace, fn, value_type)
+            signature = bind_key_fields(ns, fn, value_type)
 
             @functools.wraps(fn)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -295,14 +294,14 @@ class SyncLayeredCache:
 
         return decorate
 
-    def stats(self) -> dict[str, dict[str, Any]]:
+    def stats(self) -> dict[str, dict[str, int | dict[int, int]]]:
         return self.cache.stats()
+
+    def redis_status(self) -> RedisStatus:
+        return self.cache.redis_status()
 
     def hot_keys(self) -> dict[str, dict[str, float]]:
         return self.cache.hot_keys()
-
-    def policy(self, namespace: str) -> Policy:
-        return self.cache.policy(namespace)
 
     def key(self, namespace: str, fields: Mapping[str, object]) -> str:
         return self.cache.key(namespace, fields)

@@ -45,5 +45,5 @@ def instrument(cache: LayeredCache, tracer: Any | None = None) -> bool:
         with tracer.start_as_current_span(SPAN_NAME, attributes={"cache.namespace": namespace}):
             return await loader()
 
-    cache.load_wrapper = traced
+    cache.hooks.load_wrapper = traced
     return True

@@ -87,24 +87,24 @@ async def two_instances(
     b_config = make_config(b_url, prefix, namespaces, **sections)
     try:
         async with LayeredCache.from_config(a_config) as a, LayeredCache.from_config(b_config) as b:
-            assert a.backplane is not None and b.backplane is not None
-            assert await eventually(a.backplane.connected.is_set)
-            assert await eventually(b.backplane.connected.is_set)
+            assert a._backplane is not None and b._backplane is not None
+            assert await eventually(a._backplane.connected.is_set)
+            assert await eventually(b._backplane.connected.is_set)
             yield a, b, proxy
     finally:
         await proxy.close()
 
 
 def in_l1(cache: LayeredCache, book_id: int) -> bool:
-    l1 = cache.policy("book").l1
+    l1 = cache.namespace("book").policy.l1
     assert l1 is not None
     return l1.get(cache.key("book", {"id": book_id})) is not MISSING
 
 
 async def cut_off(b: LayeredCache, proxy: CuttableProxy) -> None:
     proxy.cut()
-    assert b.backplane is not None
-    assert await eventually(lambda: not b.backplane.connected.is_set(), timeout=5)  # type: ignore[union-attr]
+    assert b._backplane is not None
+    assert await eventually(lambda: not b._backplane.connected.is_set(), timeout=5)  # type: ignore[union-attr]
 
 
 async def test_disconnected_instance_catches_up_on_reconnect(redis_url: str, prefix: str) -> None:
@@ -120,7 +120,7 @@ async def test_disconnected_instance_catches_up_on_reconnect(redis_url: str, pre
         proxy.restore()
         assert await eventually(lambda: not any(in_l1(b, i) for i in range(20)), timeout=5)
         assert in_l1(b, 99), "caught up entry by entry, not by clearing everything"
-        assert b.backplane is not None and b.backplane.gaps == 0
+        assert b._backplane is not None and b._backplane.gaps == 0
 
 
 async def test_instance_whose_position_was_trimmed_clears_its_l1(
@@ -135,10 +135,10 @@ async def test_instance_whose_position_was_trimmed_clears_its_l1(
 
         for book_id in range(1000, 1300):
             await a.invalidate("book", {"id": book_id})  # keys B never held
-        length = await a.l2.client.xlen(prefix + a.config.backplane.stream)
+        length = await a._store.client.xlen(prefix + a.config.backplane.stream)
         assert length < 300
         assert in_l1(b, 99)
 
         proxy.restore()
         assert await eventually(lambda: not any(in_l1(b, i) for i in (1, 2, 99)), timeout=5)
-        assert b.backplane is not None and b.backplane.gaps == 1
+        assert b._backplane is not None and b._backplane.gaps == 1

@@ -734,7 +734,7 @@ async def test_warm_stops_at_a_read_error_with_the_line_to_resume_from(
 ) -> None:
     source = FailingFile("".join(book_line(i) for i in range(1, 11)).encode(), good=4)
     async with open_cache(make_config(redis_url, prefix)) as cache:
-        policy = cache.policy("book")
+        policy = cache.namespace("book").policy
         progress = Progress(0, "warm book", io.StringIO())
         warmer = Warmer(cache, policy, JsonlReader(source, policy), 3, progress)
         report = await warmer.run()

@@ -100,7 +100,7 @@ async def test_detected_hot_key_spreads_its_reads_evenly_over_the_masters(
         async def promoted_with_replicas() -> bool:
             await cache.get_or_load("book", {"id": key_id}, loader)
             return key in cache.hot_keys()["book"] and all(
-                [await cache.l2.get(name) for name in replica_names(key, 8)]
+                [await cache._store.get(name) for name in replica_names(key, 8)]
             )
 
         assert await eventually(promoted_with_replicas, timeout=3.0, interval=0.005)
@@ -143,17 +143,17 @@ async def test_cache_operations_work_in_cluster_mode(redis_cluster: Cluster, pre
         assert await b.get("author", {"id": 9}) == {"name": "Herbert"}
 
         # Invalidate in A: L2 gone, and B's L1 copy dropped through the backplane stream.
-        assert b.backplane is not None
-        assert await eventually(b.backplane.connected.is_set)
+        assert b._backplane is not None
+        assert await eventually(b._backplane.connected.is_set)
         await a.invalidate("book", {"id": 1})
 
         async def dropped_in_b() -> bool:
             return await b.get("book", {"id": 1}) is None
 
         assert await eventually(dropped_in_b, timeout=2.0)
-        assert b.backplane.entries_seen >= 1  # dropped by the stream, not by a TTL
+        assert b._backplane.entries_seen >= 1  # dropped by the stream, not by a TTL
         assert await a.get("book", {"id": 1}) is None
-        assert a.breaker.state == "closed" and b.breaker.state == "closed"
+        assert a.redis_status().breaker == "closed" and b.redis_status().breaker == "closed"
 
 
 async def test_invalidation_deletes_every_replica_on_every_node(
@@ -166,7 +166,7 @@ async def test_invalidation_deletes_every_replica_on_every_node(
         await cache.get_or_load("book", {"id": 7}, CountingLoader("v"))
         assert await _existing(nodes, names) == set(names)
         # A leftover lease too (as if a fill were in flight): it must go as well.
-        await cache.l2.acquire_lease(lease_name(key), "someone", 10_000)
+        await cache._store.acquire_lease(lease_name(key), "someone", 10_000)
         await cache.invalidate("book", {"id": 7})
     assert await _existing(nodes, [*names, lease_name(key)]) == set()
     leftovers = [n for node in nodes for n in await node.keys(f"*{key}*")]

@@ -158,7 +158,7 @@ async def test_undecodable_bytes_in_redis_are_a_miss_then_overwritten(
     async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
         for garbage in (b"\x80\x04\x95pickle", b"not msgpack at all", b"\x95\x01"):
             await admin.set(key, garbage)
-            cache.policy("book").l1.clear()  # type: ignore[union-attr]
+            cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
             assert await cache.get("book", {"id": 5}) is None
             assert await cache.get_or_load("book", {"id": 5}, loader) == {"ok": True}
             assert await admin.get(key) not in (garbage, None)
@@ -199,7 +199,7 @@ async def test_l1_ttl_jitter_stays_in_bounds(redis_url: str, prefix: str) -> Non
         redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "10s", "jitter": 0.2}}}
     )
     async with LayeredCache.from_config(config) as cache:
-        policy = cache.policy("book")
+        policy = cache.namespace("book").policy
         draws = [policy.l1_ttl_draw() for _ in range(10_000)]
     assert 8.0 <= min(draws) < 8.2 and 11.8 < max(draws) <= 12.0
 
@@ -212,7 +212,7 @@ async def test_l1_entry_never_outlives_l2_soft_expiry(redis_url: str, prefix: st
     )
     async with LayeredCache.from_config(config) as cache:
         await cache.get_or_load("book", {"id": 1}, CountingLoader("v"))
-        remaining = cache.policy("book").l1.remaining_ttl(f"{prefix}book:1")  # type: ignore[union-attr]
+        remaining = cache.namespace("book").policy.l1.remaining_ttl(f"{prefix}book:1")  # type: ignore[union-attr]
     assert remaining is not None and remaining <= 2.0
 
 
@@ -230,14 +230,14 @@ async def test_redis_stopped_mid_test_serves_loader_and_breaker_recovers(
         assert results == ["db"] * 50
         for i in range(20):
             assert await cache.get_or_load("book", {"id": 100 + i}, loader) == "db"
-        assert cache.breaker.state in ("open", "half_open")
+        assert cache.redis_status().breaker in ("open", "half_open")
         errors_while_open = cache.stats()["book"]["redis_error"]
         assert errors_while_open >= 2
         redis_server.start()
 
         async def closed() -> bool:
             await cache.get_or_load("book", {"id": 1}, loader)
-            return cache.breaker.state == "closed"
+            return cache.redis_status().breaker == "closed"
 
         assert await eventually(closed, timeout=10, interval=0.1)
         # L2 fills again once the breaker is closed.

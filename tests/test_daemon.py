@@ -167,9 +167,9 @@ async def test_price_change_reaches_every_instance_within_a_second(
     ):
         assert await a.get_or_load("book", {"id": 42}, CountingLoader("12.90")) == "12.90"
         assert await b.get_or_load("book", {"id": 42}, CountingLoader("other")) == "12.90"
-        await b.l2.client.set(lease_name(key), b"in-flight-fill", ex=30)  # a load in progress
+        await b._store.client.set(lease_name(key), b"in-flight-fill", ex=30)  # a load in progress
         assert len(await existing(redis_client, names)) == 10
-        l1s = [a.policy("book").l1, b.policy("book").l1]
+        l1s = [a.namespace("book").policy.l1, b.namespace("book").policy.l1]
         assert all(l1 is not None and l1.get(key) == "12.90" for l1 in l1s)
 
         started = time.monotonic()

@@ -201,7 +201,7 @@ async def run_invalidation_interleavings(
             LayeredCache.from_config(config) as filler,
             LayeredCache.from_config(config) as invalidator,
         ):
-            codec = filler.policy("book").codec
+            codec = filler.namespace("book").policy.codec
             for i in range(rounds):
                 database = {"version": 1}
 

@@ -34,9 +34,9 @@ async def test_cancelled_half_open_probe_does_not_stick_the_breaker(
         try:
             for _ in range(2):
                 await cache.get("book", {"id": 1})
-            assert cache.breaker.state == "open"
+            assert cache.redis_status().breaker == "open"
             await asyncio.sleep(0.35)  # past reset: the next request is the probe
-            assert cache.breaker.state == "half_open"
+            assert cache.redis_status().breaker == "half_open"
             # The probe's caller goes away (client timeout) while Redis hangs.
             probe = asyncio.ensure_future(cache.get("book", {"id": 1}))
             await asyncio.sleep(0.05)
@@ -48,10 +48,10 @@ async def test_cancelled_half_open_probe_does_not_stick_the_breaker(
         await cache.invalidate("book", {"id": 2})
         loader = CountingLoader("db")
         for _ in range(5):
-            cache.policy("book").l1.clear()  # type: ignore[union-attr]
+            cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
             assert await cache.get_or_load("book", {"id": 3}, loader) == "db"
         assert loader.calls == 1  # later reads were L2 hits, not loads
-        assert cache.breaker.state == "closed"
+        assert cache.redis_status().breaker == "closed"
 
 
 async def test_wrong_type_key_is_a_miss_that_the_next_fill_repairs(
@@ -66,8 +66,8 @@ async def test_wrong_type_key_is_a_miss_that_the_next_fill_repairs(
         for _ in range(5):  # failures=2 opened the instance-wide breaker before
             assert await cache.get_or_load("book", {"id": 666}, loader) == "db"
             assert await cache.get("book", {"id": 1}) == "healthy"
-        stats = cache.stats()
-    assert stats["_redis"]["breaker"] == "closed"
+        stats, status = cache.stats(), cache.redis_status()
+    assert status.breaker == "closed"
     assert await admin.type(f"{prefix}book:666") == b"string"  # the fill overwrote it
     assert loader.calls == 1  # the repaired key served the later reads from L2
     assert stats["book"]["l2_hit"] == 5 + 4
@@ -124,8 +124,8 @@ async def _set_during_hot_fill(config: Any, admin: Any) -> None:
         LayeredCache.from_config(config) as filler,
         LayeredCache.from_config(config) as writer,
     ):
-        gate = Gate(filler.l2.fill_replicas)
-        filler.l2.fill_replicas = gate  # type: ignore[method-assign]
+        gate = Gate(filler._store.fill_replicas)
+        filler._store.fill_replicas = gate  # type: ignore[method-assign]
         # The fill passed its base-lease check and wrote the base key; its replica
         # writes are still to come when set() runs.
         load = asyncio.ensure_future(filler.get_or_load("book", {"id": 1}, CountingLoader("old")))
@@ -133,7 +133,7 @@ async def _set_during_hot_fill(config: Any, admin: Any) -> None:
         await writer.set("book", {"id": 1}, "new")
         gate.release()
         assert await load == "old"  # its caller may have it: it read before the set
-        codec = writer.policy("book").codec
+        codec = writer.namespace("book").policy.codec
         for index in range(4):
             data = await admin.get(f"{prefix}book:1#{index}")
             assert data is None or codec.decode(data).value == "new", index
@@ -141,7 +141,7 @@ async def _set_during_hot_fill(config: Any, admin: Any) -> None:
 
 
 async def _backplane_delivered(cache: LayeredCache, seen: int) -> None:
-    backplane = cache.backplane
+    backplane = cache._backplane
     assert backplane is not None
     assert await eventually(lambda: backplane.entries_seen > seen, interval=0.005)
 
@@ -154,13 +154,13 @@ async def test_set_does_not_fill_l1_after_a_remote_invalidation_overtook_it(
         LayeredCache.from_config(config) as local,
         LayeredCache.from_config(config) as remote,
     ):
-        assert local.backplane is not None
-        await asyncio.wait_for(local.backplane.connected.wait(), 5)
-        gate = Gate(local.l2.set_many, after=True)
-        local.l2.set_many = gate  # type: ignore[method-assign]
+        assert local._backplane is not None
+        await asyncio.wait_for(local._backplane.connected.wait(), 5)
+        gate = Gate(local._store.set_many, after=True)
+        local._store.set_many = gate  # type: ignore[method-assign]
         writing = asyncio.ensure_future(local.set("book", {"id": 1}, "ours"))
         await asyncio.wait_for(gate.entered.wait(), 5)  # L2 written, L1 not yet
-        seen = local.backplane.entries_seen
+        seen = local._backplane.entries_seen
         await remote.invalidate("book", {"id": 1})
         await _backplane_delivered(local, seen)
         gate.release()
@@ -209,18 +209,18 @@ async def test_load_timeout_background_fill_does_not_fill_l1_after_an_invalidati
         LayeredCache.from_config(config) as local,
         LayeredCache.from_config(config) as remote,
     ):
-        assert local.backplane is not None
-        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        assert local._backplane is not None
+        await asyncio.wait_for(local._backplane.connected.wait(), 5)
         await remote.set("book", {"id": 1}, "stale")
         await asyncio.sleep(0.3)  # past the soft expiry: stale, within stale.max_age
-        gate = Gate(local.l2.fill, after=True)
-        local.l2.fill = gate  # type: ignore[method-assign]
+        gate = Gate(local._store.fill, after=True)
+        local._store.fill = gate  # type: ignore[method-assign]
         loader = GatedLoader("fresh")
         # Slow loader: the caller gets the stale value, the load goes on in background.
         assert await local.get_or_load("book", {"id": 1}, loader) == "stale"
         loader.release()
         await asyncio.wait_for(gate.entered.wait(), 5)  # L2 filled, L1 not yet
-        seen = local.backplane.entries_seen
+        seen = local._backplane.entries_seen
         await remote.invalidate("book", {"id": 1})
         await _backplane_delivered(local, seen)
         gate.release()
@@ -236,12 +236,12 @@ async def test_callers_after_a_remote_invalidation_do_not_join_the_older_load(
         LayeredCache.from_config(config) as local,
         LayeredCache.from_config(config) as remote,
     ):
-        assert local.backplane is not None
-        await asyncio.wait_for(local.backplane.connected.wait(), 5)
+        assert local._backplane is not None
+        await asyncio.wait_for(local._backplane.connected.wait(), 5)
         old_load = GatedLoader("old")
         first = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, old_load))
         await asyncio.wait_for(old_load.started.wait(), 5)
-        seen = local.backplane.entries_seen
+        seen = local._backplane.entries_seen
         await remote.invalidate("book", {"id": 1})  # e.g. the daemon: via the backplane
         await _backplane_delivered(local, seen)
         later = asyncio.ensure_future(local.get_or_load("book", {"id": 1}, CountingLoader("new")))
@@ -342,7 +342,7 @@ async def test_stream_emptied_while_disconnected_clears_l1_on_reconnect(
         LayeredCache.from_config(local_config) as local,
         LayeredCache.from_config(config) as remote,
     ):
-        assert local.backplane is not None
+        assert local._backplane is not None
         await remote.invalidate("book", {"id": 0})  # the stream exists, local saw it
         assert await local.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
         proxy.mode = "blackhole"
@@ -355,10 +355,10 @@ async def test_stream_emptied_while_disconnected_clears_l1_on_reconnect(
         else:
             await admin.xtrim(stream, maxlen=0)
         proxy.mode = "pass"
-        l1 = local.policy("book").l1
+        l1 = local.namespace("book").policy.l1
         assert l1 is not None
         assert await eventually(lambda: l1.get(f"{prefix}book:1") is MISSING, timeout=8)
-        assert local.backplane.gaps >= 1
+        assert local._backplane.gaps >= 1
     await admin.aclose()
 
 
@@ -378,14 +378,14 @@ async def test_lease_waiter_connecting_to_a_hung_redis_waits_at_most_max_wait(
         slow = GatedLoader("winner's")
         winning = asyncio.ensure_future(winner.get_or_load("book", {"id": 1}, slow))
         await asyncio.wait_for(slow.started.wait(), 5)  # holds the lease
-        acquire = waiter.l2.acquire_lease
+        acquire = waiter._store.acquire_lease
 
         async def lose_then_hang(*args: Any) -> bool:
             won: bool = await acquire(*args)
             proxy.mode = "blackhole"  # Redis hangs right when the waiter subscribes
             return won
 
-        waiter.l2.acquire_lease = lose_then_hang  # type: ignore[method-assign]
+        waiter._store.acquire_lease = lose_then_hang  # type: ignore[method-assign]
         loop = asyncio.get_running_loop()
         started = loop.time()
         value = await asyncio.wait_for(
@@ -467,7 +467,7 @@ async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
     was deleted (a gap), not "nothing was invalidated yet" (no reason to clear L1)."""
     config = make_config(proxy.url, prefix, backplane={"block": "200ms"})
     async with LayeredCache.from_config(config) as cache:
-        backplane = cache.backplane
+        backplane = cache._backplane
         assert backplane is not None
         await asyncio.wait_for(backplane.connected.wait(), 5)
         assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
@@ -478,7 +478,7 @@ async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
         assert await eventually(backplane.connected.is_set)
         await asyncio.sleep(0.3)
         assert backplane.gaps == 0
-        assert cache.policy("book").l1.get(f"{prefix}book:1") == "v1"  # type: ignore[union-attr]
+        assert cache.namespace("book").policy.l1.get(f"{prefix}book:1") == "v1"  # type: ignore[union-attr]
 
 
 async def test_daemon_with_another_replica_count_refuses_to_start(
@@ -500,17 +500,17 @@ async def test_load_that_began_during_a_set_is_not_served_after_it(
     config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": l1}})
     async with LayeredCache.from_config(config) as cache:
         await cache.set("book", {"id": 1}, "old")
-        if cache.policy("book").l1 is not None:
-            cache.policy("book").l1.clear()  # type: ignore[union-attr]
-        write = Gate(cache.l2.set_many)  # set() has begun, its write not sent yet
-        cache.l2.set_many = write  # type: ignore[method-assign]
+        if cache.namespace("book").policy.l1 is not None:
+            cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        write = Gate(cache._store.set_many)  # set() has begun, its write not sent yet
+        cache._store.set_many = write  # type: ignore[method-assign]
         setting = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
         await asyncio.wait_for(write.entered.wait(), 5)
-        read = Gate(cache.l2.get, after=True)  # a load reads "old", resumes late
-        cache.l2.get = read  # type: ignore[method-assign]
+        read = Gate(cache._store.get, after=True)  # a load reads "old", resumes late
+        cache._store.get = read  # type: ignore[method-assign]
         reading = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, CountingLoader()))
         await asyncio.wait_for(read.entered.wait(), 5)
-        cache.l2.get = read.method  # type: ignore[method-assign]
+        cache._store.get = read.method  # type: ignore[method-assign]
         write.release()
         await setting
         # set() returned: a caller now must not join the load that read "old" ...

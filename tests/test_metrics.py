@@ -78,7 +78,7 @@ async def test_several_caches_are_summed_and_can_be_removed(redis_url: str, pref
         await b.set("book", {"id": 2}, 2)
         assert value(samples(registry), "layered_cache_sets_total", namespace="book") == 2
         unregister_cache(b, registry)
-        assert b.load_observers == [] and b.l2_observers == []
+        assert b.hooks.load_observers == [] and b.hooks.l2_observers == []
         assert value(samples(registry), "layered_cache_sets_total", namespace="book") == 1
 
 
@@ -147,4 +147,4 @@ async def test_instrument_without_opentelemetry_is_a_no_op(redis_url: str, prefi
     async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
         installed = importlib.util.find_spec("opentelemetry") is not None
         assert instrument(cache) is installed
-        assert (cache.load_wrapper is not None) is installed
+        assert (cache.hooks.load_wrapper is not None) is installed

@@ -160,9 +160,9 @@ async def test_invalidation_during_a_slow_load_never_leaves_the_old_value(
         for i in range(100):
             raw = await admin.get(f"{prefix}book:{i}")
             if raw is not None:
-                assert reader.policy("book").codec.decode(raw).value == 2
+                assert reader.namespace("book").policy.codec.decode(raw).value == 2
             for cache in (reader, writer):
-                l1 = cache.policy("book").l1
+                l1 = cache.namespace("book").policy.l1
                 assert l1 is not None
                 assert l1.get(f"{prefix}book:{i}") in (2, l1.get("missing-key"))
     await admin.aclose()
@@ -241,7 +241,7 @@ async def test_key_read_steadily_across_expiry_is_refreshed_once_before_it(
         await cache.get_or_load("book", {"id": 1}, timed_loader)
         raw = await admin.get(f"{prefix}book:1")
         assert raw is not None
-        first_expiry = cache.policy("book").codec.decode(raw).soft_expiry
+        first_expiry = cache.namespace("book").policy.codec.decode(raw).soft_expiry
         slowest = 0.0
         while time.monotonic() < start + 2.6:
             began = time.monotonic()
@@ -345,8 +345,8 @@ async def test_fill_landing_between_a_miss_and_the_lease_causes_no_second_load(
     loader = CountingLoader("second load")
     async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
         await cache.set("book", {"id": 8}, "filled by the winner")
-        cache.policy("book").l1.clear()  # type: ignore[union-attr]
-        real_get = cache.l2.get
+        cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        real_get = cache._store.get
         calls = 0
 
         async def first_read_misses(name: str) -> bytes | None:
@@ -354,6 +354,6 @@ async def test_fill_landing_between_a_miss_and_the_lease_causes_no_second_load(
             calls += 1
             return None if calls == 1 else await real_get(name)  # the miss that raced
 
-        monkeypatch.setattr(cache.l2, "get", first_read_misses)
+        monkeypatch.setattr(cache._store, "get", first_read_misses)
         assert await cache.get_or_load("book", {"id": 8}, loader) == "filled by the winner"
     assert loader.calls == 0

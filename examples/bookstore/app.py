@@ -287,7 +287,7 @@ def _routes(svc: _Service) -> list[Route]:
             db_ok = await asyncio.wait_for(svc.db.ping(), 2.0)
         except Exception:
             db_ok = False
-        breaker = svc.cache.breaker.state
+        breaker = svc.cache.redis_status().breaker
         body = {
             "status": "ok" if db_ok else "unavailable",
             "database": svc.db.kind if db_ok else "down",
@@ -312,6 +312,7 @@ def _stats(svc: _Service) -> dict[str, Any]:
         "instance": svc.settings.name,
         "metrics_format": METRICS_FORMAT,
         "cache": svc.cache.stats(),
+        "redis": msgspec.to_builtins(svc.cache.redis_status()),
         "hot_keys": svc.cache.hot_keys(),
         "db": {"kind": svc.db.kind, "queries": dict(svc.db.queries)},
     }

@@ -108,7 +108,7 @@ class World:
         token = PROBE.set(world.probe)
         try:
             for name in ("A", "B"):
-                cache = LayeredCache(config)
+                cache = LayeredCache.from_config(config)
                 await cache.start()
                 world.instances[name] = cache
             world._daemon_client = make_client(config.redis)
@@ -119,8 +119,8 @@ class World:
         finally:
             PROBE.reset(token)
         for cache in world.instances.values():
-            assert cache.backplane is not None
-            await asyncio.wait_for(cache.backplane.connected.wait(), 10)
+            assert cache._backplane is not None
+            await asyncio.wait_for(cache._backplane.connected.wait(), 10)
         return world
 
     async def close(self) -> None:
@@ -284,7 +284,7 @@ class _Run:
             else:
                 assert self.world.daemon is not None
                 try:
-                    await self.world.daemon.invalidate([(name, cache.policy("book").replicas)])
+                    await self.world.daemon.invalidate([(name, cache.namespace("book").policy.replicas)])
                 except REDIS_FAILURES as exc:
                     # The daemon retries the batch and commits only after it succeeds;
                     # this attempt failed and committed nothing.
@@ -310,7 +310,7 @@ class _Run:
 
     def _listener_instance(self, task: asyncio.Task[Any]) -> str | None:
         for name, cache in self.world.instances.items():
-            backplane = cache.backplane
+            backplane = cache._backplane
             if backplane is not None and backplane._task is task:
                 return name
         return None
@@ -384,14 +384,14 @@ async def _coherent(run: _Run, settle: float = 0.3) -> list[str]:
 async def _incoherence(run: _Run) -> list[str]:
     world = run.world
     any_cache = world.instances["A"]
-    client = any_cache.l2.client
+    client = any_cache._store.client
     stream = world.config.redis.prefix + world.config.backplane.stream
     newest = await client.xrevrange(stream, count=1)
     if newest:
         tail = parse_id(newest[0][0])
         for instance in world.instances:
             await _delivered(run, instance, tail)
-    policy = any_cache.policy("book")
+    policy = any_cache.namespace("book").policy
 
     async def version(name: str) -> int | None:
         data = await client.get(name)
@@ -494,7 +494,7 @@ async def _retry_until(attempt: Callable[[], Awaitable[None]], limit: float) -> 
 
 async def _delivered(run: _Run, instance: str, entry_id: tuple[int, int]) -> None:
     """Wait until ``instance``'s backplane listener has read up to ``entry_id``."""
-    backplane = run.world.instances[instance].backplane
+    backplane = run.world.instances[instance]._backplane
     assert backplane is not None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 5.0

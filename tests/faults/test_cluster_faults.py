@@ -133,7 +133,7 @@ async def _empty(
             continue
         with contextlib.suppress(RedisError):
             raw = await admin.get(name)
-            if raw is not None and cache.policy("book").codec.decode(raw).value == "v1":
+            if raw is not None and cache.namespace("book").policy.codec.decode(raw).value == "v1":
                 stale.append(name)
     return not stale
 
@@ -165,7 +165,7 @@ async def test_one_dead_master_does_not_stop_l2_reads_on_the_others(prefix: str)
                         for i in range(start, start + 50)
                     )
                 )
-            client = cache.l2.client
+            client = cache._store.client
             dead = cluster.servers[0]
             dead_name = f"{dead.host}:{dead.port}"
 
@@ -190,7 +190,7 @@ async def test_one_dead_master_does_not_stop_l2_reads_on_the_others(prefix: str)
                     assert await cache.get_or_load("book", {"id": i}, loader) == "v"
                 rounds += 1
             stats = cache.stats()
-            breakers = stats["_redis"]["node_breakers"]
+            breakers = cache.redis_status().node_breakers
             metrics = samples(registry)
             instance = cache.instance_id
         # Every healthy key still came from L2: no load for any of them.

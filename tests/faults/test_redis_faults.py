@@ -58,18 +58,18 @@ async def test_redis_killed_under_load_causes_no_caller_errors(
         async def chaos() -> None:
             await asyncio.sleep(3)
             redis_server.kill()
-            opened = await eventually(lambda: cache.breaker.state != "closed", timeout=2)
+            opened = await eventually(lambda: cache.redis_status().breaker != "closed", timeout=2)
             assert opened, "breaker did not open within its window"
             await asyncio.sleep(3)
             redis_server.start()
 
         await asyncio.gather(chaos(), *(reader(n) for n in range(50)))
-        assert await eventually(lambda: cache.breaker.state == "closed", timeout=5)
+        assert await eventually(lambda: cache.redis_status().breaker == "closed", timeout=5)
         # L2 fills again after the restart, and the backplane is reading again.
         await cache.invalidate("book", {"id": 500})
         await cache.get_or_load("book", {"id": 500}, loader)
-        assert cache.backplane is not None
-        assert await eventually(cache.backplane.connected.is_set, timeout=5)
+        assert cache._backplane is not None
+        assert await eventually(cache._backplane.connected.is_set, timeout=5)
         stats = cache.stats()["book"]
     admin = redis.Redis.from_url(redis_server.url)
     assert await admin.exists(f"{prefix}book:500") == 1
@@ -105,7 +105,7 @@ async def test_slow_redis_latency_is_bounded_by_the_timeout(proxy: ToxicProxy, p
             started = time.monotonic()
             assert await cache.get_or_load("book", {"id": 100 + i}, loader) == "db"
             latencies.append(time.monotonic() - started)
-        assert cache.breaker.state == "open"
+        assert cache.redis_status().breaker == "open"
     # Each request pays at most one timeout (100 ms) + the loader, never Redis' 500 ms;
     # once the breaker is open, requests skip Redis altogether.
     assert max(latencies) < 0.4
@@ -138,4 +138,4 @@ async def test_connection_cut_mid_stream_recovers_without_errors(
             if i % 10 == 5:
                 proxy.cut()
             assert await cache.get_or_load("book", {"id": i % 3}, loader) == "db"
-        assert await eventually(lambda: cache.breaker.state == "closed", timeout=3)
+        assert await eventually(lambda: cache.redis_status().breaker == "closed", timeout=3)

@@ -1,0 +1,72 @@
+"""A namespace's values on their way into L2 and back: the envelope bytes, and what is
+counted and logged when a value can't make the trip (not encodable, too large, not
+decodable as the declared type, or foreign bytes found in Redis).
+
+Callers return and keep in L1 the value decoded back from the bytes, not the loader's
+object: a call must return the same type whichever layer answers it, and L2 hands out
+what the codec decodes (without a declared type: dict for a dataclass, str for a
+Decimal, UUID or date, list for a tuple or set). The decode happens once per fill or
+set(), never on a hit (cost measured in the README, "Use").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from layered_cache.codec import CodecError, Envelope
+from layered_cache.policy import Policy
+
+__all__ = ["decode", "encode", "recheck"]
+
+_log = structlog.get_logger("layered_cache")
+
+
+def decode(policy: Policy, key: str, data: bytes | None) -> Envelope[Any] | None:
+    """The envelope in ``data``; None for a miss or undecodable bytes (counted, logged:
+    a foreign, truncated or old-format value is a miss, and the next fill overwrites it)."""
+    if data is None:
+        return None
+    try:
+        return policy.codec.decode(data)
+    except CodecError as exc:
+        policy.stats.decode_error += 1
+        _log.warning("l2_value_undecodable", namespace=policy.name, key=key, error=str(exc))
+        return None
+
+
+def recheck(policy: Policy, data: bytes | None) -> Envelope[Any] | None:
+    """Decode a second read of the same key; undecodable bytes were already counted and
+    logged by this request's first read, so they aren't again."""
+    if data is None:
+        return None
+    try:
+        return policy.codec.decode(data)
+    except CodecError:
+        return None
+
+
+def encode(
+    policy: Policy, key: str, value: Any, now: float, soft_expiry: float, delta: float
+) -> tuple[bytes, Any] | None:
+    """(envelope bytes, the value decoded back from them), or None if not cacheable."""
+    try:
+        data = policy.codec.encode(value, now, soft_expiry, delta)
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: ints > 64 bits
+        _not_cached(policy, "value_not_encodable", key, error=str(exc))
+        return None
+    if len(data) > policy.max_value_bytes:
+        _not_cached(policy, "value_too_large", key, size=len(data), limit=policy.max_value_bytes)
+        return None
+    try:
+        return data, policy.codec.decode(data).value
+    except CodecError as exc:  # encodable, but not as the declared type: L2 readers
+        _not_cached(policy, "value_not_decodable", key, error=str(exc))  # couldn't read it
+        return None
+
+
+def _not_cached(policy: Policy, event: str, key: str, **details: object) -> None:
+    """Count and log a value that can't be cached; the caller still gets it."""
+    policy.stats.not_cached += 1
+    _log.warning(event, namespace=policy.name, key=key, **details)

@@ -1,0 +1,278 @@
+"""What a miss does: take the fleet-wide lease and load, or wait for the holder's fill;
+fill L2 (and L1) under the lease; fall back to a stale value if the loader fails.
+
+Rules that keep a superseded value from outliving an invalidation:
+
+- L2 is written only under the lease (compare-and-write), and an invalidation deletes
+  the lease, so a fill whose load began before an invalidation can't land after it.
+- L1 is filled only if the key wasn't invalidated since this request's L2 read began
+  (``Read.seq``, the L1's invalidation sequence at that moment).
+- The stale fallback re-reads L2 first: an invalidated or overwritten value is never
+  served as a fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from layered_cache import replicas
+from layered_cache.codec import Envelope
+from layered_cache.keys import lease_name
+from layered_cache.l2 import L2Unavailable
+from layered_cache.runtime import Runtime
+
+if TYPE_CHECKING:  # the namespace owns its miss path: a cycle for types only
+    from layered_cache.namespace import Namespace
+
+__all__ = ["MissPath", "Read"]
+
+Loader = Callable[[], Awaitable[Any]]
+
+_log = structlog.get_logger("layered_cache")
+
+
+@dataclass(slots=True)
+class Read:
+    """One request's view of a key: threaded through the miss path instead of loose
+    arguments. ``seq``: the L1 invalidation sequence when the L2 read began (None
+    without L1); ``stale``: the expired value the fail-safe may serve."""
+
+    key: str
+    seq: int | None
+    stale: Envelope[Any] | None = None
+
+
+class MissPath:
+    def __init__(self, namespace: Namespace, runtime: Runtime) -> None:
+        self._ns = namespace
+        self._policy = namespace.policy
+        self._rt = runtime
+
+    async def load_under_lease(self, read: Read, loader: Loader) -> Any:
+        """Win the lease and load, or wait for the winner's fill (``max_wait`` at most,
+        then load without writing L2)."""
+        policy, key = self._policy, read.key
+        try:
+            token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl)
+            if token is None:
+                policy.stats.lease_lost += 1
+                waited = await self._wait_for_fill(read)
+                if isinstance(waited, _Filled):
+                    return waited.value
+                if waited is None:
+                    # max_wait passed: load ourselves, but never write L2 without a lease.
+                    policy.stats.lease_timeout_load += 1
+                    return await self.load_unleased(read, loader)
+                token = waited
+            filled = await self._filled_meanwhile(read, token)
+            if filled is not None:
+                return filled.value
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            return await self.load_unleased(read, loader)
+        policy.stats.lease_won += 1
+        return await self.load_and_fill(read, token, loader)
+
+    async def _wait_for_fill(self, read: Read) -> _Filled | str | None:
+        """The winner's fill, our own lease (the winner gave up), or None (timeout)."""
+        policy, ns = self._policy, self._ns
+
+        def usable(data: bytes | None) -> bool:
+            envelope = ns.decode(read.key, data)
+            return envelope is not None and self._rt.clock() < envelope.soft_expiry
+
+        result = await self._rt.leases.wait_for_fill(
+            read.key,
+            lease_name(read.key),
+            policy.lease_ttl,
+            policy.retry,
+            policy.max_wait,
+            usable,
+        )
+        if result.data is None:
+            return result.token
+        envelope = ns.decode(read.key, result.data)
+        assert envelope is not None  # ``usable`` accepted it
+        policy.stats.lease_wait_filled += 1
+        ns.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq)
+        return _Filled(envelope.value)
+
+    async def _filled_meanwhile(self, read: Read, token: str) -> _Filled | None:
+        """Double-check under the lease: the previous winner's fill script releases the
+        lease as it writes, so a fill can land between our miss and our SET NX. Loading
+        now would be a second load for the same expiry."""
+        filled = self._ns.recheck(await self._rt.store.get(read.key))
+        if filled is None or self._rt.clock() >= filled.soft_expiry:
+            return None
+        await self.release(read.key, token)
+        self._policy.stats.lease_wait_filled += 1
+        self._ns.fill_l1(read.key, filled.value, filled.soft_expiry, read.seq)
+        return _Filled(filled.value)
+
+    async def load_and_fill(self, read: Read, token: str, loader: Loader) -> Any:
+        """Load under our lease, then fill. A slow loader with a stale value at hand
+        serves stale after ``load_timeout`` and fills in the background."""
+        policy = self._policy
+        started = time.monotonic()
+        task: asyncio.Task[Any] = asyncio.ensure_future(self.call_loader(loader))
+        # The load runs on if our caller is cancelled (it holds the lease; shield below):
+        # then nobody awaits it, and its failure must not surface as "Task exception was
+        # never retrieved" (it is counted in load_error already).
+        task.add_done_callback(_retrieve_outcome)
+        try:
+            if read.stale is not None and policy.load_timeout is not None:
+                done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
+                if not done and await self._stale_usable(read):
+                    policy.stats.stale_served += 1
+                    _log.warning("load_timeout_serving_stale", namespace=policy.name, key=read.key)
+                    self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
+                    return read.stale.value
+            value = await asyncio.shield(task)
+        except Exception as exc:
+            await self.release(read.key, token)
+            return await self._stale_or_raise(read, exc)
+        return await self._fill(read, token, value, time.monotonic() - started)
+
+    async def _finish_fill(
+        self, read: Read, token: str, task: asyncio.Task[Any], started: float
+    ) -> None:
+        try:
+            value = await task
+        except Exception:
+            await self.release(read.key, token)
+            return
+        # The request's read.seq: an invalidation delivered while this slow load ran (or
+        # between its L2 write and here) must keep it out of L1.
+        await self._fill(read, token, value, time.monotonic() - started)
+
+    async def call_loader(self, loader: Loader) -> Any:
+        policy, hooks = self._policy, self._rt.hooks
+        policy.stats.load += 1
+        started = time.perf_counter()
+        ok = False
+        try:
+            if hooks.load_wrapper is not None:
+                value = await hooks.load_wrapper(policy.name, loader)
+            else:
+                value = await loader()
+            ok = True
+            return value
+        except Exception:
+            policy.stats.load_error += 1
+            raise
+        finally:
+            for observe in hooks.load_observers:
+                observe(policy.name, time.perf_counter() - started, ok)
+
+    async def load_unleased(self, read: Read, loader: Loader) -> Any:
+        """Load without writing L2 (no lease, or Redis unavailable)."""
+        try:
+            value = await self.call_loader(loader)
+        except Exception as exc:
+            return await self._stale_or_raise(read, exc)
+        if not self._policy.l2:
+            return value  # no L2 layer: the loader's object is what every layer returns
+        encoded = self._ns.encode(read.key, value, 0.0, 0.0)
+        return value if encoded is None else encoded[1]  # the type an L2 hit returns
+
+    async def _stale_or_raise(self, read: Read, exc: Exception) -> Any:
+        if not await self._stale_usable(read):
+            raise exc
+        assert read.stale is not None
+        self._policy.stats.stale_served += 1
+        _log.warning(
+            "loader_failed_serving_stale",
+            namespace=self._policy.name,
+            key=read.key,
+            error=type(exc).__name__,
+        )
+        return read.stale.value
+
+    async def _stale_usable(self, read: Read) -> bool:
+        """Whether the fail-safe may serve ``read.stale``: within ``stale.max_age`` and
+        not invalidated or overwritten since we read it. The load may have run for
+        seconds, so "still the value in L2" is re-read (one GET, only on this fallback
+        path): an invalidation deletes the key, a set() replaces it. The local tombstone
+        catches an invalidation already delivered by the backplane without a round trip.
+        If Redis can't confirm, don't serve: an invalidated value is never a fallback."""
+        stale = read.stale
+        if stale is None or not self._ns.within_stale(stale, self._rt.clock()):
+            return False
+        l1 = self._policy.l1
+        if l1 is not None and read.seq is not None and l1.invalidated_since(read.key, read.seq):
+            return False
+        try:
+            current = self._ns.recheck(await self._rt.store.get(read.key))
+        except L2Unavailable:
+            return False
+        return (
+            current is not None
+            and current.written_at == stale.written_at
+            and current.soft_expiry == stale.soft_expiry
+        )
+
+    async def _fill(self, read: Read, token: str, value: Any, delta: float) -> Any:
+        """Write L2 under the lease (base, then replicas for a hot key), then L1.
+        Returns the value as L2 readers will see it (see ``Namespace.encode``). Any
+        error releases the lease: other readers must not wait max_wait for nothing."""
+        try:
+            return await self._fill_under_lease(read, token, value, delta)
+        except Exception:
+            await self.release(read.key, token, quietly=False)
+            raise
+
+    async def _fill_under_lease(self, read: Read, token: str, value: Any, delta: float) -> Any:
+        policy, ns, key = self._policy, self._ns, read.key
+        soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
+        encoded = ns.encode(key, value, soft_expiry, delta)
+        if encoded is None:
+            await self.release(key, token)
+            return value
+        data, value = encoded
+        hot = replicas.replica_leases(key, policy.replicas) if ns.is_hot(key) else []
+        try:
+            written = await replicas.fill(
+                self._rt.store,
+                key,
+                token,
+                data,
+                ns.redis_ttl_ms(soft_expiry),
+                hot,
+                replicas.reserve_ms(policy.lease_ttl),
+            )
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            await self.release(key, token, quietly=False)
+            return value
+        if not written:
+            policy.stats.fill_revoked += 1
+            return value
+        ns.fill_l1(key, value, soft_expiry, read.seq)
+        return value
+
+    async def release(self, key: str, token: str, *, quietly: bool = True) -> None:
+        """Give our lease back. ``quietly``: only Redis failures are ignored. After a
+        failed fill (Redis refused the write, a bug) every error is: the lease must not
+        stay, or every other reader would wait ``max_wait`` for a fill that never lands."""
+        caught: type[Exception] = L2Unavailable if quietly else Exception
+        with contextlib.suppress(caught):
+            await self._rt.store.release(lease_name(key), token)
+
+
+@dataclass(frozen=True, slots=True)
+class _Filled:
+    """Another request's fill (or one that landed meanwhile) answered ours."""
+
+    value: Any
+
+
+def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,87 @@
+"""Background work a read starts: XFetch early refreshes and copying a newly hot key's
+value to its replicas. Both run under the key's lease, so the fleet does each at most
+once per key at a time; the in-process sets below only spare the lease round trip when
+this process already has one running. They are separate sets: a refresh and a copy are
+unrelated jobs (the lease serialises them anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from layered_cache import replicas
+from layered_cache.codec import Envelope
+from layered_cache.keys import lease_name
+from layered_cache.l2 import L2Unavailable
+from layered_cache.miss import MissPath, Read
+from layered_cache.runtime import Runtime
+from layered_cache.xfetch import should_refresh_early
+
+if TYPE_CHECKING:  # the namespace owns its refresher: a cycle for types only
+    from layered_cache.namespace import Namespace
+
+__all__ = ["Refresher"]
+
+
+class Refresher:
+    def __init__(self, namespace: Namespace, miss: MissPath, runtime: Runtime) -> None:
+        self._policy = namespace.policy
+        self._miss = miss
+        self._rt = runtime
+        self._refreshing: set[str] = set()  # keys with an XFetch refresh in flight here
+        self._copying: set[str] = set()  # keys whose replicas this process is filling
+
+    def maybe_refresh_early(
+        self,
+        key: str,
+        envelope: Envelope[Any],
+        loader: Callable[[], Awaitable[Any]],
+        now: float,
+    ) -> None:
+        policy = self._policy
+        if policy.beta <= 0 or key in self._refreshing:
+            return
+        if not should_refresh_early(
+            now, envelope.soft_expiry, envelope.delta, policy.beta, self._rt.rand
+        ):
+            return
+        self._refreshing.add(key)
+        self._rt.tasks.spawn(self._refresh(key, envelope, loader))
+
+    async def _refresh(
+        self, key: str, envelope: Envelope[Any], loader: Callable[[], Awaitable[Any]]
+    ) -> None:
+        """XFetch refresh under the lease: one per key for the whole fleet."""
+        policy = self._policy
+        try:
+            token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl)
+            if token is None:
+                return  # someone else is refreshing (or loading) it
+            policy.stats.early_refresh += 1
+            read = Read(key, policy.l1.begin_read() if policy.l1 is not None else None, envelope)
+            with contextlib.suppress(Exception):
+                await self._miss.load_and_fill(read, token, loader)
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+        finally:
+            self._refreshing.discard(key)
+
+    def copy_to_replicas(self, key: str) -> None:
+        """Start copying the base value of a key found hot with empty replicas."""
+        if key in self._copying:
+            return
+        self._copying.add(key)
+        self._rt.tasks.spawn(self._copy(key))
+
+    async def _copy(self, key: str) -> None:
+        policy = self._policy
+        try:
+            await replicas.copy_to_replicas(
+                self._rt.store, self._rt.leases, key, policy.replicas, policy.lease_ttl
+            )
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+        finally:
+            self._copying.discard(key)

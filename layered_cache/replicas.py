@@ -1,0 +1,123 @@
+"""The hot-key replica protocol: how replicas are filled, copied, overwritten and
+deleted so that none outlives an invalidation. Explained here once; ``l2.py`` has the
+Redis commands, ``invalidation.py`` and ``namespace.py`` call these steps.
+
+A hot key ``book:42`` has replicas ``book:42#0..#N-1`` (reads pick one at random) and
+every replica has its own lease ``{book:42#i}:lease``. Replicas hash to other slots than
+the base key, so in a cluster no Lua script can check the base key's lease and write a
+replica in one step. The protocol instead orders steps across slots:
+
+1. **Reserve.** A fill (or a copy) first SETs every replica lease to its own token.
+2. **Check.** It then writes the base key with the compare-and-write script: only while
+   its token still holds ``{book:42}:lease`` (and the script releases that lease).
+3. **Write replicas.** If the check passed, it writes each replica with the same
+   script against that replica's own lease (its reservation).
+
+**Invalidation** deletes in two phases (``delete_phases``): phase 1 the base key and its
+lease, phase 2, strictly afterwards, every replica with its lease. A fill whose check
+(step 2) passed did so before phase 1, so its reservations (step 1, earlier still) exist
+when phase 2 runs: phase 2 deletes them and any replica already written, and a replica
+write landing after phase 2 finds its reservation gone and fails. On a single node both
+phases are one atomic DEL.
+
+**set()** writes base and replicas unconditionally, after deleting the base lease and
+then every replica lease (``set_plan``): a fill in flight, which may carry an older
+value, loses its check or its replica writes. Replicas it doesn't rewrite (the key is
+not hot here, maybe elsewhere) are deleted.
+
+**Counts must agree** across the fleet (``invalidation.check_replica_counts``): an
+invalidator that knows fewer replicas than a writer leaves some behind.
+"""
+
+from __future__ import annotations
+
+from layered_cache.keys import lease_name, replica_names
+from layered_cache.l2 import L2Store
+from layered_cache.notify import fill_channel
+from layered_cache.stampede import LeaseWaiter
+
+__all__ = ["copy_to_replicas", "delete_phases", "fill", "replica_leases", "set_plan", "write"]
+
+
+def replica_leases(key: str, count: int) -> list[tuple[str, str]]:
+    """(replica, its own lease ``{key#i}:lease``) pairs: each pair shares a slot."""
+    return [(name, lease_name(name)) for name in replica_names(key, count)]
+
+
+def delete_phases(key: str, count: int) -> tuple[list[str], list[str]]:
+    """Invalidation's (phase 1: base key and lease, phase 2: replicas and their leases)."""
+    shards = replica_names(key, count)
+    return [key, lease_name(key)], [name for shard in shards for name in (shard, lease_name(shard))]
+
+
+def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:
+    """(names ``set()`` writes, names it deletes first, in this order): the base lease
+    first, then every replica lease; then the replicas themselves unless the key is hot
+    here (then they are rewritten)."""
+    names = [key]
+    outdated = [lease_name(key)]
+    if not count:
+        return names, outdated
+    shards = replica_names(key, count)
+    outdated += [lease_name(shard) for shard in shards]
+    if hot:
+        names += shards
+    else:
+        outdated += shards
+    return names, outdated
+
+
+async def write(
+    store: L2Store, names: list[str], outdated: list[str], data: bytes, ttl: int
+) -> None:
+    """``set()``'s write: delete ``outdated``, then SET ``names`` (``ttl`` in ms)."""
+    if store.cluster and len(outdated) > 1:
+        # A cluster pipeline is not ordered across nodes: the base lease must be gone
+        # before any replica lease is, so it goes first, alone.
+        await store.delete([outdated[0]])
+    await store.set_many(names, data, ttl, delete_first=outdated)
+
+
+async def fill(
+    store: L2Store,
+    key: str,
+    token: str,
+    data: bytes,
+    ttl_ms: int,
+    replicas: list[tuple[str, str]],
+    reserve_ms: int,
+) -> bool:
+    """A leased fill: reserve ``replicas`` (empty when the key is not hot), check-and-write
+    the base key (releasing the lease, waking waiters), then write the replicas under
+    their reservations. Returns whether the base write happened (False: revoked)."""
+    if replicas:
+        await store.set_many([lease for _, lease in replicas], token.encode(), reserve_ms)
+    written = await store.fill(
+        key, lease_name(key), token, data, ttl_ms, fill_channel(key), release=True
+    )
+    if written and replicas:
+        await store.fill_replicas(replicas, token, data, ttl_ms)
+    return written
+
+
+async def copy_to_replicas(
+    store: L2Store, leases: LeaseWaiter, key: str, count: int, lease_ttl: float
+) -> None:
+    """A newly hot key has no replicas yet: copy the base value under the same protocol
+    (reserve, check, write), so an invalidation racing the copy leaves no replica."""
+    token = await leases.try_acquire(lease_name(key), lease_ttl)
+    if token is None:
+        return  # a fill or another copy holds the lease; it writes the replicas
+    replicas = replica_leases(key, count)
+    await store.set_many([lease for _, lease in replicas], token.encode(), reserve_ms(lease_ttl))
+    # Read value + PTTL and release the lease in one atomic step: if the lease is still
+    # ours, no invalidation has run phase 1 yet.
+    current = await store.read_under_lease(key, lease_name(key), token)
+    if current is not None and current[1] > 0:
+        data, ttl_ms = current
+        await store.fill_replicas(replicas, token, data, ttl_ms)
+
+
+def reserve_ms(lease_ttl: float) -> int:
+    """Reservations live as long as the lease they stand beside."""
+    return max(1, int(lease_ttl * 1000))

@@ -1,0 +1,68 @@
+"""What every namespace of one cache shares: the L2 store, the lease, the in-process
+single-flight, the invalidator, the background tasks, the instrumentation hooks and the
+clocks.
+
+Namespaces share one ``SingleFlight`` because an invalidation arriving from the
+backplane names Redis keys, not namespaces: one ``forget(key)`` must detach the in-flight
+load whichever namespace started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from layered_cache.invalidation import Invalidator
+from layered_cache.l2 import L2Store
+from layered_cache.singleflight import SingleFlight
+from layered_cache.stampede import LeaseWaiter
+
+__all__ = ["BackgroundTasks", "Hooks", "Loader", "Runtime"]
+
+Loader = Callable[[], Awaitable[Any]]
+
+
+@dataclass(slots=True, eq=False)
+class Hooks:
+    """Instrumentation (``layered_cache.prometheus``, ``layered_cache.tracing``): called
+    on loads and L2 reads only, never on an L1 hit; empty lists and None cost nothing."""
+
+    load_observers: list[Callable[[str, float, bool], None]] = field(default_factory=list)
+    l2_observers: list[Callable[[str, float], None]] = field(default_factory=list)
+    load_wrapper: Callable[[str, Loader], Awaitable[Any]] | None = None
+
+
+class BackgroundTasks:
+    """Fire-and-forget work (XFetch refreshes, replica copies, slow fills) that ``close``
+    cancels and awaits, so no task outlives the cache or its Redis clients."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # a strong reference: the loop keeps only weak ones
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+@dataclass(slots=True, eq=False)
+class Runtime:
+    store: L2Store
+    leases: LeaseWaiter
+    invalidator: Invalidator
+    clock: Callable[[], float]
+    rand: Callable[[], float]
+    flight: SingleFlight[Any] = field(default_factory=SingleFlight)
+    tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
+    hooks: Hooks = field(default_factory=Hooks)

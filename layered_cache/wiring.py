@@ -1,0 +1,61 @@
+"""Build a cache's parts from its config: Redis clients, the guarded L2 store, the
+fill-notification connection and the backplane publisher.
+
+``LayeredCache.from_config`` calls ``build_parts``; the constructor takes the parts, so
+a test (or an application with its own clients) can inject them. Nothing here does I/O:
+clients connect on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from layered_cache.backplane import BackplanePublisher
+from layered_cache.breaker import CircuitBreaker
+from layered_cache.clients import RedisClient, make_client, make_node_client, with_timeout
+from layered_cache.config import Config
+from layered_cache.l2 import L2Store
+from layered_cache.notify import FillNotifier
+
+__all__ = ["CacheParts", "build_parts"]
+
+
+@dataclass(slots=True, eq=False)
+class CacheParts:
+    instance_id: str  # names this process in backplane entries and fleet reports
+    client: RedisClient
+    store: L2Store
+    notifier: FillNotifier
+    publisher: BackplanePublisher | None  # None: backplane switched off
+    listener_client: RedisClient | None  # its own client: XREAD blocks a connection
+
+    async def close(self) -> None:
+        await self.notifier.close()
+        for client in (self.client, self.listener_client):
+            if client is not None:
+                try:
+                    await client.aclose()
+                except Exception:  # closing must not mask the error that made us close
+                    continue
+
+
+def build_parts(config: Config) -> CacheParts:
+    instance_id = os.urandom(6).hex()
+    breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
+    client = make_client(config.redis)
+    store = L2Store(client, breaker, config.redis.max_connections)
+    publisher = listener_client = None
+    if config.backplane.enabled:
+        stream = config.redis.prefix + config.backplane.stream
+        publisher = BackplanePublisher(client, stream, config.backplane.maxlen, instance_id)
+        # Blocking XREAD needs a socket timeout longer than the block time.
+        listener_client = make_client(with_timeout(config.redis, config.backplane.block + 1.0))
+    return CacheParts(
+        instance_id=instance_id,
+        client=client,
+        store=store,
+        notifier=FillNotifier(make_node_client(config.redis)),
+        publisher=publisher,
+        listener_client=listener_client,
+    )
