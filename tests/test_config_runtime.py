@@ -68,7 +68,9 @@ _EDGES: dict[tuple[str, ...], list[Any]] = {
     ("namespaces", "book", "stampede"): [
         {"lease_ttl": "0s"},
         {"max_wait": "0s"},
-        {"retry": ["5ms", "1ms"]},
+        {"reread_pause": ["5ms", "1ms"]},
+        {"retry": ["1ms", "5ms"]},
+        {"retry": ["1ms", "5ms"], "reread_pause": ["1ms", "5ms"]},
         {"load_timeout": "0s"},
         {"load_timeout": "2s"},
         {"early_refresh_beta": -1},

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from layered_cache.config.checks import FIELD_MARK
+from layered_cache.config.deprecated import old_name_in_error, rename_old_stampede_key
 from layered_cache.config.env import apply_env
 from layered_cache.config.errors import ConfigError, ConfigWarning
 from layered_cache.config.schema import (
@@ -80,15 +81,19 @@ def parse_config(
     """Validate an already parsed TOML document (a dict) and return the Config."""
     data = apply_env(dict(raw), os.environ if env is None else env)
     _remember_secrets(data)
-    config = Config(**_decode_sections(data, source))
-    found = check_cross_references(config)
+    deprecations: list[str] = []
+    config = Config(**_decode_sections(data, source, deprecations))
+    found = deprecations + check_cross_references(config)
     for warning in found:
         _warnings.warn(warning, ConfigWarning, stacklevel=2)
     return msgspec.structs.replace(config, warnings=found) if found else config
 
 
-def _decode_sections(data: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Every top-level table decoded on its own (so errors name their path)."""
+def _decode_sections(
+    data: Mapping[str, Any], source: str, deprecations: list[str]
+) -> dict[str, Any]:
+    """Every top-level table decoded on its own (so errors name their path); a warning
+    for each old key name found is appended to ``deprecations``."""
     sections: dict[str, Any] = {"source": source}
     for key in data:
         if key not in _TOP_LEVEL:
@@ -100,7 +105,7 @@ def _decode_sections(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(namespaces, dict):
         raise ConfigError(f"{source}: namespaces: expected a table of namespaces")
     sections["namespaces"] = {
-        name: convert(table, NamespaceConfig, f"namespaces.{name}", source)
+        name: _namespace(table, f"namespaces.{name}", source, deprecations)
         for name, table in namespaces.items()
     }
     events = data.get("events", [])
@@ -110,6 +115,19 @@ def _decode_sections(data: Mapping[str, Any], source: str) -> dict[str, Any]:
         convert(table, EventRoute, f"events[{index}]", source) for index, table in enumerate(events)
     ]
     return sections
+
+
+def _namespace(table: Any, path: str, source: str, deprecations: list[str]) -> NamespaceConfig:
+    """One namespace table; an old key name in it is renamed first (``deprecated``), and
+    an error about that value names the key as the file spells it."""
+    table, deprecation = rename_old_stampede_key(table, path, source)
+    if deprecation is None:
+        return convert(table, NamespaceConfig, path, source)
+    deprecations.append(deprecation)
+    try:
+        return convert(table, NamespaceConfig, path, source)
+    except ConfigError as exc:
+        raise old_name_in_error(exc, path) from None
 
 
 def _remember_secrets(data: Mapping[str, Any]) -> None:

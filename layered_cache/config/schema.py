@@ -198,17 +198,30 @@ class HotConfig(_Section, frozen=True):
 
 class StampedeConfig(_Section, frozen=True):
     lease_ttl: Duration = Duration(5.0)
-    retry: list[Duration] = msgspec.field(default_factory=lambda: [Duration(0.05), Duration(0.15)])
+    # A lease waiter re-reads L2 after a random pause within [min, max] (random, so the
+    # waiters of many processes don't re-read in lock step). The file may still call it
+    # ``retry`` (deprecated, see ``config.deprecated``).
+    reread_pause: list[Duration] = msgspec.field(
+        default_factory=lambda: [Duration(0.05), Duration(0.15)]
+    )
     max_wait: Duration = Duration(3.0)
     early_refresh_beta: float = 1.0
     load_timeout: Duration | None = None
 
     def __post_init__(self) -> None:
-        if len(self.retry) != 2 or self.retry[0] > self.retry[1] or self.retry[1] <= 0:
-            raise bad("retry", 'must be [min, max] with 0 <= min <= max, e.g. ["50ms", "150ms"]')
+        pause = self.reread_pause
+        if len(pause) != 2 or pause[0] > pause[1] or pause[1] <= 0:
+            raise bad(
+                "reread_pause", 'must be [min, max] with 0 <= min <= max, e.g. ["50ms", "150ms"]'
+            )
         if not 0 <= self.early_refresh_beta <= 100:
             raise bad("early_refresh_beta", f"must be within 0..100, got {self.early_refresh_beta}")
         positive(self, "lease_ttl", "load_timeout")
+
+    @property
+    def retry(self) -> list[Duration]:
+        """The old name of ``reread_pause``, for code that still reads it (read-only)."""
+        return self.reread_pause
 
 
 class StaleConfig(_Section, frozen=True):
