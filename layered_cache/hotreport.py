@@ -16,6 +16,7 @@ from collections.abc import Callable
 import structlog
 
 from layered_cache.clients import REDIS_FAILURES, RedisClient
+from layered_cache.keys import hot_report_name
 
 __all__ = ["HotKeyReporter", "fleet_hot_keys", "report_key"]
 
@@ -23,8 +24,8 @@ _log = structlog.get_logger("layered_cache.hotreport")
 _SEP = "\t"  # namespace and key: keys never contain a tab (validated)
 
 
-def report_key(prefix: str, instance_id: str) -> str:
-    return f"{prefix}layered_cache:hotkeys:{instance_id}"
+# The name is built in keys.py with every other name; the old name stays for callers.
+report_key = hot_report_name
 
 
 class HotKeyReporter:
@@ -81,7 +82,7 @@ async def fleet_hot_keys(
 ) -> dict[str, dict[str, dict[str, float]]]:
     """namespace -> key -> {"rate": summed reads/s, "instances": reporting instances}."""
     result: dict[str, dict[str, dict[str, float]]] = {}
-    pattern = report_key(prefix, "*")
+    pattern = hot_report_name(prefix, "*")
     async for name in client.scan_iter(match=pattern, count=500):
         for field, rate in (await client.hgetall(name)).items():
             text = field.decode() if isinstance(field, bytes) else str(field)

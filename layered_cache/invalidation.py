@@ -31,7 +31,7 @@ from typing import Any
 from layered_cache.backplane import BackplanePublisher
 from layered_cache.clients import RedisClient
 from layered_cache.config import Config
-from layered_cache.keys import lease_name, replica_names
+from layered_cache.keys import lease_name, replica_names, replica_record_name
 from layered_cache.l2 import L2Store
 from layered_cache.policy import compile_policy
 
@@ -48,12 +48,6 @@ __all__ = [
 
 class ReplicaCountMismatch(ValueError):
     """This process's ``hot.replicas`` differs from the count its fleet recorded."""
-
-
-def replica_record_name(prefix: str) -> str:
-    """The hash of recorded replica counts. Braces can't occur in a key (keys.py), and
-    it ends neither in ``:lease`` nor ``:filled``: no key, lease or channel is named so."""
-    return "{" + prefix + "layered_cache}:replicas"
 
 
 def replica_counts(config: Config) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Key names: namespace templates, validation, replica and lease names.
+"""Key names: namespace templates, validation, and every name the library owns.
 
 Every Redis name the library touches is built here, so the naming contract lives in one
 place (docs/keys.md):
@@ -7,7 +7,10 @@ place (docs/keys.md):
 - replica shard   ``{prefix}book:42#3``    (no hash tag: replicas spread over slots)
 - lease           ``{{prefix}book:42}:lease`` (hash tag = the base key: same slot, so one
                   Lua script may check the lease and write the base key atomically)
-- reserved        ``{prefix}layered_cache:...`` (backplane stream, fleet hot-key hashes)
+- fill channel    ``{{prefix}book:42}:filled`` (pub/sub: a fill wakes the lease waiters)
+- backplane       ``{prefix}layered_cache:invalidations`` (``backplane.stream``)
+- hot-key report  ``{prefix}layered_cache:hotkeys:{instance}`` (one hash per instance)
+- replica record  ``{{prefix}layered_cache}:replicas`` (the fleet's ``hot.replicas``)
 
 One name per value: ``build`` is injective over (prefix, namespace, fields). Field values
 never contain ``:`` in a name (it is written ``%3A``; a raw ``%`` is refused, so the
@@ -27,9 +30,13 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "RESERVED_SEGMENT",
     "KeyTemplate",
+    "backplane_stream_name",
+    "fill_channel",
+    "hot_report_name",
     "lease_name",
     "replica_name",
     "replica_names",
+    "replica_record_name",
     "validate_prefix",
 ]
 
@@ -269,3 +276,30 @@ def replica_names(key: str, replicas: int) -> list[str]:
 def lease_name(key: str) -> str:
     """``{key}:lease``: the hash tag pins the lease to the base key's slot."""
     return "{" + key + "}:lease"
+
+
+def fill_channel(key: str) -> str:
+    """``{key}:filled``: the pub/sub channel the fill script announces ``key``'s new value
+    on. Braces never occur in a key, so no key is named like a channel."""
+    return "{" + key + "}:filled"
+
+
+def backplane_stream_name(prefix: str, stream: str) -> str:
+    """The backplane stream: ``backplane.stream`` after the prefix. The stream must be in
+    the reserved segment (the config refuses anything else), where no key can be."""
+    if not stream.startswith(RESERVED_SEGMENT):
+        raise ValueError(f"backplane stream {stream!r} must start with {RESERVED_SEGMENT!r}")
+    return prefix + stream
+
+
+def hot_report_name(prefix: str, instance_id: str) -> str:
+    """The hash one cache instance reports its hot keys in (``hotreport.py``), in the
+    reserved segment; ``instance_id="*"`` gives the SCAN pattern of the whole fleet's."""
+    return f"{prefix}{RESERVED_SEGMENT}hotkeys:{instance_id}"
+
+
+def replica_record_name(prefix: str) -> str:
+    """The hash of recorded replica counts (``invalidation.check_replica_counts``).
+    Braces can't occur in a key, and it ends neither in ``:lease`` nor ``:filled``: no
+    key, lease or channel is named so."""
+    return "{" + prefix + RESERVED_SEGMENT[:-1] + "}:replicas"

@@ -17,14 +17,11 @@ import redis.asyncio as redis
 import structlog
 
 from layered_cache.clients import REDIS_FAILURES
+from layered_cache.keys import fill_channel  # built in keys.py; re-exported for callers
 
 __all__ = ["FillNotifier", "fill_channel"]
 
 _log = structlog.get_logger("layered_cache.notify")
-
-
-def fill_channel(key: str) -> str:
-    return "{" + key + "}:filled"
 
 
 class _Subscription:

@@ -101,7 +101,7 @@ def test_config_check_prints_effective_policies(
     # defaults filled in: the file gave no l1 or stampede table for book
     assert "l1: ttl=5s jitter=0.2 max_entries=10000" in out
     assert "l2: ttl=10m jitter=0.1" in out
-    assert "stampede: lease_ttl=5s retry=[50ms, 150ms] max_wait=3s" in out
+    assert "stampede: lease_ttl=5s reread_pause=[50ms, 150ms] max_wait=3s" in out
     assert "never cached" in out  # stock
 
     assert main(["config", "check", str(config), "--json"]) == 0

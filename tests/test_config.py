@@ -30,7 +30,7 @@ key = "book:{id}"
 l1 = { ttl = "5s", jitter = 0.2, max_entries = 10000 }
 l2 = { ttl = "10m", jitter = 0.1 }
 hot = { replicas = 8, threshold = "200/s" }
-stampede = { lease_ttl = "5s", retry = ["50ms", "150ms"], max_wait = "3s", early_refresh_beta = 1.0 }
+stampede = { lease_ttl = "5s", reread_pause = ["50ms", "150ms"], max_wait = "3s", early_refresh_beta = 1.0 }
 stale = { max_age = "1m" }
 
 [namespaces.author]
@@ -61,7 +61,7 @@ def test_the_design_example_loads_with_its_values(tmp_path: Path) -> None:
     assert config.redis.prefix == "shop:"
     assert isinstance(book.l1, L1Config) and book.l1.ttl == 5.0
     assert isinstance(book.hot, HotConfig) and book.hot.threshold == 200.0
-    assert book.stampede.retry == [0.05, 0.15]
+    assert book.stampede.reread_pause == [0.05, 0.15]
     assert book.stale.max_age == 60.0
     assert config.namespaces["author"].l1 is False
     assert config.namespaces["stock"].cache is False
@@ -106,7 +106,13 @@ def test_env_overrides_connection_settings(tmp_path: Path) -> None:
             'hot = { threshold = "fast" }',
             'namespaces.book.hot.threshold: expected a rate like "200/s"',
         ),
+        (
+            'stampede = { reread_pause = ["1s"] }',
+            "namespaces.book.stampede.reread_pause: must be [min, max]",
+        ),
+        # the old name: the error names the key as the file spells it
         ('stampede = { retry = ["1s"] }', "namespaces.book.stampede.retry: must be [min, max]"),
+        ('stampede = { retry = ["x", "1s"] }', "namespaces.book.stampede.retry[0]: expected a"),
     ],
 )
 def test_errors_name_file_path_and_problem(tmp_path: Path, snippet: str, expected: str) -> None:
@@ -268,3 +274,39 @@ def test_an_l1_ttl_longer_than_the_l2_ttl_is_a_warning_not_an_error(tmp_path: Pa
         config = load_config(write(tmp_path, text), env={})
     assert len(config.warnings) == 1
     assert load_config(write(tmp_path, BOOK), env={}).warnings == []
+
+
+DEPRECATED_RETRY = (
+    "stampede.retry is deprecated: it is the re-read pause range; use stampede.reread_pause"
+)
+
+
+def test_reread_pause_sets_the_pause_range_and_retry_still_reads_it(tmp_path: Path) -> None:
+    text = BOOK + 'stampede = { reread_pause = ["20ms", "100ms"] }\n'
+    config = load_config(write(tmp_path, text), env={})
+    stampede = config.namespaces["book"].stampede
+    assert stampede.reread_pause == [pytest.approx(0.02), pytest.approx(0.1)]
+    assert stampede.retry == stampede.reread_pause  # the old attribute, read-only
+    assert config.warnings == []
+
+
+def test_the_old_name_retry_is_accepted_with_a_warning(tmp_path: Path) -> None:
+    path = write(tmp_path, BOOK + 'stampede = { retry = ["20ms", "100ms"] }\n')
+    with pytest.warns(ConfigWarning, match=re.escape(DEPRECATED_RETRY)):
+        config = load_config(path, env={})
+    assert config.namespaces["book"].stampede.reread_pause == [
+        pytest.approx(0.02),
+        pytest.approx(0.1),
+    ]
+    assert config.warnings == [f"{path}: namespaces.book: {DEPRECATED_RETRY}"]
+
+
+def test_setting_retry_and_reread_pause_is_an_error(tmp_path: Path) -> None:
+    text = BOOK + 'stampede = { retry = ["20ms", "100ms"], reread_pause = ["20ms", "100ms"] }\n'
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+    assert str(error.value) == (
+        f"{path}: namespaces.book.stampede.retry: is the deprecated name of "
+        "stampede.reread_pause, which is also set; keep only reread_pause"
+    )

@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 from consumers.daemon import Daemon
 from layered_cache import ConfigError, LayeredCache, load_config
 from layered_cache.config import Duration, L2Config
-from layered_cache.invalidation import replica_record_name
-from layered_cache.keys import lease_name
+from layered_cache.keys import lease_name, replica_record_name
 from tests.helpers import CountingLoader, make_config
 
 RUN = uuid.uuid4().hex[:6]
@@ -68,7 +67,9 @@ _EDGES: dict[tuple[str, ...], list[Any]] = {
     ("namespaces", "book", "stampede"): [
         {"lease_ttl": "0s"},
         {"max_wait": "0s"},
-        {"retry": ["5ms", "1ms"]},
+        {"reread_pause": ["5ms", "1ms"]},
+        {"retry": ["1ms", "5ms"]},
+        {"retry": ["1ms", "5ms"], "reread_pause": ["1ms", "5ms"]},
         {"load_timeout": "0s"},
         {"load_timeout": "2s"},
         {"early_refresh_beta": -1},

@@ -8,15 +8,22 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from layered_cache import ConfigError, parse_config
+from layered_cache.config import BackplaneConfig
 from layered_cache.hotreport import report_key
+from layered_cache.invalidation import replica_record_name as invalidation_record_name
 from layered_cache.keys import (
     MAX_KEY_LENGTH,
     RESERVED_SEGMENT,
     KeyTemplate,
+    backplane_stream_name,
+    fill_channel,
+    hot_report_name,
     lease_name,
+    replica_name,
     replica_names,
+    replica_record_name,
 )
-from layered_cache.notify import fill_channel
+from layered_cache.notify import fill_channel as notify_fill_channel
 
 
 def test_template_fills_fields_with_prefix() -> None:
@@ -200,6 +207,25 @@ def _reserved(name: str) -> bool:
     return "{" in name or "}" in name or "#" in name
 
 
+_STREAM = BackplaneConfig().stream
+_INSTANCES = ("i-1", "0123456789ab")  # cache.py's ids are 12 hex digits
+
+
+def _owned_names(prefix: str, key: str) -> list[str]:
+    """Every name the library builds besides keys: for ``key`` (its lease, fill channel,
+    replicas and their leases) and for the deployment (stream, reports, replica record)."""
+    replicas = replica_names(key, 8)
+    return [
+        lease_name(key),
+        fill_channel(key),
+        *replicas,
+        *(lease_name(replica) for replica in replicas),
+        backplane_stream_name(prefix, _STREAM),
+        *(hot_report_name(prefix, instance) for instance in _INSTANCES),
+        replica_record_name(prefix),
+    ]
+
+
 @settings(max_examples=300, deadline=None)
 @given(_prefixes, _templates(), _templates(), st.data())
 def test_names_are_injective_and_never_reserved(
@@ -226,12 +252,49 @@ def test_names_are_injective_and_never_reserved(
     # build has an inverse: the name gives back exactly the fields it was built from
     assert one.parse(name_one) == _normal(fields_one)
     assert two.parse(name_two) == _normal(fields_two)
+    owned = _owned_names(prefix, name_one) + _owned_names(prefix, name_two)
     for name in (name_one, name_two):
         assert not _reserved(name)
         assert not name.startswith(prefix + RESERVED_SEGMENT)
-        assert name not in (prefix + "layered_cache:invalidations", report_key(prefix, "i-1"))
-        assert name != lease_name(name_one) and name != fill_channel(name_one)
-        assert name not in replica_names(name_one, 8) + replica_names(name_two, 8)
+        assert name not in owned
+    # stronger: no template of the config parses any of those names, so no field values
+    # at all (not only the drawn ones) could build one
+    assert all(one.parse(name) is None and two.parse(name) is None for name in owned)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_prefixes, _prefixes, _templates(), st.data())
+def test_owned_names_are_distinct_from_each_other_and_between_prefixes(
+    prefix_a: str, prefix_b: str, template: str, data: st.DataObject
+) -> None:
+    """Lease, channel, replicas, stream, reports and replica record: no two kinds share a
+    name, and two different prefixes share none of them."""
+    compiled = _compiled(prefix_a, template)
+    key = compiled.build({name: data.draw(_values) for name in compiled.fields})
+    names_a = _owned_names(prefix_a, key)
+    assert len(set(names_a)) == len(names_a)
+    if prefix_a != prefix_b:
+        names_b = _owned_names(prefix_b, key)
+        deployment_a, deployment_b = names_a[-4:], names_b[-4:]  # stream, reports, record
+        assert not set(deployment_a) & set(deployment_b)
+
+
+def test_owned_names_keep_their_format() -> None:
+    """Running fleets and operators' scripts know these names: they must not change."""
+    assert fill_channel("shop:book:42") == "{shop:book:42}:filled"
+    assert replica_name("shop:book:42", 3) == "shop:book:42#3"
+    assert backplane_stream_name("shop:", _STREAM) == "shop:layered_cache:invalidations"
+    assert hot_report_name("shop:", "ab12") == "shop:layered_cache:hotkeys:ab12"
+    assert hot_report_name("shop:", "*") == "shop:layered_cache:hotkeys:*"  # SCAN pattern
+    assert replica_record_name("shop:") == "{shop:layered_cache}:replicas"
+    # the modules that used to build them keep the old names, as aliases
+    assert report_key is hot_report_name and notify_fill_channel is fill_channel
+    assert invalidation_record_name is replica_record_name
+
+
+def test_a_stream_outside_the_reserved_segment_builds_no_name() -> None:
+    with pytest.raises(ValueError, match="must start with 'layered_cache:'"):
+        backplane_stream_name("shop:", "book:1")
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,75 @@
+"""Single-value checks the schema's ``__post_init__`` methods share.
+
+A check names its field with ``FIELD_MARK`` because msgspec reports a ``__post_init__``
+error at the table, not at the field; the loader (``load.convert``) moves the marked
+field into the dotted path (``namespaces.book.hot.window: must be > 0``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import urlsplit
+
+import msgspec
+
+__all__ = [
+    "FIELD_MARK",
+    "LOG_LEVELS",
+    "AtLeastOne",
+    "NonEmpty",
+    "Port",
+    "bad",
+    "check_jitter",
+    "positive",
+    "url_problem",
+]
+
+FIELD_MARK = "@field "
+
+AtLeastOne = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=-1, le=65535)]
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def bad(field: str, problem: str) -> ValueError:
+    """The error a ``__post_init__`` raises for ``field`` (see the module doc)."""
+    return ValueError(f"{FIELD_MARK}{field}: {problem}")
+
+
+def positive(section: msgspec.Struct, *fields: str) -> None:
+    """Durations (and rates) that the runtime divides by, sleeps for, or passes to Redis
+    or Kafka as a timeout: zero would spin, block forever or be refused."""
+    for field in fields:
+        value = getattr(section, field)
+        if value is not None and value <= 0:
+            raise bad(field, f"must be > 0, got {value:g}")
+
+
+def check_jitter(jitter: float) -> None:
+    """A jitter of 1 or more could make a TTL zero or negative."""
+    if not 0.0 <= jitter < 1.0:
+        raise bad("jitter", f"must be >= 0 and < 1, got {jitter}")
+
+
+def url_problem(url: str) -> str | None:
+    """What redis-py's ``from_url`` would refuse (its errors quote parts of the URL, so
+    they are refused here, where the message is redacted)."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return "must start with redis://, rediss:// or unix://"
+    parsed = urlsplit(url)
+    try:
+        parsed.port  # noqa: B018 - the property raises for a port that is not 0..65535
+    except ValueError:
+        return (
+            "the port must be a number within 0..65535 "
+            "(a password containing '/' must be percent-encoded)"
+        )
+    if parsed.scheme == "unix":
+        return None if parsed.path else "a unix:// URL needs the socket path"
+    if not parsed.hostname:
+        return "the URL has no host"
+    database = parsed.path.strip("/")
+    if database and not database.isdigit():
+        return "the path must be a database number such as /0"
+    return None

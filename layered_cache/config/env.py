@@ -1,0 +1,45 @@
+"""Environment overrides of connection settings, so one file serves every deployment.
+
+The values are strings put into the raw tables before validation: msgspec converts them
+with the same checks as the file (``strict=False`` for bools and ints), and an error
+names the same dotted path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ENV_OVERRIDES", "apply_env"]
+
+# Environment variable -> (section, field).
+ENV_OVERRIDES: dict[str, tuple[str, str]] = {
+    "LAYERED_CACHE_REDIS_URL": ("redis", "url"),
+    "LAYERED_CACHE_REDIS_CLUSTER": ("redis", "cluster"),
+    "LAYERED_CACHE_REDIS_PREFIX": ("redis", "prefix"),
+    "LAYERED_CACHE_REDIS_USERNAME": ("redis", "username"),
+    "LAYERED_CACHE_REDIS_PASSWORD": ("redis", "password"),
+    "LAYERED_CACHE_REDIS_TIMEOUT": ("redis", "timeout"),
+    "LAYERED_CACHE_REDIS_SSL_CA_CERTS": ("redis", "ssl_ca_certs"),
+    "LAYERED_CACHE_KAFKA_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
+    "LAYERED_CACHE_KAFKA_GROUP_ID": ("kafka", "group_id"),
+    "LAYERED_CACHE_KAFKA_SECURITY_PROTOCOL": ("kafka", "security_protocol"),
+    "LAYERED_CACHE_KAFKA_SASL_MECHANISM": ("kafka", "sasl_mechanism"),
+    "LAYERED_CACHE_KAFKA_SASL_USERNAME": ("kafka", "sasl_username"),
+    "LAYERED_CACHE_KAFKA_SASL_PASSWORD": ("kafka", "sasl_password"),
+    "LAYERED_CACHE_LOG_FORMAT": ("logging", "format"),
+    "LAYERED_CACHE_LOG_LEVEL": ("logging", "level"),
+}
+
+
+def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """``raw`` with the overrides set in ``env`` applied; ``raw``'s tables are copied,
+    not changed (the caller's parsed document stays as the file says)."""
+    merged = {key: dict(value) if isinstance(value, dict) else value for key, value in raw.items()}
+    for var, (section, field) in ENV_OVERRIDES.items():
+        if var in env:
+            table = merged.setdefault(section, {})
+            if not isinstance(table, dict):
+                continue  # reported by validation below
+            table[field] = env[var]
+    return merged

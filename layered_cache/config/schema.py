@@ -1,0 +1,265 @@
+"""The shape of the TOML file: a tree of frozen msgspec Structs, one per table.
+
+Each struct's ``__post_init__`` checks what a single table can check on its own (bounds,
+URL syntax, ordering of two of its values); checks spanning tables (templates against
+event routes, namespaces against each other) are in ``validate``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from layered_cache.config.checks import (
+    LOG_LEVELS,
+    AtLeastOne,
+    NonEmpty,
+    Port,
+    bad,
+    check_jitter,
+    positive,
+    url_problem,
+)
+from layered_cache.config.units import Duration, Rate
+from layered_cache.keys import RESERVED_SEGMENT, validate_prefix
+from layered_cache.redact import redact, redact_url
+
+__all__ = [
+    "BackplaneConfig",
+    "BreakerConfig",
+    "Config",
+    "EventRoute",
+    "HotConfig",
+    "InvalidateTarget",
+    "KafkaConfig",
+    "L1Config",
+    "L2Config",
+    "LoggingConfig",
+    "MetricsConfig",
+    "NamespaceConfig",
+    "RedisConfig",
+    "StaleConfig",
+    "StampedeConfig",
+]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config table: immutable, unknown keys are errors (typos fail loudly)."""
+
+
+class BreakerConfig(_Section, frozen=True):
+    """Circuit breaker around Redis: open after `failures` errors in a row, retry after `reset`."""
+
+    failures: AtLeastOne = 3
+    reset: Duration = Duration(1.0)
+
+    def __post_init__(self) -> None:
+        positive(self, "reset")
+
+
+class RedisConfig(_Section, frozen=True):
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    # Cluster only: more "host:port" seeds besides the URL's node, so a client that
+    # starts (or re-discovers the slot map) while that one node is down still connects.
+    nodes: list[str] = msgspec.field(default_factory=list)
+    timeout: Duration = Duration(0.1)
+    connect_timeout: Duration = Duration(0.5)
+    prefix: str = ""
+    username: str | None = None  # Redis 6+ ACL user
+    password: str | None = None  # prefer LAYERED_CACHE_REDIS_PASSWORD over the file
+    ssl_ca_certs: str | None = None  # CA bundle for rediss:// (TLS)
+    ssl_certfile: str | None = None  # client certificate (mutual TLS)
+    ssl_keyfile: str | None = None
+    # 0 would make every Redis call wait forever for a connection.
+    max_connections: AtLeastOne = 64
+    breaker: BreakerConfig = BreakerConfig()
+
+    def __post_init__(self) -> None:
+        if problem := url_problem(self.url):
+            raise bad("url", f"{problem}, got {redact_url(self.url)!r}")
+        positive(self, "timeout", "connect_timeout")
+        for node in self.nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise bad("nodes", f'expected "host:port", got {redact(node)!r}')
+        try:
+            validate_prefix(self.prefix)
+        except ValueError as exc:
+            raise bad("prefix", str(exc)) from None
+
+
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"]
+
+
+class KafkaConfig(_Section, frozen=True):
+    bootstrap_servers: NonEmpty = "127.0.0.1:9092"
+    topics: Annotated[list[NonEmpty], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: ["catalog-events"]
+    )
+    group_id: NonEmpty = "cache-invalidator"
+    dead_letter_topic: NonEmpty = "catalog-events.dlq"
+    client_id: NonEmpty = "layered-cache-invalidator"
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    max_batch: AtLeastOne = 1000
+    max_event_bytes: AtLeastOne = 1_000_000
+    # -1 = no health server, 0 = an ephemeral port.
+    health_port: Port = 9464
+    health_host: str = "0.0.0.0"  # bind address of the daemon's /healthz /readyz /metrics
+    # Consumer-group timing and start position (the daemon; tests shorten the timeouts).
+    auto_offset_reset: Literal["earliest", "latest", "none"] = "earliest"
+    session_timeout: Duration = Duration(10.0)
+    heartbeat_interval: Duration = Duration(3.0)
+    rebalance_timeout: Duration = Duration(10.0)
+    retry_max_backoff: Duration = Duration(5.0)
+
+    def __post_init__(self) -> None:
+        positive(
+            self, "session_timeout", "heartbeat_interval", "rebalance_timeout", "retry_max_backoff"
+        )
+        if self.heartbeat_interval >= self.session_timeout:
+            raise bad(
+                "heartbeat_interval",
+                f"must be shorter than session_timeout ({self.session_timeout:g}s), "
+                "or the group evicts a healthy daemon",
+            )
+
+
+class BackplaneConfig(_Section, frozen=True):
+    """The Redis Stream that carries invalidated keys to every instance's L1."""
+
+    enabled: bool = True
+    stream: str = "layered_cache:invalidations"
+    maxlen: AtLeastOne = 100_000
+    block: Duration = Duration(1.0)
+
+    def __post_init__(self) -> None:
+        if not self.stream.startswith(RESERVED_SEGMENT) or len(self.stream) > 128:
+            # Keys can never start with the reserved segment (docs/keys.md), so a stream
+            # inside it can never be a cache key that set() would overwrite.
+            raise bad(
+                "stream", f"must start with the reserved {RESERVED_SEGMENT!r}, got {self.stream!r}"
+            )
+        positive(self, "block")  # XREAD BLOCK 0 blocks forever
+
+
+class LoggingConfig(_Section, frozen=True):
+    format: Literal["console", "json"] = "console"
+    level: str = "info"  # any case: LAYERED_CACHE_LOG_LEVEL=INFO is common
+    redact_keys: bool = False
+
+    def __post_init__(self) -> None:
+        if self.level.strip().lower() not in LOG_LEVELS:
+            raise bad("level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.level!r}")
+
+
+class MetricsConfig(_Section, frozen=True):
+    enabled: bool = True
+
+
+class L1Config(_Section, frozen=True):
+    ttl: Duration = Duration(5.0)
+    jitter: float = 0.2
+    max_entries: AtLeastOne = 10_000
+
+    def __post_init__(self) -> None:
+        check_jitter(self.jitter)
+        positive(self, "ttl")
+
+
+class L2Config(_Section, frozen=True):
+    ttl: Duration = Duration(600.0)
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        check_jitter(self.jitter)
+        positive(self, "ttl")
+
+
+class HotConfig(_Section, frozen=True):
+    """Hot-key replica sharding: static `keys` and/or detection above `threshold`."""
+
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    threshold: Rate | None = None
+    keys: list[NonEmpty] = msgspec.field(default_factory=list)
+    window: Duration = Duration(1.0)
+    cooldown: Duration = Duration(10.0)
+
+    def __post_init__(self) -> None:
+        # A zero threshold makes every key hot; a zero window divides by zero.
+        positive(self, "threshold", "window")
+
+
+class StampedeConfig(_Section, frozen=True):
+    lease_ttl: Duration = Duration(5.0)
+    # A lease waiter re-reads L2 after a random pause within [min, max] (random, so the
+    # waiters of many processes don't re-read in lock step). The file may still call it
+    # ``retry`` (deprecated, see ``config.deprecated``).
+    reread_pause: list[Duration] = msgspec.field(
+        default_factory=lambda: [Duration(0.05), Duration(0.15)]
+    )
+    max_wait: Duration = Duration(3.0)
+    early_refresh_beta: float = 1.0
+    load_timeout: Duration | None = None
+
+    def __post_init__(self) -> None:
+        pause = self.reread_pause
+        if len(pause) != 2 or pause[0] > pause[1] or pause[1] <= 0:
+            raise bad(
+                "reread_pause", 'must be [min, max] with 0 <= min <= max, e.g. ["50ms", "150ms"]'
+            )
+        if not 0 <= self.early_refresh_beta <= 100:
+            raise bad("early_refresh_beta", f"must be within 0..100, got {self.early_refresh_beta}")
+        positive(self, "lease_ttl", "load_timeout")
+
+    @property
+    def retry(self) -> list[Duration]:
+        """The old name of ``reread_pause``, for code that still reads it (read-only)."""
+        return self.reread_pause
+
+
+class StaleConfig(_Section, frozen=True):
+    max_age: Duration = Duration(0.0)
+
+
+class NamespaceConfig(_Section, frozen=True):
+    key: str
+    cache: bool = True
+    l1: L1Config | bool = True
+    l2: L2Config | bool = True
+    hot: HotConfig | bool = False
+    stampede: StampedeConfig = StampedeConfig()
+    stale: StaleConfig = StaleConfig()
+    max_value_bytes: AtLeastOne = 1_000_000
+
+
+class InvalidateTarget(_Section, frozen=True):
+    """One key an event invalidates: template field -> event field (``{ id = "book_id" }``)."""
+
+    namespace: str
+    key: dict[str, NonEmpty]
+
+
+class EventRoute(_Section, frozen=True):
+    type: NonEmpty
+    invalidate: Annotated[list[InvalidateTarget], msgspec.Meta(min_length=1)]
+
+
+class Config(_Section, frozen=True):
+    redis: RedisConfig = RedisConfig()
+    kafka: KafkaConfig = KafkaConfig()
+    backplane: BackplaneConfig = BackplaneConfig()
+    logging: LoggingConfig = LoggingConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    namespaces: dict[str, NamespaceConfig] = msgspec.field(default_factory=dict)
+    events: list[EventRoute] = msgspec.field(default_factory=list)
+    source: str = "<memory>"
+    # Accepted but probably wrong (an L1 TTL longer than the L2 TTL): shown by
+    # ``layered-cache config check`` and issued as ``ConfigWarning``.
+    warnings: list[str] = msgspec.field(default_factory=list)

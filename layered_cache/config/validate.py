@@ -1,0 +1,121 @@
+"""Checks that span tables, run once every table has been decoded on its own.
+
+Templates compile, namespaces can't build one another's keys, static hot keys are keys
+of their template, events name known namespaces and exactly their template fields, each
+event type is routed once: what the cache or the daemon would refuse at start is refused
+at load. Settings that work but probably don't do what was meant are warnings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from layered_cache.config.errors import ConfigError
+from layered_cache.config.schema import Config, HotConfig, L1Config, L2Config, NamespaceConfig
+from layered_cache.keys import KeyTemplate
+
+__all__ = ["CACHE_INVALIDATE", "check_cross_references"]
+
+CACHE_INVALIDATE = "CacheInvalidate"  # the built-in event type (layered_cache.events)
+
+
+def check_cross_references(config: Config) -> list[str]:
+    """Checks that span tables: templates compile, events name known namespaces and
+    fields, each event type is routed once. Returns the warnings (not errors)."""
+    source = config.source
+    templates: dict[str, KeyTemplate] = {}
+    for name, ns in config.namespaces.items():
+        try:
+            templates[name] = KeyTemplate(name, ns.key, config.redis.prefix)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: namespaces.{name}.key: {exc}") from None
+    _check_disjoint_namespaces(source, {n: ns.key for n, ns in config.namespaces.items()})
+    for name, ns in config.namespaces.items():
+        _check_static_hot_keys(source, name, ns)
+    _check_routes(config, templates)
+    return [
+        warning
+        for name, ns in config.namespaces.items()
+        if (warning := _ttl_warning(source, name, ns))
+    ]
+
+
+def _check_routes(config: Config, templates: Mapping[str, KeyTemplate]) -> None:
+    """What the daemon's event decoder would refuse at start, refused at load."""
+    source = config.source
+    seen: dict[str, int] = {}
+    for index, route in enumerate(config.events):
+        if route.type == CACHE_INVALIDATE:
+            raise ConfigError(
+                f"{source}: events[{index}].type: {CACHE_INVALIDATE!r} is built in and "
+                "cannot be routed"
+            )
+        if route.type in seen:
+            raise ConfigError(
+                f"{source}: events[{index}].type: {route.type!r} is already routed by "
+                f"events[{seen[route.type]}]; list all its targets in one route"
+            )
+        seen[route.type] = index
+        for t_index, target in enumerate(route.invalidate):
+            path = f"events[{index}].invalidate[{t_index}]"
+            template = templates.get(target.namespace)
+            if template is None:
+                raise ConfigError(
+                    f"{source}: {path}.namespace: unknown namespace {target.namespace!r}"
+                )
+            missing = set(template.fields) - set(target.key)
+            extra = set(target.key) - set(template.fields)
+            if missing or extra:
+                raise ConfigError(
+                    f"{source}: {path}.key: must map exactly the template fields "
+                    f"{sorted(template.fields)} of {target.namespace!r}"
+                    f" (missing {sorted(missing)}, unknown {sorted(extra)})"
+                )
+
+
+def _check_static_hot_keys(source: str, name: str, ns: NamespaceConfig) -> None:
+    """``hot.keys`` are key names (without the prefix); one the template can never build
+    would silently never be hot."""
+    if not isinstance(ns.hot, HotConfig):
+        return
+    template = KeyTemplate(name, ns.key)
+    for index, key in enumerate(ns.hot.keys):
+        if template.parse(key) is None:
+            raise ConfigError(
+                f"{source}: namespaces.{name}.hot.keys[{index}]: {key!r} is not a key of "
+                f"template {ns.key!r} (a ':' inside a value is written %3A, see docs/keys.md)"
+            )
+
+
+def _ttl_warning(source: str, name: str, ns: NamespaceConfig) -> str | None:
+    """An L1 TTL above the L2 TTL is capped by the L2 soft expiry anyway: the setting
+    does not do what it says, so say so (a warning: the cache still works)."""
+    l1 = L1Config() if ns.l1 is True else ns.l1
+    l2 = L2Config() if ns.l2 is True else ns.l2
+    if not ns.cache or l1 is False or l2 is False or l1.ttl <= l2.ttl:
+        return None
+    return (
+        f"{source}: namespaces.{name}.l1.ttl: {l1.ttl:g}s is longer than l2.ttl "
+        f"{l2.ttl:g}s; L1 entries never outlive the L2 soft expiry, so the L1 TTL is "
+        "effectively the L2 TTL"
+    )
+
+
+def _check_disjoint_namespaces(source: str, templates: dict[str, str]) -> None:
+    """Two namespaces must never be able to produce the same key (one could then read or
+    delete the other's values): their leading literals (``book:`` of ``book:{id}``) must
+    be non-empty and neither may be a prefix of the other."""
+    leads = {name: template.split("{", 1)[0] for name, template in templates.items()}
+    for name, lead in leads.items():
+        if not lead:
+            raise ConfigError(
+                f"{source}: namespaces.{name}.key: must start with literal text such as "
+                f"'{name}:' so namespaces can't collide"
+            )
+        for other, other_lead in leads.items():
+            if other != name and other_lead.startswith(lead):
+                raise ConfigError(
+                    f"{source}: namespaces.{other}.key: may produce the same keys as "
+                    f"namespace {name!r} ({other_lead!r} starts with {lead!r}); give each "
+                    "namespace its own leading text"
+                )
