@@ -7,7 +7,9 @@
     layered-cache warm NAMESPACE --from FILE.jsonl --config FILE [--concurrency N]
                        [--start-line K]
     layered-cache daemon --config FILE [--log-format json|console] [--health-port N]
-    layered-cache bench [ARGS...]
+
+There is no ``bench`` command: the benchmarks live in ``bench/`` of a source checkout,
+which the wheel does not ship (``make bench`` runs them there).
 
 Bad input (config, unknown namespace, missing/unknown/unsafe field, unreadable file,
 unreachable Redis) prints ``layered-cache: error: ...`` on stderr and exits with 2,
@@ -19,16 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, BinaryIO, TextIO, TypeVar
 
 import msgspec
@@ -774,21 +773,6 @@ def cmd_daemon(args: argparse.Namespace, out: TextIO) -> int:
     return run(args)
 
 
-# -- bench -------------------------------------------------------------------------------
-
-
-def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
-    local = Path.cwd() / "bench" / "__main__.py"
-    if importlib.util.find_spec("bench") is None and not local.exists():
-        out.write(
-            "the bench package is not available here: run `layered-cache bench` (or "
-            "`make bench`) from a source checkout of layered_cache\n"
-        )
-        return 1
-    command = [sys.executable, "-m", "bench", *args.bench_args]
-    return subprocess.call(command, cwd=Path.cwd())
-
-
 # -- entry point -------------------------------------------------------------------------
 
 
@@ -843,10 +827,6 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--health-port", type=int, default=None,
                         help="override kafka.health_port (0 = ephemeral, -1 = off)")  # fmt: skip
     daemon.set_defaults(handler=cmd_daemon)
-
-    bench = commands.add_parser("bench", help="run the benchmarks (python -m bench)")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
-    bench.set_defaults(handler=cmd_bench)
     return parser
 
 
