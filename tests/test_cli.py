@@ -203,6 +203,23 @@ def test_inspect_absent_key_and_undecodable_value(
     assert "not a layered_cache envelope" in capsys.readouterr().out
 
 
+def test_inspect_json_of_an_absent_key_keeps_the_report_shape(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The report is a Struct: an absent key has no size/envelope, a free lease nulls.
+    config = str(write_config(tmp_path, redis_url, prefix))
+    assert main(["inspect", "book", "id=404", "--config", config, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report) == [
+        "namespace", "template", "key", "base", "replicas_configured", "replicas",
+        "replicas_unreachable", "lease",
+    ]  # fmt: skip
+    assert report["base"] == {"exists": False, "pttl_ms": -2}
+    lease = "{" + f"{prefix}book:404" + "}:lease"
+    assert report["lease"] == {"name": lease, "holder": None, "pttl_ms": None}
+    assert report["replicas"] == [] and report["replicas_unreachable"] == {}
+
+
 def test_int_looking_values_become_ints_only_when_canonical(
     tmp_path: Path,
     redis_url: str,
