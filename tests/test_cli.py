@@ -559,6 +559,34 @@ def test_bad_input_exits_2_with_a_clear_message(
     assert err.startswith("layered-cache: error: ") and message in err, err
 
 
+def test_inspect_of_a_key_of_another_redis_type_exits_2_naming_it(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The store reads WRONGTYPE as a miss; inspect must not call such a key absent.
+    config = str(write_config(tmp_path, redis_url, prefix))
+    admin.rpush(f"{prefix}book:66", b"x")
+    assert main(["inspect", "book", "id=66", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert f"layered-cache: error: {prefix}book:66 holds another Redis type" in err, err
+    assert "WRONGTYPE" in err and "Traceback" not in err
+
+
+async def test_cli_key_reads_go_through_the_stores_breaker(redis_url: str, prefix: str) -> None:
+    from layered_cache.cli.reads import KeyReads
+    from layered_cache.l2 import L2Unavailable
+
+    async with open_cache(make_config(redis_url, prefix)) as cache:
+        reads = KeyReads(cache.l2)
+        assert await reads.pttl(f"{prefix}book:nope") == -2
+        assert await reads.exists(f"{prefix}book:nope") is False
+        assert await reads.get(f"{prefix}book:nope") is None
+        for _ in range(2):  # make_config: failures = 2
+            cache.breaker.failure()
+        for read in (reads.pttl, reads.exists, reads.get):
+            with pytest.raises(L2Unavailable, match="circuit breaker open"):
+                await read(f"{prefix}book:nope")
+
+
 def test_unreachable_redis_exits_2_without_password_or_traceback(tmp_path: Path) -> None:
     url = f"redis://app:s3cretpw@127.0.0.1:{free_port()}/0"
     config = write_config(tmp_path, url, "")

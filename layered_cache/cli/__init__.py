@@ -17,7 +17,8 @@ without a traceback. Passwords in URLs are never printed. See docs/cli.md.
 
 One module per command group (``config_check``, ``inspect_key``, ``invalidate``,
 ``hotkeys``, ``warm``, ``daemon``), each with its typed report; ``parser`` holds the
-command line, ``common`` and ``connect`` what the commands share.
+command line, ``common``, ``connect`` and ``reads`` (key reads through the store and its
+breaker) what the commands share.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 
 from layered_cache.cache import LayeredCache
 from layered_cache.config import Config, ConfigError, load_config
+from layered_cache.l2 import L2Unavailable
 from layered_cache.policy import Policy
 from layered_cache.redact import redact, redact_data
 
@@ -149,9 +150,15 @@ def why(exc: BaseException) -> str:
 
 def run(command: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run``, with Redis failing halfway through reported as a ``CliError``
-    (one line, redacted) instead of a traceback."""
+    (one line, redacted) instead of a traceback. ``L2Unavailable`` (a read through the
+    store) is reported by the Redis error it wraps, as the raw client's error was."""
     try:
         return asyncio.run(command)
+    except L2Unavailable as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ClusterDownError):
+            raise _cluster_down(cause) from None
+        raise CliError(f"Redis failed: {why(cause) if cause else redact(str(exc))}") from None
     except ClusterDownError as exc:
         raise _cluster_down(exc) from None
     except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:

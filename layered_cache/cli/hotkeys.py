@@ -18,6 +18,7 @@ import msgspec
 from layered_cache.cache import LayeredCache
 from layered_cache.cli.common import load, print_json, run
 from layered_cache.cli.connect import connected
+from layered_cache.cli.reads import KeyReads
 from layered_cache.config import Config, HotConfig
 from layered_cache.hotreport import fleet_hot_keys
 from layered_cache.keys import replica_names
@@ -52,16 +53,15 @@ class NamespaceHotKeys(msgspec.Struct, frozen=True):
 HotKeysReport = dict[str, NamespaceHotKeys]  # namespace -> its hot keys, in config order
 
 
-async def _static(cache: LayeredCache, policy: Policy, keys: Iterable[str]) -> list[StaticHotKey]:
-    client = cache.l2.client
+async def _static(reads: KeyReads, policy: Policy, keys: Iterable[str]) -> list[StaticHotKey]:
     found: list[StaticHotKey] = []
     for static in sorted(keys):
         present = [
             index
             for index, replica in enumerate(replica_names(static, policy.replicas))
-            if await client.exists(replica)
+            if await reads.exists(replica)
         ]
-        found.append(StaticHotKey(static, bool(await client.exists(static)), present))
+        found.append(StaticHotKey(static, await reads.exists(static), present))
     return found
 
 
@@ -79,6 +79,7 @@ async def _detected(cache: LayeredCache, config: Config) -> dict[str, list[Detec
 
 async def _hotkeys(config: Config) -> HotKeysReport:
     async with connected(config, "hotkeys") as cache:
+        reads = KeyReads(cache.l2)
         report: HotKeysReport = {}
         for name, ns in config.namespaces.items():
             policy = cache.policy(name)
@@ -86,7 +87,7 @@ async def _hotkeys(config: Config) -> HotKeysReport:
             if hot is False or policy.hot is None:
                 continue
             threshold = f"{hot.threshold:g}/s" if hot.threshold is not None else None
-            static = await _static(cache, policy, policy.hot.static)
+            static = await _static(reads, policy, policy.hot.static)
             report[name] = NamespaceHotKeys(policy.replicas, threshold, static, [])
         for name, detected in (await _detected(cache, config)).items():
             if name in report:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 import msgspec
 
-from layered_cache.cache import LayeredCache
 from layered_cache.cli.common import (
     format_ms,
     iso,
@@ -29,6 +28,7 @@ from layered_cache.cli.common import (
     run,
 )
 from layered_cache.cli.connect import degraded_ok, key_on_dead_master, on_dead
+from layered_cache.cli.reads import KeyReads
 from layered_cache.codec import CodecError, decode_meta
 from layered_cache.config import Config
 from layered_cache.keys import lease_name, replica_names
@@ -96,10 +96,6 @@ class InspectReport(msgspec.Struct, frozen=True):
     lease: LeaseReport
 
 
-async def _pttl(cache: LayeredCache, name: str) -> int:
-    return int(await cache.l2.client.pttl(name))
-
-
 def _envelope(data: bytes, now: float) -> EnvelopeReport | EnvelopeError:
     try:
         meta = decode_meta(data)
@@ -117,35 +113,35 @@ def _envelope(data: bytes, now: float) -> EnvelopeReport | EnvelopeError:
     )
 
 
-async def _base(cache: LayeredCache, key: str) -> BaseReport:
+async def _base(reads: KeyReads, key: str) -> BaseReport:
     now = time.time()
-    data: Any = await cache.l2.client.get(key)
-    pttl = await _pttl(cache, key)
+    data = await reads.get(key)
+    pttl = await reads.pttl(key)
     if data is None:
         return BaseReport(exists=False, pttl_ms=pttl)
     return BaseReport(True, pttl, len(data), _envelope(data, now))
 
 
 async def _replicas(
-    cache: LayeredCache, names: Sequence[str], skipped: set[str]
+    reads: KeyReads, names: Sequence[str], skipped: set[str]
 ) -> list[ReplicaReport]:
     """The replicas that exist, except those on a dead master (unknown, not absent)."""
     found: list[ReplicaReport] = []
     for name in names:
         if name in skipped:
             continue
-        pttl = await _pttl(cache, name)
+        pttl = await reads.pttl(name)
         if pttl != -2:
             found.append(ReplicaReport(name, pttl))
     return found
 
 
-async def _lease(cache: LayeredCache, key: str) -> LeaseReport:
+async def _lease(reads: KeyReads, key: str) -> LeaseReport:
     lease = lease_name(key)
-    holder: Any = await cache.l2.client.get(lease)
+    holder = await reads.get(lease)
     if holder is None:
         return LeaseReport(lease, None, None)
-    return LeaseReport(lease, holder.decode(errors="replace"), await _pttl(cache, lease))
+    return LeaseReport(lease, holder.decode(errors="replace"), await reads.pttl(lease))
 
 
 async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> InspectReport:
@@ -157,15 +153,16 @@ async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> Insp
         names = replica_names(key, policy.replicas)
         unreachable = on_dead(cache, masters, names)
         skipped = {name for found in unreachable.values() for name in found}
+        reads = KeyReads(cache.l2)
         return InspectReport(
             namespace=namespace,
             template=policy.template.template,
             key=key,
-            base=await _base(cache, key),
+            base=await _base(reads, key),
             replicas_configured=policy.replicas,
-            replicas=await _replicas(cache, names, skipped),
+            replicas=await _replicas(reads, names, skipped),
             replicas_unreachable=unreachable,
-            lease=await _lease(cache, key),
+            lease=await _lease(reads, key),
         )
 
 

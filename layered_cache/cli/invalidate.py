@@ -15,6 +15,7 @@ import msgspec
 from layered_cache.cache import LayeredCache
 from layered_cache.cli.common import CliError, load, parse_fields, policy_of, run
 from layered_cache.cli.connect import Masters, degraded_ok, down, on_dead, still_working
+from layered_cache.cli.reads import KeyReads
 from layered_cache.config import Config
 from layered_cache.invalidation import names_to_delete
 from layered_cache.keys import lease_name, replica_names
@@ -35,7 +36,8 @@ async def _invalidate(config: Config, namespace: str, items: Sequence[str]) -> I
         fields, key = parse_fields(items, policy)
         _refuse_partial_invalidation(cache, config, masters, key, policy.replicas)
         names = [key, *replica_names(key, policy.replicas), lease_name(key)]
-        existed = int(sum([await cache.l2.client.exists(name) for name in names]))
+        reads = KeyReads(cache.l2)
+        existed = sum([await reads.exists(name) for name in names])
         try:
             await cache.invalidate(namespace, fields)
         except L2Unavailable as exc:
