@@ -203,6 +203,23 @@ def test_inspect_absent_key_and_undecodable_value(
     assert "not a layered_cache envelope" in capsys.readouterr().out
 
 
+def test_inspect_json_of_an_absent_key_keeps_the_report_shape(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The report is a Struct: an absent key has no size/envelope, a free lease nulls.
+    config = str(write_config(tmp_path, redis_url, prefix))
+    assert main(["inspect", "book", "id=404", "--config", config, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report) == [
+        "namespace", "template", "key", "base", "replicas_configured", "replicas",
+        "replicas_unreachable", "lease",
+    ]  # fmt: skip
+    assert report["base"] == {"exists": False, "pttl_ms": -2}
+    lease = "{" + f"{prefix}book:404" + "}:lease"
+    assert report["lease"] == {"name": lease, "holder": None, "pttl_ms": None}
+    assert report["replicas"] == [] and report["replicas_unreachable"] == {}
+
+
 def test_int_looking_values_become_ints_only_when_canonical(
     tmp_path: Path,
     redis_url: str,
@@ -542,6 +559,34 @@ def test_bad_input_exits_2_with_a_clear_message(
     assert err.startswith("layered-cache: error: ") and message in err, err
 
 
+def test_inspect_of_a_key_of_another_redis_type_exits_2_naming_it(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The store reads WRONGTYPE as a miss; inspect must not call such a key absent.
+    config = str(write_config(tmp_path, redis_url, prefix))
+    admin.rpush(f"{prefix}book:66", b"x")
+    assert main(["inspect", "book", "id=66", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert f"layered-cache: error: {prefix}book:66 holds another Redis type" in err, err
+    assert "WRONGTYPE" in err and "Traceback" not in err
+
+
+async def test_cli_key_reads_go_through_the_stores_breaker(redis_url: str, prefix: str) -> None:
+    from layered_cache.cli.reads import KeyReads
+    from layered_cache.l2 import L2Unavailable
+
+    async with open_cache(make_config(redis_url, prefix)) as cache:
+        reads = KeyReads(cache.l2)
+        assert await reads.pttl(f"{prefix}book:nope") == -2
+        assert await reads.exists(f"{prefix}book:nope") is False
+        assert await reads.get(f"{prefix}book:nope") is None
+        for _ in range(2):  # make_config: failures = 2
+            cache.breaker.failure()
+        for read in (reads.pttl, reads.exists, reads.get):
+            with pytest.raises(L2Unavailable, match="circuit breaker open"):
+                await read(f"{prefix}book:nope")
+
+
 def test_unreachable_redis_exits_2_without_password_or_traceback(tmp_path: Path) -> None:
     url = f"redis://app:s3cretpw@127.0.0.1:{free_port()}/0"
     config = write_config(tmp_path, url, "")
@@ -557,11 +602,12 @@ def test_usage_errors_exit_2() -> None:
     assert result.returncode == 2 and "usage:" in result.stderr
 
 
-def test_bench_without_the_bench_package_says_so(tmp_path: Path) -> None:
-    # The installed package (not the checkout) in a directory without bench/.
+def test_bench_is_not_a_command_of_the_installed_tool(tmp_path: Path) -> None:
+    # The wheel ships no bench/ package: `make bench` runs it from a source checkout.
     result = run_cli("bench", cwd=tmp_path, repo_on_path=False)
-    assert result.returncode == 1
-    assert "bench package is not available" in result.stdout
+    assert result.returncode == 2
+    assert "usage:" in result.stderr and "invalid choice: 'bench'" in result.stderr
+    assert "bench" not in run_cli("--help", cwd=tmp_path, repo_on_path=False).stdout
 
 
 def test_value_round_trip_through_warm_decodes_into_structs(

@@ -1,0 +1,173 @@
+"""What every command shares: the error type and exit codes, loading the config, key
+fields from the command line, JSON output, and how Redis failing halfway through a
+command becomes one line instead of a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Coroutine, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO, TypeVar
+
+import msgspec
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
+
+from layered_cache.cache import LayeredCache
+from layered_cache.config import Config, ConfigError, load_config
+from layered_cache.l2 import L2Unavailable
+from layered_cache.policy import Policy
+from layered_cache.redact import redact, redact_data
+
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_PARTIAL",
+    "CliError",
+    "format_duration",
+    "format_ms",
+    "iso",
+    "load",
+    "parse_fields",
+    "policy_of",
+    "print_json",
+    "relative",
+    "run",
+    "why",
+]
+
+T = TypeVar("T")
+EXIT_PARTIAL = 1  # warm: finished, but some entries failed (listed on stderr)
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+_INT = re.compile(r"-?[1-9][0-9]*|0")
+
+
+class CliError(Exception):
+    """Bad input or an unusable environment: printed without a traceback, exit 2."""
+
+
+def format_duration(seconds: float) -> str:
+    """``600.0`` -> ``"10m"``: durations read back the way a config file writes them."""
+    if seconds == 0:
+        return "0s"
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def format_ms(pttl: int) -> str:
+    """A PTTL reply for people: its two negative codes spelled out."""
+    if pttl == -1:
+        return "no expiry"
+    if pttl == -2:
+        return "missing"
+    return f"{pttl / 1000:.1f}s"
+
+
+def relative(seconds: float) -> str:
+    """``"in 9.9m"`` / ``"1.8s ago"``: offsets from now, in the unit that reads best."""
+    span = abs(seconds)
+    text = (
+        f"{span:.1f}s"
+        if span < 120
+        else f"{span / 60:.1f}m"
+        if span < 7200
+        else f"{span / 3600:.1f}h"
+    )
+    return f"in {text}" if seconds >= 0 else f"{text} ago"
+
+
+def iso(timestamp: float) -> str:
+    """UTC, milliseconds: envelope timestamps compared across hosts."""
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+
+
+def parse_fields(items: Sequence[str], policy: Policy) -> tuple[dict[str, object], str]:
+    """``["id=42", "lang=en"]`` -> ({"id": 42, "lang": "en"}, full key), validated.
+
+    Canonical integers become ints ("42" -> 42; "007" stays a string), so the key is
+    built exactly as the service builds it from its typed fields."""
+    fields: dict[str, object] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CliError(f"expected field=value, got {item!r}")
+        if name in fields:
+            raise CliError(f"field {name!r} given twice")
+        fields[name] = int(value) if _INT.fullmatch(value) else value
+    template = policy.template
+    unknown = sorted(set(fields) - set(template.fields))
+    if unknown:
+        raise CliError(
+            f"namespace {policy.name!r}: unknown field(s) {unknown} "
+            f"(template {template.template!r} has {list(template.fields)})"
+        )
+    return fields, _build_key(policy, fields)
+
+
+def _build_key(policy: Policy, fields: dict[str, object]) -> str:
+    try:
+        return policy.template.build(fields)
+    except (KeyError, ValueError) as exc:
+        raise CliError(str(exc.args[0]) if exc.args else str(exc)) from None
+
+
+def policy_of(cache: LayeredCache, namespace: str) -> Policy:
+    """The namespace's policy; an unknown name is bad input (exit 2), not a crash."""
+    try:
+        return cache.policy(namespace)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0])) from None
+
+
+def load(path: str) -> Config:
+    """The config file, its errors (file and dotted path) as a ``CliError``."""
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def print_json(report: Any, out: TextIO) -> None:
+    """A report (Struct, or a dict/list of them) as indented JSON, every string redacted.
+
+    ``to_builtins`` keeps the Structs' field names and order; ``json.dumps`` keeps the
+    format scripts already parse (ASCII escapes, ``indent=2``)."""
+    data = msgspec.to_builtins(report)
+    out.write(json.dumps(redact_data(data), indent=2, sort_keys=False, default=str) + "\n")
+
+
+def why(exc: BaseException) -> str:
+    """``"ConnectionError: Error 111 ..."``, one line, any password masked."""
+    text = f"{type(exc).__name__}: {exc}".rstrip(": .") if str(exc) else type(exc).__name__
+    return redact(text)
+
+
+def run(command: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run``, with Redis failing halfway through reported as a ``CliError``
+    (one line, redacted) instead of a traceback. ``L2Unavailable`` (a read through the
+    store) is reported by the Redis error it wraps, as the raw client's error was."""
+    try:
+        return asyncio.run(command)
+    except L2Unavailable as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ClusterDownError):
+            raise _cluster_down(cause) from None
+        raise CliError(f"Redis failed: {why(cause) if cause else redact(str(exc))}") from None
+    except ClusterDownError as exc:
+        raise _cluster_down(exc) from None
+    except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
+        raise CliError(f"Redis failed: {why(exc)}") from None
+
+
+def _cluster_down(exc: ClusterDownError) -> CliError:
+    return CliError(
+        f"Redis Cluster is down: {why(exc)}. With cluster-require-full-coverage yes "
+        "(the Redis default) one dead master stops every key; cache clusters should "
+        "run with `no` (docs/operations.md)"
+    )
