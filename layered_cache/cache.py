@@ -22,8 +22,9 @@ from layered_cache import decorate
 from layered_cache.backplane import BackplaneListener
 from layered_cache.clients import REDIS_FAILURES
 from layered_cache.config import Config
-from layered_cache.hotreport import HotKeyReporter, report_key
+from layered_cache.hotreport import HotKeyReporter
 from layered_cache.invalidation import Invalidator, ReplicaCountMismatch, check_replica_counts
+from layered_cache.keys import hot_report_name
 from layered_cache.l2 import L2Unavailable
 from layered_cache.namespace import Namespace
 from layered_cache.policy import compile_policy
@@ -77,10 +78,10 @@ class LayeredCache:
         for name, value_type in (value_types or {}).items():
             self.namespace(name).declare_type(value_type, by="value_types")
         self._backplane: BackplaneListener | None = None
-        if parts.listener_client is not None:
+        if parts.listener_client is not None and parts.stream is not None:
             self._backplane = BackplaneListener(
                 parts.listener_client,
-                prefix + config.backplane.stream,
+                parts.stream,
                 on_keys=self._forget,
                 on_gap=self._forget_all,
                 block=config.backplane.block,
@@ -88,7 +89,7 @@ class LayeredCache:
             )
         detecting = any(ns.policy.hot is not None and ns.policy.hot.threshold for ns in self)
         self._hot_reporter = (
-            HotKeyReporter(parts.client, report_key(prefix, parts.instance_id), self.hot_keys)
+            HotKeyReporter(parts.client, hot_report_name(prefix, parts.instance_id), self.hot_keys)
             if detecting
             else None
         )

@@ -18,14 +18,13 @@ import structlog
 from layered_cache.clients import REDIS_FAILURES, RedisClient
 from layered_cache.keys import hot_report_name
 
-__all__ = ["HotKeyReporter", "fleet_hot_keys", "report_key"]
+__all__ = ["HotKeyReporter", "fleet_hot_keys"]
 
 _log = structlog.get_logger("layered_cache.hotreport")
 _SEP = "\t"  # namespace and key: keys never contain a tab (validated)
 
 
 # The name is built in keys.py with every other name; the old name stays for callers.
-report_key = hot_report_name
 
 
 class HotKeyReporter:

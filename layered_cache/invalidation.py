@@ -31,18 +31,16 @@ from typing import Any
 from layered_cache.backplane import BackplanePublisher
 from layered_cache.clients import RedisClient
 from layered_cache.config import Config
-from layered_cache.keys import lease_name, replica_names, replica_record_name
+from layered_cache.keys import replica_record_name
 from layered_cache.l2 import L2Store
 from layered_cache.policy import compile_policy
+from layered_cache.replicas import delete_phases
 
 __all__ = [
     "Invalidator",
     "ReplicaCountMismatch",
     "check_replica_counts",
-    "delete_phases",
-    "names_to_delete",
     "replica_counts",
-    "replica_record_name",
 ]
 
 
@@ -84,17 +82,6 @@ async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping
         )
 
 
-def delete_phases(key: str, replicas: int) -> tuple[list[str], list[str]]:
-    """(base key and lease, replicas and their leases): deleted in this order."""
-    shards = replica_names(key, replicas)
-    return [key, lease_name(key)], [name for shard in shards for name in (shard, lease_name(shard))]
-
-
-def names_to_delete(key: str, replicas: int) -> list[str]:
-    base, shards = delete_phases(key, replicas)
-    return base + shards
-
-
 class Invalidator:
     def __init__(self, l2: L2Store, backplane: BackplanePublisher | None) -> None:
         self._l2 = l2
@@ -107,16 +94,16 @@ class Invalidator:
         (nothing is reported done before the keys are gone).
         """
         keys: list[str] = []
-        bases: list[str] = []
-        shards: list[str] = []
-        for key, replicas in targets:
+        phase1: list[str] = []  # base keys and their leases
+        phase2: list[str] = []  # replicas and their leases, strictly after (replicas.py)
+        for key, count in targets:
             keys.append(key)
-            base, replica_shards = delete_phases(key, replicas)
-            bases.extend(base)
-            shards.extend(replica_shards)
+            bases, replica_names = delete_phases(key, count)
+            phase1.extend(bases)
+            phase2.extend(replica_names)
         if not keys:
             return 0
-        deleted = await self._l2.delete_in_order([bases, shards] if shards else [bases])
+        deleted = await self._l2.delete_in_order([phase1, phase2] if phase2 else [phase1])
         await self.announce(keys)
         return deleted
 

@@ -92,7 +92,7 @@ class MissPath:
             read.key,
             lease_name(read.key),
             policy.lease_ttl,
-            policy.retry,
+            policy.reread_pause,
             policy.max_wait,
             usable,
         )

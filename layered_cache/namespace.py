@@ -15,7 +15,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-
 from layered_cache import envelopes, replicas
 from layered_cache.clients import REDIS_FAILURES
 from layered_cache.codec import Codec, Envelope

@@ -17,9 +17,8 @@ import redis.asyncio as redis
 import structlog
 
 from layered_cache.clients import REDIS_FAILURES
-from layered_cache.keys import fill_channel  # built in keys.py; re-exported for callers
 
-__all__ = ["FillNotifier", "fill_channel"]
+__all__ = ["FillNotifier"]
 
 _log = structlog.get_logger("layered_cache.notify")
 

@@ -41,7 +41,7 @@ class Policy:
     replicas: int
     hot: HotKeyDetector | None
     lease_ttl: float
-    retry: tuple[float, float]
+    reread_pause: tuple[float, float]  # jittered pause between a waiter's re-reads
     max_wait: float
     beta: float
     load_timeout: float | None
@@ -85,7 +85,7 @@ def compile_policy(
         replicas=hot.replicas if hot else 0,
         hot=detector,
         lease_ttl=stampede.lease_ttl,
-        retry=(stampede.retry[0], stampede.retry[1]),
+        reread_pause=(stampede.reread_pause[0], stampede.reread_pause[1]),
         max_wait=stampede.max_wait,
         beta=stampede.early_refresh_beta,
         load_timeout=stampede.load_timeout,

@@ -15,6 +15,7 @@ from layered_cache.backplane import BackplanePublisher
 from layered_cache.breaker import CircuitBreaker
 from layered_cache.clients import RedisClient, make_client, make_node_client, with_timeout
 from layered_cache.config import Config
+from layered_cache.keys import backplane_stream_name
 from layered_cache.l2 import L2Store
 from layered_cache.notify import FillNotifier
 
@@ -29,6 +30,7 @@ class CacheParts:
     notifier: FillNotifier
     publisher: BackplanePublisher | None  # None: backplane switched off
     listener_client: RedisClient | None  # its own client: XREAD blocks a connection
+    stream: str | None  # the backplane stream's name
 
     async def close(self) -> None:
         await self.notifier.close()
@@ -45,9 +47,9 @@ def build_parts(config: Config) -> CacheParts:
     breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
     client = make_client(config.redis)
     store = L2Store(client, breaker, config.redis.max_connections)
-    publisher = listener_client = None
+    publisher = listener_client = stream = None
     if config.backplane.enabled:
-        stream = config.redis.prefix + config.backplane.stream
+        stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
         publisher = BackplanePublisher(client, stream, config.backplane.maxlen, instance_id)
         # Blocking XREAD needs a socket timeout longer than the block time.
         listener_client = make_client(with_timeout(config.redis, config.backplane.block + 1.0))
@@ -58,4 +60,5 @@ def build_parts(config: Config) -> CacheParts:
         notifier=FillNotifier(make_node_client(config.redis)),
         publisher=publisher,
         listener_client=listener_client,
+        stream=stream,
     )

@@ -576,12 +576,12 @@ async def test_cli_key_reads_go_through_the_stores_breaker(redis_url: str, prefi
     from layered_cache.l2 import L2Unavailable
 
     async with open_cache(make_config(redis_url, prefix)) as cache:
-        reads = KeyReads(cache.l2)
+        reads = KeyReads(cache._store)
         assert await reads.pttl(f"{prefix}book:nope") == -2
         assert await reads.exists(f"{prefix}book:nope") is False
         assert await reads.get(f"{prefix}book:nope") is None
         for _ in range(2):  # make_config: failures = 2
-            cache.breaker.failure()
+            cache._store.breaker.failure()
         for read in (reads.pttl, reads.exists, reads.get):
             with pytest.raises(L2Unavailable, match="circuit breaker open"):
                 await read(f"{prefix}book:nope")

@@ -9,8 +9,6 @@ from hypothesis import strategies as st
 
 from layered_cache import ConfigError, parse_config
 from layered_cache.config import BackplaneConfig
-from layered_cache.hotreport import report_key
-from layered_cache.invalidation import replica_record_name as invalidation_record_name
 from layered_cache.keys import (
     MAX_KEY_LENGTH,
     RESERVED_SEGMENT,
@@ -23,7 +21,6 @@ from layered_cache.keys import (
     replica_names,
     replica_record_name,
 )
-from layered_cache.notify import fill_channel as notify_fill_channel
 
 
 def test_template_fills_fields_with_prefix() -> None:
@@ -287,9 +284,6 @@ def test_owned_names_keep_their_format() -> None:
     assert hot_report_name("shop:", "ab12") == "shop:layered_cache:hotkeys:ab12"
     assert hot_report_name("shop:", "*") == "shop:layered_cache:hotkeys:*"  # SCAN pattern
     assert replica_record_name("shop:") == "{shop:layered_cache}:replicas"
-    # the modules that used to build them keep the old names, as aliases
-    assert report_key is hot_report_name and notify_fill_channel is fill_channel
-    assert invalidation_record_name is replica_record_name
 
 
 def test_a_stream_outside_the_reserved_segment_builds_no_name() -> None:

@@ -120,7 +120,7 @@ def _build_key(policy: Policy, fields: dict[str, object]) -> str:
 def policy_of(cache: LayeredCache, namespace: str) -> Policy:
     """The namespace's policy; an unknown name is bad input (exit 2), not a crash."""
     try:
-        return cache.policy(namespace)
+        return cache.namespace(namespace).policy
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
 

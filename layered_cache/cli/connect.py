@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,7 +23,9 @@ from redis.crc import key_slot
 from layered_cache.cache import LayeredCache
 from layered_cache.cli.common import CliError, why
 from layered_cache.config import Config
+from layered_cache.l2 import L2Store
 from layered_cache.redact import redact_url
+from layered_cache.wiring import build_parts
 
 __all__ = [
     "Masters",
@@ -44,12 +47,21 @@ class Masters(msgspec.Struct, frozen=True):
     slots: dict[str, str] = msgspec.field(default_factory=dict)  # dead node -> "0-5460"
 
 
-async def _reach(cache: LayeredCache, config: Config) -> None:
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What a command works with: the cache (for ``invalidate``, ``set`` and the
+    namespaces' policies) and its L2 store (reads through the circuit breaker)."""
+
+    cache: LayeredCache
+    store: L2Store
+
+
+async def _reach(session: Session, config: Config) -> None:
     """Raise a ``CliError`` naming the configured URL if no Redis answers at all.
 
     A cluster client only needs one seed to learn the slot map; a dead master is found
     (and named) by ``_masters`` afterwards, not reported as the seed's failure."""
-    client: Any = cache.l2.client
+    client: Any = session.store.client
     first = client.initialize() if config.redis.cluster else client.ping()
     try:
         await asyncio.wait_for(first, config.redis.connect_timeout + 2.0)
@@ -58,11 +70,11 @@ async def _reach(cache: LayeredCache, config: Config) -> None:
         raise CliError(f"cannot reach Redis at {url}: {why(exc)}") from None
 
 
-async def _masters(cache: LayeredCache, config: Config) -> Masters:
+async def _masters(session: Session, config: Config) -> Masters:
     """PING every master of the slot map, each on its own connection, concurrently."""
     if not config.redis.cluster:
         return Masters()
-    client: Any = cache.l2.client
+    client: Any = session.store.client
     nodes = client.get_primaries()
     limit = config.redis.connect_timeout + config.redis.timeout
 
@@ -113,9 +125,9 @@ def _slot_ranges(client: Any, node: str) -> str:
     return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges) or "none"
 
 
-def _owner(cache: LayeredCache, name: str) -> str:
+def _owner(session: Session, name: str) -> str:
     """The master ("host:port") whose slot holds ``name``, per the client's slot map."""
-    client: Any = cache.l2.client
+    client: Any = session.store.client
     return str(client.nodes_manager.slots_cache[key_slot(name.encode())][0].name)
 
 
@@ -137,12 +149,12 @@ def still_working(masters: Masters) -> str:
     )
 
 
-def on_dead(cache: LayeredCache, masters: Masters, names: Sequence[str]) -> dict[str, list[str]]:
+def on_dead(session: Session, masters: Masters, names: Sequence[str]) -> dict[str, list[str]]:
     """Of ``names``, those whose slot is on a dead master, by master."""
     found: dict[str, list[str]] = {}
     if masters.dead:
         for name in names:
-            owner = _owner(cache, name)
+            owner = _owner(session, name)
             if owner in masters.dead:
                 found.setdefault(owner, []).append(name)
     return found
@@ -157,27 +169,29 @@ def key_on_dead_master(key: str, owner: str, masters: Masters) -> CliError:
 
 
 @contextlib.asynccontextmanager
-async def degraded_ok(config: Config) -> AsyncIterator[tuple[LayeredCache, Masters]]:
-    """A cache that answered, with the dead cluster masters if any (no backplane
-    listener: a CLI needs none). For single-key commands, which work on live slots."""
-    cache = LayeredCache.from_config(config)
+async def degraded_ok(config: Config) -> AsyncIterator[tuple[Session, Masters]]:
+    """A cache that answered, with the dead cluster masters if any (its backplane
+    listener is never started: a CLI needs none). For single-key commands, which work
+    on live slots."""
+    parts = build_parts(config)
+    session = Session(LayeredCache(config, parts), parts.store)
     try:
-        await _reach(cache, config)
-        masters = await _masters(cache, config)
+        await _reach(session, config)
+        masters = await _masters(session, config)
         if masters.dead and not masters.live:
             raise CliError(f"{down(masters)}: no master answers")
-        yield cache, masters
+        yield session, masters
     finally:
-        await cache.close()
+        await session.cache.close()
 
 
 @contextlib.asynccontextmanager
-async def connected(config: Config, command: str) -> AsyncIterator[LayeredCache]:
+async def connected(config: Config, command: str) -> AsyncIterator[Session]:
     """A cache whose Redis answered, every cluster master included: ``command`` needs
     them all (it scans or writes keys anywhere)."""
-    async with degraded_ok(config) as (cache, masters):
+    async with degraded_ok(config) as (session, masters):
         if masters.dead:
             raise CliError(
                 f"{down(masters)}: `{command}` needs every master; {still_working(masters)}"
             )
-        yield cache
+        yield session

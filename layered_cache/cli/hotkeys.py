@@ -15,9 +15,8 @@ from typing import TextIO
 
 import msgspec
 
-from layered_cache.cache import LayeredCache
 from layered_cache.cli.common import load, print_json, run
-from layered_cache.cli.connect import connected
+from layered_cache.cli.connect import Session, connected
 from layered_cache.cli.reads import KeyReads
 from layered_cache.config import Config, HotConfig
 from layered_cache.hotreport import fleet_hot_keys
@@ -65,9 +64,9 @@ async def _static(reads: KeyReads, policy: Policy, keys: Iterable[str]) -> list[
     return found
 
 
-async def _detected(cache: LayeredCache, config: Config) -> dict[str, list[DetectedHotKey]]:
+async def _detected(session: Session, config: Config) -> dict[str, list[DetectedHotKey]]:
     """namespace -> its detected keys, hottest first (see hotreport.py)."""
-    fleet = await fleet_hot_keys(cache.l2.client, config.redis.prefix)
+    fleet = await fleet_hot_keys(session.store.client, config.redis.prefix)
     return {
         name: [
             DetectedHotKey(key, round(entry["rate"], 1), int(entry["instances"]))
@@ -78,18 +77,18 @@ async def _detected(cache: LayeredCache, config: Config) -> dict[str, list[Detec
 
 
 async def _hotkeys(config: Config) -> HotKeysReport:
-    async with connected(config, "hotkeys") as cache:
-        reads = KeyReads(cache.l2)
+    async with connected(config, "hotkeys") as session:
+        reads = KeyReads(session.store)
         report: HotKeysReport = {}
         for name, ns in config.namespaces.items():
-            policy = cache.policy(name)
+            policy = session.cache.namespace(name).policy
             hot = HotConfig() if ns.hot is True else ns.hot
             if hot is False or policy.hot is None:
                 continue
             threshold = f"{hot.threshold:g}/s" if hot.threshold is not None else None
             static = await _static(reads, policy, policy.hot.static)
             report[name] = NamespaceHotKeys(policy.replicas, threshold, static, [])
-        for name, detected in (await _detected(cache, config)).items():
+        for name, detected in (await _detected(session, config)).items():
             if name in report:
                 report[name] = msgspec.structs.replace(report[name], detected=detected)
         return report

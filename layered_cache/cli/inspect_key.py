@@ -145,15 +145,15 @@ async def _lease(reads: KeyReads, key: str) -> LeaseReport:
 
 
 async def _inspect(config: Config, namespace: str, items: Sequence[str]) -> InspectReport:
-    async with degraded_ok(config) as (cache, masters):
-        policy = policy_of(cache, namespace)
+    async with degraded_ok(config) as (session, masters):
+        policy = policy_of(session.cache, namespace)
         _, key = parse_fields(items, policy)
-        for owner in on_dead(cache, masters, [key]):  # its lease shares the slot
+        for owner in on_dead(session, masters, [key]):  # its lease shares the slot
             raise key_on_dead_master(key, owner, masters)
         names = replica_names(key, policy.replicas)
-        unreachable = on_dead(cache, masters, names)
+        unreachable = on_dead(session, masters, names)
         skipped = {name for found in unreachable.values() for name in found}
-        reads = KeyReads(cache.l2)
+        reads = KeyReads(session.store)
         return InspectReport(
             namespace=namespace,
             template=policy.template.template,

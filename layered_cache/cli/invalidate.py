@@ -12,15 +12,21 @@ from typing import TextIO
 
 import msgspec
 
-from layered_cache.cache import LayeredCache
 from layered_cache.cli.common import CliError, load, parse_fields, policy_of, run
-from layered_cache.cli.connect import Masters, degraded_ok, down, on_dead, still_working
+from layered_cache.cli.connect import (
+    Masters,
+    Session,
+    degraded_ok,
+    down,
+    on_dead,
+    still_working,
+)
 from layered_cache.cli.reads import KeyReads
 from layered_cache.config import Config
-from layered_cache.invalidation import names_to_delete
-from layered_cache.keys import lease_name, replica_names
+from layered_cache.keys import backplane_stream_name, lease_name, replica_names
 from layered_cache.l2 import L2Unavailable
 from layered_cache.redact import redact
+from layered_cache.replicas import delete_phases
 
 __all__ = ["InvalidateReport", "cmd_invalidate"]
 
@@ -31,29 +37,30 @@ class InvalidateReport(msgspec.Struct, frozen=True):
 
 
 async def _invalidate(config: Config, namespace: str, items: Sequence[str]) -> InvalidateReport:
-    async with degraded_ok(config) as (cache, masters):
-        policy = policy_of(cache, namespace)
+    async with degraded_ok(config) as (session, masters):
+        policy = policy_of(session.cache, namespace)
         fields, key = parse_fields(items, policy)
-        _refuse_partial_invalidation(cache, config, masters, key, policy.replicas)
+        _refuse_partial_invalidation(session, config, masters, key, policy.replicas)
         names = [key, *replica_names(key, policy.replicas), lease_name(key)]
-        reads = KeyReads(cache.l2)
+        reads = KeyReads(session.store)
         existed = sum([await reads.exists(name) for name in names])
         try:
-            await cache.invalidate(namespace, fields)
+            await session.cache.invalidate(namespace, fields)
         except L2Unavailable as exc:
             raise CliError(f"invalidation failed: {redact(str(exc))}") from None
         return InvalidateReport(key, existed)
 
 
 def _refuse_partial_invalidation(
-    cache: LayeredCache, config: Config, masters: Masters, key: str, replicas: int
+    session: Session, config: Config, masters: Masters, key: str, replicas: int
 ) -> None:
     """Delete nothing unless every name can be deleted and announced: a half-done
     invalidation (say, replicas left on a master that comes back) would look done."""
-    names = names_to_delete(key, replicas)
+    bases, replica_names = delete_phases(key, replicas)
+    names = bases + replica_names
     if config.backplane.enabled:
-        names.append(config.redis.prefix + config.backplane.stream)
-    blocked = on_dead(cache, masters, names)
+        names.append(backplane_stream_name(config.redis.prefix, config.backplane.stream))
+    blocked = on_dead(session, masters, names)
     if blocked:
         where = "; ".join(f"{', '.join(found)} on {node}" for node, found in blocked.items())
         raise CliError(

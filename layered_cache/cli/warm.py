@@ -61,15 +61,15 @@ def _without_l1(config: Config) -> Config:
 
 
 async def _warm(config: Config, args: WarmArgs, source: BinaryIO, stream: TextIO) -> WarmReport:
-    async with connected(_without_l1(config), "warm") as cache:
-        policy = policy_of(cache, args.namespace)
+    async with connected(_without_l1(config), "warm") as session:
+        policy = policy_of(session.cache, args.namespace)
         if not policy.cache or not policy.l2:
             raise CliError(
                 f"namespace {args.namespace!r} has no L2 (cache or l2 is off): nothing to warm"
             )
         reader = JsonlReader(source, policy, args.start_line)
         progress = Progress(file_size(source), f"warm {args.namespace}", stream)
-        warmer = Warmer(cache, policy, reader, args.concurrency, progress)
+        warmer = Warmer(session.cache, policy, reader, args.concurrency, progress)
         with _on_sigint(warmer.interrupt):
             return await warmer.run()
 

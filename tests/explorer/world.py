@@ -51,7 +51,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "stale": {"max_age": "30s"},
         "stampede": {
             "lease_ttl": "1s",
-            "retry": ["2ms", "10ms"],
+            "reread_pause": ["2ms", "10ms"],
             "max_wait": "300ms",
             "early_refresh_beta": 4.0,
             "load_timeout": "3ms",
@@ -59,7 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "no_l1": {"l1": False},
 }
-_STAMPEDE = {"lease_ttl": "1s", "retry": ["2ms", "10ms"], "max_wait": "300ms"}
+_STAMPEDE = {"lease_ttl": "1s", "reread_pause": ["2ms", "10ms"], "max_wait": "300ms"}
 
 _KINDS = [
     ("get_or_load", 34),
