@@ -19,22 +19,44 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from layered_cache.config import Duration, RedisConfig
 
-__all__ = ["REDIS_FAILURES", "RedisClient", "make_client", "make_node_client", "with_timeout"]
+__all__ = [
+    "REDIS_FAILURES",
+    "RedisClient",
+    "is_redis_failure",
+    "make_client",
+    "make_node_client",
+    "raised_in_redis_py",
+    "with_timeout",
+]
 
 RedisClient = redis.Redis | RedisCluster
 
 # Everything that means "Redis could not answer": RedisClusterException is not a
 # RedisError (e.g. "cannot be connected" while the cluster client re-discovers nodes).
-# AttributeError: redis-py 8's async cluster client was seen to raise it from a
-# connection torn down underneath a command ("'NoneType' object has no attribute
-# 'writelines'"); for the cache that is one more failed L2 operation, not a crash.
-REDIS_FAILURES = (
-    RedisError,
-    RedisClusterException,
-    OSError,
-    asyncio.TimeoutError,
-    AttributeError,
-)
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+
+
+def raised_in_redis_py(exc: AttributeError) -> bool:
+    """Whether redis-py itself raised ``exc``. Its async cluster client was seen to
+    raise AttributeError from a connection torn down underneath a command ("'NoneType'
+    object has no attribute 'writelines'"): for the cache, one more failed L2 operation.
+    Only that origin counts: an AttributeError from our own code is a bug and must
+    surface, not pass for "Redis unavailable"."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = str(tb.tb_frame.f_globals.get("__name__", ""))
+    return module == "redis" or module.startswith("redis.")
+
+
+def is_redis_failure(exc: BaseException) -> bool:
+    """``REDIS_FAILURES``, or an AttributeError redis-py raised: for loops that must
+    outlive Redis trouble (backplane, fleet reports) but not hide our own bugs."""
+    if isinstance(exc, AttributeError):
+        return raised_in_redis_py(exc)
+    return isinstance(exc, REDIS_FAILURES)
 def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "socket_timeout": config.timeout,

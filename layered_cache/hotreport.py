@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import structlog
 
-from layered_cache.clients import REDIS_FAILURES, RedisClient
+from layered_cache.clients import REDIS_FAILURES, RedisClient, is_redis_failure
 from layered_cache.keys import hot_report_name
 
 __all__ = ["HotKeyReporter", "fleet_hot_keys"]
@@ -57,8 +57,11 @@ class HotKeyReporter:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(*REDIS_FAILURES):
+            try:
                 await self.report_once()
+            except Exception as exc:
+                if not is_redis_failure(exc):
+                    raise  # a bug: the task fails loudly rather than reporting nothing
             await asyncio.sleep(self._interval)
 
     async def report_once(self) -> None:

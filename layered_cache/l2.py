@@ -42,7 +42,7 @@ from redis.exceptions import (
 )
 
 from layered_cache.breaker import CircuitBreaker
-from layered_cache.clients import REDIS_FAILURES, RedisClient
+from layered_cache.clients import REDIS_FAILURES, RedisClient, raised_in_redis_py
 from layered_cache.keys import replica_name
 
 __all__ = ["L2Store", "L2Unavailable", "is_key_error"]
@@ -170,6 +170,12 @@ class L2Store:
             else:
                 breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        except AttributeError as exc:
+            if not raised_in_redis_py(exc):
+                breaker.abandon()
+                raise  # our bug, not Redis: it must surface
+            breaker.failure(exc)
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
             breaker.abandon()  # cancelled: a probe must not stay in flight forever
             raise
@@ -241,6 +247,12 @@ class L2Store:
         except REDIS_FAILURES as exc:
             breaker.failure(exc)
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        except AttributeError as exc:
+            if not raised_in_redis_py(exc):
+                breaker.abandon()
+                raise  # our bug, not Redis: it must surface
+            breaker.failure(exc)
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
             # Cancelled (client timeout/disconnect). Free: try/except costs nothing
             # until something is raised (zero-cost exceptions, CPython 3.11+).
@@ -251,9 +263,7 @@ class L2Store:
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
         """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""
-        return bool(
-            await self._guard(self.client.set(lease, token, nx=True, px=ttl_ms), lease)
-        )
+        return bool(await self._guard(self.client.set(lease, token, nx=True, px=ttl_ms), lease))
 
     async def fill(
         self,

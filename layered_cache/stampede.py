@@ -4,13 +4,14 @@ On an L2 miss a reader tries ``SET {key}:lease <token> NX PX lease_ttl``. The wi
 loads and fills (see ``L2Store.fill``). Losers wait for the fill: they subscribe to the
 key's fill channel and get the envelope in the notification; as a fallback for a lost
 notification they re-read L2 after a jittered pause drawn uniformly from the policy's
-retry range (never a fixed sleep, so waiters of many processes don't re-read in lock
+``reread_pause`` range (never a fixed sleep, so waiters of many processes don't re-read in lock
 step), and they retry the lease, so a winner that crashed or failed blocks nobody longer
 than ``lease_ttl``. After ``max_wait`` a waiter gives up and loads by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import time
@@ -35,11 +36,6 @@ class LeaseResult:
 
     token: str | None = None
     data: bytes | None = None
-    commands: int = 0
-
-    @property
-    def won(self) -> bool:
-        return self.token is not None
 
 
 class LeaseWaiter:
@@ -66,7 +62,7 @@ class LeaseWaiter:
         key: str,
         lease: str,
         lease_ttl: float,
-        retry: tuple[float, float],
+        reread_pause: tuple[float, float],
         max_wait: float,
         usable: Callable[[bytes | None], bool],
     ) -> LeaseResult:
@@ -76,16 +72,18 @@ class LeaseWaiter:
         """
         deadline = self._clock() + max_wait
         if self._notifier is None:
-            return await self._poll(key, lease, lease_ttl, retry, deadline, usable)
+            return await self._poll(key, lease, lease_ttl, reread_pause, deadline, usable)
         # Subscribing is bounded like one silent pause (and never past max_wait).
-        async with self._notifier.subscribe(fill_channel(key), min(retry[1], max_wait)) as sub:
+        async with self._notifier.subscribe(
+            fill_channel(key), min(reread_pause[1], max_wait)
+        ) as sub:
             # Re-read once the subscription is confirmed: a fill that landed between our
             # lost SET NX and the SUBSCRIBE would otherwise go unnoticed.
             data = await self._l2.get(key)
             if usable(data):
                 return LeaseResult(data=data)
             while (remaining := deadline - self._clock()) > 0:
-                message = await sub.wait(min(self._rand(*retry), remaining))
+                message = await sub.wait(min(self._rand(*reread_pause), remaining))
                 if message is not None and usable(message):
                     return LeaseResult(data=message)
                 if message is not None:
@@ -100,14 +98,12 @@ class LeaseWaiter:
         key: str,
         lease: str,
         lease_ttl: float,
-        retry: tuple[float, float],
+        reread_pause: tuple[float, float],
         deadline: float,
         usable: Callable[[bytes | None], bool],
     ) -> LeaseResult:
-        import asyncio
-
         while (remaining := deadline - self._clock()) > 0:
-            await asyncio.sleep(min(self._rand(*retry), remaining))
+            await asyncio.sleep(min(self._rand(*reread_pause), remaining))
             result = await self._recheck(key, lease, lease_ttl, usable)
             if result is not None:
                 return result

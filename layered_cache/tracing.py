@@ -30,7 +30,7 @@ def load_tracer() -> Any | None:
         trace: Any = importlib.import_module("opentelemetry.trace")
     except ImportError:
         return None
-    from layered_cache import __version__
+    from layered_cache import __version__  # at call time: the package imports this module
 
     return trace.get_tracer("layered_cache", __version__)
 

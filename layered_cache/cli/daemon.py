@@ -15,7 +15,7 @@ __all__ = ["cmd_daemon"]
 
 def cmd_daemon(args: argparse.Namespace, out: TextIO) -> int:
     """Runs until SIGTERM/SIGINT (exit 0); a config error or a taken port exits 2."""
-    from layered_cache.daemon.main import run
+    from layered_cache.daemon.main import run  # on use: the daemon's extra may be missing
 
     # ``daemon_config``, not ``config``: main() would otherwise set logging up from the
     # file before the daemon applies --log-format; the daemon sets its own logging up.
