@@ -34,11 +34,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
+from layered_cache.backoff import Backoff
 from layered_cache.backplane import BackplanePublisher
 from layered_cache.breaker import CircuitBreaker
 from layered_cache.clients import REDIS_FAILURES, RedisClient, make_client, with_timeout
 from layered_cache.config import Config
-from layered_cache.daemon.backoff import Backoff
 from layered_cache.daemon.dlq import Poison, cap_text, send_dead_letters
 from layered_cache.daemon.health import HealthServer
 from layered_cache.daemon.kafka import consumer_kwargs, producer_kwargs
