@@ -43,6 +43,7 @@ from layered_cache.daemon.dlq import Poison, cap_text, send_dead_letters
 from layered_cache.daemon.health import HealthServer
 from layered_cache.daemon.kafka import consumer_kwargs, producer_kwargs
 from layered_cache.daemon.metrics import DaemonMetrics
+from layered_cache.daemon.stats import DaemonStats
 from layered_cache.events import EventDecoder, PoisonEvent, Target, unique_targets
 from layered_cache.invalidation import Invalidator, check_replica_counts, replica_counts
 from layered_cache.l2 import L2Store, L2Unavailable
@@ -55,22 +56,6 @@ _REDIS_FAILURES = (L2Unavailable, *REDIS_FAILURES)
 _CHUNK = 1000
 # The daemon is not on a request path: give Redis time rather than retrying a big batch.
 _MIN_REDIS_TIMEOUT = 2.0
-
-
-class DaemonStats(msgspec.Struct):
-    """Plain counters for tests and embedding (Prometheus has the same, labelled)."""
-
-    batches: int = 0
-    events: int = 0
-    keys: int = 0
-    names_deleted: int = 0
-    dead_letters: int = 0
-    dead_letters_rejected: int = 0  # refused for good by the producer/broker: set aside
-    tombstones: int = 0
-    redis_retries: int = 0
-    connect_retries: int = 0
-    commits: int = 0
-    commit_failures: int = 0
 
 
 class DaemonStartError(Exception):
@@ -117,8 +102,10 @@ class Daemon:
     ) -> None:
         self.config = config
         self.decoder = EventDecoder(config)
-        self.metrics = DaemonMetrics()
         self.stats = DaemonStats()
+        self.lag: dict[tuple[str, int], int] = {}  # per owned partition, from the last batch
+        self.assignment: set[TopicPartition] = set()
+        self.metrics = DaemonMetrics(self.stats, lambda: (self.lag, len(self.assignment)))
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._consumer_options = dict(consumer_options or {})
         self._producer_options = dict(producer_options or {})
@@ -128,7 +115,6 @@ class Daemon:
         self._abandon = False
         self._retrying: str | None = None  # what is being retried, for /readyz
         self.started = asyncio.Event()
-        self.assignment: set[TopicPartition] = set()
         self.health: HealthServer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
@@ -198,7 +184,6 @@ class Daemon:
                 await self._disconnect()
                 self._retrying = "connect"
                 self.stats.connect_retries += 1
-                self.metrics.connect_retries.inc()
                 delay = backoff.next_delay()
                 _log.warning(
                     "kafka_connect_failed_retrying",
@@ -241,7 +226,7 @@ class Daemon:
         if self._redis is not None:
             with contextlib.suppress(Exception):
                 await self._redis.aclose()
-        _log.info("daemon_stopped", **msgspec.structs.asdict(self.stats))
+        _log.info("daemon_stopped", **self.stats.totals())
 
     # -- one batch -------------------------------------------------------------------------
 
@@ -318,7 +303,6 @@ class Daemon:
         for start in range(0, len(keys), _CHUNK):
             deleted = await self._invalidator.invalidate(keys[start : start + _CHUNK])
             self.stats.names_deleted += deleted
-            self.metrics.names_deleted.inc(deleted)
 
     async def _dead_letter(self, pending: list[Poison]) -> None:
         """Write ``pending`` to the DLQ; it is emptied as records are settled (see
@@ -330,7 +314,6 @@ class Daemon:
         def set_aside(item: Poison, error: BaseException) -> None:
             rejected.add(id(item))
             self.stats.dead_letters_rejected += 1
-            self.metrics.dead_letters_rejected.inc()
             _log.error(
                 "dead_letter_rejected_skipped",
                 error=cap_text(f"{type(error).__name__}: {error}"),
@@ -351,7 +334,6 @@ class Daemon:
                 if id(item) in still or id(item) in rejected:
                     continue
                 self.stats.dead_letters += 1
-                self.metrics.dead_letters.inc()
                 _log.warning(
                     "event_dead_lettered",
                     reason=item.reason,
@@ -377,8 +359,6 @@ class Daemon:
             except caught as exc:
                 self._retrying = what
                 self.stats.redis_retries += what == "invalidate"
-                if what == "invalidate":
-                    self.metrics.redis_retries.inc()
                 delay = backoff.next_delay()
                 _log.warning(
                     f"{what}_failed_retrying",
@@ -406,32 +386,23 @@ class Daemon:
             # The partitions moved in a rebalance: their next owner reads this batch again
             # from the last commit and re-deletes (idempotent). Nothing is lost.
             self.stats.commit_failures += 1
-            self.metrics.commit_failures.inc()
             _log.warning("commit_refused_partitions_moved", error=str(exc))
             return
         except KafkaError as exc:
             # Broker trouble: a later batch's commit of the same partition covers this one
             # (commits are cumulative); until then a restart would redeliver - harmless.
             self.stats.commit_failures += 1
-            self.metrics.commit_failures.inc()
             _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
             return
         self.stats.commits += 1
-        self.metrics.commits.inc()
 
     def _account(self, batch: _Batch, keys: int, elapsed: float) -> None:
         events = sum(batch.types.values())
-        self.stats.batches += 1
-        self.stats.events += events
+        self.stats.count_events(batch.types)
         self.stats.keys += keys
         self.stats.tombstones += batch.tombstones
-        for event_type, count in batch.types.items():
-            self.metrics.events.labels(event_type).inc(count)
-        self.metrics.keys_invalidated.inc(keys)
-        self.metrics.tombstones.inc(batch.tombstones)
-        self.metrics.batch_seconds.observe(elapsed)
-        for tp, behind in batch.lag.items():
-            self.metrics.lag.labels(tp.topic, str(tp.partition)).set(behind)
+        self.stats.batch_done(elapsed)
+        self.lag.update({(tp.topic, tp.partition): behind for tp, behind in batch.lag.items()})
         _log.info(
             "batch_done",
             events=events,
@@ -457,14 +428,11 @@ class Daemon:
             self._abandon = True
             _log.warning("rebalance_abandoned_batch_in_flight", waited_s=limit)
         for tp in revoked:
-            with contextlib.suppress(KeyError):
-                self.metrics.lag.remove(tp.topic, str(tp.partition))
+            self.lag.pop((tp.topic, tp.partition), None)
         self.assignment = set()
-        self.metrics.assigned.set(0)
 
     def _assigned(self, assigned: set[TopicPartition]) -> None:
         self.assignment = set(assigned)
-        self.metrics.assigned.set(len(assigned))
         _log.info("partitions_assigned", partitions=_names(assigned))
 
     def _status(self) -> tuple[bool, dict[str, object]]:
@@ -473,7 +441,7 @@ class Daemon:
             "status": "ok" if ready else "degraded",
             "retrying": self._retrying,
             "partitions": _names(self.assignment),
-            **msgspec.structs.asdict(self.stats),
+            **self.stats.totals(),
         }
 
 
