@@ -31,4 +31,6 @@ def __getattr__(name: str) -> Any:
         from layered_cache.daemon import core
     except ImportError as exc:
         raise missing_extra("layered_cache.daemon", "daemon", exc) from exc
-    return getattr(core, name)
+    value = getattr(core, name)
+    globals()[name] = value  # resolved once: later lookups don't come back here
+    return value
