@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from layered_cache.backoff import Backoff
 from layered_cache.daemon.metrics import COUNTER_METRICS, DaemonMetrics
 from layered_cache.daemon.stats import COUNTERS, DaemonStats
@@ -62,3 +64,28 @@ def test_backoff_doubles_to_the_cap_with_half_jitter_and_resets() -> None:
     assert [round(high.next_delay(), 3) for _ in range(4)] == [0.1, 0.2, 0.4, 0.5]
     high.reset()
     assert high.attempt == 0 and round(high.next_delay(), 3) == 0.1
+
+
+def test_one_of_each_the_daemon_has_no_wiring_backoff_or_logging_setup_of_its_own() -> None:
+    """Redis clients come from clients.make_client/with_timeout, delays from
+    layered_cache.backoff, logging from logs.configure_logging: no second copy."""
+    root = Path(__file__).resolve().parent.parent
+    sources = [*root.glob("layered_cache/daemon/*.py"), *root.glob("consumers/*.py")]
+    sources.append(root / "layered_cache" / "backplane.py")
+    forbidden = (
+        "from_url(",
+        "redis.asyncio",
+        "import random",
+        "structlog.configure(",
+        "basicConfig(",
+        "msgspec.structs.replace(config.redis",
+        "prometheus_client import Counter",
+    )
+    for path in sources:
+        text = path.read_text()
+        for needle in forbidden:
+            assert needle not in text, f"{path.name}: {needle}"
+    deletes = (root / "layered_cache" / "daemon" / "deletes.py").read_text()
+    assert "make_client(" in deletes and "with_timeout(" in deletes
+    main = (root / "layered_cache" / "daemon" / "main.py").read_text()
+    assert "configure_logging(" in main
