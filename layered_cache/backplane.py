@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,11 +19,15 @@ import msgspec
 import structlog
 from redis.exceptions import RedisError
 
-from layered_cache.clients import REDIS_FAILURES, RedisClient
+from layered_cache.backoff import Backoff
+from layered_cache.clients import RedisClient, is_redis_failure
 
 __all__ = ["BackplaneListener", "BackplanePublisher", "parse_id"]
 
 _log = structlog.get_logger("layered_cache.backplane")
+# Reconnect delays: from 50 ms, doubling up to 2 s (jittered, see layered_cache.backoff).
+_RECONNECT_BASE = 0.05
+_RECONNECT_CAP = 2.0
 
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -101,7 +104,7 @@ class BackplaneListener:
             task.exception()
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(base=_RECONNECT_BASE, cap=_RECONNECT_CAP)
         check_gap = False
         while True:
             try:
@@ -111,18 +114,19 @@ class BackplaneListener:
                     await self._check_gap()
                 check_gap = False
                 self.connected.set()
-                backoff = 0.05
+                backoff.reset()
                 full = await self._read_once()
                 check_gap = full  # a full batch means we may be far behind
             except asyncio.CancelledError:
                 raise
-            except REDIS_FAILURES as exc:
+            except Exception as exc:
+                if not is_redis_failure(exc):
+                    raise  # a bug: fail loudly rather than reconnect forever
                 if self.connected.is_set():
                     _log.warning("backplane_disconnected", error=type(exc).__name__)
                 self.connected.clear()
                 check_gap = True
-                await asyncio.sleep(backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(backoff.next_delay())
 
     async def _tail_id(self) -> bytes:
         """Start after the newest entry: a new instance's L1 is empty anyway.

@@ -89,7 +89,8 @@ def _mask_credentials(_logger: Any, _method: str, event: MutableMapping[str, Any
     return event
 
 
-# For other structlog setups (the daemon's): put it before the renderer.
+# For a service's own structlog setup (docs/operations.md): put it before the renderer.
+# The library, the CLI and the daemon use configure_logging, which already has it.
 redact_event = _mask_credentials
 
 
@@ -147,45 +148,23 @@ def configure_logging(
 ) -> bool:
     """Configure structlog (and the stdlib root logger) once per process.
 
-    Returns True if this call configured logging, False if it was already configured
-    (pass ``force=True`` to reconfigure, e.g. in tests). ``stream`` defaults to stderr.
+    The one logging setup of the library, the CLI and the daemon. Returns True if this
+    call configured logging, False if it was already configured (pass ``force=True`` to
+    reconfigure, e.g. in tests). ``stream`` defaults to stderr.
     """
-    global _configured, _handler
+    global _configured
     if _configured and not force:
         return False
     config = config or LoggingConfig()
     environ = os.environ if env is None else env
     fmt, level = _resolve(config, environ)
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.stdlib.add_logger_name,
-        structlog.stdlib.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
-    if config.redact_keys:
-        shared.append(_KeyRedactor(environ.get(SALT_ENV, "").encode()))
-    final: list[Any] = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
-    if fmt == "json":
-        # Tracebacks become a string before redaction, so they are redacted too.
-        shared += [structlog.processors.format_exc_info, _mask_credentials]
-        final.append(structlog.processors.JSONRenderer())
-    else:
-        # The console renderer draws tracebacks itself: redact its finished line.
-        shared.append(_mask_credentials)
-        final += [structlog.dev.ConsoleRenderer(colors=False), _redact_rendered]
-
-    formatter = structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=final)
-    handler: logging.Handler = (
-        logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    salt = environ.get(SALT_ENV, "").encode() if config.redact_keys else None
+    shared, final = _processors(fmt, salt)
+    _install_root_handler(
+        structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=final),
+        stream,
+        level,
     )
-    handler.setFormatter(formatter)
-    root = logging.getLogger()
-    if _handler is not None:
-        root.removeHandler(_handler)
-    root.addHandler(handler)
-    root.setLevel(level)
-    _handler = handler
-
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,
@@ -200,6 +179,44 @@ def configure_logging(
     )
     _configured = True
     return True
+
+
+def _processors(fmt: str, salt: bytes | None) -> tuple[list[Any], list[Any]]:
+    """(processors for every event - structlog's and stdlib records alike -, the
+    formatter's final ones). ``salt`` None: keys are not redacted."""
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if salt is not None:
+        shared.append(_KeyRedactor(salt))
+    final: list[Any] = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
+    if fmt == "json":
+        # Tracebacks become a string before redaction, so they are redacted too.
+        shared += [structlog.processors.format_exc_info, _mask_credentials]
+        final.append(structlog.processors.JSONRenderer())
+    else:
+        # The console renderer draws tracebacks itself: redact its finished line.
+        shared.append(_mask_credentials)
+        final += [structlog.dev.ConsoleRenderer(colors=False), _redact_rendered]
+    return shared, final
+
+
+def _install_root_handler(formatter: logging.Formatter, stream: TextIO | None, level: int) -> None:
+    """Replace our previous root handler (not anyone else's) with one using ``formatter``."""
+    global _handler
+    handler: logging.Handler = (
+        logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    )
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    if _handler is not None:
+        root.removeHandler(_handler)
+    root.addHandler(handler)
+    root.setLevel(level)
+    _handler = handler
 
 
 def reset_logging() -> None:

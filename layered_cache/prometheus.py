@@ -22,17 +22,27 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
+from layered_cache.extras import missing_extra
+
+try:
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        generate_latest,
+    )
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # an extra: pip install 'layered-cache[prometheus]'
+    raise missing_extra("layered_cache.prometheus", "prometheus", exc) from exc
 
 if TYPE_CHECKING:
-    from layered_cache.cache import LayeredCache
+    from layered_cache.cache import LayeredCache, RedisStatus
 
 __all__ = [
     "L2_BUCKETS",
@@ -124,7 +134,7 @@ class CacheCollector(Collector):
         self.load_seconds = _Histogram(LOAD_BUCKETS)
         self.l2_read_seconds = _Histogram(L2_BUCKETS)
 
-    # hooks called by LayeredCache (see cache.hooks.load_observers / l2_observers)
+    # hooks called by LayeredCache (``cache.hooks``: load and L2-read observers)
     def observe_load(self, namespace: str, seconds: float, ok: bool) -> None:
         self.load_seconds.observe((namespace, "ok" if ok else "error"), seconds)
 
@@ -151,11 +161,72 @@ class CacheCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        caches = list(self._caches)
-        totals: dict[str, dict[str, int]] = {}
-        replica_reads: dict[tuple[str, str], int] = {}
-        hot_keys: dict[str, int] = {}
-        l1_entries: dict[str, int] = {}
+        scrape = _Scrape()
+        for cache in list(self._caches):
+            scrape.add(cache)
+        yield from scrape.counter_families()
+        yield from scrape.gauge_families()
+        yield self.load_seconds.family(
+            f"{PREFIX}_load_seconds", "Loader duration", ["namespace", "outcome"]
+        )
+        yield self.l2_read_seconds.family(
+            f"{PREFIX}_l2_read_seconds",
+            "L2 read latency (Redis round trip(s) + decode) on the read path",
+            ["namespace"],
+        )
+
+
+class _Scrape:
+    """One scrape: every registered cache read once, summed per namespace."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, dict[str, int]] = {}
+        self.replica_reads: dict[tuple[str, str], int] = {}
+        self.hot_keys: dict[str, int] = {}
+        self.l1_entries: dict[str, int] = {}
+        self.breaker = GaugeMetricFamily(
+            f"{PREFIX}_breaker_state",
+            "Circuit breakers in front of Redis: 1 for the current state (node: a Redis "
+            "Cluster master's own breaker, or 'default' for the shared one)",
+            labels=["instance", "node", "state"],
+        )
+        self.transitions = CounterMetricFamily(
+            f"{PREFIX}_breaker_transitions",
+            "Circuit breaker state changes",
+            labels=["instance"],
+        )
+
+    def add(self, cache: LayeredCache) -> None:
+        stats = cache.stats()
+        self._add_breakers(cache.instance_id, cache.redis_status())
+        for namespace, counters in stats.items():
+            row = self.totals.setdefault(namespace, {})
+            for name, value in counters.items():
+                if isinstance(value, int):
+                    row[name] = row.get(name, 0) + value
+            reads = counters.get("replica_reads")
+            if isinstance(reads, dict):
+                for index, count in reads.items():
+                    label = (namespace, str(index))
+                    self.replica_reads[label] = self.replica_reads.get(label, 0) + int(count)
+        for namespace, keys in _hot_keys(cache).items():
+            self.hot_keys[namespace] = self.hot_keys.get(namespace, 0) + len(keys)
+        for namespace, entries in _l1_entries(cache).items():
+            self.l1_entries[namespace] = self.l1_entries.get(namespace, 0) + entries
+
+    def _add_breakers(self, instance: str, status: RedisStatus) -> None:
+        # Every breaker, not only the shared one: in a cluster each master has its own,
+        # and an alert on the shared one alone stays silent while masters are skipped.
+        states = {"default": status.breaker, **status.node_breakers}
+        for node, state in states.items():
+            for candidate in BREAKER_STATES:
+                self.breaker.add_metric(
+                    [instance, node, candidate], 1.0 if state == candidate else 0.0
+                )
+        self.transitions.add_metric([instance], float(status.breaker_transitions))
+
+    def counter_families(self) -> Iterator[Metric]:
+        """Requests, lease outcomes, the simple counters and replica reads."""
         requests = CounterMetricFamily(
             f"{PREFIX}_requests",
             "Cache reads by the layer that answered (miss: went to the loader)",
@@ -166,47 +237,7 @@ class CacheCollector(Collector):
             "Lease (stampede lock) outcomes on an L2 miss",
             labels=["namespace", "outcome"],
         )
-        breaker = GaugeMetricFamily(
-            f"{PREFIX}_breaker_state",
-            "Circuit breakers in front of Redis: 1 for the current state (node: a Redis "
-            "Cluster master's own breaker, or 'default' for the shared one)",
-            labels=["instance", "node", "state"],
-        )
-        transitions = CounterMetricFamily(
-            f"{PREFIX}_breaker_transitions",
-            "Circuit breaker state changes",
-            labels=["instance"],
-        )
-        for cache in caches:
-            stats = cache.stats()
-            status = cache.redis_status()
-            # Every breaker, not only the shared one: in a cluster each master has its own,
-            # and an alert on the shared one alone stays silent while masters are skipped.
-            states = {"default": status.breaker, **status.node_breakers}
-            for node, state in states.items():
-                for candidate in BREAKER_STATES:
-                    breaker.add_metric(
-                        [cache.instance_id, node, candidate], 1.0 if state == candidate else 0.0
-                    )
-            transitions.add_metric(
-                [cache.instance_id], float(status.breaker_transitions)
-            )
-            for namespace, counters in stats.items():
-                row = totals.setdefault(namespace, {})
-                for name, value in counters.items():
-                    if isinstance(value, int):
-                        row[name] = row.get(name, 0) + value
-                reads = counters.get("replica_reads")
-                if isinstance(reads, dict):
-                    for index, count in reads.items():
-                        label = (namespace, str(index))
-                        replica_reads[label] = replica_reads.get(label, 0) + int(count)
-            for namespace, keys in _hot_keys(cache).items():
-                hot_keys[namespace] = hot_keys.get(namespace, 0) + len(keys)
-            for namespace, entries in _l1_entries(cache).items():
-                l1_entries[namespace] = l1_entries.get(namespace, 0) + entries
-
-        for namespace, row in sorted(totals.items()):
+        for namespace, row in sorted(self.totals.items()):
             for result in REQUEST_RESULTS:
                 requests.add_metric([namespace, result], float(row.get(result, 0)))
             for outcome, counter in LEASE_OUTCOMES:
@@ -215,7 +246,7 @@ class CacheCollector(Collector):
         yield leases
         for suffix, doc, counter in SIMPLE_COUNTERS:
             family = CounterMetricFamily(f"{PREFIX}_{suffix}", doc, labels=["namespace"])
-            for namespace, row in sorted(totals.items()):
+            for namespace, row in sorted(self.totals.items()):
                 family.add_metric([namespace], float(row.get(counter, 0)))
             yield family
         replicas = CounterMetricFamily(
@@ -223,33 +254,28 @@ class CacheCollector(Collector):
             "Hot-key reads served by each replica shard",
             labels=["namespace", "replica"],
         )
-        for labels, count in sorted(replica_reads.items()):
+        for labels, count in sorted(self.replica_reads.items()):
             replicas.add_metric(list(labels), float(count))
         yield replicas
+
+    def gauge_families(self) -> Iterator[Metric]:
+        """Hot keys and L1 sizes per namespace, then the breakers."""
         hot = GaugeMetricFamily(
             f"{PREFIX}_hot_keys",
             "Keys currently treated as hot by this process (detected + static)",
             labels=["namespace"],
         )
-        for namespace, count in sorted(hot_keys.items()):
+        for namespace, count in sorted(self.hot_keys.items()):
             hot.add_metric([namespace], float(count))
         yield hot
         l1_gauge = GaugeMetricFamily(
             f"{PREFIX}_l1_entries", "Entries in the in-process L1", labels=["namespace"]
         )
-        for namespace, count in sorted(l1_entries.items()):
+        for namespace, count in sorted(self.l1_entries.items()):
             l1_gauge.add_metric([namespace], float(count))
         yield l1_gauge
-        yield breaker
-        yield transitions
-        yield self.load_seconds.family(
-            f"{PREFIX}_load_seconds", "Loader duration", ["namespace", "outcome"]
-        )
-        yield self.l2_read_seconds.family(
-            f"{PREFIX}_l2_read_seconds",
-            "L2 read latency (Redis round trip(s) + decode) on the read path",
-            ["namespace"],
-        )
+        yield self.breaker
+        yield self.transitions
 
 
 def _hot_keys(cache: LayeredCache) -> dict[str, Any]:

@@ -22,68 +22,35 @@ can skip over it either: the partition is not read past it until it succeeds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import Counter as Tally
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
-from layered_cache.backplane import BackplanePublisher
-from layered_cache.breaker import CircuitBreaker
-from layered_cache.clients import REDIS_FAILURES, RedisClient, make_client, with_timeout
 from layered_cache.config import Config
-from layered_cache.daemon.backoff import Backoff
-from layered_cache.daemon.dlq import Poison, cap_text, send_dead_letters
+from layered_cache.daemon.batch import account, decode_batch
+from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
+from layered_cache.daemon.dlq import dead_letter
 from layered_cache.daemon.health import HealthServer
-from layered_cache.daemon.kafka import consumer_kwargs, producer_kwargs
+from layered_cache.daemon.kafka import KafkaClients
 from layered_cache.daemon.metrics import DaemonMetrics
-from layered_cache.events import EventDecoder, PoisonEvent, Target, unique_targets
-from layered_cache.invalidation import Invalidator, check_replica_counts, replica_counts
-from layered_cache.l2 import L2Store, L2Unavailable
+from layered_cache.daemon.retry import Retrier
+from layered_cache.daemon.stats import DaemonStats
+from layered_cache.events import EventDecoder, unique_targets
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
 
 _log = structlog.get_logger("layered_cache.daemon")
-_REDIS_FAILURES = (L2Unavailable, *REDIS_FAILURES)
-# Keys per Invalidator call: bounds one DEL/pipeline (x replicas + lease) and one XADD.
-_CHUNK = 1000
-# The daemon is not on a request path: give Redis time rather than retrying a big batch.
-_MIN_REDIS_TIMEOUT = 2.0
-
-
-class DaemonStats(msgspec.Struct):
-    """Plain counters for tests and embedding (Prometheus has the same, labelled)."""
-
-    batches: int = 0
-    events: int = 0
-    keys: int = 0
-    names_deleted: int = 0
-    dead_letters: int = 0
-    dead_letters_rejected: int = 0  # refused for good by the producer/broker: set aside
-    tombstones: int = 0
-    redis_retries: int = 0
-    connect_retries: int = 0
-    commits: int = 0
-    commit_failures: int = 0
+# Failures of a broker connect at start: retried until stop().
+_CONNECT_FAILURES = (TimeoutError, KafkaError, OSError)
 
 
 class DaemonStartError(Exception):
     """The daemon cannot start for a reason no retry fixes (e.g. its health port is taken)."""
-
-
-class _Batch(msgspec.Struct):
-    targets: list[Target]
-    poison: list[Poison]
-    tombstones: int
-    types: dict[str, int]
-    offsets: dict[TopicPartition, int]  # next offset to read = last + 1
-    lag: dict[TopicPartition, int]
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -105,6 +72,7 @@ class Daemon:
 
     ``health_port`` overrides ``kafka.health_port`` (0 = ephemeral, negative = off);
     ``consumer_options`` / ``producer_options`` are extra aiokafka settings (tests, tuning).
+    ``stats`` is the one set of counters; ``metrics`` renders it for ``/metrics``.
     """
 
     def __init__(
@@ -117,23 +85,20 @@ class Daemon:
     ) -> None:
         self.config = config
         self.decoder = EventDecoder(config)
-        self.metrics = DaemonMetrics()
         self.stats = DaemonStats()
+        self.lag: dict[tuple[str, int], int] = {}  # per owned partition, from the last batch
+        self.assignment: set[TopicPartition] = set()
+        self.metrics = DaemonMetrics(self.stats, lambda: (self.lag, len(self.assignment)))
         self._health_port = config.kafka.health_port if health_port is None else health_port
-        self._consumer_options = dict(consumer_options or {})
-        self._producer_options = dict(producer_options or {})
+        self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
         self._stopping = asyncio.Event()
+        # Set between batches: the rebalance listener waits on it before partitions move.
         self._idle = asyncio.Event()
         self._idle.set()
-        self._abandon = False
-        self._retrying: str | None = None  # what is being retried, for /readyz
+        self._retrier = Retrier(self._stopping, self.stats, config.kafka.retry_max_backoff)
         self.started = asyncio.Event()
-        self.assignment: set[TopicPartition] = set()
         self.health: HealthServer | None = None
-        self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
-        self._redis: RedisClient | None = None
-        self._invalidator: Invalidator | None = None
+        self._deleter: Deleter | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -148,7 +113,8 @@ class Daemon:
             if not await self._start():
                 return  # stopped before the broker could be reached
             self.started.set()
-            assert self._consumer is not None
+            consumer = self._kafka.consumer
+            assert consumer is not None
             kafka = self.config.kafka
             _log.info(
                 "daemon_started",
@@ -158,290 +124,89 @@ class Daemon:
             )
             while not self._stopping.is_set():
                 # A short poll timeout keeps stop() responsive without a second task.
-                records = await self._consumer.getmany(timeout_ms=200, max_records=kafka.max_batch)
+                records = await consumer.getmany(timeout_ms=200, max_records=kafka.max_batch)
                 if records:
                     await self._handle(records)
         finally:
             await self._shutdown()
 
     async def _start(self) -> bool:
-        config = self.config
-        redis_config = with_timeout(config.redis, max(config.redis.timeout, _MIN_REDIS_TIMEOUT))
-        self._redis = make_client(redis_config)
-        await _check_replicas(self._redis, config)  # refuses a fleet-inconsistent config
-        breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
-        publisher = None
-        if config.backplane.enabled:
-            stream = config.redis.prefix + config.backplane.stream
-            publisher = BackplanePublisher(self._redis, stream, config.backplane.maxlen)
-        self._invalidator = Invalidator(L2Store(self._redis, breaker), publisher)
+        self._deleter = Deleter(self.config)
+        await self._deleter.check_replicas()  # refuses a fleet-inconsistent config
         if self._health_port >= 0:
-            host = config.kafka.health_host
-            self.health = HealthServer(
-                self._health_port, self._status, self.metrics.render, host=host
-            )
-            try:
-                await self.health.start()
-            except OSError as exc:
-                self.health = None
-                raise DaemonStartError(
-                    f"health server can't listen on {host}:{self._health_port} "
-                    f"(kafka.health_host/health_port): {exc.strerror or exc}"
-                ) from None
-        # An unreachable broker at start is the normal case in a fleet coming up (the
-        # broker, DNS or the network may follow the daemon): retry, /readyz says 503.
-        backoff = Backoff(base=0.2, cap=max(0.2, config.kafka.retry_max_backoff))
-        while not self._stopping.is_set():
-            try:
-                await self._connect()
-            except (TimeoutError, KafkaError, OSError) as exc:
-                await self._disconnect()
-                self._retrying = "connect"
-                self.stats.connect_retries += 1
-                self.metrics.connect_retries.inc()
-                delay = backoff.next_delay()
-                _log.warning(
-                    "kafka_connect_failed_retrying",
-                    error=f"{type(exc).__name__}: {exc}",
-                    attempt=backoff.attempt,
-                    retry_in=round(delay, 3),
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), delay)
-                continue
-            self._retrying = None
-            return True
-        return False
+            await self._start_health()
+        return await self._retrier.connect(
+            lambda: self._kafka.connect(_Rebalance(self)),
+            self._kafka.disconnect,
+            _CONNECT_FAILURES,
+        )
 
-    async def _connect(self) -> None:
-        kafka = self.config.kafka
-        self._producer = AIOKafkaProducer(**{**producer_kwargs(kafka), **self._producer_options})
-        await self._producer.start()
-        options = {**consumer_kwargs(kafka), **self._consumer_options}
-        self._consumer = AIOKafkaConsumer(**options)
-        self._consumer.subscribe(kafka.topics, listener=_Rebalance(self))
-        await self._consumer.start()
-
-    async def _disconnect(self) -> None:
-        # Consumer first: its stop() sends LeaveGroup, so partitions move to the other
-        # daemons now instead of after the session timeout.
-        if self._consumer is not None:
-            with contextlib.suppress(Exception):
-                await self._consumer.stop()
-            self._consumer = None
-        if self._producer is not None:
-            with contextlib.suppress(Exception):
-                await self._producer.stop()
-            self._producer = None
+    async def _start_health(self) -> None:
+        host = self.config.kafka.health_host
+        self.health = HealthServer(self._health_port, self._status, self.metrics.render, host=host)
+        try:
+            await self.health.start()
+        except OSError as exc:
+            self.health = None
+            raise DaemonStartError(
+                f"health server can't listen on {host}:{self._health_port} "
+                f"(kafka.health_host/health_port): {exc.strerror or exc}"
+            ) from None
 
     async def _shutdown(self) -> None:
-        await self._disconnect()
+        await self._kafka.disconnect()
         if self.health is not None:
             await self.health.close()
-        if self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.aclose()
-        _log.info("daemon_stopped", **msgspec.structs.asdict(self.stats))
+        if self._deleter is not None:
+            await self._deleter.close()
+        _log.info("daemon_stopped", **self.stats.totals())
 
     # -- one batch -------------------------------------------------------------------------
 
     async def _handle(self, records: Mapping[TopicPartition, Sequence[Any]]) -> None:
+        consumer, deleter = self._kafka.consumer, self._deleter
+        assert consumer is not None and deleter is not None
         started = time.perf_counter()
         self._idle.clear()
-        self._abandon = False
+        self._retrier.abandon = False
         try:
-            batch = self._decode(records)
+            batch = decode_batch(self.decoder, records, consumer.highwater)
             keys = unique_targets(batch.targets)
             # Invalidate before the DLQ: valid events' latency does not wait on Kafka.
-            if not await self._retry("invalidate", lambda: self._invalidate(keys)):
+            if not await self._retrier.until_done(
+                "invalidate", lambda: deleter.delete(keys, self.stats), DELETE_FAILURES
+            ):
                 return  # stopping or partitions revoked: not committed, read again later
             pending = list(batch.poison)
-            if pending and not await self._retry(
-                "dead_letter", lambda: self._dead_letter(pending), (Exception,)
+            if pending and not await self._retrier.until_done(
+                "dead_letter",
+                lambda: dead_letter(self._kafka.producer, self.config.kafka, pending, self.stats),
+                (Exception,),
             ):
                 return
             await self._commit(batch.offsets)
         finally:
             self._idle.set()
-        elapsed = time.perf_counter() - started
-        self._account(batch, len(keys), elapsed)
-
-    def _decode(self, records: Mapping[TopicPartition, Sequence[Any]]) -> _Batch:
-        targets: list[Target] = []
-        poison: list[Poison] = []
-        tombstones = 0
-        types: Tally[str] = Tally()
-        offsets: dict[TopicPartition, int] = {}
-        lag: dict[TopicPartition, int] = {}
-        assert self._consumer is not None
-        for tp, messages in records.items():
-            for message in messages:
-                if message.value is None:
-                    # A tombstone (compacted topics write them to delete a key): it
-                    # carries no event, so there is nothing to invalidate or to set aside.
-                    tombstones += 1
-                    continue
-                reason: str
-                event_type: str | None = None
-                try:
-                    event = self.decoder.decode(message.value)
-                except PoisonEvent as exc:
-                    reason, event_type = exc.reason, exc.event_type
-                except Exception as exc:  # the decoder is total; this is the last net
-                    reason = f"{type(exc).__name__} while decoding"
-                else:
-                    types[event.event_type] += 1
-                    targets.extend(event.targets)
-                    continue
-                poison.append(
-                    Poison(
-                        topic=tp.topic,
-                        partition=tp.partition,
-                        offset=message.offset,
-                        timestamp=message.timestamp,
-                        key=message.key,
-                        value=message.value,
-                        headers=tuple(message.headers or ()),
-                        reason=cap_text(reason),
-                        event_type=None if event_type is None else cap_text(event_type),
-                    )
-                )
-            if messages:
-                offsets[tp] = messages[-1].offset + 1
-                highwater = self._consumer.highwater(tp)
-                if highwater is not None:
-                    lag[tp] = max(0, highwater - offsets[tp])
-        return _Batch(targets, poison, tombstones, dict(types), offsets, lag)
-
-    async def _invalidate(self, keys: list[tuple[str, int]]) -> None:
-        assert self._invalidator is not None
-        for start in range(0, len(keys), _CHUNK):
-            deleted = await self._invalidator.invalidate(keys[start : start + _CHUNK])
-            self.stats.names_deleted += deleted
-            self.metrics.names_deleted.inc(deleted)
-
-    async def _dead_letter(self, pending: list[Poison]) -> None:
-        """Write ``pending`` to the DLQ; it is emptied as records are settled (see
-        ``send_dead_letters``), so a retry resends only what failed transiently."""
-        kafka = self.config.kafka
-        sent = list(pending)
-        rejected: set[int] = set()
-
-        def set_aside(item: Poison, error: BaseException) -> None:
-            rejected.add(id(item))
-            self.stats.dead_letters_rejected += 1
-            self.metrics.dead_letters_rejected.inc()
-            _log.error(
-                "dead_letter_rejected_skipped",
-                error=cap_text(f"{type(error).__name__}: {error}"),
-                reason=item.reason,
-                topic=item.topic,
-                partition=item.partition,
-                offset=item.offset,
-                size=len(item.value or b""),
-            )
-
-        try:
-            await send_dead_letters(
-                self._producer, kafka.dead_letter_topic, pending, kafka.max_event_bytes, set_aside
-            )
-        finally:
-            still = {id(item) for item in pending}
-            for item in sent:
-                if id(item) in still or id(item) in rejected:
-                    continue
-                self.stats.dead_letters += 1
-                self.metrics.dead_letters.inc()
-                _log.warning(
-                    "event_dead_lettered",
-                    reason=item.reason,
-                    event_type=item.event_type,
-                    topic=item.topic,
-                    partition=item.partition,
-                    offset=item.offset,
-                )
-
-    async def _retry(
-        self,
-        what: str,
-        attempt: Callable[[], Awaitable[None]],
-        failures: tuple[type[BaseException], ...] | None = None,
-    ) -> bool:
-        """Run ``attempt`` until it succeeds (True) or we must give up (False): on stop,
-        or when the rebalance listener abandoned this batch (its partitions moved)."""
-        caught = failures or _REDIS_FAILURES
-        backoff = Backoff(cap=self.config.kafka.retry_max_backoff)
-        while True:
-            try:
-                await attempt()
-            except caught as exc:
-                self._retrying = what
-                self.stats.redis_retries += what == "invalidate"
-                if what == "invalidate":
-                    self.metrics.redis_retries.inc()
-                delay = backoff.next_delay()
-                _log.warning(
-                    f"{what}_failed_retrying",
-                    error=cap_text(f"{type(exc).__name__}: {exc}"),
-                    attempt=backoff.attempt,
-                    retry_in=round(delay, 3),
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), delay)
-                if self._stopping.is_set() or self._abandon:
-                    _log.warning(
-                        f"{what}_abandoned_uncommitted",
-                        reason="stopping" if self._stopping.is_set() else "revoked",
-                    )
-                    return False
-                continue
-            self._retrying = None
-            return True
+        self.lag.update({(tp.topic, tp.partition): behind for tp, behind in batch.lag.items()})
+        account(self.stats, batch, len(keys), time.perf_counter() - started)
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
-        assert self._consumer is not None
+        assert self._kafka.consumer is not None
         try:
-            await self._consumer.commit(offsets)
+            await self._kafka.consumer.commit(offsets)
         except (CommitFailedError, IllegalStateError) as exc:
             # The partitions moved in a rebalance: their next owner reads this batch again
             # from the last commit and re-deletes (idempotent). Nothing is lost.
             self.stats.commit_failures += 1
-            self.metrics.commit_failures.inc()
             _log.warning("commit_refused_partitions_moved", error=str(exc))
             return
         except KafkaError as exc:
             # Broker trouble: a later batch's commit of the same partition covers this one
             # (commits are cumulative); until then a restart would redeliver - harmless.
             self.stats.commit_failures += 1
-            self.metrics.commit_failures.inc()
             _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
             return
         self.stats.commits += 1
-        self.metrics.commits.inc()
-
-    def _account(self, batch: _Batch, keys: int, elapsed: float) -> None:
-        events = sum(batch.types.values())
-        self.stats.batches += 1
-        self.stats.events += events
-        self.stats.keys += keys
-        self.stats.tombstones += batch.tombstones
-        for event_type, count in batch.types.items():
-            self.metrics.events.labels(event_type).inc(count)
-        self.metrics.keys_invalidated.inc(keys)
-        self.metrics.tombstones.inc(batch.tombstones)
-        self.metrics.batch_seconds.observe(elapsed)
-        for tp, behind in batch.lag.items():
-            self.metrics.lag.labels(tp.topic, str(tp.partition)).set(behind)
-        _log.info(
-            "batch_done",
-            events=events,
-            event_types=batch.types,
-            keys=keys,
-            dead_letters=len(batch.poison),
-            tombstones=batch.tombstones,
-            lag=sum(batch.lag.values()),
-            latency_ms=round(elapsed * 1000, 2),
-        )
 
     # -- rebalance and health --------------------------------------------------------------
 
@@ -454,36 +219,25 @@ class Daemon:
         try:
             await asyncio.wait_for(self._idle.wait(), limit)
         except TimeoutError:
-            self._abandon = True
+            self._retrier.abandon = True
             _log.warning("rebalance_abandoned_batch_in_flight", waited_s=limit)
         for tp in revoked:
-            with contextlib.suppress(KeyError):
-                self.metrics.lag.remove(tp.topic, str(tp.partition))
+            self.lag.pop((tp.topic, tp.partition), None)
         self.assignment = set()
-        self.metrics.assigned.set(0)
 
     def _assigned(self, assigned: set[TopicPartition]) -> None:
         self.assignment = set(assigned)
-        self.metrics.assigned.set(len(assigned))
         _log.info("partitions_assigned", partitions=_names(assigned))
 
     def _status(self) -> tuple[bool, dict[str, object]]:
-        ready = self.started.is_set() and self._retrying is None and not self._stopping.is_set()
+        retrying = self._retrier.retrying
+        ready = self.started.is_set() and retrying is None and not self._stopping.is_set()
         return ready, {
             "status": "ok" if ready else "degraded",
-            "retrying": self._retrying,
+            "retrying": retrying,
             "partitions": _names(self.assignment),
-            **msgspec.structs.asdict(self.stats),
+            **self.stats.totals(),
         }
-
-
-async def _check_replicas(client: RedisClient, config: Config) -> None:
-    """Raise ReplicaCountMismatch if this config's hot.replicas differ from the fleet's:
-    the daemon would leave replicas behind. Redis unreachable: start unchecked."""
-    try:
-        await check_replica_counts(client, config.redis.prefix, replica_counts(config))
-    except REDIS_FAILURES as exc:
-        _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
 
 def _names(partitions: set[TopicPartition]) -> list[str]:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import structlog
 from aiokafka.errors import (
     CorruptRecordException,
     InvalidMessageError,
@@ -34,6 +35,9 @@ from aiokafka.errors import (
     RecordTooLargeError,
 )
 
+from layered_cache.config import KafkaConfig
+from layered_cache.daemon.stats import DaemonStats
+
 __all__ = [
     "PREVIEW_BYTES",
     "REASON_BYTES",
@@ -41,9 +45,12 @@ __all__ = [
     "REJECTED",
     "Poison",
     "cap_text",
+    "dead_letter",
     "dead_letter_record",
     "send_dead_letters",
 ]
+
+_log = structlog.get_logger("layered_cache.daemon")
 
 PREVIEW_BYTES = 64 * 1024
 REASON_BYTES = 300
@@ -171,3 +178,46 @@ async def send_dead_letters(
     pending[:] = transient
     if first is not None:
         raise first
+
+
+async def dead_letter(
+    producer: Any, kafka: KafkaConfig, pending: list[Poison], stats: DaemonStats
+) -> None:
+    """Write ``pending`` to the DLQ, counting and logging each record settled; it is
+    emptied as records are settled (see ``send_dead_letters``), so a retry resends only
+    what failed transiently."""
+    sent = list(pending)
+    rejected: set[int] = set()
+
+    def set_aside(item: Poison, error: BaseException) -> None:
+        rejected.add(id(item))
+        stats.dead_letters_rejected += 1
+        _log.error(
+            "dead_letter_rejected_skipped",
+            error=cap_text(f"{type(error).__name__}: {error}"),
+            reason=item.reason,
+            topic=item.topic,
+            partition=item.partition,
+            offset=item.offset,
+            size=len(item.value or b""),
+        )
+
+    try:
+        await send_dead_letters(
+            producer, kafka.dead_letter_topic, pending, kafka.max_event_bytes, set_aside
+        )
+    finally:
+        # Written = left ``pending`` without being set aside (also when a later one failed).
+        still = {id(item) for item in pending}
+        for item in sent:
+            if id(item) in still or id(item) in rejected:
+                continue
+            stats.dead_letters += 1
+            _log.warning(
+                "event_dead_lettered",
+                reason=item.reason,
+                event_type=item.event_type,
+                topic=item.topic,
+                partition=item.partition,
+                offset=item.offset,
+            )

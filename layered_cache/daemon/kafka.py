@@ -1,14 +1,24 @@
-"""aiokafka client settings from ``KafkaConfig`` (one place for security pass-through)."""
+"""aiokafka clients from ``KafkaConfig``: settings (one place for security pass-through),
+and the consumer + DLQ producer pair the daemon opens and closes together."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.helpers import create_ssl_context
 
 from layered_cache.config import KafkaConfig
 
-__all__ = ["FETCH_MAX_WAIT_MS", "client_kwargs", "consumer_kwargs", "producer_kwargs"]
+__all__ = [
+    "FETCH_MAX_WAIT_MS",
+    "KafkaClients",
+    "client_kwargs",
+    "consumer_kwargs",
+    "producer_kwargs",
+]
 
 FETCH_MAX_WAIT_MS = 50
 
@@ -52,3 +62,40 @@ def consumer_kwargs(config: KafkaConfig) -> dict[str, Any]:
 def producer_kwargs(config: KafkaConfig) -> dict[str, Any]:
     """The DLQ producer: acks from every in-sync replica before we commit past a poison."""
     return {**client_kwargs(config), "acks": "all"}
+
+
+class KafkaClients:
+    """The consumer and the DLQ producer; ``*_options`` are extra aiokafka settings."""
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        consumer_options: Mapping[str, Any] | None = None,
+        producer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._config = config
+        self._consumer_options = dict(consumer_options or {})
+        self._producer_options = dict(producer_options or {})
+        self.consumer: AIOKafkaConsumer | None = None
+        self.producer: AIOKafkaProducer | None = None
+
+    async def connect(self, listener: ConsumerRebalanceListener) -> None:
+        """Producer first: a consumer that joins the group must be able to dead-letter."""
+        config = self._config
+        self.producer = AIOKafkaProducer(**{**producer_kwargs(config), **self._producer_options})
+        await self.producer.start()
+        self.consumer = AIOKafkaConsumer(**{**consumer_kwargs(config), **self._consumer_options})
+        self.consumer.subscribe(config.topics, listener=listener)
+        await self.consumer.start()
+
+    async def disconnect(self) -> None:
+        # Consumer first: its stop() sends LeaveGroup, so partitions move to the other
+        # daemons now instead of after the session timeout.
+        if self.consumer is not None:
+            with contextlib.suppress(Exception):
+                await self.consumer.stop()
+            self.consumer = None
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                await self.producer.stop()
+            self.producer = None

@@ -2,8 +2,11 @@
 
 (Also ``python -m layered_cache.daemon``, and ``python -m consumers`` inside the source
 repository.) SIGTERM / SIGINT finish the batch in flight, commit it, leave the consumer
-group and exit 0; a config error, or a health port that is already taken, exits 2 with
-one line on stderr.
+group and exit 0; a config error, a health port that is already taken, or the
+``daemon`` extra not installed, exits 2 with one line on stderr.
+
+This module imports without the extra (the daemon itself is imported in ``run``), so
+that ``layered-cache daemon`` can say what to install instead of printing a traceback.
 """
 
 from __future__ import annotations
@@ -15,14 +18,19 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
 from layered_cache.config import Config, ConfigError, load_config
-from layered_cache.daemon.core import Daemon, DaemonStartError
+from layered_cache.extras import missing_extra
 from layered_cache.invalidation import ReplicaCountMismatch
-from layered_cache.logs import FORMAT_ENV, configure_logging, mask_url_credentials
+from layered_cache.logs import FORMAT_ENV, configure_logging
+from layered_cache.redact import redact
+
+if TYPE_CHECKING:
+    from layered_cache.daemon.core import Daemon
 
 __all__ = ["build_parser", "main"]
 
@@ -72,11 +80,18 @@ async def _serve(daemon: Daemon) -> None:
 
 
 def _error(prog: str, message: str) -> int:
-    print(f"{prog}: error: {mask_url_credentials(message)}", file=sys.stderr)
+    print(f"{prog}: error: {redact(message)}", file=sys.stderr)
     return EXIT_ERROR
 
 
 def run(args: argparse.Namespace, prog: str = "layered-cache daemon") -> int:
+    try:
+        from layered_cache.daemon.core import Daemon, DaemonStartError
+    except ImportError as exc:
+        error = missing_extra("the daemon", "daemon", exc)
+        if error is exc:
+            raise  # not a missing extra: a broken install deserves its traceback
+        return _error(prog, str(error))
     try:
         config = load_config(args.config)
     except ConfigError as exc:

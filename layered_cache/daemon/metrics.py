@@ -1,73 +1,104 @@
-"""Prometheus metrics of the daemon, on a registry of its own.
+"""Prometheus exposition of the daemon, read from ``DaemonStats`` at scrape time.
 
-A registry per daemon (not the global one) so several daemons can run in one process
-(tests, embedding) without "Duplicated timeseries" errors.
+Nothing is counted here: the collector turns the one set of counters (``DaemonStats``)
+and the daemon's partition state (lag, assignment) into metric families when
+``/metrics`` is scraped, the way ``layered_cache.prometheus`` exports the cache. The
+registry is one per daemon (not the global one) so several daemons can run in one
+process (tests, embedding) without "Duplicated timeseries" errors.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["DaemonMetrics"]
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from layered_cache.daemon.stats import BATCH_BUCKETS, DaemonStats
+
+__all__ = ["COUNTER_METRICS", "DaemonMetrics", "PartitionView"]
 
 _PREFIX = "layered_cache_daemon_"
 
+#: (metric name without ``_total``, help, DaemonStats field) of the unlabelled counters.
+COUNTER_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("keys_invalidated", "Cache keys invalidated (deduplicated per batch)", "keys"),
+    ("keys_deleted",
+     "Redis names that existed and were deleted (base keys, replicas, leases)",
+     "names_deleted"),
+    ("dead_letters", "Poison events written to the DLQ", "dead_letters"),
+    ("dead_letters_rejected",
+     "Poison events the DLQ refused for good (too large, invalid): set aside, logged",
+     "dead_letters_rejected"),
+    ("tombstones", "Null-value records (tombstones) skipped", "tombstones"),
+    ("connect_retries", "Failed attempts to reach the Kafka broker at start (retried)",
+     "connect_retries"),
+    ("redis_retries", "Failed invalidation attempts (retried)", "redis_retries"),
+    ("commits", "Offset commits", "commits"),
+    ("commit_failures",
+     "Commits refused (partition moved in a rebalance; redelivered elsewhere)",
+     "commit_failures"),
+)  # fmt: skip
 
-class DaemonMetrics:
-    def __init__(self) -> None:
+#: The daemon's partition state at scrape time: ({(topic, partition): lag}, owned count).
+PartitionView = Callable[[], tuple[Mapping[tuple[str, int], int], int]]
+
+
+class DaemonMetrics(Collector):
+    """``render()`` is the ``/metrics`` body; ``registry`` holds only this collector."""
+
+    def __init__(self, stats: DaemonStats, partitions: PartitionView) -> None:
+        self._stats = stats
+        self._partitions = partitions
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.events = Counter(
-            _PREFIX + "events_total", "Valid events processed, by type", ["type"], registry=r
-        )
-        self.keys_invalidated = Counter(
-            _PREFIX + "keys_invalidated_total",
-            "Cache keys invalidated (deduplicated per batch)",
-            registry=r,
-        )
-        self.names_deleted = Counter(
-            _PREFIX + "keys_deleted_total",
-            "Redis names that existed and were deleted (base keys, replicas, leases)",
-            registry=r,
-        )
-        self.dead_letters = Counter(
-            _PREFIX + "dead_letters_total", "Poison events written to the DLQ", registry=r
-        )
-        self.dead_letters_rejected = Counter(
-            _PREFIX + "dead_letters_rejected_total",
-            "Poison events the DLQ refused for good (too large, invalid): set aside, logged",
-            registry=r,
-        )
-        self.tombstones = Counter(
-            _PREFIX + "tombstones_total", "Null-value records (tombstones) skipped", registry=r
-        )
-        self.connect_retries = Counter(
-            _PREFIX + "connect_retries_total",
-            "Failed attempts to reach the Kafka broker at start (retried)",
-            registry=r,
-        )
-        self.redis_retries = Counter(
-            _PREFIX + "redis_retries_total", "Failed invalidation attempts (retried)", registry=r
-        )
-        self.commits = Counter(_PREFIX + "commits_total", "Offset commits", registry=r)
-        self.commit_failures = Counter(
-            _PREFIX + "commit_failures_total",
-            "Commits refused (partition moved in a rebalance; redelivered elsewhere)",
-            registry=r,
-        )
-        self.batch_seconds = Histogram(
-            _PREFIX + "batch_seconds",
-            "Batch latency: decode + invalidate + DLQ + commit",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=r,
-        )
-        self.lag = Gauge(
-            _PREFIX + "lag",
-            "Messages behind the high watermark",
-            ["topic", "partition"],
-            registry=r,
-        )
-        self.assigned = Gauge(_PREFIX + "assigned_partitions", "Partitions owned", registry=r)
+        self.registry.register(self)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def describe(self) -> Iterator[Metric]:
+        # Families are read at scrape time: don't let register() collect at start.
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        events = CounterMetricFamily(
+            _PREFIX + "events", "Valid events processed, by type", labels=["type"]
+        )
+        for event_type, count in stats.event_types.items():
+            events.add_metric([event_type], float(count))
+        yield events
+        for name, doc, field in COUNTER_METRICS:
+            yield CounterMetricFamily(_PREFIX + name, doc, value=float(getattr(stats, field)))
+        yield self._batch_seconds()
+        yield from self._partition_gauges()
+
+    def _batch_seconds(self) -> HistogramMetricFamily:
+        stats = self._stats
+        buckets: list[tuple[str, float]] = []
+        cumulative = 0
+        for bound, count in zip((*BATCH_BUCKETS, float("inf")), stats.batch_seconds, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
+        return HistogramMetricFamily(
+            _PREFIX + "batch_seconds",
+            "Batch latency: decode + invalidate + DLQ + commit",
+            buckets=buckets,
+            sum_value=stats.batch_seconds_sum,
+        )
+
+    def _partition_gauges(self) -> Iterator[Metric]:
+        lag, owned = self._partitions()
+        behind = GaugeMetricFamily(
+            _PREFIX + "lag", "Messages behind the high watermark", labels=["topic", "partition"]
+        )
+        for (topic, partition), count in sorted(lag.items()):
+            behind.add_metric([topic, str(partition)], float(count))
+        yield behind
+        yield GaugeMetricFamily(_PREFIX + "assigned_partitions", "Partitions owned", value=owned)

@@ -1,0 +1,66 @@
+"""The daemon's Redis side: the client, the fleet check at start, the chunked deletes.
+
+The client is the library's (``clients.make_client``) with a longer timeout
+(``clients.with_timeout``): one wiring for the library, the CLI and the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import structlog
+
+from layered_cache.backplane import BackplanePublisher
+from layered_cache.breaker import CircuitBreaker
+from layered_cache.clients import REDIS_FAILURES, RedisClient, make_client, with_timeout
+from layered_cache.config import Config
+from layered_cache.daemon.stats import DaemonStats
+from layered_cache.invalidation import Invalidator, check_replica_counts, replica_counts
+from layered_cache.keys import backplane_stream_name
+from layered_cache.l2 import L2Store, L2Unavailable
+
+__all__ = ["DELETE_FAILURES", "Deleter"]
+
+_log = structlog.get_logger("layered_cache.daemon")
+#: What makes an invalidation attempt fail and be retried (Redis down, breaker open...).
+DELETE_FAILURES: tuple[type[BaseException], ...] = (L2Unavailable, *REDIS_FAILURES)
+# Keys per Invalidator call: bounds one DEL/pipeline (x replicas + lease) and one XADD.
+_CHUNK = 1000
+# The daemon is not on a request path: give Redis time rather than retrying a big batch.
+_MIN_REDIS_TIMEOUT = 2.0
+
+
+class Deleter:
+    """Deletes a batch's keys (base, replicas, lease), then appends them to the backplane."""
+
+    def __init__(self, config: Config) -> None:
+        redis = config.redis
+        self.client: RedisClient = make_client(
+            with_timeout(redis, max(redis.timeout, _MIN_REDIS_TIMEOUT))
+        )
+        self._config = config
+        breaker = CircuitBreaker(redis.breaker.failures, redis.breaker.reset)
+        publisher = None
+        if config.backplane.enabled:
+            stream = backplane_stream_name(redis.prefix, config.backplane.stream)
+            publisher = BackplanePublisher(self.client, stream, config.backplane.maxlen)
+        self._invalidator = Invalidator(L2Store(self.client, breaker), publisher)
+
+    async def check_replicas(self) -> None:
+        """Raise ReplicaCountMismatch if this config's hot.replicas differ from the fleet's:
+        the daemon would leave replicas behind. Redis unreachable: start unchecked."""
+        config = self._config
+        try:
+            await check_replica_counts(self.client, config.redis.prefix, replica_counts(config))
+        except REDIS_FAILURES as exc:
+            _log.warning("replica_counts_unchecked", error=type(exc).__name__)
+
+    async def delete(self, keys: list[tuple[str, int]], stats: DaemonStats) -> None:
+        """Raises DELETE_FAILURES; the chunks done before a failure stay done (and are
+        redone by the retry: deleting is idempotent)."""
+        for start in range(0, len(keys), _CHUNK):
+            stats.names_deleted += await self._invalidator.invalidate(keys[start : start + _CHUNK])
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.aclose()

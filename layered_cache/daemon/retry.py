@@ -1,0 +1,112 @@
+"""The daemon's two retry loops: reaching the broker at start, and finishing a batch.
+
+Both draw their delays from ``layered_cache.backoff.Backoff`` (the one backoff of the
+library and the daemon) and wait with ``asyncio.wait_for(stopping.wait(), delay)``, so
+``stop()`` ends a wait at once instead of after the delay. Everything here runs on the
+daemon's event loop; ``retrying`` and ``abandon`` are plain attributes read and written
+between awaits, never from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from layered_cache.backoff import Backoff
+from layered_cache.daemon.dlq import cap_text
+from layered_cache.daemon.stats import DaemonStats
+
+__all__ = ["Retrier"]
+
+_log = structlog.get_logger("layered_cache.daemon")
+# The first broker connect retry waits 200 ms: a broker coming up takes seconds anyway.
+_CONNECT_BASE = 0.2
+
+
+class Retrier:
+    """Retries until success, ``stop`` or a revocation; tells ``/readyz`` what it retries.
+
+    ``retrying`` names the step being retried (None when all is well). ``abandon`` is
+    set by the rebalance listener when the batch in flight lost its partitions: the
+    batch loop then gives up (uncommitted) at its next wake-up instead of retrying for a
+    partition another daemon now owns.
+    """
+
+    def __init__(self, stopping: asyncio.Event, stats: DaemonStats, max_backoff: float) -> None:
+        self._stopping = stopping
+        self._stats = stats
+        self._max_backoff = max_backoff
+        self.retrying: str | None = None
+        self.abandon = False
+
+    async def connect(
+        self,
+        connect: Callable[[], Awaitable[None]],
+        disconnect: Callable[[], Awaitable[None]],
+        failures: tuple[type[BaseException], ...],
+    ) -> bool:
+        """``connect`` until it works (True) or ``stop()`` is called (False).
+
+        An unreachable broker at start is the normal case in a fleet coming up (the
+        broker, DNS or the network may follow the daemon): retry, /readyz says 503."""
+        backoff = Backoff(base=_CONNECT_BASE, cap=max(_CONNECT_BASE, self._max_backoff))
+        while not self._stopping.is_set():
+            try:
+                await connect()
+            except failures as exc:
+                await disconnect()
+                self.retrying = "connect"
+                self._stats.connect_retries += 1
+                delay = backoff.next_delay()
+                _log.warning(
+                    "kafka_connect_failed_retrying",
+                    error=f"{type(exc).__name__}: {exc}",
+                    attempt=backoff.attempt,
+                    retry_in=round(delay, 3),
+                )
+                await self._pause(delay)
+                continue
+            self.retrying = None
+            return True
+        return False
+
+    async def until_done(
+        self,
+        what: str,
+        attempt: Callable[[], Awaitable[None]],
+        failures: tuple[type[BaseException], ...],
+    ) -> bool:
+        """Run ``attempt`` until it succeeds (True) or we must give up (False): on stop,
+        or when the rebalance listener abandoned this batch (its partitions moved)."""
+        backoff = Backoff(cap=self._max_backoff)
+        while True:
+            try:
+                await attempt()
+            except failures as exc:
+                self.retrying = what
+                self._stats.redis_retries += what == "invalidate"
+                delay = backoff.next_delay()
+                _log.warning(
+                    f"{what}_failed_retrying",
+                    error=cap_text(f"{type(exc).__name__}: {exc}"),
+                    attempt=backoff.attempt,
+                    retry_in=round(delay, 3),
+                )
+                await self._pause(delay)
+                if self._stopping.is_set() or self.abandon:
+                    _log.warning(
+                        f"{what}_abandoned_uncommitted",
+                        reason="stopping" if self._stopping.is_set() else "revoked",
+                    )
+                    return False
+                continue
+            self.retrying = None
+            return True
+
+    async def _pause(self, delay: float) -> None:
+        """Sleep ``delay`` seconds, or less if ``stop()`` is called meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
