@@ -21,8 +21,6 @@ Atomicity notes (why the Lua scripts exist):
 from __future__ import annotations
 
 import asyncio
-import random
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,15 +33,13 @@ from redis.exceptions import (
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
-    RedisClusterException,
-    RedisError,
     ResponseError,
     TryAgainError,
 )
 
 from layered_cache.breaker import CircuitBreaker
 from layered_cache.clients import REDIS_FAILURES, RedisClient, raised_in_redis_py
-from layered_cache.keys import replica_name
+from layered_cache.placement import ReplicaPlacement
 
 __all__ = ["L2Store", "L2Unavailable", "is_key_error"]
 
@@ -108,8 +104,6 @@ def is_key_error(exc: BaseException) -> bool:
 
 
 _log = structlog.get_logger("layered_cache.l2")
-_PLAN_TTL = 30.0  # seconds a per-key replica placement plan is trusted
-_MAX_PLANS = 4096
 
 
 class L2Unavailable(Exception):
@@ -133,8 +127,7 @@ class L2Store:
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
         self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)
-        # key -> (rebuild after, replica indexes grouped per master, replica range)
-        self._plans: dict[str, tuple[float, list[list[int]], range]] = {}
+        self.placement = ReplicaPlacement(client)
 
     def breaker_for(self, name: str | None) -> CircuitBreaker:
         """The breaker guarding the node that holds ``name``.
@@ -181,49 +174,6 @@ class L2Store:
             raise
         breaker.success()
         return result
-
-    def pick_replica(self, key: str, replicas: int) -> int:
-        """Index of the replica of ``key`` to read.
-
-        Single node: uniform. Cluster: uniform over the masters that hold a replica of
-        ``key``, then uniform among that master's replicas. CRC16 places 8 names on 3
-        masters unevenly (4/2/2 is typical), so a uniform choice of name would leave one
-        master with 50% of the key's reads; balancing per master gives each 1/3 whenever
-        every master holds a replica (~88% of keys). The plan is cached per key and
-        rebuilt after ``_PLAN_TTL`` s: a stale plan after a reshard costs balance only,
-        never correctness (redis-py still routes each GET by its slot, following MOVED).
-        """
-        if not self.cluster:
-            return random.randrange(replicas)
-        now = time.monotonic()
-        cached = self._plans.get(key)
-        if cached is None or cached[0] < now or len(cached[2]) != replicas:
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()  # bounded: hot keys are few, cold ones age out here
-            plan = self._plan(key, replicas)
-            # No slot map yet: fall back to uniform, and look again soon.
-            cached = (now + (_PLAN_TTL if plan else 1.0), plan, range(replicas))
-            self._plans[key] = cached
-        groups = cached[1]
-        if not groups:
-            return random.randrange(replicas)
-        group = groups[random.randrange(len(groups))]
-        return group[random.randrange(len(group))]
-
-    def _plan(self, key: str, replicas: int) -> list[list[int]]:
-        """Replica indexes grouped by the master that owns their slot ([] if the slot
-        map is not known yet: the client learns it on its first command)."""
-        assert isinstance(self.client, RedisCluster)
-        groups: dict[str, list[int]] = {}
-        try:
-            for index in range(replicas):
-                node = self.client.get_node_from_key(replica_name(key, index))
-                if node is None:
-                    return []
-                groups.setdefault(node.name, []).append(index)
-        except (RedisError, RedisClusterException):  # slot map unknown or changing
-            return []
-        return list(groups.values())
 
     async def get(self, name: str) -> bytes | None:
         # _guard inlined: this is the L2-hit path, where one more coroutine level is a

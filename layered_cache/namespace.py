@@ -150,7 +150,7 @@ class Namespace:
         started = time.perf_counter() if observers else 0.0
         data: bytes | None
         if policy.hot is not None and policy.replicas and policy.hot.record(key):
-            index = store.pick_replica(key, policy.replicas)  # balanced per master
+            index = store.placement.pick(key, policy.replicas)  # balanced per master
             data = await store.get(replica_name(key, index))
             if data is not None:
                 policy.stats.replica_reads[index] += 1
