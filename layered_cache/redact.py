@@ -122,9 +122,10 @@ def redact(text: str) -> str:
 
 
 def _mask_userinfo(match: re.Match[str]) -> str:
-    user, colon, _ = match.group("userinfo").partition(":")
-    shown = user if colon and user and not set(user) & set("/?#%") else ""
-    return f"{match.group('scheme')}{shown}:{MASK}@" if colon else f"{match.group('scheme')}{MASK}@"
+    # The whole userinfo, username too: in ``redis://A:B@host`` "A" may be a username or
+    # the first piece of a password that holds a ":" (``redis://{password}@host``), and
+    # no rule can tell which. A username is not worth the risk of showing half a secret.
+    return f"{match.group('scheme')}{MASK}@"
 
 
 def redact_url(url: str) -> str:
@@ -132,10 +133,8 @@ def redact_url(url: str) -> str:
     credentials whatever the URL's shape, and password parameters are masked."""
     scheme_end = _scheme_end(url)
     if "@" in url[scheme_end:]:
-        userinfo, _, rest = url[scheme_end:].rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        shown = f"{user}:{MASK}" if colon and user and "/" not in user else MASK
-        url = f"{url[:scheme_end]}{shown}@{rest}"
+        _, _, rest = url[scheme_end:].rpartition("@")
+        url = f"{url[:scheme_end]}{MASK}@{rest}"  # username too: see _mask_userinfo
     return redact(url)
 
 

@@ -81,7 +81,7 @@ async def test_failing_redis_connect_logs_no_password(prefix: str, stream: io.St
     text = stream.getvalue()
     assert "circuit_breaker" in text  # something was logged about the failure
     assert "s3cretpw" not in text
-    assert "redis://app:***@127.0.0.1" in text
+    assert "redis://***@127.0.0.1" in text
 
 
 def test_console_format_and_env_override(stream: io.StringIO) -> None:
@@ -113,6 +113,6 @@ def test_level_filters(stream: io.StringIO) -> None:
 
 
 def test_mask_url_credentials() -> None:
-    assert mask_url_credentials("redis://:pw@h:1/0") == "redis://:***@h:1/0"
-    assert mask_url_credentials("x rediss://u:p@h y") == "x rediss://u:***@h y"
+    assert mask_url_credentials("redis://:pw@h:1/0") == "redis://***@h:1/0"
+    assert mask_url_credentials("x rediss://u:p@h y") == "x rediss://***@h y"
     assert mask_url_credentials("redis://h:6379/0") == "redis://h:6379/0"

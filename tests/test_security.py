@@ -340,8 +340,8 @@ def test_redact_masks_shapes_and_known_secrets() -> None:
     forget_secrets()
     remember_secret("correct horse battery")
     assert redact("auth with correct horse battery failed") == "auth with *** failed"
-    assert redact("redis://u:p@ss@h:1/0") == "redis://u:***@h:1/0"
-    assert redact("x rediss://:pw@h y") == "x rediss://:***@h y"
+    assert redact("redis://u:p@ss@h:1/0") == "redis://***@h:1/0"
+    assert redact("x rediss://:pw@h y") == "x rediss://***@h y"
     assert redact("redis://h/0?db=1&password=pw") == "redis://h/0?db=1&password=***"
     assert redact_url("redis//:pw@h:1") == "redis//***@h:1"
     remember_url_secrets("redis://h/0?password=hunter22&ssl_cert_reqs=none")
