@@ -6,7 +6,7 @@ the first expiry plus a margin.
 
 - plain expiry: every request after expiry that finds no value recomputes (no
   coordination): all requests during the 0.5 s recompute miss -> ~500 recomputations.
-- XFetch: each request asks ``layered_cache.xfetch.should_refresh_early`` (the library's
+- XFetch: each request asks ``layered_cache._xfetch.should_refresh_early`` (the library's
   own function) with delta = 0.5 s; the first "yes" starts one background refresh
   (under the lease, so only one at a time); everybody keeps getting the current value.
   Reported: recomputations, requests that had to wait, and how long before expiry the
@@ -25,7 +25,7 @@ from typing import Any
 from bench.env import BenchEnv
 from bench.floors import median
 from bench.report import Headline, Section
-from layered_cache.xfetch import should_refresh_early
+from layered_cache._xfetch import should_refresh_early
 
 RATE = 1000
 TTL = 60.0

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from layered_cache.extras import missing_extra
+from layered_cache._extras import missing_extra
 
 try:
     from prometheus_client import (
@@ -42,7 +42,7 @@ except ImportError as exc:  # an extra: pip install 'layered-cache[prometheus]'
     raise missing_extra("layered_cache.prometheus", "prometheus", exc) from exc
 
 if TYPE_CHECKING:
-    from layered_cache.cache import LayeredCache, RedisStatus
+    from layered_cache._cache import LayeredCache, RedisStatus
 
 __all__ = [
     "L2_BUCKETS",

@@ -44,11 +44,11 @@ import typing
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, ParamSpec, TypeVar
 
-from layered_cache.cache import LayeredCache, RedisStatus
-from layered_cache.config import Config
-from layered_cache.decorate import bind_key_fields
-from layered_cache.l1 import MISSING
-from layered_cache.policy import Policy
+from layered_cache._cache import LayeredCache, RedisStatus
+from layered_cache._config import Config
+from layered_cache._decorate import bind_key_fields
+from layered_cache._l1 import MISSING
+from layered_cache._policy import Policy
 
 __all__ = ["SyncLayeredCache"]
 

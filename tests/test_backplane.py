@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from layered_cache import LayeredCache
-from layered_cache.l1 import MISSING
+from layered_cache._l1 import MISSING
 from tests.helpers import CountingLoader, eventually, make_config
 
 

@@ -19,10 +19,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from layered_cache._codec import Codec
+from layered_cache._config import load_config
+from layered_cache._warm import JsonlReader, Progress, Warmer
 from layered_cache.cli import main
-from layered_cache.codec import Codec
-from layered_cache.config import load_config
-from layered_cache.warm import JsonlReader, Progress, Warmer
 from tests.helpers import make_config, open_cache
 from tests.servers import RedisClusterServers, RedisServer, free_port
 
@@ -572,8 +572,8 @@ def test_inspect_of_a_key_of_another_redis_type_exits_2_naming_it(
 
 
 async def test_cli_key_reads_go_through_the_stores_breaker(redis_url: str, prefix: str) -> None:
+    from layered_cache._l2 import L2Unavailable
     from layered_cache.cli.reads import KeyReads
-    from layered_cache.l2 import L2Unavailable
 
     async with open_cache(make_config(redis_url, prefix)) as cache:
         reads = KeyReads(cache._store)

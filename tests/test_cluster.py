@@ -17,7 +17,7 @@ import redis.asyncio as redis
 from redis.crc import key_slot
 
 from layered_cache import Config, LayeredCache
-from layered_cache.keys import lease_name, replica_names
+from layered_cache._keys import lease_name, replica_names
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.test_hotkeys import run_invalidation_interleavings
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from layered_cache import ConfigError, load_config, parse_config
-from layered_cache.config import ConfigWarning, HotConfig, L1Config, parse_duration, parse_rate
+from layered_cache._config import ConfigWarning, HotConfig, L1Config, parse_duration, parse_rate
 
 FULL = """
 [redis]

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from consumers.daemon import Daemon
 from layered_cache import ConfigError, LayeredCache, load_config
-from layered_cache.config import Duration, L2Config
-from layered_cache.keys import lease_name, replica_record_name
+from layered_cache._config import Duration, L2Config
+from layered_cache._keys import lease_name, replica_record_name
 from tests.helpers import CountingLoader, make_config
 
 RUN = uuid.uuid4().hex[:6]

@@ -26,9 +26,9 @@ from aiokafka.structs import TopicPartition
 
 from consumers import Daemon
 from layered_cache import Config, LayeredCache
-from layered_cache.events import BookPriceChanged, encode_event
-from layered_cache.keys import lease_name, replica_names
-from layered_cache.l1 import MISSING
+from layered_cache._events import BookPriceChanged, encode_event
+from layered_cache._keys import lease_name, replica_names
+from layered_cache._l1 import MISSING
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import FAST_GROUP_KWARGS, RedisServer, create_topic
 
@@ -567,7 +567,7 @@ async def _deleted_at_least(left: Any, total: int, count: int) -> bool:
 
 
 def test_kafka_security_settings_are_passed_through() -> None:
-    from layered_cache.config import KafkaConfig
+    from layered_cache._config import KafkaConfig
     from layered_cache.daemon.kafka import consumer_kwargs, producer_kwargs
 
     kafka = KafkaConfig(

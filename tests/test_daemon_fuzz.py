@@ -32,9 +32,9 @@ from confluent_kafka import TopicPartition as RdTopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layered_cache.config import Config
+from layered_cache._config import Config
+from layered_cache._events import EventDecoder, PoisonEvent
 from layered_cache.daemon import Daemon
-from layered_cache.events import EventDecoder, PoisonEvent
 from tests.servers import create_topic
 from tests.test_daemon import daemon_config
 

@@ -24,10 +24,10 @@ import pytest
 import redis.asyncio as aioredis
 import structlog
 
-from layered_cache.config import Config
+from layered_cache._config import Config
+from layered_cache._logs import FORMAT_ENV, SALT_ENV, redact_key, reset_logging
 from layered_cache.daemon import Daemon
 from layered_cache.daemon.main import setup_logging
-from layered_cache.logs import FORMAT_ENV, SALT_ENV, redact_key, reset_logging
 from tests.helpers import eventually, make_config
 from tests.servers import KafkaBroker, create_topic, free_port
 from tests.test_daemon import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layered_cache.backoff import Backoff
+from layered_cache._backoff import Backoff
 from layered_cache.daemon.metrics import COUNTER_METRICS, DaemonMetrics
 from layered_cache.daemon.stats import COUNTERS, DaemonStats
 
@@ -68,10 +68,10 @@ def test_backoff_doubles_to_the_cap_with_half_jitter_and_resets() -> None:
 
 def test_one_of_each_the_daemon_has_no_wiring_backoff_or_logging_setup_of_its_own() -> None:
     """Redis clients come from clients.make_client/with_timeout, delays from
-    layered_cache.backoff, logging from logs.configure_logging: no second copy."""
+    layered_cache._backoff, logging from logs.configure_logging: no second copy."""
     root = Path(__file__).resolve().parent.parent
     sources = [*root.glob("layered_cache/daemon/*.py"), *root.glob("consumers/*.py")]
-    sources.append(root / "layered_cache" / "backplane.py")
+    sources.append(root / "layered_cache" / "_backplane.py")
     forbidden = (
         "from_url(",
         "redis.asyncio",

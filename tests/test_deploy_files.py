@@ -16,7 +16,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from layered_cache import load_config, parse_config
-from layered_cache.config import ENV_OVERRIDES
+from layered_cache._config import ENV_OVERRIDES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -133,7 +133,7 @@ def test_configmap_config_validates() -> None:
 def test_example_configs_agree_on_key_names() -> None:
     """The example files describe one bookstore: the same key templates, replica counts
     and backplane stream, so copying any of them keeps daemon and services in step."""
-    from layered_cache.policy import compile_policy
+    from layered_cache._policy import compile_policy
 
     def names(config: Any) -> dict[str, tuple[str, int]]:
         return {

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from layered_cache import ConfigError, parse_config
-from layered_cache.config import Config
-from layered_cache.events import (
+from layered_cache._config import Config
+from layered_cache._events import (
     BookPriceChanged,
     CacheInvalidate,
     EventDecoder,
@@ -18,7 +18,7 @@ from layered_cache.events import (
     encode_event,
     unique_targets,
 )
-from layered_cache.policy import compile_policy
+from layered_cache._policy import compile_policy
 
 
 def config(events: list[dict[str, Any]] | None = None, **kafka: Any) -> Config:

@@ -33,7 +33,7 @@ def test_the_daemon_without_its_extra_is_an_import_error_naming_the_extra(missin
     result = run_without([missing], "from layered_cache.daemon import Daemon")
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("layered_cache.extras.MissingExtraError:"), result.stderr
+    assert last.startswith("layered_cache._extras.MissingExtraError:"), result.stderr
     assert "pip install 'layered-cache[daemon]'" in last and missing in last
 
 
@@ -70,8 +70,8 @@ def test_the_daemon_command_without_its_extra_is_one_line_and_exit_2(tmp_path: P
 
 def test_the_library_imports_without_any_extra() -> None:
     code = (
-        "import layered_cache, layered_cache.cache, layered_cache.cli, layered_cache.sync\n"
-        "import layered_cache.backplane, layered_cache.logs, layered_cache.daemon.main\n"
+        "import layered_cache, layered_cache._cache, layered_cache.cli, layered_cache.sync\n"
+        "import layered_cache._backplane, layered_cache._logs, layered_cache.daemon.main\n"
         "print('ok')\n"
     )
     result = run_without(["aiokafka", "cramjam", "prometheus_client"], code)

@@ -11,8 +11,8 @@ from typing import Any
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
-from layered_cache.hotkeys import HotKeyDetector
-from layered_cache.keys import replica_names
+from layered_cache._hotkeys import HotKeyDetector
+from layered_cache._keys import replica_names
 from tests.helpers import CountingLoader, eventually, make_config
 
 # chi-square critical value, 7 degrees of freedom (8 replicas), p = 0.0001

@@ -18,8 +18,8 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 
 from layered_cache import L2Unavailable, LayeredCache, ReplicaCountMismatch
-from layered_cache.keys import replica_record_name
-from layered_cache.l1 import MISSING
+from layered_cache._keys import replica_record_name
+from layered_cache._l1 import MISSING
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer

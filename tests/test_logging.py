@@ -13,8 +13,8 @@ import redis.asyncio as redis
 import structlog
 
 from layered_cache import LayeredCache
-from layered_cache.config import LoggingConfig
-from layered_cache.logs import configure_logging, mask_url_credentials, redact_key, reset_logging
+from layered_cache._config import LoggingConfig
+from layered_cache._logs import configure_logging, mask_url_credentials, redact_key, reset_logging
 from tests.helpers import CountingLoader, make_config
 from tests.servers import free_port
 

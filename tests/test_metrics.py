@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from layered_cache import LayeredCache
+from layered_cache._tracing import SPAN_NAME, instrument
 from layered_cache.prometheus import register_cache, render_metrics, unregister_cache
-from layered_cache.tracing import SPAN_NAME, instrument
 from tests.helpers import CountingLoader, make_config
 
 

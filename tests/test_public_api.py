@@ -28,6 +28,7 @@ PUBLIC_NAMES = [
     "instrument",
     "load_config",
     "parse_config",
+    "redact_event",
 ]
 # Modules users import by name: the sync facade, and the two with optional extras.
 PUBLIC_MODULES = {"cli", "daemon", "prometheus", "sync"}

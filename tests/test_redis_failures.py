@@ -43,7 +43,7 @@ async def test_an_attribute_error_from_our_own_code_surfaces_as_the_bug_it_is(
     config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
     loader = CountingLoader("db")
     async with LayeredCache.from_config(config) as cache:
-        cache._store.client.get = _raising_in_module("layered_cache.l2")  # type: ignore[method-assign]
+        cache._store.client.get = _raising_in_module("layered_cache._l2")  # type: ignore[method-assign]
         with pytest.raises(AttributeError, match="writelines"):
             await cache.get_or_load("book", {"id": 1}, loader)
         assert cache.stats()["book"]["redis_error"] == 0

@@ -20,16 +20,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layered_cache import ConfigError, LayeredCache, cli, load_config, parse_config
-from layered_cache.config import LoggingConfig
-from layered_cache.daemon.main import main as daemon_main
-from layered_cache.logs import configure_logging, reset_logging
-from layered_cache.redact import (
+from layered_cache._config import LoggingConfig
+from layered_cache._logs import configure_logging, reset_logging
+from layered_cache._redact import (
     forget_secrets,
     redact,
     redact_url,
     remember_secret,
     remember_url_secrets,
 )
+from layered_cache.daemon.main import main as daemon_main
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import free_port
 

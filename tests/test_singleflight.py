@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from layered_cache.singleflight import SingleFlight
+from layered_cache._singleflight import SingleFlight
 
 
 async def test_concurrent_callers_share_one_call() -> None:

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from layered_cache import LayeredCache
-from layered_cache.xfetch import should_refresh_early
+from layered_cache._xfetch import should_refresh_early
 from tests.helpers import CountingLoader, eventually, make_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,8 +37,7 @@ from starlette.routing import Route
 
 from examples.bookstore.db import Database, open_database, parse_price
 from examples.bookstore.models import BookDetail, PriceUpdate, StockUpdate
-from layered_cache import Config, LayeredCache, parse_config
-from layered_cache.events import BookPriceChanged, encode_event
+from layered_cache import BookPriceChanged, Config, LayeredCache, encode_event, parse_config
 
 # /metrics: the Prometheus exporter when the library ships one, else a JSON dump of
 # cache.stats(). Decided once, at import, so a scrape never pays for the check.

@@ -26,10 +26,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from layered_cache._logs import configure_logging
+from layered_cache._redact import redact
 from layered_cache.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, CliError, load, parse_fields
 from layered_cache.cli.parser import Handler, build_parser
-from layered_cache.logs import configure_logging
-from layered_cache.redact import redact
 
 __all__ = ["CliError", "build_parser", "main", "parse_fields"]
 

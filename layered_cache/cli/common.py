@@ -14,11 +14,11 @@ from typing import Any, TextIO, TypeVar
 import msgspec
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 
-from layered_cache.cache import LayeredCache
-from layered_cache.config import Config, ConfigError, load_config
-from layered_cache.l2 import L2Unavailable
-from layered_cache.policy import Policy
-from layered_cache.redact import redact, redact_data
+from layered_cache._cache import LayeredCache
+from layered_cache._config import Config, ConfigError, load_config
+from layered_cache._l2 import L2Unavailable
+from layered_cache._policy import Policy
+from layered_cache._redact import redact, redact_data
 
 __all__ = [
     "EXIT_ERROR",

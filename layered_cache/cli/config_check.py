@@ -13,8 +13,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from layered_cache.cli.common import format_duration, load, print_json
-from layered_cache.config import (
+from layered_cache._config import (
     Config,
     Duration,
     HotConfig,
@@ -23,7 +22,8 @@ from layered_cache.config import (
     NamespaceConfig,
     Rate,
 )
-from layered_cache.redact import redact, redact_url
+from layered_cache._redact import redact, redact_url
+from layered_cache.cli.common import format_duration, load, print_json
 
 __all__ = [
     "CachedNamespace",

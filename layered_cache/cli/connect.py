@@ -20,12 +20,12 @@ from typing import Any
 import msgspec
 from redis.crc import key_slot
 
-from layered_cache.cache import LayeredCache
+from layered_cache._cache import LayeredCache
+from layered_cache._config import Config
+from layered_cache._l2 import L2Store
+from layered_cache._redact import redact_url
+from layered_cache._wiring import build_parts
 from layered_cache.cli.common import CliError, why
-from layered_cache.config import Config
-from layered_cache.l2 import L2Store
-from layered_cache.redact import redact_url
-from layered_cache.wiring import build_parts
 
 __all__ = [
     "Masters",

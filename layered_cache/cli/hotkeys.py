@@ -15,13 +15,13 @@ from typing import TextIO
 
 import msgspec
 
+from layered_cache._config import Config, HotConfig
+from layered_cache._hotreport import fleet_hot_keys
+from layered_cache._keys import replica_names
+from layered_cache._policy import Policy
 from layered_cache.cli.common import load, print_json, run
 from layered_cache.cli.connect import Session, connected
 from layered_cache.cli.reads import KeyReads
-from layered_cache.config import Config, HotConfig
-from layered_cache.hotreport import fleet_hot_keys
-from layered_cache.keys import replica_names
-from layered_cache.policy import Policy
 
 __all__ = ["DetectedHotKey", "HotKeysReport", "NamespaceHotKeys", "StaticHotKey", "cmd_hotkeys"]
 

@@ -17,6 +17,9 @@ from typing import TextIO
 
 import msgspec
 
+from layered_cache._codec import CodecError, decode_meta
+from layered_cache._config import Config
+from layered_cache._keys import lease_name, replica_names
 from layered_cache.cli.common import (
     format_ms,
     iso,
@@ -29,9 +32,6 @@ from layered_cache.cli.common import (
 )
 from layered_cache.cli.connect import degraded_ok, key_on_dead_master, on_dead
 from layered_cache.cli.reads import KeyReads
-from layered_cache.codec import CodecError, decode_meta
-from layered_cache.config import Config
-from layered_cache.keys import lease_name, replica_names
 
 __all__ = [
     "BaseReport",

@@ -12,6 +12,11 @@ from typing import TextIO
 
 import msgspec
 
+from layered_cache._config import Config
+from layered_cache._keys import backplane_stream_name, lease_name, replica_names
+from layered_cache._l2 import L2Unavailable
+from layered_cache._redact import redact
+from layered_cache._replicas import delete_phases
 from layered_cache.cli.common import CliError, load, parse_fields, policy_of, run
 from layered_cache.cli.connect import (
     Masters,
@@ -22,11 +27,6 @@ from layered_cache.cli.connect import (
     still_working,
 )
 from layered_cache.cli.reads import KeyReads
-from layered_cache.config import Config
-from layered_cache.keys import backplane_stream_name, lease_name, replica_names
-from layered_cache.l2 import L2Unavailable
-from layered_cache.redact import redact
-from layered_cache.replicas import delete_phases
 
 __all__ = ["InvalidateReport", "cmd_invalidate"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from layered_cache._clients import REDIS_FAILURES
+from layered_cache._l2 import L2Store, L2Unavailable, is_key_error
 from layered_cache.cli.common import CliError
-from layered_cache.clients import REDIS_FAILURES
-from layered_cache.l2 import L2Store, L2Unavailable, is_key_error
 
 __all__ = ["KeyReads"]
 

@@ -1,7 +1,7 @@
 """``layered-cache warm NAMESPACE --from FILE.jsonl --config FILE [--concurrency N]
 [--start-line K]``: bulk fill a namespace through ``cache.set``.
 
-The streaming, the bounded concurrency and the resume line are ``layered_cache.warm``'s;
+The streaming, the bounded concurrency and the resume line are ``layered_cache._warm``'s;
 this module turns its ``WarmReport`` into the summary, the failure list and the exit
 code, and routes Ctrl-C to the warmer so it can stop with a summary.
 """
@@ -18,6 +18,16 @@ from typing import BinaryIO, TextIO
 
 import msgspec
 
+from layered_cache._config import Config
+from layered_cache._redact import redact
+from layered_cache._warm import (
+    STOPPED_BY_SIGINT,
+    JsonlReader,
+    Progress,
+    Warmer,
+    WarmReport,
+    file_size,
+)
 from layered_cache.cli.common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -28,16 +38,6 @@ from layered_cache.cli.common import (
     run,
 )
 from layered_cache.cli.connect import connected
-from layered_cache.config import Config
-from layered_cache.redact import redact
-from layered_cache.warm import (
-    STOPPED_BY_SIGINT,
-    JsonlReader,
-    Progress,
-    Warmer,
-    WarmReport,
-    file_size,
-)
 
 __all__ = ["WarmArgs", "cmd_warm"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from layered_cache.extras import missing_extra
+from layered_cache._extras import missing_extra
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
 

@@ -15,9 +15,9 @@ import msgspec
 import structlog
 from aiokafka.structs import TopicPartition
 
+from layered_cache._events import EventDecoder, PoisonEvent, Target
 from layered_cache.daemon.dlq import Poison, cap_text
 from layered_cache.daemon.stats import DaemonStats
-from layered_cache.events import EventDecoder, PoisonEvent, Target
 
 __all__ = ["Batch", "account", "decode_batch"]
 

@@ -31,7 +31,8 @@ from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
-from layered_cache.config import Config
+from layered_cache._config import Config
+from layered_cache._events import EventDecoder, unique_targets
 from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import dead_letter
@@ -40,7 +41,6 @@ from layered_cache.daemon.kafka import KafkaClients
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
-from layered_cache.events import EventDecoder, unique_targets
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
 

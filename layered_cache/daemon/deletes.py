@@ -10,14 +10,14 @@ import contextlib
 
 import structlog
 
-from layered_cache.backplane import BackplanePublisher
-from layered_cache.breaker import CircuitBreaker
-from layered_cache.clients import REDIS_FAILURES, RedisClient, make_client, with_timeout
-from layered_cache.config import Config
+from layered_cache._backplane import BackplanePublisher
+from layered_cache._breaker import CircuitBreaker
+from layered_cache._clients import REDIS_FAILURES, RedisClient, make_client, with_timeout
+from layered_cache._config import Config
+from layered_cache._invalidation import Invalidator, check_replica_counts, replica_counts
+from layered_cache._keys import backplane_stream_name
+from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache.daemon.stats import DaemonStats
-from layered_cache.invalidation import Invalidator, check_replica_counts, replica_counts
-from layered_cache.keys import backplane_stream_name
-from layered_cache.l2 import L2Store, L2Unavailable
 
 __all__ = ["DELETE_FAILURES", "Deleter"]
 

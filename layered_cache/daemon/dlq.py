@@ -35,7 +35,7 @@ from aiokafka.errors import (
     RecordTooLargeError,
 )
 
-from layered_cache.config import KafkaConfig
+from layered_cache._config import KafkaConfig
 from layered_cache.daemon.stats import DaemonStats
 
 __all__ = [

@@ -10,7 +10,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.helpers import create_ssl_context
 
-from layered_cache.config import KafkaConfig
+from layered_cache._config import KafkaConfig
 
 __all__ = [
     "FETCH_MAX_WAIT_MS",

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from layered_cache.config import Config, ConfigError, load_config
-from layered_cache.extras import missing_extra
-from layered_cache.invalidation import ReplicaCountMismatch
-from layered_cache.logs import FORMAT_ENV, configure_logging
-from layered_cache.redact import redact
+from layered_cache._config import Config, ConfigError, load_config
+from layered_cache._extras import missing_extra
+from layered_cache._invalidation import ReplicaCountMismatch
+from layered_cache._logs import FORMAT_ENV, configure_logging
+from layered_cache._redact import redact
 
 if TYPE_CHECKING:
     from layered_cache.daemon.core import Daemon

@@ -1,6 +1,6 @@
 """The daemon's two retry loops: reaching the broker at start, and finishing a batch.
 
-Both draw their delays from ``layered_cache.backoff.Backoff`` (the one backoff of the
+Both draw their delays from ``layered_cache._backoff.Backoff`` (the one backoff of the
 library and the daemon) and wait with ``asyncio.wait_for(stopping.wait(), delay)``, so
 ``stop()`` ends a wait at once instead of after the delay. Everything here runs on the
 daemon's event loop; ``retrying`` and ``abandon`` are plain attributes read and written
@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from layered_cache.backoff import Backoff
+from layered_cache._backoff import Backoff
 from layered_cache.daemon.dlq import cap_text
 from layered_cache.daemon.stats import DaemonStats
 

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layered_cache import LayeredCache
-from layered_cache.backplane import BackplanePublisher, parse_id
-from layered_cache.breaker import CircuitBreaker
-from layered_cache.clients import REDIS_FAILURES, make_client
-from layered_cache.config import Config
-from layered_cache.invalidation import Invalidator
-from layered_cache.keys import replica_names
-from layered_cache.l2 import L2Store, L2Unavailable
+from layered_cache._backplane import BackplanePublisher, parse_id
+from layered_cache._breaker import CircuitBreaker
+from layered_cache._clients import REDIS_FAILURES, make_client
+from layered_cache._config import Config
+from layered_cache._invalidation import Invalidator
+from layered_cache._keys import replica_names
+from layered_cache._l2 import L2Store, L2Unavailable
 from tests.explorer.history import History, Read, Write
 from tests.explorer.scheduler import PROBE, Probe, Scheduler
 from tests.helpers import make_config

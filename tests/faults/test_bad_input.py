@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layered_cache import LayeredCache
-from layered_cache.events import EventDecoder, PoisonEvent
+from layered_cache._events import EventDecoder, PoisonEvent
 from tests.helpers import CountingLoader, make_config
 
 CONFIG = make_config(

@@ -18,8 +18,8 @@ from redis.exceptions import RedisError
 
 from consumers import Daemon
 from layered_cache import LayeredCache
-from layered_cache.events import BookPriceChanged, encode_event
-from layered_cache.keys import lease_name, replica_names
+from layered_cache._events import BookPriceChanged, encode_event
+from layered_cache._keys import lease_name, replica_names
 from layered_cache.prometheus import register_cache
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisClusterServers, create_topic

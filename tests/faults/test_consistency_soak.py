@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaProducer
 
 from consumers import Daemon
 from layered_cache import LayeredCache
-from layered_cache.events import BookPriceChanged, encode_event
+from layered_cache._events import BookPriceChanged, encode_event
 from tests.helpers import eventually, make_config
 from tests.servers import create_topic
 

@@ -15,16 +15,17 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from layered_cache import envelopes, replicas
-from layered_cache.clients import REDIS_FAILURES
-from layered_cache.codec import Codec, Envelope
-from layered_cache.keys import replica_name
-from layered_cache.l1 import MISSING
-from layered_cache.l2 import L2Unavailable
-from layered_cache.miss import MissPath, Read
-from layered_cache.policy import Policy
-from layered_cache.refresh import Refresher
-from layered_cache.runtime import Runtime
+from layered_cache import _envelopes as envelopes
+from layered_cache import _replicas as replicas
+from layered_cache._clients import REDIS_FAILURES
+from layered_cache._codec import Codec, Envelope
+from layered_cache._keys import replica_name
+from layered_cache._l1 import MISSING
+from layered_cache._l2 import L2Unavailable
+from layered_cache._miss import MissPath, Read
+from layered_cache._policy import Policy
+from layered_cache._refresh import Refresher
+from layered_cache._runtime import Runtime
 
 __all__ = ["Namespace"]
 

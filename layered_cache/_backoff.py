@@ -1,6 +1,6 @@
 """Capped exponential backoff with jitter: the one retry delay of the library and the daemon.
 
-Used by the backplane listener's reconnect (``layered_cache.backplane``) and by the
+Used by the backplane listener's reconnect (``layered_cache._backplane``) and by the
 daemon's broker connect and Redis / dead-letter retries (``layered_cache.daemon.retry``).
 
 Why a dozen hand-written lines instead of stamina or tenacity (measured on this

@@ -7,13 +7,9 @@ compare-and-write sees a missing lease) and each replica's own lease ``{key#i}:l
 Only then are the keys appended to the backplane stream: an instance that drops its L1
 copy on that message can only refill from the new L2 state.
 
-Order matters for replicas (stale-set safety of hot fills, see ``LayeredCache._fill``):
-phase 1 deletes the base key with its lease, phase 2 - strictly afterwards - every
-replica with its replica lease. A fill whose lease check on the base key succeeded did so
-before phase 1, and it reserved its replica leases before that check, so phase 2 deletes
-those reservations and any replica written under them. Each phase is one pipelined round
-trip per node (in a cluster: one DEL per slot, a key and its lease in one command); on a
-single node both phases are one atomic DEL.
+Replicas are deleted in two phases, base first (why: ``_replicas.py``). Each phase is
+one pipelined round trip per node (in a cluster: one DEL per slot, a key and its lease
+in one command); on a single node both phases are one atomic DEL.
 
 Idempotent: deleting missing names is harmless, so at-least-once delivery is fine.
 
@@ -28,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from layered_cache.backplane import BackplanePublisher
-from layered_cache.clients import RedisClient
-from layered_cache.config import Config
-from layered_cache.keys import replica_record_name
-from layered_cache.l2 import L2Store
-from layered_cache.policy import compile_policy
-from layered_cache.replicas import delete_phases
+from layered_cache._backplane import BackplanePublisher
+from layered_cache._clients import RedisClient
+from layered_cache._config import Config
+from layered_cache._keys import replica_record_name
+from layered_cache._l2 import L2Store
+from layered_cache._policy import compile_policy
+from layered_cache._replicas import delete_phases
 
 __all__ = [
     "Invalidator",

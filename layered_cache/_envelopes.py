@@ -15,8 +15,8 @@ from typing import Any
 
 import structlog
 
-from layered_cache.codec import CodecError, Envelope
-from layered_cache.policy import Policy
+from layered_cache._codec import CodecError, Envelope
+from layered_cache._policy import Policy
 
 __all__ = ["decode", "encode", "recheck"]
 

@@ -20,10 +20,10 @@ from typing import Any, BinaryIO, TextIO
 
 import msgspec
 
-from layered_cache.cache import LayeredCache
-from layered_cache.l2 import L2Unavailable
-from layered_cache.policy import Policy
-from layered_cache.redact import redact
+from layered_cache._cache import LayeredCache
+from layered_cache._l2 import L2Unavailable
+from layered_cache._policy import Policy
+from layered_cache._redact import redact
 
 __all__ = ["Entry", "Failure", "JsonlReader", "Progress", "WarmReport", "Warmer"]
 

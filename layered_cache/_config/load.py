@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from layered_cache.config.checks import FIELD_MARK
-from layered_cache.config.deprecated import old_name_in_error, rename_old_stampede_key
-from layered_cache.config.env import apply_env
-from layered_cache.config.errors import ConfigError, ConfigWarning
-from layered_cache.config.schema import (
+from layered_cache._config.checks import FIELD_MARK
+from layered_cache._config.deprecated import old_name_in_error, rename_old_stampede_key
+from layered_cache._config.env import apply_env
+from layered_cache._config.errors import ConfigError, ConfigWarning
+from layered_cache._config.schema import (
     BackplaneConfig,
     Config,
     EventRoute,
@@ -31,9 +31,9 @@ from layered_cache.config.schema import (
     NamespaceConfig,
     RedisConfig,
 )
-from layered_cache.config.units import dec_hook
-from layered_cache.config.validate import check_cross_references
-from layered_cache.redact import remember_secret, remember_url_secrets
+from layered_cache._config.units import dec_hook
+from layered_cache._config.validate import check_cross_references
+from layered_cache._redact import remember_secret, remember_url_secrets
 
 __all__ = ["convert", "load_config", "parse_config"]
 
@@ -132,7 +132,7 @@ def _namespace(table: Any, path: str, source: str, deprecations: list[str]) -> N
 
 def _remember_secrets(data: Mapping[str, Any]) -> None:
     """Before any check can quote a value: every secret this config holds, whatever its
-    shape, is masked in all later output (see ``layered_cache.redact``)."""
+    shape, is masked in all later output (see ``layered_cache._redact``)."""
     redis_table = data.get("redis")
     if isinstance(redis_table, dict):
         remember_url_secrets(redis_table.get("url"))

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from layered_cache.keys import fill_channel
-from layered_cache.l2 import L2Store
-from layered_cache.notify import FillNotifier
+from layered_cache._keys import fill_channel
+from layered_cache._l2 import L2Store
+from layered_cache._notify import FillNotifier
 
 __all__ = ["LeaseResult", "LeaseWaiter", "new_token"]
 

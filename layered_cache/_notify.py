@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as redis
 import structlog
 
-from layered_cache.clients import REDIS_FAILURES
+from layered_cache._clients import REDIS_FAILURES
 
 __all__ = ["FillNotifier"]
 
@@ -87,7 +87,7 @@ class FillNotifier:
                 await self._reset()
                 raise
             if self._reader is None or self._reader.done():
-                self._reader = asyncio.create_task(self._read(), name="layered_cache.notify")
+                self._reader = asyncio.create_task(self._read(), name="layered_cache._notify")
 
     async def _remove(self, sub: _Subscription) -> None:
         async with self._lock:

@@ -31,9 +31,9 @@ invalidator that knows fewer replicas than a writer leaves some behind.
 
 from __future__ import annotations
 
-from layered_cache.keys import fill_channel, lease_name, replica_names
-from layered_cache.l2 import L2Store
-from layered_cache.stampede import LeaseWaiter
+from layered_cache._keys import fill_channel, lease_name, replica_names
+from layered_cache._l2 import L2Store
+from layered_cache._stampede import LeaseWaiter
 
 __all__ = ["copy_to_replicas", "delete_phases", "fill", "replica_leases", "set_plan", "write"]
 

@@ -1,6 +1,6 @@
 """Logging: structlog configured once for the whole process.
 
-    from layered_cache.logs import configure_logging
+    from layered_cache._logs import configure_logging
     configure_logging(config.logging)     # JSON lines in production, console in dev
 
 The format comes from ``logging.format`` ("json" or "console"); the environment variable
@@ -15,7 +15,7 @@ be correlated, but the key itself (an e-mail, a user id) never reaches the log. 
 can't be recovered by hashing guesses.
 
 Independently of key redaction, every value of every event (and the rendered traceback)
-goes through the one redaction rule of ``layered_cache.redact``: credentials in URLs of
+goes through the one redaction rule of ``layered_cache._redact``: credentials in URLs of
 any shape and every secret of the loaded config are masked, so a failing connect never
 logs a password.
 
@@ -34,8 +34,8 @@ from typing import Any, TextIO
 
 import structlog
 
-from layered_cache.config import LoggingConfig
-from layered_cache.redact import redact
+from layered_cache._config import LoggingConfig
+from layered_cache._redact import redact
 
 __all__ = [
     "FORMAT_ENV",

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from layered_cache.config.checks import (
+from layered_cache._config.checks import (
     LOG_LEVELS,
     AtLeastOne,
     NonEmpty,
@@ -21,9 +21,9 @@ from layered_cache.config.checks import (
     positive,
     url_problem,
 )
-from layered_cache.config.units import Duration, Rate
-from layered_cache.keys import RESERVED_SEGMENT, validate_prefix
-from layered_cache.redact import redact, redact_url
+from layered_cache._config.units import Duration, Rate
+from layered_cache._keys import RESERVED_SEGMENT, validate_prefix
+from layered_cache._redact import redact, redact_url
 
 __all__ = [
     "BackplaneConfig",

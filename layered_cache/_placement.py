@@ -13,8 +13,8 @@ import time
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-from layered_cache.clients import RedisClient
-from layered_cache.keys import replica_name
+from layered_cache._clients import RedisClient
+from layered_cache._keys import replica_name
 
 __all__ = ["ReplicaPlacement"]
 

@@ -7,17 +7,17 @@ bad value, then ``validate`` checks what spans tables. Durations and rates are p
 (``LAYERED_CACHE_REDIS_URL`` and friends, see ``env.ENV_OVERRIDES``) so the same file
 serves every deployment.
 
-Every name is re-exported here: callers import from ``layered_cache.config`` and need
+Every name is re-exported here: callers import from ``layered_cache._config`` and need
 not know which module holds what.
 """
 
 from __future__ import annotations
 
-from layered_cache.config.checks import LOG_LEVELS
-from layered_cache.config.env import ENV_OVERRIDES
-from layered_cache.config.errors import ConfigError, ConfigWarning
-from layered_cache.config.load import load_config, parse_config
-from layered_cache.config.schema import (
+from layered_cache._config.checks import LOG_LEVELS
+from layered_cache._config.env import ENV_OVERRIDES
+from layered_cache._config.errors import ConfigError, ConfigWarning
+from layered_cache._config.load import load_config, parse_config
+from layered_cache._config.schema import (
     BackplaneConfig,
     BreakerConfig,
     Config,
@@ -34,8 +34,8 @@ from layered_cache.config.schema import (
     StaleConfig,
     StampedeConfig,
 )
-from layered_cache.config.units import MAX_DURATION, Duration, Rate, parse_duration, parse_rate
-from layered_cache.config.validate import CACHE_INVALIDATE
+from layered_cache._config.units import MAX_DURATION, Duration, Rate, parse_duration, parse_rate
+from layered_cache._config.validate import CACHE_INVALIDATE
 
 __all__ = [
     "CACHE_INVALIDATE",

@@ -37,9 +37,9 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from layered_cache.breaker import CircuitBreaker
-from layered_cache.clients import REDIS_FAILURES, RedisClient, raised_in_redis_py
-from layered_cache.placement import ReplicaPlacement
+from layered_cache._breaker import CircuitBreaker
+from layered_cache._clients import REDIS_FAILURES, RedisClient, raised_in_redis_py
+from layered_cache._placement import ReplicaPlacement
 
 __all__ = ["L2Store", "L2Unavailable", "is_key_error"]
 
@@ -299,7 +299,7 @@ class L2Store:
 
         Replicas hash to different slots, so no single script can check the base key's
         lease and write them all; each replica is guarded by ``{key#i}:lease`` in its own
-        slot instead (see ``LayeredCache._fill`` for why that is enough). Cluster
+        slot instead (``_replicas.py`` explains why that is enough). Cluster
         pipelines refuse EVALSHA, so the script goes as EVAL: a hot fill is rare and
         Redis caches the compiled script by its SHA anyway.
         """

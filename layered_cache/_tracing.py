@@ -1,6 +1,6 @@
 """Optional OpenTelemetry spans around loads.
 
-    from layered_cache.tracing import instrument
+    from layered_cache._tracing import instrument
     instrument(cache)      # True if opentelemetry-api is installed, else False (no-op)
 
 Each loader call then runs inside a ``layered_cache.load`` span (attribute
@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layered_cache.cache import LayeredCache
+    from layered_cache._cache import LayeredCache
 
 __all__ = ["SPAN_NAME", "instrument", "load_tracer"]
 

@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from layered_cache.invalidation import Invalidator
-from layered_cache.l2 import L2Store
-from layered_cache.singleflight import SingleFlight
-from layered_cache.stampede import LeaseWaiter
+from layered_cache._invalidation import Invalidator
+from layered_cache._l2 import L2Store
+from layered_cache._singleflight import SingleFlight
+from layered_cache._stampede import LeaseWaiter
 
 __all__ = ["BackgroundTasks", "Hooks", "Loader", "Runtime"]
 
@@ -27,7 +27,7 @@ Loader = Callable[[], Awaitable[Any]]
 
 @dataclass(slots=True, eq=False)
 class Hooks:
-    """Instrumentation (``layered_cache.prometheus``, ``layered_cache.tracing``): called
+    """Instrumentation (``layered_cache.prometheus``, ``layered_cache._tracing``): called
     on loads and L2 reads only, never on an L1 hit; empty lists and None cost nothing."""
 
     load_observers: list[Callable[[str, float, bool], None]] = field(default_factory=list)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import structlog
 
-from layered_cache.clients import REDIS_FAILURES, RedisClient, is_redis_failure
-from layered_cache.keys import hot_report_name
+from layered_cache._clients import REDIS_FAILURES, RedisClient, is_redis_failure
+from layered_cache._keys import hot_report_name
 
 __all__ = ["HotKeyReporter", "fleet_hot_keys"]
 
@@ -45,7 +45,7 @@ class HotKeyReporter:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="layered_cache.hotreport")
+            self._task = asyncio.create_task(self._run(), name="layered_cache._hotreport")
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -6,7 +6,7 @@ raise them without importing one another.
 
 from __future__ import annotations
 
-from layered_cache.redact import redact
+from layered_cache._redact import redact
 
 __all__ = ["ConfigError", "ConfigWarning"]
 

@@ -17,7 +17,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
-from layered_cache.config import Duration, RedisConfig
+from layered_cache._config import Duration, RedisConfig
 
 __all__ = [
     "REDIS_FAILURES",

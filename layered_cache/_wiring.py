@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from layered_cache.backplane import BackplanePublisher
-from layered_cache.breaker import CircuitBreaker
-from layered_cache.clients import RedisClient, make_client, make_node_client, with_timeout
-from layered_cache.config import Config
-from layered_cache.keys import backplane_stream_name
-from layered_cache.l2 import L2Store
-from layered_cache.notify import FillNotifier
+from layered_cache._backplane import BackplanePublisher
+from layered_cache._breaker import CircuitBreaker
+from layered_cache._clients import RedisClient, make_client, make_node_client, with_timeout
+from layered_cache._config import Config
+from layered_cache._keys import backplane_stream_name
+from layered_cache._l2 import L2Store
+from layered_cache._notify import FillNotifier
 
 __all__ = ["CacheParts", "build_parts"]
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import msgspec
 
-from layered_cache.config import Config, EventRoute
-from layered_cache.keys import KeyTemplate
-from layered_cache.logs import SALT_ENV, redact_key
-from layered_cache.policy import compile_policy
+from layered_cache._config import Config, EventRoute
+from layered_cache._keys import KeyTemplate
+from layered_cache._logs import SALT_ENV, redact_key
+from layered_cache._policy import compile_policy
 
 __all__ = [
     "CACHE_INVALIDATE",

@@ -11,16 +11,16 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from layered_cache import replicas
-from layered_cache.codec import Envelope
-from layered_cache.keys import lease_name
-from layered_cache.l2 import L2Unavailable
-from layered_cache.miss import MissPath, Read
-from layered_cache.runtime import Runtime
-from layered_cache.xfetch import should_refresh_early
+from layered_cache import _replicas as replicas
+from layered_cache._codec import Envelope
+from layered_cache._keys import lease_name
+from layered_cache._l2 import L2Unavailable
+from layered_cache._miss import MissPath, Read
+from layered_cache._runtime import Runtime
+from layered_cache._xfetch import should_refresh_early
 
 if TYPE_CHECKING:  # the namespace owns its refresher: a cycle for types only
-    from layered_cache.namespace import Namespace
+    from layered_cache._namespace import Namespace
 
 __all__ = ["Refresher"]
 

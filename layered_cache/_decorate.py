@@ -13,7 +13,7 @@ import typing
 from collections.abc import Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
-from layered_cache.namespace import Namespace
+from layered_cache._namespace import Namespace
 
 __all__ = ["bind_key_fields", "cached"]
 

@@ -10,12 +10,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from layered_cache.codec import Codec
-from layered_cache.config import HotConfig, L1Config, L2Config, NamespaceConfig
-from layered_cache.hotkeys import HotKeyDetector
-from layered_cache.keys import KeyTemplate
-from layered_cache.l1 import L1Cache
-from layered_cache.metrics import NamespaceStats
+from layered_cache._codec import Codec
+from layered_cache._config import HotConfig, L1Config, L2Config, NamespaceConfig
+from layered_cache._hotkeys import HotKeyDetector
+from layered_cache._keys import KeyTemplate
+from layered_cache._l1 import L1Cache
+from layered_cache._stats import NamespaceStats
 
 __all__ = ["Policy", "compile_policy", "jittered"]
 

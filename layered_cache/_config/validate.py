@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from layered_cache.config.errors import ConfigError
-from layered_cache.config.schema import Config, HotConfig, L1Config, L2Config, NamespaceConfig
-from layered_cache.keys import KeyTemplate
+from layered_cache._config.errors import ConfigError
+from layered_cache._config.schema import Config, HotConfig, L1Config, L2Config, NamespaceConfig
+from layered_cache._keys import KeyTemplate
 
 __all__ = ["CACHE_INVALIDATE", "check_cross_references"]
 
-CACHE_INVALIDATE = "CacheInvalidate"  # the built-in event type (layered_cache.events)
+CACHE_INVALIDATE = "CacheInvalidate"  # the built-in event type (layered_cache._events)
 
 
 def check_cross_references(config: Config) -> list[str]:

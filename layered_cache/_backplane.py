@@ -19,13 +19,13 @@ import msgspec
 import structlog
 from redis.exceptions import RedisError
 
-from layered_cache.backoff import Backoff
-from layered_cache.clients import RedisClient, is_redis_failure
+from layered_cache._backoff import Backoff
+from layered_cache._clients import RedisClient, is_redis_failure
 
 __all__ = ["BackplaneListener", "BackplanePublisher", "parse_id"]
 
 _log = structlog.get_logger("layered_cache.backplane")
-# Reconnect delays: from 50 ms, doubling up to 2 s (jittered, see layered_cache.backoff).
+# Reconnect delays: from 50 ms, doubling up to 2 s (jittered, see layered_cache._backoff).
 _RECONNECT_BASE = 0.05
 _RECONNECT_CAP = 2.0
 
@@ -85,7 +85,7 @@ class BackplaneListener:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="layered_cache.backplane")
+            self._task = asyncio.create_task(self._run(), name="layered_cache._backplane")
 
     async def stop(self) -> None:
         """Cancel the reader. A task cancelled inside a blocking XREAD may not wake up

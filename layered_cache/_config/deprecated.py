@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from layered_cache.config.errors import ConfigError
+from layered_cache._config.errors import ConfigError
 
 __all__ = ["DEPRECATION", "NEW_NAME", "OLD_NAME", "old_name_in_error", "rename_old_stampede_key"]
 
