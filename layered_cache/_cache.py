@@ -76,7 +76,7 @@ class LayeredCache:
             for name, ns in config.namespaces.items()
         }
         for name, value_type in (value_types or {}).items():
-            self.namespace(name).declare_type(value_type, by="value_types")
+            self.namespace(name)._declare_type(value_type, by="value_types")
         self._backplane: BackplaneListener | None = None
         if parts.listener_client is not None and parts.stream is not None:
             self._backplane = BackplaneListener(
@@ -261,7 +261,7 @@ class LayeredCache:
         """An invalidation (local, or from the backplane: the daemon or another
         instance): every namespace drops the keys from L1 and detaches their loads."""
         for ns in self:
-            ns.forget(keys)
+            ns._forget(keys)
 
     def _forget_all(self) -> None:
         """This instance fell behind the backplane's retention: nothing in L1 is known

@@ -39,7 +39,7 @@ def bind_key_fields(
     if declared is None:
         declared = typing.get_type_hints(fn).get("return")
     if declared is not None:
-        namespace.declare_type(declared, by=fn.__qualname__)
+        namespace._declare_type(declared, by=fn.__qualname__)
     return signature
 
 

@@ -18,18 +18,17 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from layered_cache import _replicas as replicas
 from layered_cache._codec import Envelope
+from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
+from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
-
-if TYPE_CHECKING:  # the namespace owns its miss path: a cycle for types only
-    from layered_cache._namespace import Namespace
 
 __all__ = ["MissPath", "Read"]
 
@@ -50,9 +49,9 @@ class Read:
 
 
 class MissPath:
-    def __init__(self, namespace: Namespace, runtime: Runtime) -> None:
-        self._ns = namespace
-        self._policy = namespace.policy
+    def __init__(self, policy: Policy, fills: Fills, runtime: Runtime) -> None:
+        self._policy = policy
+        self._fills = fills
         self._rt = runtime
 
     async def load_under_lease(self, read: Read, loader: Loader) -> Any:
@@ -82,10 +81,10 @@ class MissPath:
 
     async def _wait_for_fill(self, read: Read) -> _Filled | str | None:
         """The winner's fill, our own lease (the winner gave up), or None (timeout)."""
-        policy, ns = self._policy, self._ns
+        policy, fills = self._policy, self._fills
 
         def usable(data: bytes | None) -> bool:
-            envelope = ns.decode(read.key, data)
+            envelope = fills.decode(read.key, data)
             return envelope is not None and self._rt.clock() < envelope.soft_expiry
 
         result = await self._rt.leases.wait_for_fill(
@@ -98,22 +97,22 @@ class MissPath:
         )
         if result.data is None:
             return result.token
-        envelope = ns.decode(read.key, result.data)
+        envelope = fills.decode(read.key, result.data)
         assert envelope is not None  # ``usable`` accepted it
         policy.stats.lease_wait_filled += 1
-        ns.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq)
+        fills.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq)
         return _Filled(envelope.value)
 
     async def _filled_meanwhile(self, read: Read, token: str) -> _Filled | None:
         """Double-check under the lease: the previous winner's fill script releases the
         lease as it writes, so a fill can land between our miss and our SET NX. Loading
         now would be a second load for the same expiry."""
-        filled = self._ns.recheck(await self._rt.store.get(read.key))
+        filled = self._fills.recheck(await self._rt.store.get(read.key))
         if filled is None or self._rt.clock() >= filled.soft_expiry:
             return None
         await self.release(read.key, token)
         self._policy.stats.lease_wait_filled += 1
-        self._ns.fill_l1(read.key, filled.value, filled.soft_expiry, read.seq)
+        self._fills.fill_l1(read.key, filled.value, filled.soft_expiry, read.seq)
         return _Filled(filled.value)
 
     async def load_and_fill(self, read: Read, token: str, loader: Loader) -> Any:
@@ -179,7 +178,7 @@ class MissPath:
             return await self._stale_or_raise(read, exc)
         if not self._policy.l2:
             return value  # no L2 layer: the loader's object is what every layer returns
-        encoded = self._ns.encode(read.key, value, 0.0, 0.0)
+        encoded = self._fills.encode(read.key, value, 0.0, 0.0)
         return value if encoded is None else encoded[1]  # the type an L2 hit returns
 
     async def _stale_or_raise(self, read: Read, exc: Exception) -> Any:
@@ -203,13 +202,13 @@ class MissPath:
         catches an invalidation already delivered by the backplane without a round trip.
         If Redis can't confirm, don't serve: an invalidated value is never a fallback."""
         stale = read.stale
-        if stale is None or not self._ns.within_stale(stale, self._rt.clock()):
+        if stale is None or not self._fills.within_stale(stale, self._rt.clock()):
             return False
         l1 = self._policy.l1
         if l1 is not None and read.seq is not None and l1.invalidated_since(read.key, read.seq):
             return False
         try:
-            current = self._ns.recheck(await self._rt.store.get(read.key))
+            current = self._fills.recheck(await self._rt.store.get(read.key))
         except L2Unavailable:
             return False
         return (
@@ -220,7 +219,7 @@ class MissPath:
 
     async def _fill(self, read: Read, token: str, value: Any, delta: float) -> Any:
         """Write L2 under the lease (base, then replicas for a hot key), then L1.
-        Returns the value as L2 readers will see it (see ``Namespace.encode``). Any
+        Returns the value as L2 readers will see it (see ``Fills.encode``). Any
         error releases the lease: other readers must not wait max_wait for nothing."""
         try:
             return await self._fill_under_lease(read, token, value, delta)
@@ -229,21 +228,21 @@ class MissPath:
             raise
 
     async def _fill_under_lease(self, read: Read, token: str, value: Any, delta: float) -> Any:
-        policy, ns, key = self._policy, self._ns, read.key
+        policy, fills, key = self._policy, self._fills, read.key
         soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
-        encoded = ns.encode(key, value, soft_expiry, delta)
+        encoded = fills.encode(key, value, soft_expiry, delta)
         if encoded is None:
             await self.release(key, token)
             return value
         data, value = encoded
-        hot = replicas.replica_leases(key, policy.replicas) if ns.is_hot(key) else []
+        hot = replicas.replica_leases(key, policy.replicas) if fills.is_hot(key) else []
         try:
             written = await replicas.fill(
                 self._rt.store,
                 key,
                 token,
                 data,
-                ns.redis_ttl_ms(soft_expiry),
+                fills.redis_ttl_ms(soft_expiry),
                 hot,
                 replicas.reserve_ms(policy.lease_ttl),
             )
@@ -254,7 +253,7 @@ class MissPath:
         if not written:
             policy.stats.fill_revoked += 1
             return value
-        ns.fill_l1(key, value, soft_expiry, read.seq)
+        fills.fill_l1(key, value, soft_expiry, read.seq)
         return value
 
     async def release(self, key: str, token: str, *, quietly: bool = True) -> None:

@@ -15,10 +15,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from layered_cache import _envelopes as envelopes
 from layered_cache import _replicas as replicas
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._codec import Codec, Envelope
+from layered_cache._fills import Fills
 from layered_cache._keys import replica_name
 from layered_cache._l1 import MISSING
 from layered_cache._l2 import L2Unavailable
@@ -32,7 +32,6 @@ __all__ = ["Namespace"]
 T = TypeVar("T")
 
 
-
 class Namespace:
     """The cache of one namespace. Get it with ``cache.namespace("book")``."""
 
@@ -40,15 +39,16 @@ class Namespace:
         self.name = policy.name
         self.policy = policy
         self._rt = runtime
-        self._miss = MissPath(self, runtime)
-        self._refresher = Refresher(self, self._miss, runtime)
+        self._fills = Fills(policy, runtime.clock)
+        self._miss = MissPath(policy, self._fills, runtime)
+        self._refresher = Refresher(policy, self._miss, runtime)
         self._type_declared_by = "value_types"
 
     def key(self, fields: Mapping[str, object]) -> str:
         """The full Redis key for these fields (validated)."""
         return self.policy.template.build(fields)
 
-    def declare_type(self, value_type: Any, *, by: str) -> None:
+    def _declare_type(self, value_type: Any, *, by: str) -> None:
         """Reads of this namespace decode L2 values into ``value_type``. One type per
         namespace: a second, different declaration is an error, not silently ignored
         (whichever came first would otherwise decide what every read returns)."""
@@ -109,14 +109,14 @@ class Namespace:
             return None
         read_seq = policy.l1.begin_read() if policy.l1 is not None else None
         try:
-            envelope = await self.read_l2(key)
+            envelope = await self._read_l2(key)
         except L2Unavailable:
             policy.stats.redis_error += 1
             return None
         if envelope is None or self._rt.clock() >= envelope.soft_expiry:
             return None
         policy.stats.l2_hit += 1
-        self.fill_l1(key, envelope.value, envelope.soft_expiry, read_seq)
+        self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read_seq)
         return envelope.value
 
     async def _fetch(self, key: str, loader: Callable[[], Awaitable[Any]]) -> Any:
@@ -125,7 +125,7 @@ class Namespace:
         envelope: Envelope[Any] | None = None
         if policy.l2:
             try:
-                envelope = await self.read_l2(key)
+                envelope = await self._read_l2(key)
             except L2Unavailable:
                 policy.stats.redis_error += 1
                 return await self._miss.load_unleased(read, loader)
@@ -133,17 +133,17 @@ class Namespace:
         if envelope is not None and now < envelope.soft_expiry:
             policy.stats.l2_hit += 1
             self._refresher.maybe_refresh_early(key, envelope, loader, now)
-            self.fill_l1(key, envelope.value, envelope.soft_expiry, read.seq)
+            self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read.seq)
             return envelope.value
         policy.stats.miss += 1
         if not policy.l2:
             value = await self._miss.load_unleased(read, loader)
-            self.fill_l1(key, value, None, read.seq)
+            self._fills.fill_l1(key, value, None, read.seq)
             return value
-        read.stale = envelope if self.within_stale(envelope, now) else None
+        read.stale = envelope if self._fills.within_stale(envelope, now) else None
         return await self._miss.load_under_lease(read, loader)
 
-    async def read_l2(self, key: str) -> Envelope[Any] | None:
+    async def _read_l2(self, key: str) -> Envelope[Any] | None:
         # One coroutine, no wrapper: every await level costs a resumption per hop on
         # the L2-hit path, which is measured against a raw GET.
         policy, store = self.policy, self._rt.store
@@ -166,7 +166,7 @@ class Namespace:
             elapsed = time.perf_counter() - started
             for observe in observers:
                 observe(policy.name, elapsed)
-        return self.decode(key, data)
+        return self._fills.decode(key, data)
 
     # -- writes ------------------------------------------------------------------------
 
@@ -191,15 +191,17 @@ class Namespace:
             # and then our value is superseded and must not sit in L1 for its TTL.
             read_seq = policy.l1.begin_read()
         if not policy.l2:
-            self.fill_l1(key, value, None, read_seq)
+            self._fills.fill_l1(key, value, None, read_seq)
             return
         soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
-        encoded = self.encode(key, value, soft_expiry, 0.0)
+        encoded = self._fills.encode(key, value, soft_expiry, 0.0)
         if encoded is None:
             return
         data, value = encoded
-        names, outdated = replicas.set_plan(key, policy.replicas, self.is_hot(key))
-        await replicas.write(self._rt.store, names, outdated, data, self.redis_ttl_ms(soft_expiry))
+        names, outdated = replicas.set_plan(key, policy.replicas, self._fills.is_hot(key))
+        await replicas.write(
+            self._rt.store, names, outdated, data, self._fills.redis_ttl_ms(soft_expiry)
+        )
         await self._announce_set(key)
         self._settle_after_set(key, value, soft_expiry, read_seq)
 
@@ -211,7 +213,7 @@ class Namespace:
             # copies: set() must not return as if the write had reached everyone (like
             # invalidate(), it raises). Our own L1 is left empty: reads here go to L2.
             self.policy.stats.redis_error += 1
-            self.forget([key])
+            self._forget([key])
             raise L2Unavailable(
                 f"set() wrote L2 but could not announce it on the backplane: "
                 f"{type(exc).__name__}: {exc}"
@@ -234,9 +236,9 @@ class Namespace:
         if superseded:
             self.policy.stats.l1_fill_discarded += 1
             return
-        self.fill_l1(key, value, soft_expiry, l1.begin_read())
+        self._fills.fill_l1(key, value, soft_expiry, l1.begin_read())
 
-    def forget(self, keys: list[str]) -> None:
+    def _forget(self, keys: list[str]) -> None:
         """Drop ``keys`` from L1 and detach their in-flight loads: a load that began
         before an invalidation may return the old value; callers arriving after it start
         a fresh load instead of joining it. The old load's own fills are refused anyway
@@ -245,41 +247,3 @@ class Namespace:
             self._rt.flight.forget(key)
         if self.policy.l1 is not None:
             self.policy.l1.discard(keys)
-
-    # -- helpers of the read and fill paths ----------------------------------------------
-
-    def decode(self, key: str, data: bytes | None) -> Envelope[Any] | None:
-        return envelopes.decode(self.policy, key, data)
-
-    def recheck(self, data: bytes | None) -> Envelope[Any] | None:
-        return envelopes.recheck(self.policy, data)
-
-    def encode(
-        self, key: str, value: Any, soft_expiry: float, delta: float
-    ) -> tuple[bytes, Any] | None:
-        """(envelope bytes, the value as L2 readers will decode it) or None: see
-        ``envelopes``."""
-        return envelopes.encode(self.policy, key, value, self._rt.clock(), soft_expiry, delta)
-
-    def fill_l1(
-        self, key: str, value: Any, soft_expiry: float | None, read_seq: int | None
-    ) -> None:
-        l1 = self.policy.l1
-        if l1 is None:
-            return
-        ttl = self.policy.l1_ttl_draw()
-        if soft_expiry is not None:
-            ttl = min(ttl, soft_expiry - self._rt.clock())  # never outlive L2's freshness
-        if not l1.put(key, value, ttl, read_seq) and ttl > 0:
-            self.policy.stats.l1_fill_discarded += 1
-
-    def redis_ttl_ms(self, soft_expiry: float) -> int:
-        """Hard expiry = soft expiry + the stale window the fail-safe may serve from."""
-        return max(1, int((soft_expiry - self._rt.clock() + self.policy.stale_max_age) * 1000))
-
-    def is_hot(self, key: str) -> bool:
-        policy = self.policy
-        return policy.hot is not None and policy.replicas > 0 and policy.hot.is_hot(key)
-
-    def within_stale(self, envelope: Envelope[Any] | None, now: float) -> bool:
-        return envelope is not None and now - envelope.soft_expiry <= self.policy.stale_max_age

@@ -9,25 +9,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from layered_cache import _replicas as replicas
 from layered_cache._codec import Envelope
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._miss import MissPath, Read
+from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 from layered_cache._xfetch import should_refresh_early
-
-if TYPE_CHECKING:  # the namespace owns its refresher: a cycle for types only
-    from layered_cache._namespace import Namespace
 
 __all__ = ["Refresher"]
 
 
 class Refresher:
-    def __init__(self, namespace: Namespace, miss: MissPath, runtime: Runtime) -> None:
-        self._policy = namespace.policy
+    def __init__(self, policy: Policy, miss: MissPath, runtime: Runtime) -> None:
+        self._policy = policy
         self._miss = miss
         self._rt = runtime
         self._refreshing: set[str] = set()  # keys with an XFetch refresh in flight here

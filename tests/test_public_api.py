@@ -71,6 +71,14 @@ def test_layered_cache_has_no_public_attribute_beyond_its_api() -> None:
     assert public == LAYERED_CACHE_METHODS - {"config"}  # config: set per instance
 
 
+NAMESPACE_METHODS = {"get", "get_or_load", "hot_keys", "key", "name", "policy", "set", "stats"}
+
+
+def test_a_namespace_has_no_public_attribute_beyond_its_api() -> None:
+    public = {name for name in dir(layered_cache.Namespace) if not name.startswith("_")}
+    assert public == NAMESPACE_METHODS - {"name", "policy"}  # set per instance
+
+
 def test_the_wheel_ships_py_typed_so_users_mypy_sees_the_annotations() -> None:
     package = Path(layered_cache.__file__).parent
     assert (package / "py.typed").is_file()
