@@ -8,10 +8,11 @@ keyed by namespace name. It owns no storage logic and no step of the read path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import msgspec
@@ -20,6 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from layered_cache import _decorate as decorate
 from layered_cache._backplane import BackplaneListener
+from layered_cache._batch import LoadMany
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._config import Config
 from layered_cache._hotreport import HotKeyReporter
@@ -69,6 +71,7 @@ class LayeredCache:
             invalidator=Invalidator(parts.store, parts.publisher),
             clock=clock,
             rand=rand,
+            admission=asyncio.Semaphore(config.redis.max_connections),
         )
         prefix = config.redis.prefix
         self._namespaces = {
@@ -193,6 +196,30 @@ class LayeredCache:
     def get(self, namespace: str, fields: Mapping[str, object]) -> Coroutine[Any, Any, Any]:
         """The cached value or None; never loads. Stale values count as absent."""
         return self.namespace(namespace).get(fields)
+
+    async def get_many(
+        self, namespace: str, fields_list: Sequence[Mapping[str, object]]
+    ) -> list[Any]:
+        """Values in order, None for a miss: L1, then one MGET (one pipelined round trip
+        per master in a cluster); never loads."""
+        return await self.namespace(namespace).get_many(fields_list)
+
+    async def get_or_load_many(
+        self,
+        namespace: str,
+        fields_list: Sequence[Mapping[str, object]],
+        load_many: LoadMany,
+    ) -> list[Any]:
+        """Values in order: L1, else L2, else one ``load_many(missing)`` call, which
+        returns one value per missing key, in order. Each missed key takes its lease
+        (one round trip for the batch); single-flight holds across batches."""
+        return await self.namespace(namespace).get_or_load_many(fields_list, load_many)
+
+    async def set_many(
+        self, namespace: str, items: Sequence[tuple[Mapping[str, object], Any]]
+    ) -> None:
+        """``set`` for many keys: one pipelined round trip, one backplane append."""
+        await self.namespace(namespace).set_many(items)
 
     async def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
         """Write L2 (base and replicas) and this instance's L1; other instances drop

@@ -41,7 +41,7 @@ from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import REDIS_FAILURES, RedisClient, raised_in_redis_py
 from layered_cache._placement import ReplicaPlacement
 
-__all__ = ["L2Store", "L2Unavailable", "is_key_error"]
+__all__ = ["L2Store", "L2Unavailable", "Write", "is_key_error"]
 
 FILL_SCRIPT = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then
@@ -106,6 +106,9 @@ def is_key_error(exc: BaseException) -> bool:
 _log = structlog.get_logger("layered_cache.l2")
 
 
+Write = tuple[Sequence[str], Sequence[str], bytes, int]  # (names, delete first, data, ms)
+
+
 class L2Unavailable(Exception):
     """Redis could not be used for this operation (error, timeout or breaker open)."""
 
@@ -148,7 +151,10 @@ class L2Store:
             breaker = self.node_breakers[node] = self.breaker.sibling(f"redis {node}")
         return breaker
 
-    async def _guard(self, operation: Any, name: str | None = None) -> Any:
+    async def guard(self, operation: Any, name: str | None = None) -> Any:
+        """Run ``operation`` under the breaker of the node holding ``name`` (shared for
+        multi-key operations) and the concurrency bound; any Redis failure becomes
+        ``L2Unavailable``."""
         breaker = self.breaker_for(name)
         if not breaker.allow():
             operation.close()
@@ -213,7 +219,7 @@ class L2Store:
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
         """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""
-        return bool(await self._guard(self.client.set(lease, token, nx=True, px=ttl_ms), lease))
+        return bool(await self.guard(self.client.set(lease, token, nx=True, px=ttl_ms), lease))
 
     async def fill(
         self,
@@ -227,33 +233,32 @@ class L2Store:
     ) -> bool:
         """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
         args: list[str | bytes | int] = [token, data, ttl_ms, channel, "1" if release else "0"]
-        return bool(await self._guard(self._fill(keys=[key, lease], args=args), key))
+        return bool(await self.guard(self._fill(keys=[key, lease], args=args), key))
 
     async def release(self, lease: str, token: str) -> bool:
         """Compare-and-delete; False means the lease was revoked or taken over."""
-        return bool(await self._guard(self._release(keys=[lease], args=[token]), lease))
+        return bool(await self.guard(self._release(keys=[lease], args=[token]), lease))
 
-    async def set_many(
-        self, names: Sequence[str], data: bytes, ttl_ms: int, delete_first: Sequence[str] = ()
-    ) -> None:
-        """SET the same value under several names, after deleting ``delete_first``, in
-        one pipeline. In a cluster redis-py splits it per node (each name may live in
-        another slot); commands to one node keep their order, so a DEL of a key's lease
-        (same slot as the key) still runs before the SET of the key.
+    async def write_many(self, writes: Sequence[Write]) -> None:
+        """Each ``(names, delete_first, data, ttl_ms)``: DEL ``delete_first``, then SET
+        ``names`` to ``data``, all in one pipeline. In a cluster redis-py splits it per
+        node; commands to one node keep their order, so a DEL of a key's lease (same
+        slot as the key) still runs before the SET of the key.
 
         On a single node the pipeline is a MULTI/EXEC transaction (same round trip):
         two concurrent set() calls of a hot key must not interleave their commands,
         or the base key could end with one writer's value and the replicas with the
         other's. A cluster can't make names of several slots atomic; there the
         replicas of concurrent writers may disagree until their TTL (docs/hotkeys.md)."""
-        if not names and not delete_first:
+        if not writes:
             return
         pipe = self.client.pipeline(transaction=not self.cluster)
-        for name in delete_first:
-            pipe.delete(name)  # single-key DELs: never one command across slots
-        for name in names:
-            pipe.set(name, data, px=ttl_ms)
-        await self._guard(pipe.execute())
+        for names, delete_first, data, ttl_ms in writes:
+            for name in delete_first:
+                pipe.delete(name)  # single-key DELs: never one command across slots
+            for name in names:
+                pipe.set(name, data, px=ttl_ms)
+        await self.guard(pipe.execute())
 
     async def delete(self, names: Sequence[str]) -> int:
         """Delete names in one round trip per node. Cross-slot names are never sent as
@@ -262,7 +267,7 @@ class L2Store:
         if not names:
             return 0
         if not self.cluster:
-            return int(await self._guard(self.client.delete(*names)))
+            return int(await self.guard(self.client.delete(*names)))
         # One DEL per slot: names sharing a slot (a key and its ``{key}:lease``) go in
         # one command, so they vanish in the same instant - a script checking the lease
         # can't run between the two deletes.
@@ -272,7 +277,7 @@ class L2Store:
         pipe = self.client.pipeline(transaction=False)
         for group in by_slot.values():
             pipe.execute_command("DEL", *group)
-        results = await self._guard(pipe.execute())
+        results = await self.guard(pipe.execute())
         return sum(int(result) for result in results)
 
     async def delete_in_order(self, groups: Sequence[Sequence[str]]) -> int:
@@ -308,17 +313,17 @@ class L2Store:
         pipe = self.client.pipeline(transaction=False)
         for name, lease in replicas:
             pipe.eval(FILL_SCRIPT, 2, name, lease, token, data, ttl_ms, "", "1")
-        results = await self._guard(pipe.execute())
+        results = await self.guard(pipe.execute())
         return sum(int(result) for result in results)
 
     async def read_under_lease(self, key: str, lease: str, token: str) -> tuple[bytes, int] | None:
         """``(value, pttl_ms)`` of ``key`` if ``token`` still held ``lease`` (which this
         releases), else None. Both names share a slot: one atomic script."""
-        result = await self._guard(self._read_under_lease(keys=[key, lease], args=[token]), key)
+        result = await self.guard(self._read_under_lease(keys=[key, lease], args=[token]), key)
         if not result:
             return None
         data, pttl = result
         return bytes(data), int(pttl)
 
     async def publish(self, channel: str, data: bytes) -> None:
-        await self._guard(self.client.publish(channel, data))
+        await self.guard(self.client.publish(channel, data))

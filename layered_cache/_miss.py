@@ -128,7 +128,7 @@ class MissPath:
         try:
             if read.stale is not None and policy.load_timeout is not None:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
-                if not done and await self._stale_usable(read):
+                if not done and await self.stale_usable(read):
                     policy.stats.stale_served += 1
                     _log.warning("load_timeout_serving_stale", namespace=policy.name, key=read.key)
                     self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
@@ -137,7 +137,7 @@ class MissPath:
         except Exception as exc:
             await self.release(read.key, token)
             return await self._stale_or_raise(read, exc)
-        return await self._fill(read, token, value, time.monotonic() - started)
+        return await self.fill(read, token, value, time.monotonic() - started)
 
     async def _finish_fill(
         self, read: Read, token: str, task: asyncio.Task[Any], started: float
@@ -149,7 +149,7 @@ class MissPath:
             return
         # The request's read.seq: an invalidation delivered while this slow load ran (or
         # between its L2 write and here) must keep it out of L1.
-        await self._fill(read, token, value, time.monotonic() - started)
+        await self.fill(read, token, value, time.monotonic() - started)
 
     async def call_loader(self, loader: Loader) -> Any:
         policy, hooks = self._policy, self._rt.hooks
@@ -182,7 +182,7 @@ class MissPath:
         return value if encoded is None else encoded[1]  # the type an L2 hit returns
 
     async def _stale_or_raise(self, read: Read, exc: Exception) -> Any:
-        if not await self._stale_usable(read):
+        if not await self.stale_usable(read):
             raise exc
         assert read.stale is not None
         self._policy.stats.stale_served += 1
@@ -194,7 +194,7 @@ class MissPath:
         )
         return read.stale.value
 
-    async def _stale_usable(self, read: Read) -> bool:
+    async def stale_usable(self, read: Read) -> bool:
         """Whether the fail-safe may serve ``read.stale``: within ``stale.max_age`` and
         not invalidated or overwritten since we read it. The load may have run for
         seconds, so "still the value in L2" is re-read (one GET, only on this fallback
@@ -217,7 +217,7 @@ class MissPath:
             and current.soft_expiry == stale.soft_expiry
         )
 
-    async def _fill(self, read: Read, token: str, value: Any, delta: float) -> Any:
+    async def fill(self, read: Read, token: str, value: Any, delta: float) -> Any:
         """Write L2 under the lease (base, then replicas for a hot key), then L1.
         Returns the value as L2 readers will see it (see ``Fills.encode``). Any
         error releases the lease: other readers must not wait max_wait for nothing."""

@@ -12,11 +12,10 @@ the order of steps and owns no Redis command.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from layered_cache import _replicas as replicas
-from layered_cache._clients import REDIS_FAILURES
+from layered_cache._batch import BatchPath, LoadMany
 from layered_cache._codec import Codec, Envelope
 from layered_cache._fills import Fills
 from layered_cache._keys import replica_name
@@ -26,6 +25,7 @@ from layered_cache._miss import MissPath, Read
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
+from layered_cache._writes import Writes
 
 __all__ = ["Namespace"]
 
@@ -42,6 +42,10 @@ class Namespace:
         self._fills = Fills(policy, runtime.clock)
         self._miss = MissPath(policy, self._fills, runtime)
         self._refresher = Refresher(policy, self._miss, runtime)
+        self._writes = Writes(policy, self._fills, runtime, self._forget)
+        self._batch = BatchPath(
+            policy, self._fills, self._miss, self._refresher, runtime, self.get_or_load
+        )
         self._type_declared_by = "value_types"
 
     def key(self, fields: Mapping[str, object]) -> str:
@@ -172,71 +176,26 @@ class Namespace:
 
     async def set(self, fields: Mapping[str, object], value: Any) -> None:
         """Write ``value`` to L2 (base and replicas) and this instance's L1; other
-        instances drop their L1 copy through the backplane.
+        instances drop their L1 copy through the backplane. Raises ``L2Unavailable``
+        if Redis fails (see ``_writes``)."""
+        await self._writes.set_many([(fields, value)])
 
-        Raises ``L2Unavailable`` if Redis fails, including when the value was written
-        but the backplane append failed: then other instances may still serve their old
-        L1 copy for its TTL, and returning normally would promise otherwise."""
-        policy = self.policy
-        key = policy.template.build(fields)
-        if not policy.cache:
-            return
-        policy.stats.set += 1
-        self._rt.flight.forget(key)
-        read_seq: int | None = None
-        if policy.l1 is not None:
-            policy.l1.discard([key])
-            # Like every other L1 fill: a remote set()/invalidate() of this key that
-            # reaches us (backplane) while our write is in flight tombstones the key,
-            # and then our value is superseded and must not sit in L1 for its TTL.
-            read_seq = policy.l1.begin_read()
-        if not policy.l2:
-            self._fills.fill_l1(key, value, None, read_seq)
-            return
-        soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
-        encoded = self._fills.encode(key, value, soft_expiry, 0.0)
-        if encoded is None:
-            return
-        data, value = encoded
-        names, outdated = replicas.set_plan(key, policy.replicas, self._fills.is_hot(key))
-        await replicas.write(
-            self._rt.store, names, outdated, data, self._fills.redis_ttl_ms(soft_expiry)
-        )
-        await self._announce_set(key)
-        self._settle_after_set(key, value, soft_expiry, read_seq)
+    async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
+        """``set`` for many keys: one pipelined round trip, one backplane append."""
+        await self._writes.set_many(items)
 
-    async def _announce_set(self, key: str) -> None:
-        try:
-            await self._rt.invalidator.announce([key])
-        except REDIS_FAILURES as exc:
-            # L2 holds our value, but the other instances were not told to drop their L1
-            # copies: set() must not return as if the write had reached everyone (like
-            # invalidate(), it raises). Our own L1 is left empty: reads here go to L2.
-            self.policy.stats.redis_error += 1
-            self._forget([key])
-            raise L2Unavailable(
-                f"set() wrote L2 but could not announce it on the backplane: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+    # -- batches (``_batch``) -------------------------------------------------------------
 
-    def _settle_after_set(
-        self, key: str, value: Any, soft_expiry: float, read_seq: int | None
-    ) -> None:
-        """After our write landed: a load of this key that began while it was in flight
-        may have read the value we replaced. Detach it (later callers must not join it)
-        and tombstone the key again (its L1 fill is refused), then fill L1 with our value
-        - unless a remote set()/invalidate() overtook ours meanwhile. No await in here:
-        nothing can run between the checks and the fill."""
-        self._rt.flight.forget(key)
-        l1 = self.policy.l1
-        if l1 is None:
-            return
-        superseded = read_seq is not None and l1.invalidated_since(key, read_seq)
-        l1.discard([key])
-        if superseded:
-            self.policy.stats.l1_fill_discarded += 1
-            return
-        self._fills.fill_l1(key, value, soft_expiry, l1.begin_read())
+    async def get_many(self, fields_list: Sequence[Mapping[str, object]]) -> list[Any]:
+        """Values in order, None for a miss; L1, then one MGET; never loads."""
+        return await self._batch.get_many(fields_list)
+
+    async def get_or_load_many(
+        self, fields_list: Sequence[Mapping[str, object]], load_many: LoadMany
+    ) -> list[Any]:
+        """Values in order: L1, else L2 (one MGET), else one ``load_many(missing)``
+        call that returns one value per missing key, in order."""
+        return await self._batch.get_or_load_many(fields_list, load_many)
 
     def _forget(self, keys: list[str]) -> None:
         """Drop ``keys`` from L1 and detach their in-flight loads: a load that began

@@ -31,11 +31,20 @@ invalidator that knows fewer replicas than a writer leaves some behind.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from layered_cache._keys import fill_channel, lease_name, replica_names
-from layered_cache._l2 import L2Store
+from layered_cache._l2 import L2Store, Write
 from layered_cache._stampede import LeaseWaiter
 
-__all__ = ["copy_to_replicas", "delete_phases", "fill", "replica_leases", "set_plan", "write"]
+__all__ = [
+    "copy_to_replicas",
+    "delete_phases",
+    "fill",
+    "replica_leases",
+    "set_plan",
+    "write_many",
+]
 
 
 def replica_leases(key: str, count: int) -> list[tuple[str, str]]:
@@ -66,15 +75,14 @@ def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:
     return names, outdated
 
 
-async def write(
-    store: L2Store, names: list[str], outdated: list[str], data: bytes, ttl: int
-) -> None:
-    """``set()``'s write: delete ``outdated``, then SET ``names`` (``ttl`` in ms)."""
-    if store.cluster and len(outdated) > 1:
-        # A cluster pipeline is not ordered across nodes: the base lease must be gone
-        # before any replica lease is, so it goes first, alone.
-        await store.delete([outdated[0]])
-    await store.set_many(names, data, ttl, delete_first=outdated)
+async def write_many(store: L2Store, writes: Sequence[Write]) -> None:
+    """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``)."""
+    revoking = [outdated[0] for _, outdated, _, _ in writes if len(outdated) > 1]
+    if store.cluster and revoking:
+        # A cluster pipeline is not ordered across nodes: the base leases must be gone
+        # before any replica lease is, so they go first, alone.
+        await store.delete(revoking)
+    await store.write_many(writes)
 
 
 async def fill(
@@ -90,7 +98,7 @@ async def fill(
     the base key (releasing the lease, waking waiters), then write the replicas under
     their reservations. Returns whether the base write happened (False: revoked)."""
     if replicas:
-        await store.set_many([lease for _, lease in replicas], token.encode(), reserve_ms)
+        await store.write_many([([lease for _, lease in replicas], (), token.encode(), reserve_ms)])
     written = await store.fill(
         key, lease_name(key), token, data, ttl_ms, fill_channel(key), release=True
     )
@@ -108,7 +116,8 @@ async def copy_to_replicas(
     if token is None:
         return  # a fill or another copy holds the lease; it writes the replicas
     replicas = replica_leases(key, count)
-    await store.set_many([lease for _, lease in replicas], token.encode(), reserve_ms(lease_ttl))
+    reserve = ([lease for _, lease in replicas], (), token.encode(), reserve_ms(lease_ttl))
+    await store.write_many([reserve])
     # Read value + PTTL and release the lease in one atomic step: if the lease is still
     # ours, no invalidation has run phase 1 yet.
     current = await store.read_under_lease(key, lease_name(key), token)

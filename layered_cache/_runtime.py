@@ -66,3 +66,10 @@ class Runtime:
     flight: SingleFlight[Any] = field(default_factory=SingleFlight)
     tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
     hooks: Hooks = field(default_factory=Hooks)
+    # Admission of writes (set, set_many): taken before a write's CPU work, not only
+    # around its Redis call. ``asyncio.gather`` of 10,000 set() calls otherwise runs
+    # every call's encoding in one event-loop pass before any connection is served,
+    # and the first connections' timeouts expire on the starved loop: a burst of our
+    # own making would open the breaker. Separate from ``L2Store.slots`` (taken
+    # inside): holders of this one never wait for it again, so the two can't deadlock.
+    admission: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(64))

@@ -67,3 +67,45 @@ class SingleFlight(Generic[T]):
         finally:
             if self._calls.get(key) is future:
                 del self._calls[key]
+
+    # -- batches: a leader claims many keys, then settles each --------------------------
+
+    def claim(
+        self, keys: list[str]
+    ) -> tuple[dict[str, asyncio.Future[T]], dict[str, asyncio.Future[T]]]:
+        """(futures of the keys now ours to load, futures of keys someone else is
+        loading). The caller must settle every future it got, whatever happens
+        (``settle`` each, ``settle_all`` on an error or a cancellation)."""
+        loop = asyncio.get_running_loop()
+        ours: dict[str, asyncio.Future[T]] = {}
+        theirs: dict[str, asyncio.Future[T]] = {}
+        for key in keys:
+            running = self._calls.get(key)
+            if running is not None:
+                theirs[key] = running
+            else:
+                ours[key] = self._calls[key] = loop.create_future()
+        return ours, theirs
+
+    def settle(self, key: str, future: asyncio.Future[T], result: T) -> None:
+        """Publish ``result`` to the joiners of our call for ``key``. After a forget()
+        (an invalidation), newer callers hold a newer call: only ours is resolved."""
+        if not future.done():
+            future.set_result(result)
+        self._release(key, future)
+
+    def settle_all(self, ours: dict[str, asyncio.Future[T]], error: BaseException) -> None:
+        """Fail every claimed call still open. A cancellation cancels them: their joiners
+        start over (as with a cancelled ``do`` leader) instead of seeing our cancel."""
+        for key, future in ours.items():
+            if not future.done():
+                if isinstance(error, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(error)
+                    future.exception()  # retrieved: joiners re-raise it
+            self._release(key, future)
+
+    def _release(self, key: str, future: asyncio.Future[T]) -> None:
+        if self._calls.get(key) is future:
+            del self._calls[key]

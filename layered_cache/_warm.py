@@ -1,4 +1,4 @@
-"""``layered-cache warm``: stream a JSONL file into a namespace through ``cache.set``.
+"""``layered-cache warm``: stream a JSONL file into a namespace through ``cache.set_many``.
 
 Why a module of its own: warming is a small pipeline with a contract the rest of the CLI
 lacks. Memory stays flat in the file size (one line is parsed when a writer is free, at
@@ -38,6 +38,7 @@ class Entry(msgspec.Struct, frozen=True):
     line: int
     fields: dict[str, object]
     value: Any
+    size: int = 0  # bytes of the line: bounds a writer's chunk (memory stays flat)
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -137,7 +138,7 @@ class JsonlReader:
         problem = self._key_problem(fields) or self._value_problem(record["value"])
         if problem is not None:
             return Failure(number, redact(problem))
-        return Entry(number, fields, record["value"])
+        return Entry(number, fields, record["value"], len(raw))
 
     def _key_problem(self, fields: dict[str, object]) -> str | None:
         try:
@@ -154,6 +155,12 @@ class JsonlReader:
         if size > self._policy.max_value_bytes:
             return f"value too large: {size} bytes > max_value_bytes {self._policy.max_value_bytes}"
         return None
+
+
+# A writer's set_many chunk: up to this many entries or bytes of input, whichever comes
+# first (one round trip each; memory stays flat whatever the size of the values).
+CHUNK = 100
+CHUNK_BYTES = 32 * 1024
 
 
 class Warmer:
@@ -212,34 +219,62 @@ class Warmer:
 
     async def _writer(self) -> None:
         while self.report.stopped_by is None:
+            entries = self._take(CHUNK)
+            if not entries:
+                return
+            await self._write(entries)
+
+    def _take(self, count: int) -> list[Entry]:
+        """Up to ``count`` valid entries; bad lines are counted on the way."""
+        entries: list[Entry] = []
+        size = 0
+        while len(entries) < count and size < CHUNK_BYTES and self.report.stopped_by is None:
             try:
                 item = next(self._entries, None)
             except (OSError, ValueError) as exc:  # the file went away (unmounted, closed)
                 self._stop(redact(f"read error: {getattr(exc, 'strerror', None) or exc}"))
-                return
+                break
             if item is None:
-                return
+                break
             self.report.read += 1
             if isinstance(item, Failure):
                 self._fail(item)
             else:
-                await self._write(item)
+                entries.append(item)
+                size += item.size
+        return entries
 
-    async def _write(self, entry: Entry) -> None:
-        self._pending.add(entry.line)
+    async def _write(self, entries: list[Entry]) -> None:
+        """One ``set_many`` (one round trip, one backplane append) per chunk."""
+        lines = [entry.line for entry in entries]
+        self._pending.update(lines)
+        try:
+            await self.cache.set_many(self.policy.name, [(e.fields, e.value) for e in entries])
+        except L2Unavailable as exc:  # they stay pending: a resumed run writes them again
+            self._fail(Failure(lines[0], redact(f"Redis: {exc}")))
+            self._stop(STOPPED_BY_REDIS)
+            return
+        except Exception:  # an entry's own problem: find it, write the others
+            for entry in entries:
+                await self._write_one(entry)
+            return
+        self._pending.difference_update(lines)
+        self.report.warmed += len(entries)
+        self.progress.update(self.reader.position, self.report.warmed, self._line())
+
+    async def _write_one(self, entry: Entry) -> None:
         try:
             await self.cache.set(self.policy.name, entry.fields, entry.value)
-        except L2Unavailable as exc:  # stays pending: a resumed run writes it again
+        except L2Unavailable as exc:
             self._fail(Failure(entry.line, redact(f"Redis: {exc}")))
             self._stop(STOPPED_BY_REDIS)
             return
-        except Exception as exc:  # anything else is this entry's own problem
+        except Exception as exc:
             self._pending.discard(entry.line)
             self._fail(Failure(entry.line, redact(f"{type(exc).__name__}: {exc}")))
             return
         self._pending.discard(entry.line)
         self.report.warmed += 1
-        self.progress.update(self.reader.position, self.report.warmed, self._line())
 
     def _fail(self, failure: Failure) -> None:
         """Count it; keep the ``SHOWN_FAILURES`` lowest lines (writers finish out of

@@ -156,8 +156,8 @@ async def test_set_does_not_fill_l1_after_a_remote_invalidation_overtook_it(
     ):
         assert local._backplane is not None
         await asyncio.wait_for(local._backplane.connected.wait(), 5)
-        gate = Gate(local._store.set_many, after=True)
-        local._store.set_many = gate  # type: ignore[method-assign]
+        gate = Gate(local._store.write_many, after=True)
+        local._store.write_many = gate  # type: ignore[method-assign]
         writing = asyncio.ensure_future(local.set("book", {"id": 1}, "ours"))
         await asyncio.wait_for(gate.entered.wait(), 5)  # L2 written, L1 not yet
         seen = local._backplane.entries_seen
@@ -502,8 +502,8 @@ async def test_load_that_began_during_a_set_is_not_served_after_it(
         await cache.set("book", {"id": 1}, "old")
         if cache.namespace("book").policy.l1 is not None:
             cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
-        write = Gate(cache._store.set_many)  # set() has begun, its write not sent yet
-        cache._store.set_many = write  # type: ignore[method-assign]
+        write = Gate(cache._store.write_many)  # set() has begun, its write not sent yet
+        cache._store.write_many = write  # type: ignore[method-assign]
         setting = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
         await asyncio.wait_for(write.entered.wait(), 5)
         read = Gate(cache._store.get, after=True)  # a load reads "old", resumes late

@@ -38,7 +38,9 @@ LAYERED_CACHE_METHODS = {
     "config",
     "from_config",
     "get",
+    "get_many",
     "get_or_load",
+    "get_or_load_many",
     "hooks",
     "hot_keys",
     "instance_id",
@@ -47,6 +49,7 @@ LAYERED_CACHE_METHODS = {
     "namespace",
     "redis_status",
     "set",
+    "set_many",
     "start",
     "stats",
 }
@@ -71,7 +74,19 @@ def test_layered_cache_has_no_public_attribute_beyond_its_api() -> None:
     assert public == LAYERED_CACHE_METHODS - {"config"}  # config: set per instance
 
 
-NAMESPACE_METHODS = {"get", "get_or_load", "hot_keys", "key", "name", "policy", "set", "stats"}
+NAMESPACE_METHODS = {
+    "get",
+    "get_many",
+    "get_or_load",
+    "get_or_load_many",
+    "hot_keys",
+    "key",
+    "name",
+    "policy",
+    "set",
+    "set_many",
+    "stats",
+}
 
 
 def test_a_namespace_has_no_public_attribute_beyond_its_api() -> None:

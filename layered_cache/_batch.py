@@ -1,0 +1,131 @@
+"""Batches: ``get_many``, ``get_or_load_many`` and ``set_many`` of one namespace.
+
+The point is round trips: a page of 50 books is one MGET (one pipelined round trip per
+master in a cluster), its misses take their leases in one round trip, load in one
+``load_many`` call and fill in one pipeline. The guarantees are the single-key ones:
+
+- single-flight holds across batches and single calls: a key another caller is loading
+  is joined, not loaded again (``SingleFlight.claim``);
+- a key whose lease another process holds is handed to the single-key miss path, which
+  waits for that fill (woken by pub/sub) exactly as a ``get_or_load`` would;
+- fills write only under their lease, L1 only if no invalidation arrived since the read
+  began, and a failed load falls back to a stale value only where ``MissPath`` allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from layered_cache._batch_load import BatchLoader, Fields, LoadMany, one_loader
+from layered_cache._batch_read import BatchReader
+from layered_cache._fills import Fills
+from layered_cache._l2 import L2Unavailable
+from layered_cache._l2batch import L2Batch
+from layered_cache._miss import MissPath
+from layered_cache._policy import Policy
+from layered_cache._refresh import Refresher
+from layered_cache._runtime import Runtime
+
+__all__ = ["BatchPath", "LoadMany"]
+
+GetOrLoad = Callable[[Fields, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+
+
+class BatchPath:
+    def __init__(
+        self,
+        policy: Policy,
+        fills: Fills,
+        miss: MissPath,
+        refresher: Refresher,
+        runtime: Runtime,
+        get_or_load: GetOrLoad,
+    ) -> None:
+        self._policy = policy
+        self._fills = fills
+        self._rt = runtime
+        batch = L2Batch(runtime.store)
+        self._reader = BatchReader(policy, fills, refresher, runtime, batch)
+        self._loader = BatchLoader(policy, fills, miss, refresher, runtime, self._reader, batch)
+        self._get_or_load = get_or_load  # the single-key path, for keys handed over
+
+    # -- get_many ----------------------------------------------------------------------
+
+    async def get_many(self, fields_list: Sequence[Fields]) -> list[Any]:
+        """Values in order, None for a miss; never loads."""
+        policy = self._policy
+        keys = [policy.template.build(fields) for fields in fields_list]
+        if not policy.cache:
+            return [None] * len(keys)
+        found, missing = self._reader.from_l1(keys)
+        if missing and policy.l2:
+            read_seq = policy.l1.begin_read() if policy.l1 is not None else None
+            try:
+                envelopes = await self._reader.read_many(missing)
+            except L2Unavailable:
+                policy.stats.redis_error += 1
+                envelopes = {}
+            now = self._rt.clock()
+            for key, envelope in envelopes.items():
+                if envelope is not None and now < envelope.soft_expiry:
+                    policy.stats.l2_hit += 1
+                    self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read_seq)
+                    found[key] = envelope.value
+        return [found.get(key) for key in keys]
+
+    async def get_or_load_many(
+        self, fields_list: Sequence[Fields], load_many: LoadMany
+    ) -> list[Any]:
+        """Values in order: L1, else L2, else one ``load_many(missing)`` call."""
+        policy = self._policy
+        keys = [policy.template.build(fields) for fields in fields_list]
+        fields_of = dict(zip(keys, fields_list, strict=True))
+        if not policy.cache:
+            policy.stats.miss += len(fields_of)
+            values = await self._loader.call(load_many, list(fields_of.values()))
+            found = dict(zip(fields_of, values, strict=True))
+            return [found[key] for key in keys]
+        found, missing = self._reader.from_l1(keys)
+        if missing:
+            found.update(await self._claimed(missing, fields_of, load_many))
+        return [found[key] for key in keys]
+
+    async def _claimed(
+        self, missing: list[str], fields_of: dict[str, Fields], load_many: LoadMany
+    ) -> dict[str, Any]:
+        """Load the keys nobody in this process is loading; join the others."""
+        flight = self._rt.flight
+        ours, theirs = flight.claim(missing)
+        found: dict[str, Any] = {}
+        if ours:
+            try:
+                loaded = await self._loader.fetch_many(
+                    {key: fields_of[key] for key in ours}, load_many
+                )
+            except BaseException as exc:
+                flight.settle_all(ours, exc)
+                raise
+            for key, future in ours.items():
+                flight.settle(key, future, loaded[key])
+            found.update(loaded)
+        if theirs:
+            self._policy.stats.coalesced += len(theirs)
+            joins = [
+                self._join(key, call, fields_of[key], load_many) for key, call in theirs.items()
+            ]
+            found.update(zip(theirs, await asyncio.gather(*joins), strict=True))
+        return found
+
+    async def _join(
+        self, key: str, call: asyncio.Future[Any], fields: Fields, load_many: LoadMany
+    ) -> Any:
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not call.cancelled() or (task is not None and task.cancelling()):
+                raise  # we are the ones being cancelled
+        # The loading caller was cancelled, not us: this key goes the single-key way.
+        return await self._get_or_load(fields, one_loader(self._policy.name, fields, load_many))

@@ -1,0 +1,253 @@
+"""The load half of ``get_or_load_many``: the keys this call claimed are read in one
+MGET; the misses take their leases in one round trip; the won keys load in one
+``load_many`` call and fill in one pipeline; the lost keys go to the single-key miss
+path, which waits for the holder's fill as a ``get_or_load`` would."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from layered_cache._batch_read import BatchReader
+from layered_cache._fills import Fills
+from layered_cache._keys import lease_name
+from layered_cache._l2 import L2Unavailable
+from layered_cache._l2batch import Fill, L2Batch
+from layered_cache._miss import MissPath, Read
+from layered_cache._policy import Policy
+from layered_cache._refresh import Refresher
+from layered_cache._runtime import Runtime
+from layered_cache._stampede import new_token
+
+__all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader"]
+
+Fields = Mapping[str, object]
+LoadMany = Callable[[list[Fields]], Awaitable[Sequence[Any]]]
+
+
+class BatchLoader:
+    def __init__(
+        self,
+        policy: Policy,
+        fills: Fills,
+        miss: MissPath,
+        refresher: Refresher,
+        runtime: Runtime,
+        reader: BatchReader,
+        batch: L2Batch,
+    ) -> None:
+        self._policy = policy
+        self._fills = fills
+        self._miss = miss
+        self._refresher = refresher
+        self._rt = runtime
+        self._reader = reader
+        self._batch = batch
+
+    async def fetch_many(self, fields_of: dict[str, Fields], load_many: LoadMany) -> dict[str, Any]:
+        policy = self._policy
+        seq = policy.l1.begin_read() if policy.l1 is not None else None
+        reads = {key: Read(key, seq) for key in fields_of}
+        if not policy.l2:
+            policy.stats.miss += len(reads)
+            values = await self.call(load_many, list(fields_of.values()))
+            for key, value in zip(fields_of, values, strict=True):
+                self._fills.fill_l1(key, value, None, seq)
+            return dict(zip(fields_of, values, strict=True))
+        try:
+            envelopes = await self._reader.read_many(list(fields_of))
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            return await self._load_unleased(list(reads.values()), fields_of, load_many)
+        found: dict[str, Any] = {}
+        now = self._rt.clock()
+        for key, envelope in envelopes.items():
+            if envelope is not None and now < envelope.soft_expiry:
+                policy.stats.l2_hit += 1
+                self._refresher.maybe_refresh_early(
+                    key, envelope, one_loader(self._policy.name, fields_of[key], load_many), now
+                )
+                self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, seq)
+                found[key] = envelope.value
+            else:
+                policy.stats.miss += 1
+                reads[key].stale = envelope if self._fills.within_stale(envelope, now) else None
+        misses = [read for key, read in reads.items() if key not in found]
+        if misses:
+            found.update(await self._load_misses(misses, fields_of, load_many))
+        return found
+
+    async def _load_misses(
+        self, reads: list[Read], fields_of: dict[str, Fields], load_many: LoadMany
+    ) -> dict[str, Any]:
+        """Take every miss's lease in one round trip; load the won keys in one call and
+        hand the lost ones to the single-key path (it waits for the holder's fill)."""
+        policy = self._policy
+        token = new_token()
+        ttl_ms = max(1, int(policy.lease_ttl * 1000))
+        try:
+            held = await self._batch.acquire_leases(
+                [lease_name(r.key) for r in reads], token, ttl_ms
+            )
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            return await self._load_unleased(reads, fields_of, load_many)
+        won = [read for read, ours in zip(reads, held, strict=True) if ours]
+        lost = [read for read, ours in zip(reads, held, strict=True) if not ours]
+        policy.stats.lease_lost += len(lost)
+        waits = [self._get_or_load_lost(r, fields_of[r.key], load_many) for r in lost]
+        results = await asyncio.gather(self._load_won(won, fields_of, load_many, token), *waits)
+        found: dict[str, Any] = results[0]
+        found.update(zip((r.key for r in lost), results[1:], strict=True))
+        return found
+
+    async def _get_or_load_lost(self, read: Read, fields: Fields, load_many: LoadMany) -> Any:
+        return await self._miss.load_under_lease(
+            read, one_loader(self._policy.name, fields, load_many)
+        )
+
+    async def _load_won(
+        self, reads: list[Read], fields_of: dict[str, Fields], load_many: LoadMany, token: str
+    ) -> dict[str, Any]:
+        if not reads:
+            return {}
+        found = await self._filled_meanwhile(reads, token)
+        todo = [read for read in reads if read.key not in found]
+        if not todo:
+            return found
+        self._policy.stats.lease_won += len(todo)
+        try:
+            values = await self.call(load_many, [fields_of[r.key] for r in todo])
+        except Exception as exc:
+            await self._release([r.key for r in todo], token)
+            found.update(await self._stale_or_raise(todo, exc))
+            return found
+        found.update(await self._fill_many(todo, values, token))
+        return found
+
+    async def _filled_meanwhile(self, reads: list[Read], token: str) -> dict[str, Any]:
+        """Double-check under the leases (see ``MissPath._filled_meanwhile``): a fill can
+        land between our MGET and our SET NX. Those keys' leases go back at once."""
+        try:
+            data = await self._batch.get_many([r.key for r in reads])
+        except L2Unavailable:
+            return {}
+        found: dict[str, Any] = {}
+        now = self._rt.clock()
+        for read, value in zip(reads, data, strict=True):
+            envelope = self._fills.recheck(value)
+            if envelope is not None and now < envelope.soft_expiry:
+                self._policy.stats.lease_wait_filled += 1
+                self._fills.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq)
+                found[read.key] = envelope.value
+        await self._release(list(found), token)
+        return found
+
+    async def _fill_many(
+        self, reads: list[Read], values: Sequence[Any], token: str
+    ) -> dict[str, Any]:
+        """Write every loaded value under its lease in one pipeline (hot keys with their
+        replicas, through the replica protocol); L1 for those written."""
+        policy, fills = self._policy, self._fills
+        found: dict[str, Any] = {}
+        batch: list[tuple[Read, Fill, Any, float]] = []
+        hot: list[tuple[Read, Any]] = []
+        uncacheable: list[str] = []  # not encodable or too large: served, not stored
+        for read, value in zip(reads, values, strict=True):
+            if fills.is_hot(read.key):
+                hot.append((read, value))
+                continue
+            soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
+            encoded = fills.encode(read.key, value, soft_expiry, 0.0)
+            if encoded is None:
+                found[read.key] = value
+                uncacheable.append(read.key)
+                continue
+            data, found[read.key] = encoded
+            fill = (read.key, lease_name(read.key), data, fills.redis_ttl_ms(soft_expiry))
+            batch.append((read, fill, found[read.key], soft_expiry))
+        await self._release(uncacheable, token)
+        try:
+            written = await self._batch.fill_many([b[1] for b in batch], token)
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            await self._release([b[1][0] for b in batch], token)
+            written = [False] * len(batch)
+        for (read, _, value, soft_expiry), done in zip(batch, written, strict=True):
+            if done:
+                fills.fill_l1(read.key, value, soft_expiry, read.seq)
+            else:
+                policy.stats.fill_revoked += 1
+        for (read, _), result in zip(hot, await self._fill_hot(hot, token), strict=True):
+            found[read.key] = result
+        return found
+
+    async def _fill_hot(self, hot: list[tuple[Read, Any]], token: str) -> list[Any]:
+        """Hot keys fill one by one through the replica protocol (reserve, check, write
+        replicas): rare, and each spans several slots."""
+        return list(
+            await asyncio.gather(*(self._miss.fill(read, token, value, 0.0) for read, value in hot))
+        )
+
+    async def _stale_or_raise(self, reads: list[Read], exc: Exception) -> dict[str, Any]:
+        """The load failed: serve stale where the fail-safe allows it for every key,
+        else the loader's error (a batch can't return half its values)."""
+        usable = await asyncio.gather(*(self._miss.stale_usable(read) for read in reads))
+        if not all(usable):
+            raise exc
+        self._policy.stats.stale_served += len(reads)
+        return {read.key: read.stale.value for read in reads if read.stale is not None}
+
+    async def _load_unleased(
+        self, reads: list[Read], fields_of: dict[str, Fields], load_many: LoadMany
+    ) -> dict[str, Any]:
+        """Load without writing L2 (Redis unavailable): the type an L2 hit would give."""
+        try:
+            values = await self.call(load_many, [fields_of[r.key] for r in reads])
+        except Exception as exc:
+            return await self._stale_or_raise(reads, exc)
+        found: dict[str, Any] = {}
+        for read, value in zip(reads, values, strict=True):
+            encoded = self._fills.encode(read.key, value, 0.0, 0.0)
+            found[read.key] = value if encoded is None else encoded[1]
+        return found
+
+    async def _release(self, keys: list[str], token: str) -> None:
+        # Redis down: the leases expire by themselves (lease_ttl).
+        with contextlib.suppress(L2Unavailable):
+            await self._batch.release_many([lease_name(key) for key in keys], token)
+
+    async def call(self, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:
+        """``load_many`` through the loader hooks, counted once per key."""
+        self._policy.stats.load += len(fields_list) - 1  # call_loader counts one
+        values: Sequence[Any] = await self._miss.call_loader(
+            lambda: checked(self._policy.name, load_many, fields_list)
+        )
+        return values
+
+
+async def checked(name: str, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:
+    """``load_many(fields_list)``, refused with a clear error unless it is one value per key."""
+    values = await load_many(fields_list)
+    if not isinstance(values, Sequence) or isinstance(values, str | bytes):
+        raise TypeError(
+            f"namespace {name!r}: load_many must return a list of values "
+            f"(one per key, in order), not {type(values).__name__}"
+        )
+    if len(values) != len(fields_list):
+        raise ValueError(
+            f"namespace {name!r}: load_many returned {len(values)} values "
+            f"for {len(fields_list)} keys; it must return one value per key, in order"
+        )
+    return values
+
+
+def one_loader(name: str, fields: Fields, load_many: LoadMany) -> Callable[[], Awaitable[Any]]:
+    """A single-key loader made of ``load_many`` (refreshes, handed-over keys)."""
+
+    async def load() -> Any:
+        return (await checked(name, load_many, [fields]))[0]
+
+    return load

@@ -1,0 +1,76 @@
+"""The read half of a batch: L1 first, then one MGET (a replica's name for a hot key),
+decoded. Shared by ``get_many`` and ``get_or_load_many``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from layered_cache._codec import Envelope
+from layered_cache._fills import Fills
+from layered_cache._keys import replica_name
+from layered_cache._l1 import MISSING
+from layered_cache._l2batch import L2Batch
+from layered_cache._policy import Policy
+from layered_cache._refresh import Refresher
+from layered_cache._runtime import Runtime
+
+__all__ = ["BatchReader"]
+
+
+class BatchReader:
+    def __init__(
+        self, policy: Policy, fills: Fills, refresher: Refresher, runtime: Runtime, batch: L2Batch
+    ) -> None:
+        self._policy = policy
+        self._fills = fills
+        self._refresher = refresher
+        self._rt = runtime
+        self._batch = batch
+
+    def from_l1(self, keys: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+        """(L1 hits, the distinct keys L1 doesn't have, in order)."""
+        found: dict[str, Any] = {}
+        missing: list[str] = []
+        l1 = self._policy.l1
+        for key in dict.fromkeys(keys):
+            if l1 is not None and (value := l1.get(key)) is not MISSING:
+                self._policy.stats.l1_hit += 1
+                found[key] = value
+            else:
+                missing.append(key)
+        return found, missing
+
+    async def read_many(self, keys: list[str]) -> dict[str, Envelope[Any] | None]:
+        """One MGET of ``keys`` (a replica's name for a hot key), decoded."""
+        policy, store = self._policy, self._rt.store
+        names = list(keys)
+        hot: dict[str, int] = {}
+        if policy.hot is not None and policy.replicas:
+            for position, key in enumerate(keys):
+                if policy.hot.record(key):
+                    index = store.placement.pick(key, policy.replicas)
+                    names[position] = replica_name(key, index)
+                    hot[key] = index
+        data = dict(zip(keys, await self._batch.get_many(names), strict=True))
+        if hot:
+            await self._replica_misses(hot, data)
+        return {key: self._fills.decode(key, value) for key, value in data.items()}
+
+    async def _replica_misses(self, hot: dict[str, int], data: dict[str, bytes | None]) -> None:
+        """A hot key whose replica was missing: read the base key (one more MGET) and
+        start copying it to the replicas, as a single read does."""
+        stats = self._policy.stats
+        for key, index in hot.items():
+            if data[key] is not None:
+                stats.replica_reads[index] += 1
+        empty = [key for key in hot if data[key] is None]
+        if not empty:
+            return
+        stats.replica_miss += len(empty)
+        for key, value in zip(empty, await self._batch.get_many(empty), strict=True):
+            data[key] = value
+            if value is not None:
+                self._refresher.copy_to_replicas(key)
+
+    # -- get_or_load_many --------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Multi-key Redis operations of a batch (``get_many``, ``get_or_load_many``,
+``set_many``): one round trip on a single node, one pipelined round trip per master in
+a cluster (redis-py groups a cluster pipeline's commands by node and sends them
+concurrently).
+
+Every operation goes through ``L2Store.guard``: the shared breaker (a batch spans
+nodes), the concurrency bound, and failures as ``L2Unavailable``. Scripts go as EVAL,
+not EVALSHA: cluster pipelines refuse EVALSHA, and Redis caches the compiled script by
+its SHA anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from layered_cache._keys import fill_channel
+from layered_cache._l2 import FILL_SCRIPT, RELEASE_SCRIPT, L2Store
+
+__all__ = ["Fill", "L2Batch"]
+
+Fill = tuple[str, str, bytes, int]  # (key, its lease, envelope bytes, ttl in ms)
+
+
+class L2Batch:
+    def __init__(self, store: L2Store) -> None:
+        self._store = store
+
+    async def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """The values of ``names`` in order (None: missing, or not a string)."""
+        if not names:
+            return []
+        client = self._store.client
+        if self._store.cluster:
+            # Groups by slot, one pipelined MGET per slot: a round trip per master.
+            operation = client.mget_nonatomic(list(names))  # type: ignore[union-attr]
+        else:
+            operation = client.mget(list(names))
+        return list(await self._store.guard(operation))
+
+    async def acquire_leases(self, leases: Sequence[str], token: str, ttl_ms: int) -> list[bool]:
+        """SET NX PX every lease with one token: which ones we hold now."""
+        if not leases:
+            return []
+        pipe = self._store.client.pipeline(transaction=False)
+        for lease in leases:
+            pipe.set(lease, token, nx=True, px=ttl_ms)
+        return [bool(won) for won in await self._store.guard(pipe.execute())]
+
+    async def fill_many(self, fills: Sequence[Fill], token: str) -> list[bool]:
+        """Each key written only while ``token`` holds its lease (the FILL script, which
+        also releases the lease and wakes the key's waiters): which ones were written."""
+        if not fills:
+            return []
+        pipe = self._store.client.pipeline(transaction=False)
+        for key, lease, data, ttl_ms in fills:
+            pipe.eval(FILL_SCRIPT, 2, key, lease, token, data, ttl_ms, fill_channel(key), "1")
+        return [bool(done) for done in await self._store.guard(pipe.execute())]
+
+    async def release_many(self, leases: Sequence[str], token: str) -> None:
+        """Compare-and-delete each lease still holding ``token``."""
+        if not leases:
+            return
+        pipe = self._store.client.pipeline(transaction=False)
+        for lease in leases:
+            pipe.eval(RELEASE_SCRIPT, 1, lease, token)
+        await self._store.guard(pipe.execute())

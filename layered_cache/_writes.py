@@ -1,0 +1,116 @@
+"""``set`` and ``set_many`` of one namespace: unconditional writes of new values.
+
+A write revokes every fill in flight first (it may carry an older value): the base
+lease, then each replica lease (``_replicas.set_plan``), in the same pipeline as the
+SETs. Then the keys are announced on the backplane, so other instances drop their L1
+copies, and only then does this instance's L1 take the new value. ``set_many`` is the
+same for many keys: one pipelined round trip (one MULTI/EXEC on a single node), one
+backplane append.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from layered_cache import _replicas as replicas
+from layered_cache._clients import REDIS_FAILURES
+from layered_cache._fills import Fills
+from layered_cache._l2 import L2Unavailable, Write
+from layered_cache._policy import Policy
+from layered_cache._runtime import Runtime
+
+__all__ = ["Writes"]
+
+
+class Writes:
+    def __init__(
+        self,
+        policy: Policy,
+        fills: Fills,
+        runtime: Runtime,
+        forget: Callable[[list[str]], None],
+    ) -> None:
+        self._policy = policy
+        self._fills = fills
+        self._rt = runtime
+        self._forget = forget
+
+    async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
+        """Raises ``L2Unavailable`` if Redis fails, including when the values were
+        written but the backplane append failed: then other instances may still serve
+        their old L1 copies for their TTL, and returning normally would promise otherwise."""
+        async with self._rt.admission:  # see Runtime.admission
+            await self._set_many(items)
+
+    async def _set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
+        policy, fills = self._policy, self._fills
+        keyed = [(policy.template.build(fields), value) for fields, value in items]
+        if not policy.cache or not keyed:
+            return
+        policy.stats.set += len(keyed)
+        read_seq = self._begin([key for key, _ in keyed])
+        if not policy.l2:
+            for key, value in keyed:
+                fills.fill_l1(key, value, None, read_seq)
+            return
+        writes: list[Write] = []
+        settled: list[tuple[str, Any, float]] = []
+        for key, value in keyed:
+            soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
+            encoded = fills.encode(key, value, soft_expiry, 0.0)
+            if encoded is None:
+                continue
+            names, outdated = replicas.set_plan(key, policy.replicas, fills.is_hot(key))
+            writes.append((names, outdated, encoded[0], fills.redis_ttl_ms(soft_expiry)))
+            settled.append((key, encoded[1], soft_expiry))
+        if not writes:
+            return
+        await replicas.write_many(self._rt.store, writes)
+        await self._announce([key for key, _, _ in settled])
+        for key, value, soft_expiry in settled:
+            self._settle(key, value, soft_expiry, read_seq)
+
+    def _begin(self, keys: list[str]) -> int | None:
+        """Detach in-flight loads and drop our L1 copies before writing. Like every other
+        L1 fill: a remote set()/invalidate() of a key that reaches us (backplane) while
+        our write is in flight tombstones it, and then our value is superseded and must
+        not sit in L1 for its TTL - hence the read sequence taken here."""
+        for key in keys:
+            self._rt.flight.forget(key)
+        l1 = self._policy.l1
+        if l1 is None:
+            return None
+        l1.discard(keys)
+        return l1.begin_read()
+
+    async def _announce(self, keys: list[str]) -> None:
+        try:
+            await self._rt.invalidator.announce(keys)
+        except REDIS_FAILURES as exc:
+            # L2 holds our values, but the other instances were not told to drop their
+            # L1 copies: set() must not return as if the write had reached everyone (like
+            # invalidate(), it raises). Our own L1 is left empty: reads here go to L2.
+            self._policy.stats.redis_error += 1
+            self._forget(keys)
+            raise L2Unavailable(
+                f"set() wrote L2 but could not announce it on the backplane: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _settle(self, key: str, value: Any, soft_expiry: float, read_seq: int | None) -> None:
+        """After our write landed: a load of this key that began while it was in flight
+        may have read the value we replaced. Detach it (later callers must not join it)
+        and tombstone the key again (its L1 fill is refused), then fill L1 with our value
+        - unless a remote set()/invalidate() overtook ours meanwhile. No await in here:
+        nothing can run between the checks and the fill."""
+        self._rt.flight.forget(key)
+        l1 = self._policy.l1
+        if l1 is None:
+            return
+        superseded = read_seq is not None and l1.invalidated_since(key, read_seq)
+        l1.discard([key])
+        if superseded:
+            self._policy.stats.l1_fill_discarded += 1
+            return
+        self._fills.fill_l1(key, value, soft_expiry, l1.begin_read())

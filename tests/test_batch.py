@@ -1,0 +1,247 @@
+"""Batches against a real Redis: a page of 50 books costs one round trip, its misses
+load in one call, and every single-key guarantee (single-flight, the fleet-wide lease,
+invalidation wins) still holds when the keys come in batches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from layered_cache._keys import lease_name
+from tests.helpers import make_config
+
+
+class BatchLoader:
+    """``load_many`` that counts its calls and the keys asked for, optionally gated."""
+
+    def __init__(self, gate: asyncio.Event | None = None) -> None:
+        self.calls: list[list[int]] = []
+        self.gate = gate
+        self.started = asyncio.Event()
+
+    async def __call__(self, fields_list: list[Mapping[str, object]]) -> list[Any]:
+        ids = [int(str(fields["id"])) for fields in fields_list]
+        self.calls.append(ids)
+        self.started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        return [{"id": i, "title": f"book {i}"} for i in ids]
+
+    def loads(self, key_id: int) -> int:
+        return sum(call.count(key_id) for call in self.calls)
+
+
+async def _commands(admin: redis.Redis, name: str) -> int:
+    stats = await admin.info("commandstats")
+    return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+def _ids(n: int, start: int = 1) -> list[dict[str, int]]:
+    return [{"id": i} for i in range(start, start + n)]
+
+
+async def test_get_many_of_50_warm_keys_is_one_mget_in_order(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set_many("book", [({"id": i}, f"v{i}") for i in range(1, 51)])
+        mgets, gets = await _commands(admin, "mget"), await _commands(admin, "get")
+        values = await cache.get_many("book", [*_ids(50), {"id": 999}])
+        assert values == [f"v{i}" for i in range(1, 51)] + [None]
+        assert await _commands(admin, "mget") - mgets == 1
+        assert await _commands(admin, "get") - gets == 0
+        assert cache.stats()["book"]["l2_hit"] == 50
+    await admin.aclose()
+
+
+async def test_get_many_answers_l1_hits_without_redis(redis_url: str, prefix: str) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        await cache.set_many("book", [({"id": i}, i) for i in range(1, 11)])
+        mgets = await _commands(admin, "mget")
+        assert await cache.get_many("book", _ids(10)) == list(range(1, 11))
+        assert await _commands(admin, "mget") == mgets
+        assert cache.stats()["book"]["l1_hit"] == 10
+    await admin.aclose()
+
+
+async def test_get_or_load_many_loads_the_misses_in_one_call_in_order(
+    redis_url: str, prefix: str
+) -> None:
+    loader = BatchLoader()
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        await cache.set("book", {"id": 3}, {"id": 3, "title": "cached"})
+        fields = [{"id": 5}, {"id": 3}, {"id": 1}, {"id": 5}]  # a duplicate, a hit
+        values = await cache.get_or_load_many("book", fields, loader)
+        assert values == [
+            {"id": 5, "title": "book 5"},
+            {"id": 3, "title": "cached"},
+            {"id": 1, "title": "book 1"},
+            {"id": 5, "title": "book 5"},
+        ]
+        assert loader.calls == [[5, 1]]
+        # Now everything is cached: no load at all.
+        assert await cache.get_or_load_many("book", fields, loader) == values
+        assert loader.calls == [[5, 1]]
+
+
+@pytest.mark.parametrize("returned", [[], [1, 2, 3], "ab"])
+async def test_load_many_returning_the_wrong_shape_is_a_clear_error(
+    redis_url: str, prefix: str, returned: Any
+) -> None:
+    async def wrong(fields_list: list[Mapping[str, object]]) -> Any:
+        return returned
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        with pytest.raises((ValueError, TypeError), match="load_many"):
+            await cache.get_or_load_many("book", _ids(2), wrong)
+        # Nothing was cached and no lease is left behind.
+        assert await cache.get_many("book", _ids(2)) == [None, None]
+        admin = redis.Redis.from_url(redis_url)
+        assert await admin.exists(lease_name(f"{prefix}book:1")) == 0
+        await admin.aclose()
+
+
+async def test_overlapping_concurrent_batches_and_single_calls_load_each_key_once(
+    redis_url: str, prefix: str
+) -> None:
+    gate = asyncio.Event()
+    loader = BatchLoader(gate)
+
+    async def single(key_id: int) -> Any:
+        async def load() -> Any:
+            return (await loader([{"id": key_id}]))[0]
+
+        return await cache.get_or_load("book", {"id": key_id}, load)
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        batches = [cache.get_or_load_many("book", _ids(10, start), loader) for start in (1, 6, 11)]
+        singles = [single(i) for i in (1, 7, 12, 20)]
+        running = asyncio.gather(*batches, *singles)
+        await asyncio.sleep(0.2)  # every caller has claimed or joined its keys
+        gate.set()
+        results = await running
+    assert results[0] == [{"id": i, "title": f"book {i}"} for i in range(1, 11)]
+    assert all(loader.loads(i) == 1 for i in range(1, 21)), loader.calls
+
+
+async def test_a_key_whose_lease_another_process_holds_is_waited_for_not_loaded(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    loader = BatchLoader()
+    async with (
+        LayeredCache.from_config(config) as ours,
+        LayeredCache.from_config(config) as theirs,
+    ):
+        gate = asyncio.Event()
+        their_load = asyncio.ensure_future(
+            theirs.get_or_load("book", {"id": 2}, _gated({"id": 2, "title": "theirs"}, gate))
+        )
+        await asyncio.sleep(0.1)  # they hold the lease of book:2
+        batch = asyncio.ensure_future(ours.get_or_load_many("book", _ids(3), loader))
+        await asyncio.sleep(0.2)
+        gate.set()
+        values = await batch
+        await their_load
+    assert values[1] == {"id": 2, "title": "theirs"}  # their fill, not a second load
+    assert loader.loads(2) == 0 and loader.loads(1) == 1 and loader.loads(3) == 1
+
+
+def _gated(value: Any, gate: asyncio.Event) -> Any:
+    async def load() -> Any:
+        await gate.wait()
+        return value
+
+    return load
+
+
+async def test_a_batch_fill_that_loaded_before_an_invalidation_never_lands(
+    redis_url: str, prefix: str
+) -> None:
+    gate = asyncio.Event()
+    loader = BatchLoader(gate)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        batch = asyncio.ensure_future(cache.get_or_load_many("book", _ids(3), loader))
+        await asyncio.wait_for(loader.started.wait(), 5)
+        await cache.invalidate("book", {"id": 2})  # the price of book 2 changed meanwhile
+        gate.set()
+        await batch
+        assert await admin.exists(f"{prefix}book:2") == 0  # the old load was refused
+        assert await admin.exists(f"{prefix}book:1") == 1
+        assert cache.stats()["book"]["fill_revoked"] == 1
+        assert await cache.get("book", {"id": 2}) is None  # nor is it in L1
+    await admin.aclose()
+
+
+async def test_set_many_is_one_round_trip_and_other_instances_drop_their_copies(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(config) as writer,
+        LayeredCache.from_config(config) as reader,
+    ):
+        assert reader._backplane is not None
+        await asyncio.wait_for(reader._backplane.connected.wait(), 5)
+        await writer.set_many("book", [({"id": i}, "old") for i in range(1, 21)])
+        assert await reader.get_many("book", _ids(20)) == ["old"] * 20  # now in its L1
+        xadds = await _commands(admin, "xadd")
+        await writer.set_many("book", [({"id": i}, "new") for i in range(1, 21)])
+        assert await _commands(admin, "xadd") - xadds == 1  # one backplane entry
+
+        async def reader_sees_new() -> bool:
+            return await reader.get_many("book", _ids(20)) == ["new"] * 20
+
+        for _ in range(100):
+            if await reader_sees_new():
+                break
+            await asyncio.sleep(0.05)
+        assert await reader_sees_new()
+    await admin.aclose()
+
+
+async def test_10000_concurrent_sets_complete_without_errors(redis_url: str, prefix: str) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    async with LayeredCache.from_config(config) as cache:
+        await asyncio.gather(*(cache.set("book", {"id": i}, i) for i in range(10_000)))
+        assert cache.redis_status().breaker == "closed"
+        assert cache.stats()["book"]["redis_error"] == 0
+        values = await cache.get_many("book", _ids(10_000, 0))
+        assert values == list(range(10_000))
+
+
+async def test_get_many_in_a_batch_of_other_namespaces_keys_validates_every_field(
+    redis_url: str, prefix: str
+) -> None:
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        with pytest.raises(KeyError, match="id"):
+            await cache.get_many("book", [{"id": 1}, {"isbn": 2}])
+
+
+def _typed(values: Sequence[Any]) -> list[Any]:
+    return list(values)
+
+
+async def test_10000_concurrent_misses_of_distinct_keys_complete_without_redis_errors(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+
+    async def load() -> str:
+        return "v"
+
+    async with LayeredCache.from_config(config) as cache:
+        results = await asyncio.gather(
+            *(cache.get_or_load("book", {"id": i}, load) for i in range(10_000))
+        )
+        assert results == ["v"] * 10_000
+        assert cache.stats()["book"]["redis_error"] == 0
+        assert cache.redis_status().breaker == "closed"
