@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -45,9 +45,12 @@ class BackplanePublisher:
         self._maxlen = maxlen
         self._origin = origin
 
-    async def publish(self, keys: Sequence[str]) -> bytes:
-        """Raises redis errors: the caller decides (the daemon retries, the facade reports)."""
+    async def publish(self, keys: Sequence[str], tags: Mapping[str, str] | None = None) -> bytes:
+        """Raises redis errors: the caller decides (the daemon retries, the facade reports).
+        ``tags``: new versions of invalidated tags (``_tags``)."""
         fields: dict[Any, Any] = {"keys": msgspec.msgpack.encode(list(keys))}
+        if tags:
+            fields["tags"] = msgspec.msgpack.encode(dict(tags))
         if self._origin:
             fields["origin"] = self._origin
         entry_id: Any = await self._client.xadd(
@@ -69,11 +72,13 @@ class BackplaneListener:
         block: float = 1.0,
         batch: int = 1000,
         origin: str = "",
+        on_tags: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self._client = client
         self._stream = stream
         self._on_keys = on_keys
         self._on_gap = on_gap
+        self._on_tags = on_tags
         self._block_ms = max(1, int(block * 1000))
         self._batch = batch
         self._origin = origin.encode()
@@ -127,6 +132,17 @@ class BackplaneListener:
                 self.connected.clear()
                 check_gap = True
                 await asyncio.sleep(backoff.next_delay())
+
+    def _apply_tags(self, raw: bytes | None) -> None:
+        if raw is None or self._on_tags is None:
+            return
+        try:
+            versions = msgspec.msgpack.decode(raw, type=dict[str, str])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            assert self.last_id is not None
+            _log.warning("backplane_bad_entry", entry_id=self.last_id.decode())
+            return
+        self._on_tags(versions)
 
     async def _tail_id(self) -> bytes:
         """Start after the newest entry: a new instance's L1 is empty anyway.
@@ -209,6 +225,7 @@ class BackplaneListener:
             self.entries_seen += 1
             if self._origin and fields.get(b"origin") == self._origin:
                 continue  # our own invalidation: already applied locally
+            self._apply_tags(fields.get(b"tags"))
             raw = fields.get(b"keys")
             if raw is None:
                 continue

@@ -23,14 +23,14 @@ from layered_cache._batch_read import BatchReader
 from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import L2Batch
-from layered_cache._miss import MissPath
+from layered_cache._miss import MissPath, TagsOf
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
 
 __all__ = ["BatchPath", "LoadMany"]
 
-GetOrLoad = Callable[[Fields, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+GetOrLoad = Callable[[Fields, Callable[[], Awaitable[Any]], "TagsOf | None"], Awaitable[Any]]
 
 
 class BatchPath:
@@ -71,12 +71,14 @@ class BatchPath:
             for key, envelope in envelopes.items():
                 if envelope is not None and now < envelope.soft_expiry:
                     policy.stats.l2_hit += 1
-                    self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read_seq)
+                    self._fills.fill_l1(
+                        key, envelope.value, envelope.soft_expiry, read_seq, envelope.tags
+                    )
                     found[key] = envelope.value
         return [found.get(key) for key in keys]
 
     async def get_or_load_many(
-        self, fields_list: Sequence[Fields], load_many: LoadMany
+        self, fields_list: Sequence[Fields], load_many: LoadMany, tags: TagsOf | None = None
     ) -> list[Any]:
         """Values in order: L1, else L2, else one ``load_many(missing)`` call."""
         policy = self._policy
@@ -89,11 +91,15 @@ class BatchPath:
             return [found[key] for key in keys]
         found, missing = self._reader.from_l1(keys)
         if missing:
-            found.update(await self._claimed(missing, fields_of, load_many))
+            found.update(await self._claimed(missing, fields_of, load_many, tags))
         return [found[key] for key in keys]
 
     async def _claimed(
-        self, missing: list[str], fields_of: dict[str, Fields], load_many: LoadMany
+        self,
+        missing: list[str],
+        fields_of: dict[str, Fields],
+        load_many: LoadMany,
+        tags: TagsOf | None,
     ) -> dict[str, Any]:
         """Load the keys nobody in this process is loading; join the others."""
         flight = self._rt.flight
@@ -102,7 +108,7 @@ class BatchPath:
         if ours:
             try:
                 loaded = await self._loader.fetch_many(
-                    {key: fields_of[key] for key in ours}, load_many
+                    {key: fields_of[key] for key in ours}, load_many, tags
                 )
             except BaseException as exc:
                 flight.settle_all(ours, exc)
@@ -113,13 +119,13 @@ class BatchPath:
         if theirs:
             self._policy.stats.coalesced += len(theirs)
             joins = [
-                self._join(key, call, fields_of[key], load_many) for key, call in theirs.items()
+                self._join(call, fields_of[key], load_many, tags) for key, call in theirs.items()
             ]
             found.update(zip(theirs, await asyncio.gather(*joins), strict=True))
         return found
 
     async def _join(
-        self, key: str, call: asyncio.Future[Any], fields: Fields, load_many: LoadMany
+        self, call: asyncio.Future[Any], fields: Fields, load_many: LoadMany, tags: TagsOf | None
     ) -> Any:
         try:
             return await asyncio.shield(call)
@@ -128,4 +134,5 @@ class BatchPath:
             if not call.cancelled() or (task is not None and task.cancelling()):
                 raise  # we are the ones being cancelled
         # The loading caller was cancelled, not us: this key goes the single-key way.
-        return await self._get_or_load(fields, one_loader(self._policy.name, fields, load_many))
+        loader = one_loader(self._policy.name, fields, load_many)
+        return await self._get_or_load(fields, loader, tags)

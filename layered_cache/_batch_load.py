@@ -15,11 +15,12 @@ from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch
-from layered_cache._miss import MissPath, Read
+from layered_cache._miss import MissPath, Read, TagsOf, call_loader, tag_names
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
+from layered_cache._tags import Loading
 
 __all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader"]
 
@@ -45,11 +46,14 @@ class BatchLoader:
         self._rt = runtime
         self._reader = reader
         self._batch = batch
+        self._loading = Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
 
-    async def fetch_many(self, fields_of: dict[str, Fields], load_many: LoadMany) -> dict[str, Any]:
+    async def fetch_many(
+        self, fields_of: dict[str, Fields], load_many: LoadMany, tags: TagsOf | None
+    ) -> dict[str, Any]:
         policy = self._policy
         seq = policy.l1.begin_read() if policy.l1 is not None else None
-        reads = {key: Read(key, seq) for key in fields_of}
+        reads = {key: Read(key, seq, None, tags) for key in fields_of}
         if not policy.l2:
             policy.stats.miss += len(reads)
             values = await self.call(load_many, list(fields_of.values()))
@@ -66,10 +70,9 @@ class BatchLoader:
         for key, envelope in envelopes.items():
             if envelope is not None and now < envelope.soft_expiry:
                 policy.stats.l2_hit += 1
-                self._refresher.maybe_refresh_early(
-                    key, envelope, one_loader(self._policy.name, fields_of[key], load_many), now
-                )
-                self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, seq)
+                loader = one_loader(self._policy.name, fields_of[key], load_many)
+                self._refresher.maybe_refresh_early(reads[key], envelope, loader, now)
+                self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, seq, envelope.tags)
                 found[key] = envelope.value
             else:
                 policy.stats.miss += 1
@@ -118,13 +121,26 @@ class BatchLoader:
         if not todo:
             return found
         self._policy.stats.lease_won += len(todo)
+        leases = [lease_name(r.key) for r in todo]
+        if self._policy.tags:
+            try:  # before the load: see ``_tags``
+                await self._loading.enter(leases)
+            except L2Unavailable:
+                self._policy.stats.redis_error += 1
+                await self._release([r.key for r in todo], token)
+                found.update(await self._load_unleased(todo, fields_of, load_many))
+                return found
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in todo])
         except Exception as exc:
             await self._release([r.key for r in todo], token)
             found.update(await self._stale_or_raise(todo, exc))
             return found
-        found.update(await self._fill_many(todo, values, token))
+        else:
+            found.update(await self._fill_many(todo, values, token))
+        finally:
+            if self._policy.tags:
+                self._loading.leave(leases)
         return found
 
     async def _filled_meanwhile(self, reads: list[Read], token: str) -> dict[str, Any]:
@@ -138,9 +154,11 @@ class BatchLoader:
         now = self._rt.clock()
         for read, value in zip(reads, data, strict=True):
             envelope = self._fills.recheck(value)
-            if envelope is not None and now < envelope.soft_expiry:
+            if envelope is not None and now < envelope.soft_expiry and self._fills.alive(envelope):
                 self._policy.stats.lease_wait_filled += 1
-                self._fills.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq)
+                self._fills.fill_l1(
+                    read.key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags
+                )
                 found[read.key] = envelope.value
         await self._release(list(found), token)
         return found
@@ -152,22 +170,28 @@ class BatchLoader:
         replicas, through the replica protocol); L1 for those written."""
         policy, fills = self._policy, self._fills
         found: dict[str, Any] = {}
-        batch: list[tuple[Read, Fill, Any, float]] = []
+        batch: list[tuple[Read, Fill, Any, float, dict[str, str] | None]] = []
         hot: list[tuple[Read, Any]] = []
         uncacheable: list[str] = []  # not encodable or too large: served, not stored
-        for read, value in zip(reads, values, strict=True):
+        try:
+            versions = await self._versions(reads, values)
+        except L2Unavailable:  # no version, no fill: the values are served, not stored
+            policy.stats.redis_error += 1
+            await self._release([r.key for r in reads], token)
+            return dict(zip((r.key for r in reads), values, strict=True))
+        for read, value, tagged in zip(reads, values, versions, strict=True):
             if fills.is_hot(read.key):
                 hot.append((read, value))
                 continue
             soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
-            encoded = fills.encode(read.key, value, soft_expiry, 0.0)
+            encoded = fills.encode(read.key, value, soft_expiry, 0.0, tagged)
             if encoded is None:
                 found[read.key] = value
                 uncacheable.append(read.key)
                 continue
             data, found[read.key] = encoded
             fill = (read.key, lease_name(read.key), data, fills.redis_ttl_ms(soft_expiry))
-            batch.append((read, fill, found[read.key], soft_expiry))
+            batch.append((read, fill, found[read.key], soft_expiry, tagged))
         await self._release(uncacheable, token)
         try:
             written = await self._batch.fill_many([b[1] for b in batch], token)
@@ -175,14 +199,26 @@ class BatchLoader:
             policy.stats.redis_error += 1
             await self._release([b[1][0] for b in batch], token)
             written = [False] * len(batch)
-        for (read, _, value, soft_expiry), done in zip(batch, written, strict=True):
+        for (read, _, value, soft_expiry, tagged), done in zip(batch, written, strict=True):
             if done:
-                fills.fill_l1(read.key, value, soft_expiry, read.seq)
+                fills.fill_l1(read.key, value, soft_expiry, read.seq, tagged)
             else:
                 policy.stats.fill_revoked += 1
         for (read, _), result in zip(hot, await self._fill_hot(hot, token), strict=True):
             found[read.key] = result
         return found
+
+    async def _versions(
+        self, reads: list[Read], values: Sequence[Any]
+    ) -> list[dict[str, str] | None]:
+        """Each loaded value's ``{tag: version}`` (versions of all of them fetched in one
+        round trip), or None per value when the batch has no tags."""
+        tags_of = reads[0].tags_of if reads else None
+        if tags_of is None:
+            return [None] * len(reads)
+        names = [tag_names(tags_of, value) for value in values]
+        current = await self._fills.versions.current(t for tags in names for t in tags)
+        return [{tag: current[tag] for tag in tags} for tags in names]
 
     async def _fill_hot(self, hot: list[tuple[Read, Any]], token: str) -> list[Any]:
         """Hot keys fill one by one through the replica protocol (reserve, check, write
@@ -222,8 +258,8 @@ class BatchLoader:
     async def call(self, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:
         """``load_many`` through the loader hooks, counted once per key."""
         self._policy.stats.load += len(fields_list) - 1  # call_loader counts one
-        values: Sequence[Any] = await self._miss.call_loader(
-            lambda: checked(self._policy.name, load_many, fields_list)
+        values: Sequence[Any] = await call_loader(
+            self._policy, self._rt.hooks, lambda: checked(self._policy.name, load_many, fields_list)
         )
         return values
 

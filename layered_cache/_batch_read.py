@@ -55,7 +55,27 @@ class BatchReader:
         data = dict(zip(keys, await self._batch.get_many(names), strict=True))
         if hot:
             await self._replica_misses(hot, data)
-        return {key: self._fills.decode(key, value) for key, value in data.items()}
+        decoded = {key: self._fills.decode(key, value) for key, value in data.items()}
+        return await self._alive(decoded)
+
+    async def _alive(
+        self, decoded: dict[str, Envelope[Any] | None]
+    ) -> dict[str, Envelope[Any] | None]:
+        """Tagged entries whose tag was invalidated are dead (not even stale). Tags this
+        instance hasn't seen are fetched first, all in one round trip."""
+        tagged = {k: e for k, e in decoded.items() if e is not None and e.tags is not None}
+        if not tagged:
+            return decoded
+        versions = self._fills.versions
+        unknown = {
+            t for e in tagged.values() for t in (e.tags or {}) if versions.known({t: ""}) is None
+        }
+        if unknown:
+            await versions.current(unknown)
+        for key, envelope in tagged.items():
+            if versions.known(envelope.tags or {}) is not True:
+                decoded[key] = None
+        return decoded
 
     async def _replica_misses(self, hot: dict[str, int], data: dict[str, bytes | None]) -> None:
         """A hot key whose replica was missing: read the base key (one more MGET) and

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import msgspec
@@ -23,15 +23,17 @@ from layered_cache import _decorate as decorate
 from layered_cache._backplane import BackplaneListener
 from layered_cache._batch import LoadMany
 from layered_cache._clients import REDIS_FAILURES
+from layered_cache._coherence import Coherence
 from layered_cache._config import Config
 from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import Invalidator, ReplicaCountMismatch, check_replica_counts
 from layered_cache._keys import hot_report_name
-from layered_cache._l2 import L2Unavailable
+from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
 from layered_cache._policy import compile_policy
 from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import LeaseWaiter
+from layered_cache._tags import TagVersions
 from layered_cache._wiring import CacheParts, build_parts
 
 __all__ = ["LayeredCache", "RedisStatus"]
@@ -71,6 +73,8 @@ class LayeredCache:
             invalidator=Invalidator(parts.store, parts.publisher),
             clock=clock,
             rand=rand,
+            versions=TagVersions(parts.store, config.redis.prefix),
+            prefix=config.redis.prefix,
             admission=asyncio.Semaphore(config.redis.max_connections),
         )
         prefix = config.redis.prefix
@@ -78,6 +82,7 @@ class LayeredCache:
             name: Namespace(compile_policy(name, ns, prefix), self._rt)
             for name, ns in config.namespaces.items()
         }
+        self._coherence = Coherence(list(self._namespaces.values()), self._rt)
         for name, value_type in (value_types or {}).items():
             self.namespace(name)._declare_type(value_type, by="value_types")
         self._backplane: BackplaneListener | None = None
@@ -85,8 +90,9 @@ class LayeredCache:
             self._backplane = BackplaneListener(
                 parts.listener_client,
                 parts.stream,
-                on_keys=self._forget,
-                on_gap=self._forget_all,
+                on_keys=self._coherence.forget,
+                on_gap=self._coherence.forget_all,
+                on_tags=self._coherence.apply_tags,
                 block=config.backplane.block,
                 origin=parts.instance_id,
             )
@@ -185,13 +191,19 @@ class LayeredCache:
     # any await: the same for ``await cache.get_or_load(...)``.)
 
     def get_or_load(
-        self, namespace: str, fields: Mapping[str, object], loader: Callable[[], Awaitable[T]]
+        self,
+        namespace: str,
+        fields: Mapping[str, object],
+        loader: Callable[[], Awaitable[T]],
+        tags: TagsOf | None = None,
     ) -> Coroutine[Any, Any, T]:
         """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide).
         Returns what L2 decodes to: declare the namespace's value type (``value_types``
-        or a ``cached`` function's annotation) so that is the loader's type."""
+        or a ``cached`` function's annotation) so that is the loader's type. ``tags``
+        (a ``tags = true`` namespace): the value's tags, a list or a function of the
+        loaded value; ``invalidate_tag`` of any of them kills the entry."""
         ns = self._namespaces.get(namespace) or self.namespace(namespace)
-        return ns.get_or_load(fields, loader)
+        return ns.get_or_load(fields, loader, tags)
 
     def get(self, namespace: str, fields: Mapping[str, object]) -> Coroutine[Any, Any, Any]:
         """The cached value or None; never loads. Stale values count as absent."""
@@ -209,11 +221,12 @@ class LayeredCache:
         namespace: str,
         fields_list: Sequence[Mapping[str, object]],
         load_many: LoadMany,
+        tags: TagsOf | None = None,
     ) -> list[Any]:
         """Values in order: L1, else L2, else one ``load_many(missing)`` call, which
         returns one value per missing key, in order. Each missed key takes its lease
         (one round trip for the batch); single-flight holds across batches."""
-        return await self.namespace(namespace).get_or_load_many(fields_list, load_many)
+        return await self.namespace(namespace).get_or_load_many(fields_list, load_many, tags)
 
     async def set_many(
         self, namespace: str, items: Sequence[tuple[Mapping[str, object], Any]]
@@ -221,27 +234,28 @@ class LayeredCache:
         """``set`` for many keys: one pipelined round trip, one backplane append."""
         await self.namespace(namespace).set_many(items)
 
-    async def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
+    async def set(
+        self,
+        namespace: str,
+        fields: Mapping[str, object],
+        value: Any,
+        tags: Iterable[str] | None = None,
+    ) -> None:
         """Write L2 (base and replicas) and this instance's L1; other instances drop
         their L1 copy. Raises ``L2Unavailable`` if Redis fails (see ``Namespace.set``)."""
-        await self.namespace(namespace).set(fields, value)
+        await self.namespace(namespace).set(fields, value, tags)
 
     async def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
         """Delete the L2 key, every replica and the lease; then drop L1 everywhere.
-
         Raises ``L2Unavailable`` if Redis can't be reached (the local L1 copy is dropped
-        regardless).
-        """
-        ns = self.namespace(namespace)
-        key = ns.key(fields)
-        ns.policy.stats.invalidated += 1
-        self._forget([key])  # also detaches loads: new callers must not join them
-        try:
-            await self._rt.invalidator.invalidate([(key, ns.policy.replicas)])
-        except REDIS_FAILURES as exc:
-            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-        # Drop again: a fill that read L2 before the delete may have landed meanwhile.
-        self._forget([key])
+        regardless)."""
+        await self._coherence.invalidate(self.namespace(namespace), fields)
+
+    async def invalidate_tag(self, tag: str) -> None:
+        """Kill every entry carrying ``tag``, in L2, replicas and every instance's L1, in
+        a bounded number of round trips whatever their number (``_tags``). Raises
+        ``L2Unavailable`` if Redis can't be reached (local copies are dropped regardless)."""
+        await self._coherence.invalidate_tag(tag)
 
     def cached(
         self, namespace: str, *, value_type: Any = None
@@ -281,19 +295,3 @@ class LayeredCache:
         """Instrumentation hooks (``prometheus``, ``tracing``): observers of loads and
         L2 reads, and a wrapper around every loader call."""
         return self._rt.hooks
-
-    # -- backplane callbacks -----------------------------------------------------------
-
-    def _forget(self, keys: list[str]) -> None:
-        """An invalidation (local, or from the backplane: the daemon or another
-        instance): every namespace drops the keys from L1 and detaches their loads."""
-        for ns in self:
-            ns._forget(keys)
-
-    def _forget_all(self) -> None:
-        """This instance fell behind the backplane's retention: nothing in L1 is known
-        to be current."""
-        self._rt.flight.forget_all()
-        for ns in self:
-            if ns.policy.l1 is not None:
-                ns.policy.l1.clear()

@@ -25,13 +25,16 @@ class CodecError(ValueError):
 
 
 class Envelope(msgspec.Struct, Generic[T], array_like=True, frozen=True):
-    """``[1, value, written_at, soft_expiry, delta]`` on the wire (array_like: compact)."""
+    """``[1, value, written_at, soft_expiry, delta]`` on the wire (array_like: compact),
+    plus ``{tag: version}`` for a tagged entry (omitted when untagged: the untagged wire
+    format is unchanged)."""
 
     format: Literal[1]
     value: T
     written_at: float  # wall clock (time.time), shared between hosts
     soft_expiry: float  # wall clock; past it the value is stale
     delta: float  # seconds the load took: XFetch's delta
+    tags: dict[str, str] | None = None  # tag -> its version when the entry was loaded
 
 
 class EnvelopeMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -42,6 +45,7 @@ class EnvelopeMeta(msgspec.Struct, array_like=True, frozen=True):
     written_at: float
     soft_expiry: float
     delta: float
+    tags: dict[str, str] | None = None
 
 
 class Codec(Generic[T]):
@@ -56,11 +60,22 @@ class Codec(Generic[T]):
             Envelope[value_type]
         )
 
-    def encode(self, value: T, written_at: float, soft_expiry: float, delta: float) -> bytes:
-        """Raises ``TypeError`` for values msgspec cannot encode."""
-        return self._encoder.encode(
-            Envelope(ENVELOPE_FORMAT, value, written_at, soft_expiry, delta)
-        )
+    def encode(
+        self,
+        value: T,
+        written_at: float,
+        soft_expiry: float,
+        delta: float,
+        tags: dict[str, str] | None = None,
+    ) -> bytes:
+        """Raises ``TypeError`` for values msgspec cannot encode. Written as a tuple: an
+        untagged envelope stays 5 elements long (readers of the format before tags
+        decode it), a tagged one gets the tags as a 6th."""
+        if tags:
+            return self._encoder.encode(
+                (ENVELOPE_FORMAT, value, written_at, soft_expiry, delta, tags)
+            )
+        return self._encoder.encode((ENVELOPE_FORMAT, value, written_at, soft_expiry, delta))
 
     def decode(self, data: bytes) -> Envelope[T]:
         try:

@@ -48,11 +48,17 @@ def recheck(policy: Policy, data: bytes | None) -> Envelope[Any] | None:
 
 
 def encode(
-    policy: Policy, key: str, value: Any, now: float, soft_expiry: float, delta: float
+    policy: Policy,
+    key: str,
+    value: Any,
+    now: float,
+    soft_expiry: float,
+    delta: float,
+    tags: dict[str, str] | None = None,
 ) -> tuple[bytes, Any] | None:
     """(envelope bytes, the value decoded back from them), or None if not cacheable."""
     try:
-        data = policy.codec.encode(value, now, soft_expiry, delta)
+        data = policy.codec.encode(value, now, soft_expiry, delta, tags)
     except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: ints > 64 bits
         _not_cached(policy, "value_not_encodable", key, error=str(exc))
         return None

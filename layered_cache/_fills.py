@@ -6,20 +6,23 @@ whether a key is hot here, and the stale window. Shared by the hit path
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from layered_cache import _envelopes as envelopes
 from layered_cache._codec import Envelope
 from layered_cache._policy import Policy
+from layered_cache._tags import TagVersions
 
 __all__ = ["Fills"]
 
 
 class Fills:
-    def __init__(self, policy: Policy, clock: Callable[[], float]) -> None:
+    def __init__(self, policy: Policy, clock: Callable[[], float], versions: TagVersions) -> None:
         self._policy = policy
         self._clock = clock
+        self.versions = versions
+        self._tagged: dict[str, set[str]] = {}  # tag -> keys filled into L1 with it
 
     def decode(self, key: str, data: bytes | None) -> Envelope[Any] | None:
         return envelopes.decode(self._policy, key, data)
@@ -28,23 +31,64 @@ class Fills:
         return envelopes.recheck(self._policy, data)
 
     def encode(
-        self, key: str, value: Any, soft_expiry: float, delta: float
+        self,
+        key: str,
+        value: Any,
+        soft_expiry: float,
+        delta: float,
+        tags: dict[str, str] | None = None,
     ) -> tuple[bytes, Any] | None:
         """(envelope bytes, the value as L2 readers will decode it) or None: see
         ``envelopes``."""
-        return envelopes.encode(self._policy, key, value, self._clock(), soft_expiry, delta)
+        now = self._clock()
+        return envelopes.encode(self._policy, key, value, now, soft_expiry, delta, tags)
 
     def fill_l1(
-        self, key: str, value: Any, soft_expiry: float | None, read_seq: int | None
+        self,
+        key: str,
+        value: Any,
+        soft_expiry: float | None,
+        read_seq: int | None,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
+        """L1 takes ``value`` unless the key was invalidated since ``read_seq`` or, for a
+        tagged value, one of its tags was (its versions are no longer current)."""
         l1 = self._policy.l1
         if l1 is None:
+            return
+        if tags and self.versions.known(tags) is not True:
+            self._policy.stats.l1_fill_discarded += 1
             return
         ttl = self._policy.l1_ttl_draw()
         if soft_expiry is not None:
             ttl = min(ttl, soft_expiry - self._clock())  # never outlive L2's freshness
-        if not l1.put(key, value, ttl, read_seq) and ttl > 0:
-            self._policy.stats.l1_fill_discarded += 1
+        if not l1.put(key, value, ttl, read_seq):
+            if ttl > 0:
+                self._policy.stats.l1_fill_discarded += 1
+            return
+        if tags:
+            self._index(key, tags)
+
+    def _index(self, key: str, tags: Mapping[str, str]) -> None:
+        l1 = self._policy.l1
+        assert l1 is not None
+        if sum(len(keys) for keys in self._tagged.values()) > 4 * l1.max_entries:
+            # Keys leave L1 by TTL and eviction without telling us: prune the index.
+            self._tagged = {
+                tag: {k for k in keys if k in l1}
+                for tag, keys in self._tagged.items()
+            }
+        for tag in tags:
+            self._tagged.setdefault(tag, set()).add(key)
+
+    def forget_tag(self, tag: str) -> list[str]:
+        """The L1 keys filled with ``tag`` (now to be dropped)."""
+        return list(self._tagged.pop(tag, ()))
+
+    def alive(self, envelope: Envelope[Any]) -> bool:
+        """False for a tagged entry whose tag this instance knows was invalidated (an
+        unknown tag counts as alive here: used for fills just written by their owner)."""
+        return envelope.tags is None or self.versions.known(envelope.tags) is not False
 
     def redis_ttl_ms(self, soft_expiry: float) -> int:
         """Hard expiry = soft expiry + the stale window the fail-safe may serve from."""

@@ -103,6 +103,12 @@ class Invalidator:
         await self.announce(keys)
         return deleted
 
+    async def announce_tags(self, versions: Mapping[str, str]) -> None:
+        """Tell every instance the new versions of invalidated tags."""
+        if self._backplane is not None and versions:
+            async with self._l2.slots:
+                await self._backplane.publish([], tags=versions)
+
     async def announce(self, keys: Sequence[str]) -> None:
         if self._backplane is not None and keys:
             # Through the store's concurrency bound: a burst of set()/invalidate() must

@@ -11,6 +11,8 @@ place (docs/keys.md):
 - backplane       ``{prefix}layered_cache:invalidations`` (``backplane.stream``)
 - hot-key report  ``{prefix}layered_cache:hotkeys:{instance}`` (one hash per instance)
 - replica record  ``{{prefix}layered_cache}:replicas`` (the fleet's ``hot.replicas``)
+- tag version     ``{prefix}layered_cache:tag:{tag}`` (the tag's current token)
+- loading set     ``{prefix}layered_cache:loading`` (leases of tagged loads in flight)
 
 One name per value: ``build`` is injective over (prefix, namespace, fields). Field values
 never contain ``:`` in a name (it is written ``%3A``; a raw ``%`` is refused, so the
@@ -34,10 +36,13 @@ __all__ = [
     "fill_channel",
     "hot_report_name",
     "lease_name",
+    "loading_set_name",
     "replica_name",
     "replica_names",
     "replica_record_name",
+    "tag_version_name",
     "validate_prefix",
+    "validate_tag",
 ]
 
 MAX_KEY_LENGTH = 512
@@ -303,3 +308,30 @@ def replica_record_name(prefix: str) -> str:
     Braces can't occur in a key, and it ends neither in ``:lease`` nor ``:filled``: no
     key, lease or channel is named so."""
     return "{" + prefix + RESERVED_SEGMENT[:-1] + "}:replicas"
+
+
+MAX_TAG_LENGTH = 256
+
+
+def validate_tag(tag: object) -> str:
+    """A tag (``book:42``) obeys the key character rules: the same safe characters, a
+    length limit, and a clear error naming what is wrong."""
+    if not isinstance(tag, str):
+        raise TypeError(f"a tag must be a string, not {type(tag).__name__}: {tag!r}")
+    if not _SAFE_VALUE.fullmatch(tag):
+        raise ValueError(f"tag {tag[:80]!r}: only {_SAFE_DESCRIPTION} are allowed")
+    if len(tag) > MAX_TAG_LENGTH:
+        raise ValueError(f"tag {tag[:80]!r}...: longer than {MAX_TAG_LENGTH} characters")
+    return tag
+
+
+def tag_version_name(prefix: str, tag: str) -> str:
+    """The tag's current version token (``_tags.py``), in the reserved segment: no key
+    can be named so, and the tag text can't reach out of it (tags are validated)."""
+    return f"{prefix}{RESERVED_SEGMENT}tag:{tag}"
+
+
+def loading_set_name(prefix: str) -> str:
+    """The set of leases held by loads of tagged entries (``_tags.py``):
+    ``invalidate_tag`` revokes them, so a load that began before it never lands."""
+    return f"{prefix}{RESERVED_SEGMENT}loading"

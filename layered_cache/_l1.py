@@ -45,6 +45,7 @@ class L1Cache:
 
     def __init__(self, max_entries: int, timer: Callable[[], float] = time.monotonic) -> None:
         self._timer = timer
+        self.max_entries = max_entries
         self._entries: TLRUCache[str, tuple[Any, float]] = TLRUCache(
             maxsize=max_entries, ttu=_ttu, timer=timer
         )
@@ -115,6 +116,10 @@ class L1Cache:
             self._entries.clear()
             self._tombstones.clear()
             self._floor = self._seq
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has an entry (no LRU touch: for bookkeeping, not reads)."""
+        return key in self._entries
 
     def __len__(self) -> int:
         with self._lock:

@@ -16,23 +16,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from layered_cache import _replicas as replicas
+from layered_cache import _tags as tags
 from layered_cache._codec import Envelope
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
-from layered_cache._runtime import Runtime
+from layered_cache._runtime import Hooks, Runtime
 
-__all__ = ["MissPath", "Read"]
+__all__ = ["MissPath", "Read", "TagsOf"]
 
 Loader = Callable[[], Awaitable[Any]]
+# A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
+TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
 
 _log = structlog.get_logger("layered_cache")
 
@@ -46,6 +49,7 @@ class Read:
     key: str
     seq: int | None
     stale: Envelope[Any] | None = None
+    tags_of: TagsOf | None = None  # the tags of a loaded value (tagged namespaces)
 
 
 class MissPath:
@@ -53,6 +57,7 @@ class MissPath:
         self._policy = policy
         self._fills = fills
         self._rt = runtime
+        self._loading = tags.Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
 
     async def load_under_lease(self, read: Read, loader: Loader) -> Any:
         """Win the lease and load, or wait for the winner's fill (``max_wait`` at most,
@@ -85,7 +90,11 @@ class MissPath:
 
         def usable(data: bytes | None) -> bool:
             envelope = fills.decode(read.key, data)
-            return envelope is not None and self._rt.clock() < envelope.soft_expiry
+            return (
+                envelope is not None
+                and self._rt.clock() < envelope.soft_expiry
+                and fills.alive(envelope)
+            )
 
         result = await self._rt.leases.wait_for_fill(
             read.key,
@@ -100,7 +109,7 @@ class MissPath:
         envelope = fills.decode(read.key, result.data)
         assert envelope is not None  # ``usable`` accepted it
         policy.stats.lease_wait_filled += 1
-        fills.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq)
+        fills.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags)
         return _Filled(envelope.value)
 
     async def _filled_meanwhile(self, read: Read, token: str) -> _Filled | None:
@@ -110,17 +119,23 @@ class MissPath:
         filled = self._fills.recheck(await self._rt.store.get(read.key))
         if filled is None or self._rt.clock() >= filled.soft_expiry:
             return None
+        if not self._fills.alive(filled):
+            return None
         await self.release(read.key, token)
         self._policy.stats.lease_wait_filled += 1
-        self._fills.fill_l1(read.key, filled.value, filled.soft_expiry, read.seq)
+        self._fills.fill_l1(read.key, filled.value, filled.soft_expiry, read.seq, filled.tags)
         return _Filled(filled.value)
 
     async def load_and_fill(self, read: Read, token: str, loader: Loader) -> Any:
         """Load under our lease, then fill. A slow loader with a stale value at hand
         serves stale after ``load_timeout`` and fills in the background."""
         policy = self._policy
+        if policy.tags and not await self._register(read, token):
+            return await self.load_unleased(read, loader)
         started = time.monotonic()
-        task: asyncio.Task[Any] = asyncio.ensure_future(self.call_loader(loader))
+        task: asyncio.Task[Any] = asyncio.ensure_future(
+            call_loader(self._policy, self._rt.hooks, loader)
+        )
         # The load runs on if our caller is cancelled (it holds the lease; shield below):
         # then nobody awaits it, and its failure must not surface as "Task exception was
         # never retrieved" (it is counted in load_error already).
@@ -136,8 +151,24 @@ class MissPath:
             value = await asyncio.shield(task)
         except Exception as exc:
             await self.release(read.key, token)
+            self._unregister(read)
             return await self._stale_or_raise(read, exc)
         return await self.fill(read, token, value, time.monotonic() - started)
+
+    async def _register(self, read: Read, token: str) -> bool:
+        """A tagged load joins the set ``invalidate_tag`` revokes, before it starts
+        (``_tags``). Redis failing here: load without writing L2."""
+        try:
+            await self._loading.enter([lease_name(read.key)])
+        except L2Unavailable:
+            self._policy.stats.redis_error += 1
+            await self.release(read.key, token)
+            return False
+        return True
+
+    def _unregister(self, read: Read) -> None:
+        if self._policy.tags:
+            self._loading.leave([lease_name(read.key)])
 
     async def _finish_fill(
         self, read: Read, token: str, task: asyncio.Task[Any], started: float
@@ -146,34 +177,16 @@ class MissPath:
             value = await task
         except Exception:
             await self.release(read.key, token)
+            self._unregister(read)
             return
         # The request's read.seq: an invalidation delivered while this slow load ran (or
         # between its L2 write and here) must keep it out of L1.
         await self.fill(read, token, value, time.monotonic() - started)
 
-    async def call_loader(self, loader: Loader) -> Any:
-        policy, hooks = self._policy, self._rt.hooks
-        policy.stats.load += 1
-        started = time.perf_counter()
-        ok = False
-        try:
-            if hooks.load_wrapper is not None:
-                value = await hooks.load_wrapper(policy.name, loader)
-            else:
-                value = await loader()
-            ok = True
-            return value
-        except Exception:
-            policy.stats.load_error += 1
-            raise
-        finally:
-            for observe in hooks.load_observers:
-                observe(policy.name, time.perf_counter() - started, ok)
-
     async def load_unleased(self, read: Read, loader: Loader) -> Any:
         """Load without writing L2 (no lease, or Redis unavailable)."""
         try:
-            value = await self.call_loader(loader)
+            value = await call_loader(self._policy, self._rt.hooks, loader)
         except Exception as exc:
             return await self._stale_or_raise(read, exc)
         if not self._policy.l2:
@@ -204,6 +217,8 @@ class MissPath:
         stale = read.stale
         if stale is None or not self._fills.within_stale(stale, self._rt.clock()):
             return False
+        if stale.tags and self._fills.versions.known(stale.tags) is not True:
+            return False  # a tag of it was invalidated (or can't be confirmed here)
         l1 = self._policy.l1
         if l1 is not None and read.seq is not None and l1.invalidated_since(read.key, read.seq):
             return False
@@ -226,11 +241,21 @@ class MissPath:
         except Exception:
             await self.release(read.key, token, quietly=False)
             raise
+        finally:
+            self._unregister(read)
 
     async def _fill_under_lease(self, read: Read, token: str, value: Any, delta: float) -> Any:
         policy, fills, key = self._policy, self._fills, read.key
         soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
-        encoded = fills.encode(key, value, soft_expiry, delta)
+        versions = None
+        if read.tags_of is not None:
+            try:  # read after the load: see ``_tags`` for why that is safe
+                versions = await fills.versions.current(tag_names(read.tags_of, value))
+            except L2Unavailable:
+                policy.stats.redis_error += 1
+                await self.release(key, token, quietly=False)
+                return value
+        encoded = fills.encode(key, value, soft_expiry, delta, versions)
         if encoded is None:
             await self.release(key, token)
             return value
@@ -253,7 +278,7 @@ class MissPath:
         if not written:
             policy.stats.fill_revoked += 1
             return value
-        fills.fill_l1(key, value, soft_expiry, read.seq)
+        fills.fill_l1(key, value, soft_expiry, read.seq, versions)
         return value
 
     async def release(self, key: str, token: str, *, quietly: bool = True) -> None:
@@ -275,3 +300,31 @@ class _Filled:
 def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
+    """The tags of ``value``: ``tags_of`` itself, or what it returns for the value."""
+    names = tags_of(value) if callable(tags_of) else tags_of
+    if isinstance(names, str):
+        raise TypeError(f"tags must be a list of strings, not the string {names[:80]!r}")
+    return list(names)
+
+
+async def call_loader(policy: Policy, hooks: Hooks, loader: Loader) -> Any:
+    """Call the loader through the instrumentation hooks, counting loads and failures."""
+    policy.stats.load += 1
+    started = time.perf_counter()
+    ok = False
+    try:
+        if hooks.load_wrapper is not None:
+            value = await hooks.load_wrapper(policy.name, loader)
+        else:
+            value = await loader()
+        ok = True
+        return value
+    except Exception:
+        policy.stats.load_error += 1
+        raise
+    finally:
+        for observe in hooks.load_observers:
+            observe(policy.name, time.perf_counter() - started, ok)

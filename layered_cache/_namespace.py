@@ -12,7 +12,7 @@ the order of steps and owns no Redis command.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from layered_cache._batch import BatchPath, LoadMany
@@ -21,7 +21,7 @@ from layered_cache._fills import Fills
 from layered_cache._keys import replica_name
 from layered_cache._l1 import MISSING
 from layered_cache._l2 import L2Unavailable
-from layered_cache._miss import MissPath, Read
+from layered_cache._miss import MissPath, Read, TagsOf
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
@@ -39,7 +39,7 @@ class Namespace:
         self.name = policy.name
         self.policy = policy
         self._rt = runtime
-        self._fills = Fills(policy, runtime.clock)
+        self._fills = Fills(policy, runtime.clock, runtime.versions)
         self._miss = MissPath(policy, self._fills, runtime)
         self._refresher = Refresher(policy, self._miss, runtime)
         self._writes = Writes(policy, self._fills, runtime, self._forget)
@@ -78,11 +78,17 @@ class Namespace:
     # -- reads -------------------------------------------------------------------------
 
     async def get_or_load(
-        self, fields: Mapping[str, object], loader: Callable[[], Awaitable[T]]
+        self,
+        fields: Mapping[str, object],
+        loader: Callable[[], Awaitable[T]],
+        tags: TagsOf | None = None,
     ) -> T:
-        """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
+        """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide).
+        ``tags``: the loaded value's tags, a list or a function of the value."""
         policy = self.policy
         key = policy.template.build(fields)
+        if tags is not None and not policy.tags:
+            raise self._untagged()
         if not policy.cache:
             policy.stats.miss += 1
             policy.stats.load += 1
@@ -93,7 +99,7 @@ class Namespace:
             if value is not MISSING:
                 policy.stats.l1_hit += 1
                 return value  # type: ignore[no-any-return]
-        value, shared = await self._rt.flight.do(key, lambda: self._fetch(key, loader))
+        value, shared = await self._rt.flight.do(key, lambda: self._fetch(key, loader, tags))
         if shared:
             policy.stats.coalesced += 1
         return value  # type: ignore[no-any-return]
@@ -120,12 +126,14 @@ class Namespace:
         if envelope is None or self._rt.clock() >= envelope.soft_expiry:
             return None
         policy.stats.l2_hit += 1
-        self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read_seq)
+        self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read_seq, envelope.tags)
         return envelope.value
 
-    async def _fetch(self, key: str, loader: Callable[[], Awaitable[Any]]) -> Any:
+    async def _fetch(
+        self, key: str, loader: Callable[[], Awaitable[Any]], tags: TagsOf | None
+    ) -> Any:
         policy = self.policy
-        read = Read(key, policy.l1.begin_read() if policy.l1 is not None else None)
+        read = Read(key, policy.l1.begin_read() if policy.l1 is not None else None, None, tags)
         envelope: Envelope[Any] | None = None
         if policy.l2:
             try:
@@ -136,8 +144,8 @@ class Namespace:
         now = self._rt.clock()
         if envelope is not None and now < envelope.soft_expiry:
             policy.stats.l2_hit += 1
-            self._refresher.maybe_refresh_early(key, envelope, loader, now)
-            self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read.seq)
+            self._refresher.maybe_refresh_early(read, envelope, loader, now)
+            self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags)
             return envelope.value
         policy.stats.miss += 1
         if not policy.l2:
@@ -170,15 +178,28 @@ class Namespace:
             elapsed = time.perf_counter() - started
             for observe in observers:
                 observe(policy.name, elapsed)
-        return self._fills.decode(key, data)
+        envelope = self._fills.decode(key, data)
+        tags = envelope.tags if envelope is not None else None
+        if tags is not None and not await self._fills.versions.valid(tags):
+            return None  # a tag of it was invalidated: dead, not even stale
+        return envelope
 
     # -- writes ------------------------------------------------------------------------
 
-    async def set(self, fields: Mapping[str, object], value: Any) -> None:
+    async def set(
+        self, fields: Mapping[str, object], value: Any, tags: Iterable[str] | None = None
+    ) -> None:
         """Write ``value`` to L2 (base and replicas) and this instance's L1; other
         instances drop their L1 copy through the backplane. Raises ``L2Unavailable``
         if Redis fails (see ``_writes``)."""
-        await self._writes.set_many([(fields, value)])
+        if tags is not None and not self.policy.tags:
+            raise self._untagged()
+        await self._writes.set_many([(fields, value)], tags)
+
+    def _untagged(self) -> ValueError:
+        return ValueError(
+            f"namespace {self.name!r} takes no tags: declare tags = true in its config"
+        )
 
     async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
         """``set`` for many keys: one pipelined round trip, one backplane append."""
@@ -191,11 +212,21 @@ class Namespace:
         return await self._batch.get_many(fields_list)
 
     async def get_or_load_many(
-        self, fields_list: Sequence[Mapping[str, object]], load_many: LoadMany
+        self,
+        fields_list: Sequence[Mapping[str, object]],
+        load_many: LoadMany,
+        tags: TagsOf | None = None,
     ) -> list[Any]:
         """Values in order: L1, else L2 (one MGET), else one ``load_many(missing)``
         call that returns one value per missing key, in order."""
-        return await self._batch.get_or_load_many(fields_list, load_many)
+        if tags is not None and not self.policy.tags:
+            raise self._untagged()
+        return await self._batch.get_or_load_many(fields_list, load_many, tags)
+
+    def _forget_tag(self, tag: str) -> None:
+        """Drop from L1 every entry filled with ``tag`` (its version just changed)."""
+        if self.policy.tags:
+            self._forget(self._fills.forget_tag(tag))
 
     def _forget(self, keys: list[str]) -> None:
         """Drop ``keys`` from L1 and detach their in-flight loads: a load that began

@@ -46,6 +46,7 @@ class Policy:
     beta: float
     load_timeout: float | None
     max_value_bytes: int
+    tags: bool  # entries may carry tags (``_tags``)
     codec: Codec[Any]
     stats: NamespaceStats = field(default_factory=NamespaceStats)
 
@@ -90,5 +91,6 @@ def compile_policy(
         beta=stampede.early_refresh_beta,
         load_timeout=stampede.load_timeout,
         max_value_bytes=config.max_value_bytes,
+        tags=config.tags,
         codec=Codec(value_type),
     )

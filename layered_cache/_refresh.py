@@ -33,12 +33,12 @@ class Refresher:
 
     def maybe_refresh_early(
         self,
-        key: str,
+        read: Read,
         envelope: Envelope[Any],
         loader: Callable[[], Awaitable[Any]],
         now: float,
     ) -> None:
-        policy = self._policy
+        policy, key = self._policy, read.key
         if policy.beta <= 0 or key in self._refreshing:
             return
         if not should_refresh_early(
@@ -46,19 +46,20 @@ class Refresher:
         ):
             return
         self._refreshing.add(key)
-        self._rt.tasks.spawn(self._refresh(key, envelope, loader))
+        self._rt.tasks.spawn(self._refresh(read, envelope, loader))
 
     async def _refresh(
-        self, key: str, envelope: Envelope[Any], loader: Callable[[], Awaitable[Any]]
+        self, request: Read, envelope: Envelope[Any], loader: Callable[[], Awaitable[Any]]
     ) -> None:
         """XFetch refresh under the lease: one per key for the whole fleet."""
-        policy = self._policy
+        policy, key = self._policy, request.key
         try:
             token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl)
             if token is None:
                 return  # someone else is refreshing (or loading) it
             policy.stats.early_refresh += 1
-            read = Read(key, policy.l1.begin_read() if policy.l1 is not None else None, envelope)
+            seq = policy.l1.begin_read() if policy.l1 is not None else None
+            read = Read(key, seq, envelope, request.tags_of)
             with contextlib.suppress(Exception):
                 await self._miss.load_and_fill(read, token, loader)
         except L2Unavailable:

@@ -19,6 +19,7 @@ from layered_cache._invalidation import Invalidator
 from layered_cache._l2 import L2Store
 from layered_cache._singleflight import SingleFlight
 from layered_cache._stampede import LeaseWaiter
+from layered_cache._tags import TagVersions
 
 __all__ = ["BackgroundTasks", "Hooks", "Loader", "Runtime"]
 
@@ -63,6 +64,8 @@ class Runtime:
     invalidator: Invalidator
     clock: Callable[[], float]
     rand: Callable[[], float]
+    versions: TagVersions  # tag versions as this instance knows them (``_tags``)
+    prefix: str
     flight: SingleFlight[Any] = field(default_factory=SingleFlight)
     tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
     hooks: Hooks = field(default_factory=Hooks)

@@ -10,7 +10,7 @@ backplane append.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache import _replicas as replicas
@@ -36,15 +36,22 @@ class Writes:
         self._rt = runtime
         self._forget = forget
 
-    async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
+    async def set_many(
+        self,
+        items: Sequence[tuple[Mapping[str, object], Any]],
+        tags: Iterable[str] | None = None,
+    ) -> None:
         """Raises ``L2Unavailable`` if Redis fails, including when the values were
         written but the backplane append failed: then other instances may still serve
         their old L1 copies for their TTL, and returning normally would promise otherwise."""
         async with self._rt.admission:  # see Runtime.admission
-            await self._set_many(items)
+            await self._set_many(items, tags)
 
-    async def _set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
+    async def _set_many(
+        self, items: Sequence[tuple[Mapping[str, object], Any]], tags: Iterable[str] | None
+    ) -> None:
         policy, fills = self._policy, self._fills
+        versions = await fills.versions.current(tags) if tags is not None else None
         keyed = [(policy.template.build(fields), value) for fields, value in items]
         if not policy.cache or not keyed:
             return
@@ -52,13 +59,13 @@ class Writes:
         read_seq = self._begin([key for key, _ in keyed])
         if not policy.l2:
             for key, value in keyed:
-                fills.fill_l1(key, value, None, read_seq)
+                fills.fill_l1(key, value, None, read_seq, versions)
             return
         writes: list[Write] = []
         settled: list[tuple[str, Any, float]] = []
         for key, value in keyed:
             soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
-            encoded = fills.encode(key, value, soft_expiry, 0.0)
+            encoded = fills.encode(key, value, soft_expiry, 0.0, versions)
             if encoded is None:
                 continue
             names, outdated = replicas.set_plan(key, policy.replicas, fills.is_hot(key))
@@ -69,7 +76,7 @@ class Writes:
         await replicas.write_many(self._rt.store, writes)
         await self._announce([key for key, _, _ in settled])
         for key, value, soft_expiry in settled:
-            self._settle(key, value, soft_expiry, read_seq)
+            self._settle(key, value, soft_expiry, read_seq, versions)
 
     def _begin(self, keys: list[str]) -> int | None:
         """Detach in-flight loads and drop our L1 copies before writing. Like every other
@@ -98,7 +105,14 @@ class Writes:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
 
-    def _settle(self, key: str, value: Any, soft_expiry: float, read_seq: int | None) -> None:
+    def _settle(
+        self,
+        key: str,
+        value: Any,
+        soft_expiry: float,
+        read_seq: int | None,
+        versions: dict[str, str] | None,
+    ) -> None:
         """After our write landed: a load of this key that began while it was in flight
         may have read the value we replaced. Detach it (later callers must not join it)
         and tombstone the key again (its L1 fill is refused), then fill L1 with our value
@@ -113,4 +127,4 @@ class Writes:
         if superseded:
             self._policy.stats.l1_fill_discarded += 1
             return
-        self._fills.fill_l1(key, value, soft_expiry, l1.begin_read())
+        self._fills.fill_l1(key, value, soft_expiry, l1.begin_read(), versions)

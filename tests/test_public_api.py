@@ -45,6 +45,7 @@ LAYERED_CACHE_METHODS = {
     "hot_keys",
     "instance_id",
     "invalidate",
+    "invalidate_tag",
     "key",
     "namespace",
     "redis_status",

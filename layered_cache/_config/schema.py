@@ -237,6 +237,7 @@ class NamespaceConfig(_Section, frozen=True):
     stampede: StampedeConfig = StampedeConfig()
     stale: StaleConfig = StaleConfig()
     max_value_bytes: AtLeastOne = 1_000_000
+    tags: bool = False  # entries may carry tags (list pages, searches): docs/tags.md
 
 
 class InvalidateTarget(_Section, frozen=True):

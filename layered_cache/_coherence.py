@@ -1,0 +1,68 @@
+"""Coherence: an invalidation deletes from L2 first, then every instance drops its L1
+copies: this one at once, the others through the backplane (``_backplane``), whose
+callbacks land here too. Keys and tags alike; a fill that read L2 before the delete may
+land while it runs, so the local drop happens before and again after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from layered_cache._clients import REDIS_FAILURES
+from layered_cache._l2 import L2Unavailable
+from layered_cache._namespace import Namespace
+from layered_cache._runtime import Runtime
+
+__all__ = ["Coherence"]
+
+
+class Coherence:
+    def __init__(self, namespaces: list[Namespace], runtime: Runtime) -> None:
+        self._namespaces = namespaces
+        self._rt = runtime
+
+    async def invalidate(self, ns: Namespace, fields: Mapping[str, object]) -> None:
+        key = ns.key(fields)
+        ns.policy.stats.invalidated += 1
+        self.forget([key])  # also detaches loads: new callers must not join them
+        try:
+            await self._rt.invalidator.invalidate([(key, ns.policy.replicas)])
+        except REDIS_FAILURES as exc:
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        self.forget([key])  # again: a fill that read L2 before the delete may have landed
+
+    async def invalidate_tag(self, tag: str) -> None:
+        """A new version for the tag, the tagged loads in flight revoked, then the
+        backplane (``_tags``)."""
+        self._forget_tag(tag)
+        try:
+            version = await self._rt.versions.invalidate(tag)
+            await self._rt.invalidator.announce_tags({tag: version})
+        except REDIS_FAILURES as exc:
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        self._forget_tag(tag)
+
+    def forget(self, keys: list[str]) -> None:
+        """An invalidation (local, or from the backplane: the daemon or another
+        instance): every namespace drops the keys from L1 and detaches their loads."""
+        for ns in self._namespaces:
+            ns._forget(keys)
+
+    def apply_tags(self, versions: dict[str, str]) -> None:
+        """New tag versions from the backplane (another instance, or the daemon)."""
+        self._rt.versions.apply(versions)
+        for tag in versions:
+            self._forget_tag(tag)
+
+    def forget_all(self) -> None:
+        """This instance fell behind the backplane's retention: nothing in L1, no tag
+        version it remembers, is known to be current."""
+        self._rt.flight.forget_all()
+        self._rt.versions.forget_all()
+        for ns in self._namespaces:
+            if ns.policy.l1 is not None:
+                ns.policy.l1.clear()
+
+    def _forget_tag(self, tag: str) -> None:
+        for ns in self._namespaces:
+            ns._forget_tag(tag)

@@ -1,0 +1,159 @@
+"""Tags: derived entries (a category page, a search result) die with what they contain.
+
+Design (chosen over a set of member keys per tag; docs/tags.md has the measurements):
+
+- **A version per tag.** ``{prefix}layered_cache:tag:<tag>`` holds a random token. A
+  tagged entry carries ``{tag: token}`` in its envelope, read when it was loaded.
+  ``invalidate_tag`` writes a new token: every entry carrying the old one is dead at
+  once, in L2 and every replica, whatever their number. O(1) round trips.
+- **Reads check versions locally.** Each instance keeps the tokens it has seen
+  (``TagVersions``) and learns new ones from the backplane, exactly as L1 learns about
+  deleted keys, so an L2 hit of a tagged entry costs no extra round trip and a tag
+  invalidation reaches every instance within the backplane's bound. A token this
+  instance has never seen is fetched once (one round trip per tag per instance).
+- **Loads in flight can't land after an invalidation.** A tagged load registers its
+  lease in ``{prefix}layered_cache:loading`` before it calls the loader (its tags come
+  from the loaded value, so they aren't known before). ``invalidate_tag`` writes the new
+  token, then takes the whole set and deletes those leases: a fill whose load began
+  before the invalidation finds its lease gone and writes nothing; a load that
+  registered after the set was taken began after the new token was written, and read
+  the data after the change that caused it.
+- **L1** keeps an index tag -> keys per namespace; an invalidation (local or from the
+  backplane) drops those keys, and an L1 fill whose tokens are no longer current is
+  refused, so a fill racing the invalidation can't outlive it either.
+
+A missing token key (evicted under memory pressure, deleted by hand) is recreated with a
+new random token: every entry of that tag goes dead, never back to life.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from layered_cache._keys import loading_set_name, tag_version_name, validate_tag
+from layered_cache._l2 import L2Store, L2Unavailable
+
+__all__ = ["Loading", "TagVersions", "take_loading"]
+
+# Take every member of the loading set and delete the set in one atomic step: a lease
+# registered after this ran belongs to a load that began after the new token was set.
+TAKE_ALL_SCRIPT = """
+local members = redis.call('SMEMBERS', KEYS[1])
+redis.call('DEL', KEYS[1])
+return members
+"""
+
+_LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
+
+
+def new_version() -> str:
+    return os.urandom(8).hex()
+
+
+class TagVersions:
+    """This instance's view of tag versions, kept current by the backplane."""
+
+    def __init__(self, store: L2Store, prefix: str) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._versions: dict[str, str] = {}
+
+    def known(self, tags: Mapping[str, str]) -> bool | None:
+        """True: every version is current; False: one is outdated (the entry is dead);
+        None: a tag this instance hasn't seen yet (``fetch`` it to decide)."""
+        unknown = False
+        for tag, version in tags.items():
+            current = self._versions.get(tag)
+            if current is None:
+                unknown = True
+            elif current != version:
+                return False
+        return None if unknown else True
+
+    async def current(self, tags: Iterable[str]) -> dict[str, str]:
+        """The current version of each tag, fetching (or creating) unknown ones in one
+        round trip. Raises ``L2Unavailable``."""
+        wanted = [validate_tag(tag) for tag in dict.fromkeys(tags)]
+        missing = [tag for tag in wanted if tag not in self._versions]
+        if missing:
+            await self._fetch(missing)
+        return {tag: self._versions[tag] for tag in wanted}
+
+    async def valid(self, tags: Mapping[str, str]) -> bool:
+        """Whether an entry carrying ``tags`` is alive (fetching unknown tags)."""
+        state = self.known(tags)
+        if state is None:
+            await self._fetch([tag for tag in tags if tag not in self._versions])
+            state = self.known(tags)
+        return bool(state)
+
+    async def _fetch(self, tags: list[str]) -> None:
+        pipe = self._store.client.pipeline(transaction=False)
+        for tag in tags:
+            name = tag_version_name(self._prefix, tag)
+            pipe.set(name, new_version(), nx=True)  # a tag never invalidated gets one now
+            pipe.get(name)
+        results = await self._store.guard(pipe.execute())
+        if len(self._versions) + len(tags) > _LIMIT:
+            self._versions.clear()
+        for tag, version in zip(tags, results[1::2], strict=True):
+            if version is not None:
+                self._versions[tag] = version.decode() if isinstance(version, bytes) else version
+
+    def apply(self, versions: Mapping[str, str]) -> None:
+        """New versions from an invalidation (ours, or another's via the backplane)."""
+        self._versions.update(versions)
+
+    def forget_all(self) -> None:
+        """The backplane lost track: every remembered version may be outdated."""
+        self._versions.clear()
+
+    async def invalidate(self, tag: str) -> str:
+        """Write a new version for ``tag`` and revoke every tagged load in flight.
+        Returns the new version (the caller announces it on the backplane)."""
+        validate_tag(tag)
+        version = new_version()
+        name = tag_version_name(self._prefix, tag)
+        await self._store.guard(self._store.client.set(name, version), name)
+        self._versions[tag] = version
+        await take_loading(self._store, self._prefix)
+        return version
+
+
+async def take_loading(store: L2Store, prefix: str) -> None:
+    """Revoke the leases of every tagged load registered so far (see the module doc)."""
+    loading = loading_set_name(prefix)
+    script = store.client.eval(TAKE_ALL_SCRIPT, 1, loading)
+    leases = await store.guard(script, loading)
+    if leases:
+        await store.delete(
+            [lease.decode() if isinstance(lease, bytes) else lease for lease in leases]
+        )
+
+
+class Loading:
+    """The loading set's members: tagged loads in flight (see the module doc)."""
+
+    def __init__(
+        self, store: L2Store, prefix: str, spawn: Callable[[Awaitable[Any]], None]
+    ) -> None:
+        self._store = store
+        self._name = loading_set_name(prefix)
+        self._spawn = spawn
+
+    async def enter(self, leases: list[str]) -> None:
+        """Before a tagged load starts: its leases join the set ``invalidate`` revokes.
+        Raises ``L2Unavailable`` (the load must then not write L2)."""
+        await self._store.guard(self._store.client.sadd(self._name, *leases), self._name)
+
+    def leave(self, leases: list[str]) -> None:
+        """After the fill (or the failure): in the background, off the caller's latency.
+        A member left behind (Redis down) is harmless: the next invalidate takes it."""
+        self._spawn(self._leave(leases))
+
+    async def _leave(self, leases: list[str]) -> None:
+        with contextlib.suppress(L2Unavailable):
+            await self._store.guard(self._store.client.srem(self._name, *leases), self._name)

@@ -1,0 +1,190 @@
+"""Tags: a list page dies with the books it shows. Against a real Redis: every entry
+carrying an invalidated tag stops being served, in L2 and every instance's L1, in a
+number of round trips that doesn't grow with the entries, and a load that began before
+the invalidation never lands."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from layered_cache._keys import tag_version_name
+from tests.helpers import CountingLoader, make_config
+
+NAMESPACES = {
+    "book": {"key": "book:{id}"},
+    "category": {"key": "category:{slug}", "tags": True},
+}
+
+
+def _page(slug: str, books: list[int], edition: int = 1) -> dict[str, Any]:
+    return {"slug": slug, "books": books, "edition": edition}
+
+
+def _tags_of(page: Mapping[str, Any]) -> list[str]:
+    return [f"book:{b}" for b in page["books"]]
+
+
+async def _total_commands(admin: redis.Redis) -> int:
+    stats = await admin.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+
+
+async def _connected(*caches: LayeredCache) -> None:
+    for cache in caches:
+        assert cache._backplane is not None
+        await asyncio.wait_for(cache._backplane.connected.wait(), 5)
+
+
+async def test_invalidate_tag_kills_every_tagged_entry_in_l2_and_every_instances_l1(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with (
+        LayeredCache.from_config(config) as a,
+        LayeredCache.from_config(config) as b,
+    ):
+        await _connected(a, b)
+        scifi, poetry = CountingLoader(_page("scifi", [42, 7])), CountingLoader(_page("poetry", [9]))
+        for cache in (a, b):  # both instances hold both pages in L1
+            await cache.get_or_load("category", {"slug": "scifi"}, scifi, tags=_tags_of)
+            await cache.get_or_load("category", {"slug": "poetry"}, poetry, tags=_tags_of)
+        assert scifi.calls == 1 and poetry.calls == 1
+        await a.invalidate_tag("book:42")  # the price of book 42 changed
+        scifi.value = _page("scifi", [42, 7], edition=2)
+        assert (await a.get_or_load("category", {"slug": "scifi"}, scifi, tags=_tags_of))[
+            "edition"
+        ] == 2
+        for _ in range(100):  # b learns it through the backplane
+            page = await b.get("category", {"slug": "scifi"})
+            if page is None or page["edition"] == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert page is None or page["edition"] == 2
+        # The page without book 42 is untouched, in both instances' L1.
+        for cache in (a, b):
+            assert await cache.get("category", {"slug": "poetry"}) == _page("poetry", [9])
+        assert poetry.calls == 1 and scifi.calls == 2
+
+
+@pytest.mark.parametrize("entries", [1, 1000])
+async def test_invalidate_tag_costs_the_same_round_trips_for_1_and_1000_entries(
+    redis_url: str, prefix: str, entries: int
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES, backplane={"enabled": False})
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        for slug in range(entries):
+            await cache.set("category", {"slug": str(slug)}, _page(str(slug), [42]), tags=["book:42"])
+        before = await _total_commands(admin)
+        await cache.invalidate_tag("book:42")
+        spent = await _total_commands(admin) - before
+        # Two round trips: SET the version; EVAL taking the loading set (its SMEMBERS and
+        # DEL count as commands too). The same for 1 and for 1,000 entries.
+        assert spent == 4, spent
+        assert await cache.get_many("category", [{"slug": str(s)} for s in range(entries)]) == [
+            None
+        ] * entries
+    await admin.aclose()
+
+
+async def test_a_tagged_load_that_began_before_invalidate_tag_never_lands(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES)
+    gate = asyncio.Event()
+    started = asyncio.Event()
+
+    async def slow_old_page() -> dict[str, Any]:
+        started.set()
+        await gate.wait()
+        return _page("scifi", [42], edition=1)  # read from the database before the change
+
+    async with (
+        LayeredCache.from_config(config) as loader_side,
+        LayeredCache.from_config(config) as other,
+    ):
+        await _connected(loader_side, other)
+        loading = asyncio.ensure_future(
+            loader_side.get_or_load("category", {"slug": "scifi"}, slow_old_page, tags=_tags_of)
+        )
+        await asyncio.wait_for(started.wait(), 5)
+        await other.invalidate_tag("book:42")
+        gate.set()
+        await loading  # the caller still gets its value...
+        fresh = CountingLoader(_page("scifi", [42], edition=2))
+        # ...but nobody is served it afterwards: not from L2, not from the loader's L1.
+        for cache in (other, loader_side):
+            page = await cache.get_or_load("category", {"slug": "scifi"}, fresh, tags=_tags_of)
+            assert page["edition"] == 2
+        assert fresh.calls == 1
+        assert loader_side.stats()["category"]["fill_revoked"] == 1
+
+
+async def test_set_with_tags_and_batches_with_tags_die_with_the_tag(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES)
+
+    async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        return [_page(str(f["slug"]), [42]) for f in fields_list]
+
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("category", {"slug": "a"}, _page("a", [42]), tags=["book:42"])
+        pages = await cache.get_or_load_many(
+            "category", [{"slug": "b"}, {"slug": "c"}], load_many, tags=_tags_of
+        )
+        assert [p["slug"] for p in pages] == ["b", "c"]
+        slugs = [{"slug": s} for s in "abc"]
+        assert None not in await cache.get_many("category", slugs)
+        await cache.invalidate_tag("book:42")
+        assert await cache.get_many("category", slugs) == [None, None, None]
+
+
+async def test_a_fresh_instance_learns_tag_versions_without_reloading(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES)
+    loader = CountingLoader(_page("scifi", [42]))
+    async with LayeredCache.from_config(config) as first:
+        await first.get_or_load("category", {"slug": "scifi"}, loader, tags=_tags_of)
+    async with LayeredCache.from_config(config) as second:  # knows no version yet
+        await second.get_or_load("category", {"slug": "scifi"}, loader, tags=_tags_of)
+    assert loader.calls == 1
+
+
+async def test_a_lost_tag_version_kills_its_entries_instead_of_reviving_them(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as writer:
+        await writer.set("category", {"slug": "a"}, _page("a", [42]), tags=["book:42"])
+    await admin.delete(tag_version_name(prefix, "book:42"))  # evicted, or deleted by hand
+    async with LayeredCache.from_config(config) as reader:
+        assert await reader.get("category", {"slug": "a"}) is None
+    await admin.aclose()
+
+
+@pytest.mark.parametrize("tag", ["book 42", "book{42}", "", "x" * 300])
+async def test_a_bad_tag_is_a_clear_error(redis_url: str, prefix: str, tag: str) -> None:
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        with pytest.raises(ValueError, match="tag"):
+            await cache.set("category", {"slug": "a"}, "page", tags=[tag])
+        with pytest.raises(ValueError, match="tag"):
+            await cache.invalidate_tag(tag)
+
+
+async def test_tags_on_a_namespace_without_tags_true_are_refused(
+    redis_url: str, prefix: str
+) -> None:
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        with pytest.raises(ValueError, match="namespace 'book' takes no tags"):
+            await cache.set("book", {"id": 1}, "b", tags=["book:1"])
+        with pytest.raises(ValueError, match="tags = true"):
+            await cache.get_or_load("book", {"id": 1}, CountingLoader(), tags=["book:1"])
