@@ -19,13 +19,14 @@ daemon writes to the dead-letter topic.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from layered_cache._config import Config, EventRoute
-from layered_cache._keys import KeyTemplate
+from layered_cache._keys import KeyTemplate, validate_tag
 from layered_cache._logs import SALT_ENV, redact_key
 from layered_cache._policy import compile_policy
 
@@ -94,6 +95,7 @@ class Target(msgspec.Struct, frozen=True, array_like=True):
 class DecodedEvent(msgspec.Struct, frozen=True):
     event_type: str
     targets: list[Target]
+    tags: list[str] = msgspec.field(default_factory=list)  # tags to invalidate
 
 
 class _Namespace(msgspec.Struct, frozen=True):
@@ -105,6 +107,11 @@ class _CompiledTarget(msgspec.Struct, frozen=True):
     namespace: _Namespace
     # (template field, path of the event field as a tuple: "book.id" -> ("book", "id"))
     fields: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+class _CompiledTag(msgspec.Struct, frozen=True):
+    template: str  # "book:{book_id}"
+    fields: tuple[tuple[str, tuple[str, ...]], ...]  # ("{book_id}", ("book_id",))
 
 
 class EventDecoder:
@@ -129,7 +136,7 @@ class EventDecoder:
             # daemon deletes exactly the replica names a fill may have written.
             policy = compile_policy(name, ns, prefix)
             self._namespaces[name] = _Namespace(policy.template, policy.replicas)
-        self._routes: dict[str, list[_CompiledTarget]] = {}
+        self._routes: dict[str, list[_CompiledTarget | _CompiledTag]] = {}
         for route in config.events:
             self._add_route(route)
 
@@ -142,9 +149,17 @@ class EventDecoder:
             raise ValueError(f"events: {CACHE_INVALIDATE!r} is built in and cannot be routed")
         if route.type in self._routes:
             raise ValueError(f"events: type {route.type!r} is routed twice")
-        compiled = []
+        compiled: list[_CompiledTarget | _CompiledTag] = []
         for target in route.invalidate:
-            namespace = self._namespaces[target.namespace]  # checked by config validation
+            if target.tag is not None:
+                fields = tuple(
+                    (match.group(0), tuple(match.group(1).split(".")))
+                    for match in _TAG_FIELD.finditer(target.tag)
+                )
+                compiled.append(_CompiledTag(target.tag, fields))
+                continue
+            assert target.namespace is not None and target.key is not None  # validated
+            namespace = self._namespaces[target.namespace]
             fields = tuple(
                 (template_field, tuple(event_field.split(".")))
                 for template_field, event_field in target.key.items()
@@ -191,8 +206,36 @@ class EventDecoder:
         routes = self._routes.get(event_type)
         if routes is None:
             raise PoisonEvent(f"unknown event type {_shown(event_type)}", event_type)
-        targets = [self._routed(event_type, event, route) for route in routes]
-        return DecodedEvent(event_type, targets)
+        targets = [
+            self._routed(event_type, event, route)
+            for route in routes
+            if isinstance(route, _CompiledTarget)
+        ]
+        tags = [
+            self._tag(event_type, event, route)
+            for route in routes
+            if isinstance(route, _CompiledTag)
+        ]
+        return DecodedEvent(event_type, targets, tags)
+
+    def _tag(self, event_type: str, event: Mapping[str, Any], route: _CompiledTag) -> str:
+        """The route's tag template filled from the event, checked like a tag."""
+        tag = route.template
+        for placeholder, path in route.fields:
+            value = _field(event, path)
+            if type(value) not in (int, str):
+                raise PoisonEvent(
+                    f"{event_type}: field {'.'.join(path)!r} of tag {route.template!r} must "
+                    f"be an int or str, got {type(value).__name__}",
+                    event_type,
+                )
+            tag = tag.replace(placeholder, str(value))
+        try:
+            return validate_tag(tag)
+        except ValueError as exc:
+            raise PoisonEvent(
+                f"{event_type}: {self._scrub(str(exc), {'tag': tag})}", event_type
+            ) from None
 
     def _routed(self, event_type: str, event: Mapping[str, Any], route: _CompiledTarget) -> Target:
         fields: dict[str, object] = {}
@@ -257,6 +300,18 @@ class EventDecoder:
                 for form in (repr(value), repr(value[:40] + "...")):
                     message = message.replace(form, hashed)
         return message
+
+
+_TAG_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
+
+
+def _field(event: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = event
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            raise PoisonEvent(f"missing field {'.'.join(path)!r} (of a tag)")
+        value = value[part]
+    return value
 
 
 def _shown(text: str, limit: int = 60) -> str:

@@ -36,7 +36,7 @@ from typing import Any
 from layered_cache._keys import loading_set_name, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
 
-__all__ = ["Loading", "TagVersions", "take_loading"]
+__all__ = ["Loading", "TagVersions", "invalidate_tags", "take_loading"]
 
 # Take every member of the loading set and delete the set in one atomic step: a lease
 # registered after this ran belongs to a load that began after the new token was set.
@@ -121,6 +121,20 @@ class TagVersions:
         self._versions[tag] = version
         await take_loading(self._store, self._prefix)
         return version
+
+
+async def invalidate_tags(store: L2Store, prefix: str, tags: list[str]) -> dict[str, str]:
+    """``TagVersions.invalidate`` for many tags at once (the daemon's batches): new
+    versions in one pipelined round trip, then the loading set once."""
+    versions = {validate_tag(tag): new_version() for tag in tags}
+    if not versions:
+        return versions
+    pipe = store.client.pipeline(transaction=False)
+    for tag, version in versions.items():
+        pipe.set(tag_version_name(prefix, tag), version)
+    await store.guard(pipe.execute())
+    await take_loading(store, prefix)
+    return versions
 
 
 async def take_loading(store: L2Store, prefix: str) -> None:

@@ -9,10 +9,12 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
+from layered_cache._config import EventRoute
 from layered_cache._keys import tag_version_name
 from tests.helpers import CountingLoader, make_config
 
@@ -188,3 +190,54 @@ async def test_tags_on_a_namespace_without_tags_true_are_refused(
             await cache.set("book", {"id": 1}, "b", tags=["book:1"])
         with pytest.raises(ValueError, match="tags = true"):
             await cache.get_or_load("book", {"id": 1}, CountingLoader(), tags=["book:1"])
+
+
+@pytest.mark.kafka
+async def test_a_price_change_event_kills_the_category_pages_showing_the_book(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    from layered_cache.daemon import Daemon
+    from tests.servers import create_topic
+    from tests.test_daemon import daemon_config, price_changed, producer, running
+
+    base = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic, namespaces=NAMESPACES)
+    routes = [
+        {
+            "type": "BookPriceChanged",
+            "invalidate": [
+                {"namespace": "book", "key": {"id": "book_id"}},
+                {"tag": "book:{book_id}"},
+            ],
+        }
+    ]
+    # The test daemon's Kafka settings, with a route that also names a tag.
+    config = msgspec.structs.replace(base, events=msgspec.convert(routes, list[EventRoute]))
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    async with (
+        LayeredCache.from_config(config) as a,
+        LayeredCache.from_config(config) as b,
+        running(Daemon(config)) as daemon,
+        producer(kafka_bootstrap) as p,
+    ):
+        await _connected(a, b)
+        scifi = CountingLoader(_page("scifi", [42, 7]))
+        for cache in (a, b):
+            await cache.get_or_load("category", {"slug": "scifi"}, scifi, tags=_tags_of)
+        await p.send_and_wait(unique_topic, price_changed(42))
+        for _ in range(200):
+            if all([await c.get("category", {"slug": "scifi"}) is None for c in (a, b)]):
+                break
+            await asyncio.sleep(0.02)
+        assert [await c.get("category", {"slug": "scifi"}) for c in (a, b)] == [None, None]
+        assert daemon.stats.tags_invalidated == 1
+
+
+def test_a_route_target_is_a_key_or_a_tag_never_both() -> None:
+    from layered_cache import ConfigError, parse_config
+
+    both = {"namespace": "category", "key": {"slug": "s"}, "tag": "book:{book_id}"}
+    bad_tag = {"tag": "book {book_id}"}
+    for target in (both, bad_tag):
+        raw = {"namespaces": NAMESPACES, "events": [{"type": "E", "invalidate": [target]}]}
+        with pytest.raises(ConfigError, match=r"events\[0\]\.invalidate\[0\]"):
+            parse_config(raw, env={})

@@ -241,10 +241,13 @@ class NamespaceConfig(_Section, frozen=True):
 
 
 class InvalidateTarget(_Section, frozen=True):
-    """One key an event invalidates: template field -> event field (``{ id = "book_id" }``)."""
+    """One key an event invalidates, ``{ namespace = "book", key = { id = "book_id" } }``
+    (template field -> event field), or one tag, ``{ tag = "book:{book_id}" }`` (event
+    fields in braces): every entry carrying it (docs/tags.md)."""
 
-    namespace: str
-    key: dict[str, NonEmpty]
+    namespace: str | None = None
+    key: dict[str, NonEmpty] | None = None
+    tag: str | None = None
 
 
 class EventRoute(_Section, frozen=True):

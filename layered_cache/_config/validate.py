@@ -8,10 +8,18 @@ at load. Settings that work but probably don't do what was meant are warnings.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from layered_cache._config.errors import ConfigError
-from layered_cache._config.schema import Config, HotConfig, L1Config, L2Config, NamespaceConfig
+from layered_cache._config.schema import (
+    Config,
+    HotConfig,
+    InvalidateTarget,
+    L1Config,
+    L2Config,
+    NamespaceConfig,
+)
 from layered_cache._keys import KeyTemplate
 
 __all__ = ["CACHE_INVALIDATE", "check_cross_references"]
@@ -58,6 +66,9 @@ def _check_routes(config: Config, templates: Mapping[str, KeyTemplate]) -> None:
         seen[route.type] = index
         for t_index, target in enumerate(route.invalidate):
             path = f"events[{index}].invalidate[{t_index}]"
+            if target.tag is not None or target.namespace is None or target.key is None:
+                _check_tag_target(source, path, target)
+                continue
             template = templates.get(target.namespace)
             if template is None:
                 raise ConfigError(
@@ -119,3 +130,22 @@ def _check_disjoint_namespaces(source: str, templates: dict[str, str]) -> None:
                     f"namespace {name!r} ({other_lead!r} starts with {lead!r}); give each "
                     "namespace its own leading text"
                 )
+
+
+_TAG_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
+
+
+def _check_tag_target(source: str, path: str, target: InvalidateTarget) -> None:
+    """A target is a key (namespace + key) or a tag template, never both or neither;
+    a tag template's literal text obeys the key character rules."""
+    if target.tag is None or target.namespace is not None or target.key is not None:
+        raise ConfigError(
+            f"{source}: {path}: a target is either {{ namespace = ..., key = {{...}} }} "
+            '(one key) or { tag = "..." } (every entry carrying the tag), not both or a part'
+        )
+    literal = _TAG_FIELD.sub("x", target.tag)
+    if not literal or not re.fullmatch(r"[A-Za-z0-9_.:@/=+\-]+", literal):
+        raise ConfigError(
+            f"{source}: {path}.tag: {target.tag!r} must be letters, digits and "
+            "_ . : @ / = + - with event fields in braces, like \"book:{book_id}\""
+        )

@@ -59,9 +59,10 @@ class CachedNamespace(msgspec.Struct, frozen=True):
     max_value_bytes: int
 
 
-class TargetReport(msgspec.Struct, frozen=True):
-    namespace: str
-    key: dict[str, str]  # template field -> event field
+class TargetReport(msgspec.Struct, frozen=True, omit_defaults=True):
+    namespace: str | None = None
+    key: dict[str, str] | None = None  # template field -> event field
+    tag: str | None = None  # or a tag template: every entry carrying the tag
 
 
 class RouteReport(msgspec.Struct, frozen=True):
@@ -140,7 +141,10 @@ def effective_config(config: Config) -> ConfigReport:
         events=[
             RouteReport(
                 route.type,
-                [TargetReport(t.namespace, dict(t.key)) for t in route.invalidate],
+                [
+                    TargetReport(t.namespace, dict(t.key) if t.key else None, t.tag)
+                    for t in route.invalidate
+                ],
             )
             for route in config.events
         ],
@@ -187,7 +191,10 @@ def _write_text(report: ConfigReport, config: Config, out: TextIO) -> None:
             write(f"  {layer}: {_inline(value)}\n")
         write(f"  max_value_bytes: {ns.max_value_bytes}\n")
     for route in report.events:
-        targets = ", ".join(f"{t.namespace}({_inline(t.key)})" for t in route.invalidate)
+        targets = ", ".join(
+            f"tag {t.tag}" if t.tag else f"{t.namespace}({_inline(t.key or {})})"
+            for t in route.invalidate
+        )
         write(f"\n[events] {route.type} -> {targets}\n")
 
 

@@ -31,6 +31,7 @@ class Batch(msgspec.Struct):
     types: dict[str, int]
     offsets: dict[TopicPartition, int]  # next offset to read = last + 1
     lag: dict[TopicPartition, int]
+    tags: list[str] = msgspec.field(default_factory=list)  # tags to invalidate
 
 
 def decode_batch(
@@ -57,6 +58,7 @@ def decode_batch(
             else:
                 types[event.event_type] += 1
                 batch.targets.extend(event.targets)
+                batch.tags.extend(event.tags)
         if messages:
             batch.offsets[tp] = messages[-1].offset + 1
             high = highwater(tp)

@@ -174,7 +174,7 @@ class Daemon:
             keys = unique_targets(batch.targets)
             # Invalidate before the DLQ: valid events' latency does not wait on Kafka.
             if not await self._retrier.until_done(
-                "invalidate", lambda: deleter.delete(keys, self.stats), DELETE_FAILURES
+                "invalidate", lambda: deleter.delete(keys, self.stats, batch.tags), DELETE_FAILURES
             ):
                 return  # stopping or partitions revoked: not committed, read again later
             pending = list(batch.poison)

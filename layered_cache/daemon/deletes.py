@@ -7,6 +7,7 @@ The client is the library's (``clients.make_client``) with a longer timeout
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import structlog
 
@@ -17,6 +18,7 @@ from layered_cache._config import Config
 from layered_cache._invalidation import Invalidator, check_replica_counts, replica_counts
 from layered_cache._keys import backplane_stream_name
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._tags import invalidate_tags
 from layered_cache.daemon.stats import DaemonStats
 
 __all__ = ["DELETE_FAILURES", "Deleter"]
@@ -44,7 +46,8 @@ class Deleter:
         if config.backplane.enabled:
             stream = backplane_stream_name(redis.prefix, config.backplane.stream)
             publisher = BackplanePublisher(self.client, stream, config.backplane.maxlen)
-        self._invalidator = Invalidator(L2Store(self.client, breaker), publisher)
+        self._store = L2Store(self.client, breaker)
+        self._invalidator = Invalidator(self._store, publisher)
 
     async def check_replicas(self) -> None:
         """Raise ReplicaCountMismatch if this config's hot.replicas differ from the fleet's:
@@ -55,11 +58,20 @@ class Deleter:
         except REDIS_FAILURES as exc:
             _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
-    async def delete(self, keys: list[tuple[str, int]], stats: DaemonStats) -> None:
+    async def delete(
+        self, keys: list[tuple[str, int]], stats: DaemonStats, tags: Sequence[str] = ()
+    ) -> None:
         """Raises DELETE_FAILURES; the chunks done before a failure stay done (and are
-        redone by the retry: deleting is idempotent)."""
+        redone by the retry: deleting is idempotent, and so is a new tag version)."""
         for start in range(0, len(keys), _CHUNK):
             stats.names_deleted += await self._invalidator.invalidate(keys[start : start + _CHUNK])
+        unique = list(dict.fromkeys(tags))
+        for start in range(0, len(unique), _CHUNK):
+            versions = await invalidate_tags(
+                self._store, self._config.redis.prefix, unique[start : start + _CHUNK]
+            )
+            await self._invalidator.announce_tags(versions)
+            stats.tags_invalidated += len(versions)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -32,6 +32,8 @@ COUNTER_METRICS: tuple[tuple[str, str, str], ...] = (
     ("keys_deleted",
      "Redis names that existed and were deleted (base keys, replicas, leases)",
      "names_deleted"),
+    ("tags_invalidated", "Tags given a new version (every entry carrying them dies)",
+     "tags_invalidated"),
     ("dead_letters", "Poison events written to the DLQ", "dead_letters"),
     ("dead_letters_rejected",
      "Poison events the DLQ refused for good (too large, invalid): set aside, logged",

@@ -27,6 +27,7 @@ class DaemonStats(msgspec.Struct):
     events: int = 0
     keys: int = 0
     names_deleted: int = 0
+    tags_invalidated: int = 0  # tags given a new version (route targets { tag = ... })
     dead_letters: int = 0
     dead_letters_rejected: int = 0  # refused for good by the producer/broker: set aside
     tombstones: int = 0
