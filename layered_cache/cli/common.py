@@ -21,6 +21,7 @@ from layered_cache._policy import Policy
 from layered_cache._redact import redact, redact_data
 
 __all__ = [
+    "EXIT_BROKEN_PIPE",
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
     "EXIT_PARTIAL",
@@ -41,6 +42,7 @@ T = TypeVar("T")
 EXIT_PARTIAL = 1  # warm: finished, but some entries failed (listed on stderr)
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (``| head -1``)
 _INT = re.compile(r"-?[1-9][0-9]*|0")
 
 
@@ -161,6 +163,8 @@ def run(command: Coroutine[Any, Any, T]) -> T:
         raise CliError(f"Redis failed: {why(cause) if cause else redact(str(exc))}") from None
     except ClusterDownError as exc:
         raise _cluster_down(exc) from None
+    except BrokenPipeError:  # our own output's reader went away: not Redis (cli.main)
+        raise
     except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
         raise CliError(f"Redis failed: {why(exc)}") from None
 
