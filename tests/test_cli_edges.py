@@ -5,11 +5,17 @@ cached, and `warm`'s progress when stderr is not a terminal."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from tests.test_cli import ROOT, write_config
+import pytest
+
+from layered_cache.cli import main
+from tests.test_cli import ROOT, envelope, write_config
+from tests.test_cli import admin as admin  # the fixture, shared with test_cli.py
 
 
 def _cli_env() -> dict[str, str]:
@@ -59,3 +65,18 @@ def test_config_check_piped_into_head_prints_one_line_and_no_traceback(tmp_path:
     assert result.returncode == 0
     assert result.stdout == f"{config}: OK (1503 namespaces, 0 event routes)\n"
     assert result.stderr == ""
+
+
+# -- inspect ---------------------------------------------------------------------------
+
+
+def test_inspect_marks_every_replica_with_its_hash(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(write_config(tmp_path, redis_url, prefix))
+    base = f"{prefix}book:42"
+    for index in (0, 2, 3):
+        admin.set(f"{base}#{index}", envelope({"title": "Dune"}), px=590_000)
+    assert main(["inspect", "book", "id=42", "--config", config]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("replicas"))
+    assert re.fullmatch(r"replicas   3/4 exist: #0 \(\S+\), #2 \(\S+\), #3 \(\S+\)", line), line

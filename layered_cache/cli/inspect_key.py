@@ -188,11 +188,11 @@ def _write_replicas(report: InspectReport, out: TextIO) -> None:
         out.write("replicas   none (namespace has no hot-key replicas)\n")
         return
     present = ", ".join(
-        f"{r.name.rsplit('#', 1)[1]} ({format_ms(r.pttl_ms)})" for r in report.replicas
+        f"#{r.name.rsplit('#', 1)[1]} ({format_ms(r.pttl_ms)})" for r in report.replicas
     )
     out.write(
         f"replicas   {len(report.replicas)}/{configured} exist"
-        + (f": #{present}" if present else "")
+        + (f": {present}" if present else "")
         + "\n"
     )
     for node, names in report.replicas_unreachable.items():
