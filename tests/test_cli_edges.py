@@ -4,6 +4,8 @@ cached, and `warm`'s progress when stderr is not a terminal."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import subprocess
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from layered_cache import LayeredCache, load_config
 from layered_cache.cli import main
 from tests.test_cli import ROOT, envelope, write_config
 from tests.test_cli import admin as admin  # the fixture, shared with test_cli.py
@@ -80,3 +83,45 @@ def test_inspect_marks_every_replica_with_its_hash(
     assert main(["inspect", "book", "id=42", "--config", config]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("replicas"))
     assert re.fullmatch(r"replicas   3/4 exist: #0 \(\S+\), #2 \(\S+\), #3 \(\S+\)", line), line
+
+
+# -- hotkeys ---------------------------------------------------------------------------
+
+
+async def test_hotkeys_lists_a_static_key_once_not_again_as_detected(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Instances report their static keys with the detected ones (rate 0: detection
+    # never counts them): book:1 and author:1 must not come back as "detected hot, 0
+    # reads/s"; author:7, read as steadily but not static, must.
+    extra = (
+        '\n[namespaces.author]\nkey = "author:{id}"\nl1 = false\n'
+        'hot = { replicas = 4, threshold = "20/s", window = "500ms", keys = ["author:1"] }\n'
+    )
+    path = write_config(tmp_path, redis_url, prefix, extra)
+    async with LayeredCache.from_config(load_config(path, env={})) as cache:
+
+        async def loader() -> str:
+            return "Wislawa"
+
+        async def steady_reads(author: int) -> None:  # ~100 L2 reads/s, far above 20/s
+            while True:
+                await cache.get_or_load("author", {"id": author}, loader)
+                await asyncio.sleep(0.01)
+
+        reads = [asyncio.create_task(steady_reads(author)) for author in (1, 7)]
+        await asyncio.sleep(1.8)  # detection, then the reporter (about once a second)
+        code = await asyncio.to_thread(main, ["hotkeys", "--config", str(path), "--json"])
+        text_code = await asyncio.to_thread(main, ["hotkeys", "--config", str(path)])
+        for task in reads:
+            task.cancel()
+    assert code == 0 and text_code == 0
+    json_out, text = capsys.readouterr().out.split("\n}\n", 1)
+    report = json.loads(json_out + "\n}")
+    assert report["book"]["detected"] == []
+    assert [entry["key"] for entry in report["book"]["static"]] == [f"{prefix}book:1"]
+    assert [hot["key"] for hot in report["author"]["detected"]] == [f"{prefix}author:7"]
+    assert [entry["key"] for entry in report["author"]["static"]] == [f"{prefix}author:1"]
+    assert "detected hot, 0 L2 reads/s" not in text
+    assert text.count(f"{prefix}author:1:") == 1 and text.count(f"{prefix}book:1:") == 1
+    assert f"{prefix}author:7: detected hot" in text
