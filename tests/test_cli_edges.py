@@ -125,3 +125,27 @@ async def test_hotkeys_lists_a_static_key_once_not_again_as_detected(
     assert "detected hot, 0 L2 reads/s" not in text
     assert text.count(f"{prefix}author:1:") == 1 and text.count(f"{prefix}book:1:") == 1
     assert f"{prefix}author:7: detected hot" in text
+
+
+# -- namespaces that are never cached --------------------------------------------------
+
+
+def test_inspect_and_invalidate_of_a_never_cached_namespace_exit_2_saying_so(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    l1_only = '\n[namespaces.session]\nkey = "session:{id}"\nl2 = false\n'
+    config = str(write_config(tmp_path, redis_url, prefix, l1_only))
+    for command in ("inspect", "invalidate"):
+        assert main([command, "stock", "id=3", "--config", config]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert "namespace 'stock' is never cached (cache = false)" in captured.err
+        assert f"nothing to {command}" in captured.err
+    # nothing was announced as if a key had been invalidated
+    assert admin.exists(f"{prefix}layered_cache:invalidations") == 0
+
+    # l2 = false: Redis holds nothing to inspect, but invalidate drops L1 everywhere
+    assert main(["inspect", "session", "id=3", "--config", config]) == 2
+    assert "has no L2 (l2 = false)" in capsys.readouterr().err
+    assert main(["invalidate", "session", "id=3", "--config", config]) == 0
+    assert "announced on the backplane" in capsys.readouterr().out

@@ -33,6 +33,7 @@ __all__ = [
     "parse_fields",
     "policy_of",
     "print_json",
+    "refuse_uncached",
     "relative",
     "run",
     "why",
@@ -125,6 +126,28 @@ def policy_of(cache: LayeredCache, namespace: str) -> Policy:
         return cache.namespace(namespace).policy
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
+
+
+def refuse_uncached(config: Config, namespace: str, command: str) -> None:
+    """``inspect``/``invalidate`` of a namespace with ``cache = false`` is bad input (exit
+    2), not a report of an absent key: nothing of it is ever in L1 or Redis. ``inspect``
+    also refuses ``l2 = false``: Redis holds nothing of it (its L1 copies live in each
+    instance's memory; ``invalidate`` still drops them everywhere). An unknown namespace
+    is left to ``policy_of``, which lists the configured ones."""
+    ns = config.namespaces.get(namespace)
+    if ns is None:
+        return
+    if not ns.cache:
+        raise CliError(
+            f"namespace {namespace!r} is never cached (cache = false): every read goes to "
+            f"the loader, so there is nothing to {command}"
+        )
+    if command == "inspect" and ns.l2 is False:
+        raise CliError(
+            f"namespace {namespace!r} has no L2 (l2 = false): its values live only in each "
+            "instance's L1, so Redis holds nothing to inspect (`invalidate` still drops "
+            "the L1 copies everywhere)"
+        )
 
 
 def load(path: str) -> Config:

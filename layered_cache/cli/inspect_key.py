@@ -27,6 +27,7 @@ from layered_cache.cli.common import (
     parse_fields,
     policy_of,
     print_json,
+    refuse_uncached,
     relative,
     run,
 )
@@ -213,6 +214,7 @@ def _write_lease(lease: LeaseReport, out: TextIO) -> None:
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     """Read-only: nothing in Redis changes, whatever the key's state."""
     config = load(args.config)
+    refuse_uncached(config, args.namespace, "inspect")
     report = run(_inspect(config, args.namespace, args.fields))
     if args.json:
         print_json(report, out)
