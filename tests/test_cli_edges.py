@@ -5,6 +5,7 @@ cached, and `warm`'s progress when stderr is not a terminal."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from layered_cache import LayeredCache, load_config
+from layered_cache._warm import Progress
 from layered_cache.cli import main
 from tests.test_cli import ROOT, envelope, write_config
 from tests.test_cli import admin as admin  # the fixture, shared with test_cli.py
@@ -149,3 +151,53 @@ def test_inspect_and_invalidate_of_a_never_cached_namespace_exit_2_saying_so(
     assert "has no L2 (l2 = false)" in capsys.readouterr().err
     assert main(["invalidate", "session", "id=3", "--config", config]) == 0
     assert "announced on the backplane" in capsys.readouterr().out
+
+
+# -- warm's progress -------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_warm_progress_redraws_one_line_only_on_a_terminal() -> None:
+    terminal = _Terminal()
+    progress = Progress(1000, "warm book", terminal)
+    for position in range(0, 1001, 10):
+        progress.update(position, position // 10, position // 10 + 1, force=True)
+    progress.finish()
+    assert terminal.getvalue().count("\r") == 101 and terminal.getvalue().count("\n") == 1
+
+    log = io.StringIO()  # a file, a pipe, CI: plain lines, about one per tenth of the file
+    progress = Progress(1000, "warm book", log)
+    progress.update(0, 0, 1, force=True)
+    for position in range(10, 1001, 10):
+        progress.update(position, position // 10, position // 10 + 1)
+    progress.update(1000, 100, 101, force=True)
+    progress.finish()
+    lines = log.getvalue().splitlines(keepends=True)
+    assert "\r" not in log.getvalue() and all(line.endswith("\n") for line in lines)
+    assert lines[0] == "warm book: 0%, line 1, 0 warmed, 0/s\n"
+    assert [line.split(",")[0] for line in lines[1:]] == [
+        *(f"warm book: {tenth}0%" for tenth in range(1, 10)), "warm book: 100%", "warm book: 100%"
+    ]
+
+
+def test_warm_into_a_log_file_writes_plain_progress_lines(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    config = write_config(tmp_path, redis_url, prefix)
+    source = tmp_path / "books.jsonl"
+    source.write_text("".join(f'{{"key": {{"id": {i}}}, "value": {i}}}\n' for i in range(500)))
+    result = subprocess.run(
+        [sys.executable, "-m", "layered_cache", "warm", "book", "--from", str(source),
+         "--config", str(config)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=_cli_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("warm book: 0%, line 1, 0 warmed")
+    assert lines[-1].startswith("warm book: 100%, line 501, 500 warmed")
+    assert len(lines) <= 12
