@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -12,6 +14,41 @@ import msgspec
 from layered_cache._config import schema
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples/bookstore/README.md"]
+_PATH = re.compile(
+    r"(?<![\w/.])(?:deploy|examples|docs|bench|tests|layered_cache|consumers)/"
+    r"[\w./-]+\.(?:toml|md|py|yaml|yml|png|json|sh|service)"
+)
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    missing = [
+        f"{doc.relative_to(ROOT)}: {path}"
+        for doc in DOCS
+        for path in sorted(set(_PATH.findall(doc.read_text())))
+        if not (ROOT / path).exists()
+    ]
+    assert missing == []
+
+
+def test_the_config_check_example_in_cli_md_is_real_output() -> None:
+    text = (ROOT / "docs/cli.md").read_text()
+    example = text.split("    $ layered-cache config check ", 1)[1].split("\n\n", 1)[0]
+    command, *shown = example.splitlines()
+    result = subprocess.run(
+        [sys.executable, "-m", "layered_cache", "config", "check", command.strip()],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    real = result.stdout.splitlines()
+    for line in (line[4:] for line in shown):
+        if line.endswith("..."):  # abridged: the real line starts with what is shown
+            prefix = line.removesuffix("...").rstrip()
+            assert not prefix or any(r.startswith(prefix) for r in real), line
+        else:
+            assert line in real, line
+
+
 def _settings(struct: type[msgspec.Struct], path: str) -> set[str]:
     """Dotted names of every setting under ``struct`` (sub-tables recursed)."""
     names: set[str] = set()
