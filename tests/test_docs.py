@@ -7,6 +7,7 @@ import fnmatch
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import msgspec
@@ -92,3 +93,23 @@ def test_the_readme_config_table_has_a_row_for_every_setting() -> None:
         if not any(fnmatch.fnmatch(name, doc) or doc.startswith(f"{name}.") for doc in documented)
     )
     assert missing == []
+
+
+def _extra(name: str) -> set[str]:
+    """The distributions an extra installs, ``layered_cache[a,b]`` expanded."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    found: set[str] = set()
+    for requirement in extras[name]:
+        if match := re.fullmatch(r"layered_cache\[([\w,]+)\]", requirement):
+            for inner in match.group(1).split(","):
+                found |= _extra(inner)
+        else:
+            found.add(re.split(r"[<>=\[ ]", requirement, maxsplit=1)[0].lower())
+    return found
+
+
+def test_the_example_extra_has_what_the_bookstore_imports() -> None:
+    assert {"starlette", "uvicorn", "httpx", "asyncpg"} <= _extra("example")
+
