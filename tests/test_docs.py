@@ -95,6 +95,25 @@ def test_the_readme_config_table_has_a_row_for_every_setting() -> None:
     assert missing == []
 
 
+def test_the_demo_counts_expiries_in_any_1_s_window_not_calendar_seconds() -> None:
+    from examples.demo import busiest_second
+
+    # 10,000 keys filled within 0.3 s across a second boundary: calendar seconds would
+    # say 5,000 + 5,000; the busiest window holds them all.
+    assert busiest_second([999_850 + i * 0.03 for i in range(10_000)]) == (10_000, 1.0)
+    assert busiest_second([i * 12.1 for i in range(10_001)]) == (83, 121.0)
+
+
+def test_the_readme_demo_sample_agrees_with_its_text_and_the_demo() -> None:
+    readme = (ROOT / "README.md").read_text()
+    sample = re.search(r"fixed TTL \(jitter 0\)\s+([\d,]+) keys\s+(\d+) s", readme)
+    prose = re.search(r"`make demo` warms with\s+pipelined SETs and shows (?:all )?([\d,]+)", readme)
+    assert sample is not None and prose is not None
+    assert sample.group(1) == prose.group(1) == "10,000" and sample.group(2) == "1"
+    assert "most expiries in 1 s" in readme
+    assert "'most expiries in 1 s'" in (ROOT / "examples/demo.py").read_text()
+
+
 def _extra(name: str) -> set[str]:
     """The distributions an extra installs, ``layered_cache[a,b]`` expanded."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
