@@ -1,0 +1,69 @@
+"""The benchmark plots on small synthetic input (matplotlib is in the `bench` extra, not
+`dev`: these skip without it). Each figure is captured instead of written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+import bench.plots as plots  # after the skip
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every figure a plot function saves, kept open for the test to read."""
+    saved: list[Any] = []
+
+    def keep(fig: Any, name: str, tight: bool = True) -> str:
+        saved.append(fig)
+        return name
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return saved
+
+
+def _texts(fig: Any) -> str:
+    """The figure's text outside the axes (the note), on one line."""
+    return " ".join(text.get_text() for text in fig.texts).replace("\n", " ")
+
+
+def test_the_expiry_histogram_is_in_seconds_after_the_warm_up(figures: list[Any]) -> None:
+    plots.expiry_histogram(
+        {"fixed": [600] * 50 + [601] * 30, "jittered": list(range(540, 661))}, "t", "x.png"
+    )
+    [fig] = figures
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "seconds after the warm-up"
+    low, high = ax.get_xlim()
+    assert 500 < low < 540 and 660 < high < 700  # not epoch seconds (~1.8e9)
+    fixed = ax.get_lines()[0]
+    assert max(fixed.get_ydata()) == 50
+
+
+async def test_the_jitter_scenario_plots_seconds_after_its_warm_up(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.jitter as jitter
+
+    captured: dict[str, list[int]] = {}
+
+    def histogram(series: dict[str, list[int]], title: str, name: str) -> str:
+        captured.update(series)
+        return name
+
+    monkeypatch.setattr(jitter, "KEYS", 300)
+    monkeypatch.setattr(jitter, "expiry_histogram", histogram)
+
+    class Env:
+        def redis_url(self) -> str:
+            return redis_url
+
+    section = await jitter.run(Env())  # type: ignore[arg-type]
+    fixed, jittered = captured["fixed TTL (jitter 0)"], captured["jittered TTL (+-10%)"]
+    assert all(598 <= second <= 601 for second in fixed)
+    assert all(538 <= second <= 661 for second in jittered) and max(jittered) > 620
+    assert sum(section.data["expiries_after_warmup_s"]["fixed TTL (jitter 0)"].values()) == 300
+
