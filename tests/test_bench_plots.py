@@ -67,3 +67,25 @@ async def test_the_jitter_scenario_plots_seconds_after_its_warm_up(
     assert all(538 <= second <= 661 for second in jittered) and max(jittered) > 620
     assert sum(section.data["expiries_after_warmup_s"]["fixed TTL (jitter 0)"].values()) == 300
 
+
+def test_the_hot_key_plot_shows_rates_per_node_over_its_window(figures: list[Any]) -> None:
+    from bench.hotkey import plot_per_node
+
+    nodes = ("a:1", "b:2", "c:3")
+    without = {"gets_per_node": dict(zip(nodes, (0, 0, 12_000), strict=True)),
+               "gets_per_s": 4_000.0, "reads_per_s": 16_000.0, "seconds": 3.0}  # fmt: skip
+    # an older result without "seconds": the window is total GETs / GETs per second
+    with_replicas = {"gets_per_node": dict(zip(nodes, (3_000, 3_000, 3_000), strict=True)),
+                     "gets_per_s": 3_000.0, "reads_per_s": 12_000.0}  # fmt: skip
+    plot_per_node(without, with_replicas)
+    [fig] = figures
+    ax = fig.axes[0]
+    assert ax.get_title() == "Hot key: GETs/s per cluster node, 3 s window (L1 off)"
+    assert ax.get_ylabel() == "GETs/s on the node"
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights == [0, 0, 4_000, 1_000, 1_000, 1_000]
+    legend = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert legend == ["no replicas (16,000 reads/s answered)",
+                      "8 replicas (12,000 reads/s answered)"]  # fmt: skip
+    assert "fell (16,000 -> 12,000)" in _texts(fig)
+
