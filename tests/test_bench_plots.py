@@ -89,3 +89,22 @@ def test_the_hot_key_plot_shows_rates_per_node_over_its_window(figures: list[Any
                       "8 replicas (12,000 reads/s answered)"]  # fmt: skip
     assert "fell (16,000 -> 12,000)" in _texts(fig)
 
+
+def test_the_1_process_stampede_plot_says_why_a_contender_is_missing(
+    figures: list[Any],
+) -> None:
+    from bench.stampede_local import plot_loads
+
+    loads = {"plain cache-aside (redis.asyncio)": [200, 200], "layered_cache": [1, 1]}
+    failed = {"dogpile.cache (redis, 200 threads)": "MaxConnectionsError: Too many connections"}
+    plot_loads(loads, failed)
+    [fig] = figures
+    labels = [label.get_text() for label in fig.axes[0].get_xticklabels()]
+    assert labels == ["plain cache-aside", "layered_cache"]
+    note = _texts(fig)
+    assert "Not shown: dogpile.cache (redis, 200 threads)" in note
+    assert "100 connections" in note
+
+    figures.clear()
+    plot_loads(loads, {})  # nothing missing: no note
+    assert _texts(figures[0]) == ""
