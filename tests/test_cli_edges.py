@@ -19,6 +19,7 @@ import pytest
 from layered_cache import LayeredCache, load_config
 from layered_cache._warm import Progress
 from layered_cache.cli import main
+from tests.helpers import eventually
 from tests.test_cli import ROOT, envelope, write_config
 from tests.test_cli import admin as admin  # the fixture, shared with test_cli.py
 
@@ -111,15 +112,20 @@ async def test_hotkeys_lists_a_static_key_once_not_again_as_detected(
                 await cache.get_or_load("author", {"id": author}, loader)
                 await asyncio.sleep(0.01)
 
+        async def reported() -> bool:  # detection, then the reporter (about once a second)
+            code = await asyncio.to_thread(main, ["hotkeys", "--config", str(path), "--json"])
+            assert code == 0
+            report.update(json.loads(capsys.readouterr().out))
+            return bool(report["author"]["detected"])
+
+        report: dict[str, Any] = {}
         reads = [asyncio.create_task(steady_reads(author)) for author in (1, 7)]
-        await asyncio.sleep(1.8)  # detection, then the reporter (about once a second)
-        code = await asyncio.to_thread(main, ["hotkeys", "--config", str(path), "--json"])
+        assert await eventually(reported, timeout=20, interval=0.3)
         text_code = await asyncio.to_thread(main, ["hotkeys", "--config", str(path)])
         for task in reads:
             task.cancel()
-    assert code == 0 and text_code == 0
-    json_out, text = capsys.readouterr().out.split("\n}\n", 1)
-    report = json.loads(json_out + "\n}")
+    assert text_code == 0
+    text = capsys.readouterr().out
     assert report["book"]["detected"] == []
     assert [entry["key"] for entry in report["book"]["static"]] == [f"{prefix}book:1"]
     assert [hot["key"] for hot in report["author"]["detected"]] == [f"{prefix}author:7"]
