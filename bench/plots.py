@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+from collections import Counter
 from typing import Any
 
 import matplotlib
@@ -14,38 +16,51 @@ from bench.report import RESULTS
 __all__ = ["bar_chart", "cdf", "expiry_histogram", "grouped_bars"]
 
 
-def _save(fig: Any, name: str) -> str:
+def _save(fig: Any, name: str, tight: bool = True) -> str:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
 
 
+def _note(fig: Any, note: str) -> None:
+    """Text under the axes: what the chart leaves out and why."""
+    if note:
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        fig.text(0.01, 0.01, "\n".join(textwrap.wrap(note, 110)), fontsize=8, va="bottom",
+                 color="dimgray")
+
+
 def expiry_histogram(series: dict[str, list[int]], title: str, name: str) -> str:
-    """Keys expiring per second, one line per series (fixed vs jittered TTL)."""
+    """Keys expiring per second, one line per series (fixed vs jittered TTL).
+
+    ``series``: label -> each key's expiry in whole seconds *after the warm-up* (PTTL
+    read right after it), so the axis reads 540..660 for a 600 s TTL +- 10 %, not raw
+    epoch seconds."""
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, counts in series.items():
-        seconds = sorted(set(counts))
-        if not seconds:
+        hist = Counter(counts)
+        if not hist:
             continue
-        base = seconds[0]
-        hist: dict[int, int] = {}
-        for s in counts:
-            hist[s] = hist.get(s, 0) + 1
-        xs = list(range(base - 2, max(seconds) + 3))
+        xs = list(range(min(hist) - 2, max(hist) + 3))
         ax.step(xs, [hist.get(x, 0) for x in xs], where="mid", label=label)
     ax.set_yscale("log")
-    ax.set_xlabel("expiry second (epoch)")
+    ax.set_xlabel("seconds after the warm-up")
     ax.set_ylabel("keys expiring in that second (log)")
     ax.set_title(title)
     ax.legend()
     return _save(fig, name)
 
 
-def bar_chart(values: dict[str, float], title: str, ylabel: str, name: str, log: bool = False) -> str:
-    fig, ax = plt.subplots(figsize=(8, 4))
+def bar_chart(
+    values: dict[str, float], title: str, ylabel: str, name: str, log: bool = False,
+    note: str = "",
+) -> str:  # fmt: skip
+    """One bar per label; ``note`` is printed under the chart (say what is missing, why)."""
+    fig, ax = plt.subplots(figsize=(8, 4.6 if note else 4))
     labels = list(values)
     bars = ax.bar(labels, [values[k] for k in labels], color="tab:blue")
     for bar, label in zip(bars, labels, strict=True):
@@ -56,12 +71,15 @@ def bar_chart(values: dict[str, float], title: str, ylabel: str, name: str, log:
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    return _save(fig, name)
+    _note(fig, note)
+    return _save(fig, name, tight=not note)
 
 
-def grouped_bars(groups: dict[str, dict[str, float]], title: str, ylabel: str, name: str) -> str:
-    """``groups``: series label -> {category: value}."""
-    fig, ax = plt.subplots(figsize=(8, 4))
+def grouped_bars(
+    groups: dict[str, dict[str, float]], title: str, ylabel: str, name: str, note: str = ""
+) -> str:
+    """``groups``: series label -> {category: value}; ``note`` under the chart."""
+    fig, ax = plt.subplots(figsize=(8, 4.6 if note else 4))
     categories = sorted({c for g in groups.values() for c in g})
     width = 0.8 / max(1, len(groups))
     for i, (label, values) in enumerate(groups.items()):
@@ -72,7 +90,8 @@ def grouped_bars(groups: dict[str, dict[str, float]], title: str, ylabel: str, n
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
-    return _save(fig, name)
+    _note(fig, note)
+    return _save(fig, name, tight=not note)
 
 
 def cdf(series: dict[str, list[float]], title: str, xlabel: str, name: str) -> str:

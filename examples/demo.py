@@ -3,7 +3,7 @@
 Part A - the read path (library only):
   A1  200 concurrent requests on a cold key: plain cache-aside vs layered_cache
   A2  where reads are served from (L1, L2) and what each costs
-  A3  10,000 keys warmed at once: fixed TTL vs jittered TTL, the busiest expiry second
+  A3  10,000 keys warmed at once: fixed TTL vs jittered TTL, the most expiries in 1 s
 
 Part B - the bookstore service (examples/bookstore) with the invalidation daemon:
   B1  a stampede on a cold book across two instances -> 1 database query
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -184,7 +185,7 @@ async def part_a(redis_url: str) -> None:
         row("database calls for all 2,000 reads", f"{n(db.calls - 1)}", verdict)
 
         step("A3. 10,000 keys filled at once (a cold start), L2 ttl 10 m; expiries read back from Redis")
-        print(f"  {'':<30}{'busiest expiry second':>24}{'expiries spread over':>22}")
+        print(f"  {'':<30}{'most expiries in 1 s':>24}{'expiries spread over':>22}")
         for namespace, label in (("fixed", "fixed TTL (jitter 0)"), ("jittered", "jitter 0.1 (10 m +- 60 s)")):
             busiest, spread = await warm(caches[0], namespace, 10_000)
             print(f"  {label:<30}{n(busiest) + ' keys':>24}{f'{spread:,.0f} s':>22}")
@@ -197,7 +198,7 @@ async def part_a(redis_url: str) -> None:
 
 async def warm(cache: LayeredCache, namespace: str, count: int) -> tuple[int, float]:
     """Fill ``count`` keys the way a cold start does (all within a second or two) and
-    return (keys in the busiest expiry second, seconds between first and last expiry).
+    return (most expiries within 1 s, seconds between first and last expiry).
 
     Each key gets the TTL the namespace's policy draws for every fill and set
     (``policy.l2_ttl_draw()``: ttl * (1 +- jitter)) and the same envelope; the writes go
@@ -222,8 +223,21 @@ async def warm(cache: LayeredCache, namespace: str, count: int) -> tuple[int, fl
         ttls = await pipe.execute()
     finally:
         await client.aclose()
-    seconds = Counter(int((now_ms + ttl) // 1000) for ttl in ttls if ttl > 0)
-    return max(seconds.values()), float(max(seconds) - min(seconds) + 1)
+    return busiest_second([now_ms + ttl for ttl in ttls if ttl > 0])
+
+
+def busiest_second(expiries_ms: list[float]) -> tuple[int, float]:
+    """(the most expiries within any 1 s window, seconds from the first to the last).
+
+    A sliding window, not calendar seconds: keys filled within 0.3 s would otherwise
+    show as 10,000 or as 6,000 + 4,000, depending on where a second boundary fell."""
+    times = sorted(expiries_ms)
+    busiest, first = 0, 0
+    for last, at in enumerate(times):
+        while at - times[first] >= 1000:
+            first += 1
+        busiest = max(busiest, last - first + 1)
+    return busiest, max(1.0, math.ceil((times[-1] - times[0]) / 1000))
 
 
 # -- Part B -----------------------------------------------------------------------------

@@ -176,8 +176,9 @@ class HotKeyDetector:
     def hot_keys(self) -> dict[str, float]:
         """Current hot keys with their current estimated rate in reads/s.
 
-        Static keys are included (with their measured rate, 0.0 when detection is off),
-        so the ``layered-cache hotkeys`` CLI can show one list.
+        Static keys are included at 0.0 (``record`` never counts them: they are hot
+        whatever their rate); the ``layered-cache hotkeys`` CLI lists them once, as
+        static, not again as detected.
         """
         self._expire(self._clock())
         measure = self.threshold is not None

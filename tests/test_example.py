@@ -265,3 +265,44 @@ async def test_the_service_runs_on_postgresql_too(redis_url: str, prefix: str) -
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+
+
+async def test_a_second_database_on_the_same_cache_prefix_is_warned_about(
+    redis_url: str, prefix: str, tmp_path: Any
+) -> None:
+    """Switching databases on one prefix would serve the first one's cached prices: the
+    service records which database fills the prefix and warns when it is another."""
+    from structlog.testing import capture_logs
+
+    config = _config(redis_url, prefix)
+    first = SQLiteDatabase(str(tmp_path / "a.db"), books=20)
+    second = SQLiteDatabase(str(tmp_path / "b.db"), books=20)
+    await first.open()
+    await second.open()
+    try:
+        with capture_logs() as logs:
+            async with running(config, first) as shop:
+                assert (await shop.get("/books/1")).status_code == 200
+            async with running(config, first):  # the same database again: fine
+                pass
+            first_two = [entry["event"] for entry in logs]
+            async with running(config, second):
+                pass
+            async with running(_config(redis_url, f"{prefix}b:"), second):  # own prefix
+                pass
+    finally:
+        await first.close()
+        await second.close()
+    assert "cache_prefix_shared_with_another_database" not in first_two
+    warnings = [e for e in logs if e["event"] == "cache_prefix_shared_with_another_database"]
+    assert len(warnings) == 1
+    assert warnings[0]["log_level"] == "warning"
+    assert warnings[0]["cached_from"] == first.identity == f"sqlite:{tmp_path / 'a.db'}"
+    assert warnings[0]["database"] == second.identity
+    assert f"LAYERED_CACHE_REDIS_PREFIX={prefix}" in warnings[0]["fix"]
+
+
+def test_a_postgresql_identity_never_holds_the_password() -> None:
+    database = PostgresDatabase("postgresql://shop:s3cret@db.internal:5433/books")
+    assert database.identity == "postgresql://shop@db.internal:5433/books"
+    assert SQLiteDatabase(":memory:").identity == "sqlite::memory:"

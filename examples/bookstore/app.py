@@ -53,8 +53,10 @@ except ImportError:  # pragma: no cover - depends on the library version
 __all__ = [
     "DEFAULT_CONFIG",
     "METRICS_FORMAT",
+    "PREFIX_MARKER",
     "BookNotFound",
     "BookstoreSettings",
+    "claim_cache_prefix",
     "create_app",
     "load_bookstore_config",
     "serve",
@@ -166,6 +168,7 @@ class _Service:
     async def start(self) -> None:
         await self.db.open()
         await self.cache.start()
+        await claim_cache_prefix(self.settings.config, self.db.identity)
         if _prometheus is not None:
             _prometheus.register_cache(self.cache, self.registry)
         if self.settings.wants_kafka():
@@ -216,6 +219,64 @@ class _Service:
             await self.cache.invalidate("book", {"id": book_id})
             return "direct (kafka send failed)"
         return f"kafka:{self.settings.topic}"
+
+
+PREFIX_MARKER = "bookstore:database"  # after the prefix: which database fills it
+
+
+async def claim_cache_prefix(config: Config, identity: str) -> str | None:
+    """Record that ``identity``'s database fills the cache under this Redis prefix, and
+    warn when another one did: its cached books (prices!) would be served as this
+    database's until they expire. Returns that other database, or None.
+
+    One prefix serves one database: switching DATABASE_URL from SQLite to PostgreSQL
+    on the same prefix would otherwise serve SQLite's cached prices. A marker key
+    names the last database to start on the prefix; the warning says how to give each
+    database its own prefix (the daemon must use the same one, so it isn't derived
+    here behind the daemon's back). Best effort: Redis being down skips the check."""
+    marker = f"{config.redis.prefix}{PREFIX_MARKER}"
+    client = _redis_client(config)
+    try:
+        previous = await client.set(marker, identity, get=True)
+    except Exception as exc:
+        _log.info("cache_prefix_not_checked", error=f"{type(exc).__name__}: {exc}")
+        return None
+    finally:
+        await client.aclose()
+    other = previous.decode() if isinstance(previous, bytes) else previous
+    if other is None or other == identity:
+        return None
+    _log.warning(
+        "cache_prefix_shared_with_another_database",
+        prefix=config.redis.prefix,
+        cached_from=other,
+        database=identity,
+        consequence="books cached from the other database (prices included) are served "
+        "until they expire (l2 ttl + stale.max_age)",
+        fix="give each database its own prefix, the same for the service and the daemon: "
+        f"LAYERED_CACHE_REDIS_PREFIX={config.redis.prefix or 'bookstore:'}<database>:",
+    )
+    return str(other)
+
+
+def _redis_client(config: Config) -> Any:
+    """A plain client for the marker, with the cache's connection settings."""
+    import redis.asyncio as aioredis
+
+    settings = config.redis
+    options: dict[str, Any] = {
+        "username": settings.username,
+        "password": settings.password,
+        "socket_timeout": max(settings.timeout, 1.0),
+        "socket_connect_timeout": max(settings.connect_timeout, 1.0),
+    }
+    if settings.url.startswith("rediss://"):
+        options.update(ssl_ca_certs=settings.ssl_ca_certs, ssl_certfile=settings.ssl_certfile,
+                       ssl_keyfile=settings.ssl_keyfile)  # fmt: skip
+    options = {key: value for key, value in options.items() if value is not None}
+    if settings.cluster:
+        return aioredis.RedisCluster.from_url(settings.url, **options)
+    return aioredis.Redis.from_url(settings.url, **options)
 
 
 def _json(data: Any, status: int = 200) -> Response:

@@ -22,6 +22,7 @@ import threading
 from collections import Counter
 from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from examples.bookstore.models import BookDetail, Stock
 
@@ -126,6 +127,12 @@ class Database(Protocol):
     query_delay: float
     kind: str
 
+    @property
+    def identity(self) -> str:
+        """Which database this is (kind and location, never a password): cached values
+        from one database must not be served for another (app.claim_cache_prefix)."""
+        ...
+
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def ping(self) -> bool: ...
@@ -158,6 +165,10 @@ class SQLiteDatabase:
         self.queries: Counter[str] = Counter()
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+
+    @property
+    def identity(self) -> str:
+        return "sqlite::memory:" if self.path == ":memory:" else f"sqlite:{os.path.abspath(self.path)}"
 
     async def open(self) -> None:
         if self._conn is None:
@@ -247,6 +258,14 @@ class PostgresDatabase:
         self.query_delay = query_delay
         self.queries: Counter[str] = Counter()
         self._pool: Any = None
+
+    @property
+    def identity(self) -> str:
+        parts = urlsplit(self.url)
+        user = f"{parts.username}@" if parts.username else ""
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        return f"postgresql://{user}{host}{port}{parts.path}"
 
     async def open(self) -> None:
         try:

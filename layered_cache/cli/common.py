@@ -21,6 +21,7 @@ from layered_cache._policy import Policy
 from layered_cache._redact import redact, redact_data
 
 __all__ = [
+    "EXIT_BROKEN_PIPE",
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
     "EXIT_PARTIAL",
@@ -32,6 +33,7 @@ __all__ = [
     "parse_fields",
     "policy_of",
     "print_json",
+    "refuse_uncached",
     "relative",
     "run",
     "why",
@@ -41,6 +43,7 @@ T = TypeVar("T")
 EXIT_PARTIAL = 1  # warm: finished, but some entries failed (listed on stderr)
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (``| head -1``)
 _INT = re.compile(r"-?[1-9][0-9]*|0")
 
 
@@ -125,6 +128,28 @@ def policy_of(cache: LayeredCache, namespace: str) -> Policy:
         raise CliError(str(exc.args[0])) from None
 
 
+def refuse_uncached(config: Config, namespace: str, command: str) -> None:
+    """``inspect``/``invalidate`` of a namespace with ``cache = false`` is bad input (exit
+    2), not a report of an absent key: nothing of it is ever in L1 or Redis. ``inspect``
+    also refuses ``l2 = false``: Redis holds nothing of it (its L1 copies live in each
+    instance's memory; ``invalidate`` still drops them everywhere). An unknown namespace
+    is left to ``policy_of``, which lists the configured ones."""
+    ns = config.namespaces.get(namespace)
+    if ns is None:
+        return
+    if not ns.cache:
+        raise CliError(
+            f"namespace {namespace!r} is never cached (cache = false): every read goes to "
+            f"the loader, so there is nothing to {command}"
+        )
+    if command == "inspect" and ns.l2 is False:
+        raise CliError(
+            f"namespace {namespace!r} has no L2 (l2 = false): its values live only in each "
+            "instance's L1, so Redis holds nothing to inspect (`invalidate` still drops "
+            "the L1 copies everywhere)"
+        )
+
+
 def load(path: str) -> Config:
     """The config file, its errors (file and dotted path) as a ``CliError``."""
     try:
@@ -161,6 +186,8 @@ def run(command: Coroutine[Any, Any, T]) -> T:
         raise CliError(f"Redis failed: {why(cause) if cause else redact(str(exc))}") from None
     except ClusterDownError as exc:
         raise _cluster_down(exc) from None
+    except BrokenPipeError:  # our own output's reader went away: not Redis (cli.main)
+        raise
     except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
         raise CliError(f"Redis failed: {why(exc)}") from None
 

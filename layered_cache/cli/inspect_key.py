@@ -27,6 +27,7 @@ from layered_cache.cli.common import (
     parse_fields,
     policy_of,
     print_json,
+    refuse_uncached,
     relative,
     run,
 )
@@ -188,11 +189,11 @@ def _write_replicas(report: InspectReport, out: TextIO) -> None:
         out.write("replicas   none (namespace has no hot-key replicas)\n")
         return
     present = ", ".join(
-        f"{r.name.rsplit('#', 1)[1]} ({format_ms(r.pttl_ms)})" for r in report.replicas
+        f"#{r.name.rsplit('#', 1)[1]} ({format_ms(r.pttl_ms)})" for r in report.replicas
     )
     out.write(
         f"replicas   {len(report.replicas)}/{configured} exist"
-        + (f": #{present}" if present else "")
+        + (f": {present}" if present else "")
         + "\n"
     )
     for node, names in report.replicas_unreachable.items():
@@ -213,6 +214,7 @@ def _write_lease(lease: LeaseReport, out: TextIO) -> None:
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     """Read-only: nothing in Redis changes, whatever the key's state."""
     config = load(args.config)
+    refuse_uncached(config, args.namespace, "inspect")
     report = run(_inspect(config, args.namespace, args.fields))
     if args.json:
         print_json(report, out)

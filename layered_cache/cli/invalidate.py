@@ -17,7 +17,14 @@ from layered_cache._keys import backplane_stream_name, lease_name, replica_names
 from layered_cache._l2 import L2Unavailable
 from layered_cache._redact import redact
 from layered_cache._replicas import delete_phases
-from layered_cache.cli.common import CliError, load, parse_fields, policy_of, run
+from layered_cache.cli.common import (
+    CliError,
+    load,
+    parse_fields,
+    policy_of,
+    refuse_uncached,
+    run,
+)
 from layered_cache.cli.connect import (
     Masters,
     Session,
@@ -72,6 +79,7 @@ def _refuse_partial_invalidation(
 def cmd_invalidate(args: argparse.Namespace, out: TextIO) -> int:
     """Exit 0 once every name is deleted (and announced, with the backplane on)."""
     config = load(args.config)
+    refuse_uncached(config, args.namespace, "invalidate")
     report = run(_invalidate(config, args.namespace, args.fields))
     where = "announced on the backplane" if config.backplane.enabled else "backplane disabled"
     out.write(
