@@ -197,3 +197,42 @@ async def _existing(nodes: Sequence[redis.Redis], names: Sequence[str]) -> set[s
 
 def _text(name: bytes | str) -> str:
     return name.decode() if isinstance(name, bytes) else name
+
+
+async def test_batches_and_tags_work_on_a_cluster(
+    redis_cluster: Cluster, prefix: str, nodes: list[redis.Redis]
+) -> None:
+    """get_many is MGETs grouped by slot (one pipelined round trip per master, no GET),
+    get_or_load_many and set_many cross slots, and invalidate_tag kills tagged entries
+    whatever node they live on."""
+    namespaces: dict[str, dict[str, Any]] = {
+        "book": {"key": "book:{id}", "l1": False},
+        "category": {"key": "category:{slug}", "l1": False, "tags": True},
+    }
+    config = make_config(
+        redis_cluster.url, prefix, namespaces, redis={"cluster": True, "timeout": "1s"}
+    )
+
+    async def load_many(fields_list: Sequence[Any]) -> list[Any]:
+        return [f"loaded {f['id']}" for f in fields_list]
+
+    async def calls(command: str) -> int:
+        total = 0
+        for node in nodes:
+            stats = await node.info("commandstats")
+            total += int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+        return total
+
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set_many("book", [({"id": i}, f"v{i}") for i in range(50)])
+        gets, mgets = await calls("get"), await calls("mget")
+        values = await cache.get_many("book", [{"id": i} for i in range(60)])
+        assert values == [f"v{i}" for i in range(50)] + [None] * 10
+        assert await calls("get") == gets and await calls("mget") > mgets
+        loaded = await cache.get_or_load_many("book", [{"id": i} for i in range(45, 55)], load_many)
+        assert loaded == [f"v{i}" for i in range(45, 50)] + [f"loaded {i}" for i in range(50, 55)]
+        for slug in ("a", "b", "c", "d"):
+            await cache.set("category", {"slug": slug}, f"page {slug}", tags=["book:42"])
+        await cache.invalidate_tag("book:42")
+        slugs = [{"slug": slug} for slug in "abcd"]
+        assert await cache.get_many("category", slugs) == [None] * 4
