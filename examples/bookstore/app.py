@@ -2,6 +2,8 @@
 
     GET  /books/{id}         book detail (book + author + price + review count), cached
                              in namespace "book" (L1 -> L2 -> one DB query per key fleet-wide)
+    GET  /books?ids=1,2,3    many books in the order asked, through get_or_load_many: L1,
+                             one MGET, then one DB query for all the misses
     GET  /categories/{slug}  a category page listing books with their prices, cached in
                              namespace "category" (tags = true), tagged book:{id} for each
                              book on it: a price change of any of them kills the page
@@ -29,7 +31,7 @@ import os
 import re
 import socket
 import tomllib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ except ImportError:  # pragma: no cover - depends on the library version
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "MAX_BATCH",
     "METRICS_FORMAT",
     "PREFIX_MARKER",
     "BookNotFound",
@@ -75,11 +78,13 @@ METRICS_FORMAT = "prometheus" if _prometheus is not None else "json"
 _log = structlog.get_logger("bookstore")
 
 
+MAX_BATCH = 100  # ids per GET /books?ids=...
 _SLUG = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 class BookNotFound(LookupError):
-    """Raised by the loader, so a missing book is a 404 and never a cached value."""
+    """Raised by the loader, so a missing book is a 404 and never a cached value.
+    ``args``: the ids that don't exist (one, or several from a batch)."""
 
 
 class CategoryNotFound(LookupError):
@@ -188,6 +193,22 @@ class _Service:
             return detail
 
         self.book_detail = book_detail
+
+    async def books(self, ids: Sequence[int]) -> list[BookDetail]:
+        """Many books, in the order of ``ids``: L1, then one MGET for the rest, then one
+        ``book_details`` query for every key still missing (``get_or_load_many``)."""
+
+        async def load_many(missing: list[Mapping[str, object]]) -> list[BookDetail]:
+            wanted = [int(str(fields["id"])) for fields in missing]
+            found = await self.db.book_details(wanted)
+            if unknown := [book_id for book_id in wanted if book_id not in found]:
+                raise BookNotFound(*unknown)  # nothing of this batch's load is cached
+            return [found[book_id] for book_id in wanted]
+
+        unique = list(dict.fromkeys(ids))
+        values = await self.cache.get_or_load_many("book", [{"id": i} for i in unique], load_many)
+        by_id: dict[int, BookDetail] = dict(zip(unique, values, strict=True))
+        return [by_id[book_id] for book_id in ids]
 
     async def category_page(self, slug: str) -> CategoryPage:
         """The category page, tagged with the books it shows: ``invalidate_tag("book:42")``
@@ -347,6 +368,19 @@ def _routes(svc: _Service) -> list[Route]:
         except BookNotFound:
             return _error(404, f"no book {book_id}")
 
+    async def get_books(request: Request) -> Response:
+        raw = request.query_params.get("ids", "")
+        try:
+            ids = [int(part) for part in raw.split(",")]
+        except ValueError:
+            return _error(422, f'ids must be book ids separated by commas, like "1,2,3", got {raw!r}')
+        if not 1 <= len(ids) <= MAX_BATCH:
+            return _error(422, f"ids: 1 to {MAX_BATCH} book ids, got {len(ids)}")
+        try:
+            return _json(await svc.books(ids))
+        except BookNotFound as exc:
+            return _error(404, "no book " + ", ".join(map(str, exc.args)))
+
     async def get_category(request: Request) -> Response:
         slug: str = request.path_params["slug"]
         if not _SLUG.fullmatch(slug):  # the cache key's character rules, and a sane URL
@@ -411,6 +445,7 @@ def _routes(svc: _Service) -> list[Route]:
         return _json(body, 200 if db_ok else 503)
 
     return [
+        Route("/books", get_books, methods=["GET"]),
         Route("/books/{id:int}", get_book, methods=["GET"]),
         Route("/categories/{slug}", get_category, methods=["GET"]),
         Route("/books/{id:int}/price", put_price, methods=["PUT"]),
