@@ -454,7 +454,7 @@ async def test_a_price_change_event_reaches_the_category_page_on_both_instances(
         assert await eventually(lambda: page_shows_new_price(b), timeout=10, interval=0.01)
         took = loop.time() - started
         assert took < 3.0, f"the price took {took:.2f}s to reach both instances' pages"
-        assert daemon.stats.events == 1
+        assert daemon.stats.events == 1 and daemon.stats.tags_invalidated == 1
         for client in (a, b):
             assert (await client.get(f"/categories/{other['slug']}")).json() == other
         assert db.queries["category_page"] == loads + 1
