@@ -8,8 +8,11 @@ Part A - the read path (library only):
 Part B - the bookstore service (examples/bookstore) with the invalidation daemon:
   B1  a stampede on a cold book across two instances -> 1 database query
   B2  a price change (DB -> Kafka -> daemon -> Redis -> backplane) visible within 1 s
-  B3  stock (cache = false) is always live
-  B4  the counters
+  B3  a category page tagged with its books: a book's price change reaches it on both
+      instances (the event's tag route kills every page showing the book)
+  B4  GET /books?ids=...: many books in one call, one database query for the misses
+  B5  stock (cache = false) is always live
+  B6  the counters
 
 Env: REDIS_URL (default redis://127.0.0.1:6379/0), KAFKA_BOOTSTRAP (optional: without
 it, B2 invalidates directly and the daemon is skipped). Every run uses its own key
@@ -378,7 +381,10 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
             print("    path: Kafka -> daemon deletes book:42 (+ replicas, lease) in Redis -> backplane")
             print("          stream -> both instances drop their L1 copy -> next read loads the new price")
 
-        step("B3. Stock is never cached (namespace stock: cache = false)")
+        await category_page_step(a, b, db, kafka)
+        await batch_step(a, db)
+
+        step("B5. Stock is never cached (namespace stock: cache = false)")
         before = db.queries["stock"]
         on_hand = (await a.get(f"/books/{book}/stock")).json()["on_hand"]
         live = True
@@ -391,29 +397,101 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
             check(live, "B3: stock is live"))
         row(f"{reads} stock reads -> database queries", n(queries), check(queries == reads, "B3: no caching"))
 
-        step("B4. Counters (GET /stats on each instance; the same numbers are on /metrics)")
+        step("B6. Counters (GET /stats on each instance; the same numbers are on /metrics)")
         stats = {name: (await c.get("/stats")).json() for name, (_, c) in apps.items()}
         fields = ["l1_hit", "l2_hit", "miss", "load", "coalesced", "lease_won", "lease_lost",
                   "lease_wait_filled", "invalidated"]
         print(f"  {'namespace book':<22}" + "".join(f"{name:>10}" for name in stats))
         for field in fields:
             print(f"  {field:<22}" + "".join(f"{n(s['cache']['book'][field]):>10}" for s in stats.values()))
+        for field in ("load", "l1_hit", "l2_hit"):
+            print(f"  {'category: ' + field:<22}"
+                  + "".join(f"{n(s['cache']['category'][field]):>10}" for s in stats.values()))
         print(f"  {'stock: load (live)':<22}" + "".join(f"{n(s['cache']['stock']['load']):>10}" for s in stats.values()))
         print(f"  {'breaker':<22}" + "".join(f"{s['redis']['breaker']:>10}" for s in stats.values()))
         print(f"  database queries (shared): {dict(db.queries)}")
         print("    book_detail: the stampede's one fill + one reload after the price change;"
-              " stock: every read")
+              " category_page:\n    one fill + one reload of the page showing the book;"
+              " book_details: the batch's misses; stock: every read")
         print("    coalesced: joined a load in flight in the same process; lease_lost /"
               " lease_wait_filled:\n    waited for the other instance's fill instead of querying")
         if daemon is not None:
             st = daemon.stats
-            print(f"  daemon: {st.events} event(s), {st.keys} key(s) invalidated,"
-                  f" {st.names_deleted} Redis name(s) deleted, {st.commits} commit(s),"
+            print(f"  daemon: {st.events} event(s), {st.keys} key(s) and {st.tags_invalidated} tag(s)"
+                  f" invalidated, {st.names_deleted} Redis name(s) deleted, {st.commits} commit(s),"
                   f" {st.dead_letters} dead letter(s)")
         metrics = await a.get("/metrics")
         kind = metrics.headers.get("content-type", "").split(";")[0]
         print(f"  GET /metrics on A: {len(metrics.text.splitlines())} lines of {kind}")
     await db.close()
+
+
+async def category_page_step(
+    a: httpx.AsyncClient, b: httpx.AsyncClient, db: SQLiteDatabase, kafka: bool
+) -> None:
+    slug = "scifi"
+    step(f"B3. Category page: GET /categories/{slug}, tagged book:<id> for each book it shows")
+    before = db.queries["category_page"]
+    pages = await asyncio.gather(*(c.get(f"/categories/{slug}") for c in [a, b] * 10))
+    page = pages[0].json()
+    queries = db.queries["category_page"] - before
+    row("20 reads (10 on A, 10 on B) -> database queries", n(queries),
+        check(queries == 1, "B3: one category page query"))  # fmt: skip
+    print(f"    {page['name']!r}: {page['book_count']} books, the first {len(page['books'])}"
+          f" on the page (and in its tags)")  # fmt: skip
+    shown = next(book for book in page["books"] if book["id"] != 42)  # not B2's book
+    book, old_price = shown["id"], shown["price"]
+    new_price = "4.90" if old_price != "4.90" else "5.90"
+
+    async def price_on_page(client: httpx.AsyncClient) -> str:
+        reply = (await client.get(f"/categories/{slug}")).json()
+        return str(next(b["price"] for b in reply["books"] if b["id"] == book))
+
+    print(f"    book {book} {shown['title']!r} on the page")
+    prices = [await price_on_page(c) for c in (a, b)]
+    row("price on the page before", f"A {prices[0]}", f"B {prices[1]}")
+    started = time.perf_counter()
+    reply = (await b.put(f"/books/{book}/price", json={"price": new_price})).json()
+    row(f"PUT {old_price} -> {new_price} on B; invalidation via", reply["invalidation"],
+        ms(time.perf_counter() - started))  # fmt: skip
+    seen: dict[str, float] = {}
+
+    async def watch(name: str, client: httpx.AsyncClient) -> None:
+        while time.perf_counter() - started < 5:
+            if await price_on_page(client) == new_price:
+                seen[name] = time.perf_counter() - started
+                return
+            await asyncio.sleep(0.005)
+
+    await asyncio.gather(watch("A", a), watch("B", b))
+    prices = [await price_on_page(c) for c in (a, b)]
+    row("price on the page after", f"A {prices[0]}", f"B {prices[1]}")
+    for name in ("A", "B"):
+        took = seen.get(name)
+        verdict = check(took is not None and took < 1.0, f"B3: page on {name} shows the price < 1 s")
+        row(f"the page on instance {name} shows {new_price} after", ms(took) if took else "never", verdict)
+    if kafka:
+        print(f"    path: BookPriceChanged -> daemon: DEL book:{book}, new version of tag book:{book}"
+              "\n          (route in bookstore.toml) -> backplane -> both instances drop the page"
+              " -> one reload")  # fmt: skip
+    else:
+        print(f"    path: the service calls invalidate('book', ...) and invalidate_tag('book:{book}')")
+
+
+async def batch_step(a: httpx.AsyncClient, db: SQLiteDatabase) -> None:
+    ids = [42, 7, 8, 9, 42]
+    step(f"B4. Many books at once: GET /books?ids={','.join(map(str, ids))} on A")
+    before = Counter(db.queries)
+    books = (await a.get("/books", params={"ids": ",".join(map(str, ids))})).json()
+    in_order = [book["id"] for book in books] == ids
+    row("books returned, in the order asked", f"{len(books)}", check(in_order, "B4: in order"))
+    queries = db.queries["book_details"] - before["book_details"]
+    singles = db.queries["book_detail"] - before["book_detail"]
+    row("database queries for the 3 misses (42: cached)", n(queries + singles),
+        check(queries == 1 and singles == 0, "B4: one query for the misses"))  # fmt: skip
+    again = Counter(db.queries)
+    await a.get("/books", params={"ids": ",".join(map(str, ids))})
+    row("the same request again -> database queries", n(sum((Counter(db.queries) - again).values())), "")
 
 
 # -- main -------------------------------------------------------------------------------

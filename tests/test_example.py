@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sqlite3
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +22,14 @@ from examples.bookstore.app import (
     load_bookstore_config,
     serve,
 )
-from examples.bookstore.db import PostgresDatabase, SQLiteDatabase, parse_price, seed_rows
+from examples.bookstore.db import (
+    CATEGORIES,
+    PAGE_SIZE,
+    PostgresDatabase,
+    SQLiteDatabase,
+    parse_price,
+    seed_rows,
+)
 from layered_cache import Config
 from tests.helpers import eventually
 from tests.servers import create_topic
@@ -128,6 +137,68 @@ async def test_price_change_without_kafka_invalidates_directly(
     assert db.queries["book_detail"] == 2
 
 
+class RecordingDatabase(SQLiteDatabase):
+    """The example's SQLite database, also noting which ids each many-books query asked for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: list[list[int]] = []
+
+    async def book_details(self, book_ids: Any) -> Any:
+        self.batches.append(list(book_ids))
+        return await super().book_details(book_ids)
+
+
+async def test_get_books_by_ids_returns_them_in_order_with_one_query_for_the_misses(
+    redis_url: str, prefix: str
+) -> None:
+    db = RecordingDatabase(":memory:", books=200, query_delay=0.05)
+    await db.open()
+    try:
+        config = _config(redis_url, prefix)
+        async with running(config, db, name="A") as a, running(config, db, name="B") as b:
+            for book in (5, 7):  # already cached through GET /books/{id}
+                assert (await a.get(f"/books/{book}")).status_code == 200
+            reply = await a.get("/books", params={"ids": "7,3,5,11,2,3"})
+            assert reply.status_code == 200
+            books = reply.json()
+            assert [book["id"] for book in books] == [7, 3, 5, 11, 2, 3]
+            assert books[1] == books[5] and books[0] == (await a.get("/books/7")).json()
+            assert db.batches == [[3, 11, 2]]  # one query, for the misses only
+            assert db.queries["book_details"] == 1 and db.queries["book_detail"] == 2
+
+            # The batch filled the same keys GET /books/{id} reads, in both layers:
+            # A answers from L1, B (cold L1) from one MGET; no instance queries again.
+            assert (await a.get("/books/11")).json() == books[3]
+            assert (await b.get("/books", params={"ids": "2,5,11,3,7"})).json() == [
+                books[4],
+                books[2],
+                books[3],
+                books[1],
+                books[0],
+            ]
+            assert db.batches == [[3, 11, 2]] and db.queries["book_detail"] == 2
+            cache_b = (await b.get("/stats")).json()["cache"]["book"]
+            assert cache_b["l2_hit"] == 5 and cache_b["load"] == 0
+    finally:
+        await db.close()
+
+
+async def test_get_books_by_ids_errors(shop: httpx.AsyncClient, db: SQLiteDatabase) -> None:
+    reply = await shop.get("/books", params={"ids": "1,99999,2,88888"})
+    assert reply.status_code == 404
+    assert reply.json() == {"error": "no book 99999, 88888"}
+    # A missing book is never cached: asked again, the batch queries again.
+    assert (await shop.get("/books", params={"ids": "99999"})).status_code == 404
+    assert db.queries["book_details"] == 2
+    for bad in ("", "1,,2", "1,abc", ",".join(["1"] * 101)):
+        reply = await shop.get("/books", params={"ids": bad})
+        assert reply.status_code == 422, bad
+        assert "error" in reply.json()
+    assert (await shop.get("/books")).status_code == 422
+    assert db.queries["book_details"] == 2
+
+
 async def test_errors(shop: httpx.AsyncClient, db: SQLiteDatabase) -> None:
     assert (await shop.get("/books/99999")).status_code == 404
     assert (await shop.get("/books/99999/stock")).status_code == 404
@@ -179,6 +250,32 @@ def test_price_parsing_and_seed() -> None:
     rows = seed_rows(1000)
     assert len(rows["books"]) == 1000 and len(rows["authors"]) == 200
     assert rows == seed_rows(1000)  # deterministic
+    assert rows["categories"] == CATEGORIES
+    per_book = Counter(book for book, _ in rows["book_categories"])
+    assert set(per_book) == set(range(1, 1001)) and set(per_book.values()) == {1, 2}
+
+
+async def test_a_database_seeded_before_categories_gets_them_on_open(tmp_path: Any) -> None:
+    path = str(tmp_path / "old.db")
+    old = SQLiteDatabase(path, books=50)
+    await old.open()
+    await old.close()
+    conn = sqlite3.connect(path)
+    with conn:  # as it was before categories existed
+        conn.executescript("DROP TABLE book_categories; DROP TABLE categories;")
+    conn.close()
+    upgraded = SQLiteDatabase(path, books=50)
+    await upgraded.open()
+    try:
+        page = await upgraded.category_page("scifi")
+        fresh = SQLiteDatabase(":memory:", books=50)
+        await fresh.open()
+        try:
+            assert page is not None and page == await fresh.category_page("scifi")
+        finally:
+            await fresh.close()
+    finally:
+        await upgraded.close()
 
 
 @contextlib.asynccontextmanager
@@ -235,6 +332,134 @@ async def test_price_change_reaches_every_instance_through_kafka_and_the_daemon(
         assert db.queries["book_detail"] == 2  # the first fill and one reload after the change
 
 
+async def test_a_category_page_is_one_query_then_served_from_the_cache(
+    redis_url: str, prefix: str, db: SQLiteDatabase
+) -> None:
+    config = _config(redis_url, prefix)
+    async with running(config, db, name="A") as a, running(config, db, name="B") as b:
+        replies = await asyncio.gather(*(c.get("/categories/scifi") for c in [a, b] * 20))
+        assert {r.status_code for r in replies} == {200}
+        assert len({r.content for r in replies}) == 1
+        page = replies[0].json()
+        assert page["slug"] == "scifi" and page["name"] == "Science fiction"
+        assert 0 < len(page["books"]) <= PAGE_SIZE <= page["book_count"]
+        titles = [(book["title"], book["id"]) for book in page["books"]]
+        assert titles == sorted(titles)
+        first = page["books"][0]
+        detail = (await a.get(f"/books/{first['id']}")).json()
+        assert {k: detail[k] for k in first} == first
+        before = (await b.get("/stats")).json()["cache"]["category"]
+        for _ in range(10):
+            assert (await b.get("/categories/scifi")).json() == page
+        assert db.queries["category_page"] == 1  # one load, for 50 reads on two instances
+        stats = [(await c.get("/stats")).json()["cache"]["category"] for c in (a, b)]
+        assert sum(s["load"] for s in stats) == 1
+        # B's 10 reads: from L1 (the first may be an L2 hit: an instance that waited for
+        # the other's fill of a tagged entry reads it from Redis once).
+        assert stats[1]["l1_hit"] - before["l1_hit"] >= 9
+        assert stats[1]["l1_hit"] + stats[1]["l2_hit"] - before["l1_hit"] - before["l2_hit"] == 10
+
+        assert (await a.get("/categories/no-such-thing")).status_code == 404
+        assert (await a.get("/categories/no-such-thing")).status_code == 404
+        assert (await a.get("/categories/Sci%20Fi")).status_code == 404  # never a key
+        assert db.queries["category_page"] == 3  # a missing category is never cached
+
+
+async def _pages_showing(
+    client: httpx.AsyncClient, book: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A category page and a book on it, and another page that doesn't show that book."""
+    pages = {slug: (await client.get(f"/categories/{slug}")).json() for _, slug, _ in CATEGORIES}
+    for page in pages.values():
+        for shown in page["books"]:
+            if book is None or shown["id"] == book:
+                for other in pages.values():
+                    if shown["id"] not in {b["id"] for b in other["books"]}:
+                        return page, other
+    raise AssertionError("the seed has no such pages")
+
+
+def _price_on(page: dict[str, Any], book: int) -> str:
+    (price,) = [shown["price"] for shown in page["books"] if shown["id"] == book]
+    return str(price)
+
+
+async def test_a_price_change_without_kafka_kills_the_category_pages_on_both_instances(
+    redis_url: str, prefix: str, db: SQLiteDatabase
+) -> None:
+    """No Kafka: PUT /books/{id}/price invalidates the book and the tag book:{id} itself,
+    and the backplane drops both instances' L1 copies."""
+    config = _config(redis_url, prefix)
+    async with running(config, db, name="A") as a, running(config, db, name="B") as b:
+        page, other = await _pages_showing(a)
+        book = page["books"][0]["id"]
+        for client in (a, b):  # both instances hold both pages in L1
+            assert (await client.get(f"/categories/{page['slug']}")).json() == page
+            assert (await client.get(f"/categories/{other['slug']}")).json() == other
+        loads = db.queries["category_page"]
+        old = _price_on(page, book)
+        new = "7.50" if old != "7.50" else "8.50"
+        reply = await b.put(f"/books/{book}/price", json={"price": new})
+        assert reply.json()["invalidation"] == "direct"
+
+        async def page_shows_new_price(client: httpx.AsyncClient) -> bool:
+            reply = await client.get(f"/categories/{page['slug']}")
+            return _price_on(reply.json(), book) == new
+
+        assert await eventually(lambda: page_shows_new_price(a), timeout=10)
+        assert await eventually(lambda: page_shows_new_price(b), timeout=10)
+        assert (await a.get(f"/books/{book}")).json()["price"] == new
+        for client in (a, b):  # the page without the book was never touched
+            assert (await client.get(f"/categories/{other['slug']}")).json() == other
+        assert db.queries["category_page"] == loads + 1  # one reload, of the dead page
+
+
+async def test_a_price_change_event_reaches_the_category_page_on_both_instances(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str, db: SQLiteDatabase
+) -> None:
+    """PUT /books/{id}/price produces BookPriceChanged; the daemon's route
+    (bookstore.toml) deletes book:{id} and kills the tag book:{id}: both instances'
+    category pages showing the book reload with the new price, the others stay."""
+    await create_topic(kafka_bootstrap, unique_topic, partitions=2)
+    config = _config(
+        redis_url,
+        prefix,
+        kafka_bootstrap=kafka_bootstrap,
+        topic=unique_topic,
+        group_id=f"g-{unique_topic}",
+    )
+    async with (
+        daemon_running(config) as daemon,
+        running(config, db, kafka=True, name="A") as a,
+        running(config, db, kafka=True, name="B") as b,
+    ):
+        page, other = await _pages_showing(a)
+        book = page["books"][-1]["id"]
+        for client in (a, b):
+            assert (await client.get(f"/categories/{page['slug']}")).json() == page
+            assert (await client.get(f"/categories/{other['slug']}")).json() == other
+        loads = db.queries["category_page"]
+        old = _price_on(page, book)
+        new = "9.90" if old != "9.90" else "8.90"
+        reply = await a.put(f"/books/{book}/price", json={"price": new})
+        assert reply.json()["invalidation"] == f"kafka:{unique_topic}"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def page_shows_new_price(client: httpx.AsyncClient) -> bool:
+            reply = await client.get(f"/categories/{page['slug']}")
+            return _price_on(reply.json(), book) == new
+
+        assert await eventually(lambda: page_shows_new_price(a), timeout=10, interval=0.01)
+        assert await eventually(lambda: page_shows_new_price(b), timeout=10, interval=0.01)
+        took = loop.time() - started
+        assert took < 3.0, f"the price took {took:.2f}s to reach both instances' pages"
+        assert daemon.stats.events == 1 and daemon.stats.tags_invalidated == 1
+        for client in (a, b):
+            assert (await client.get(f"/categories/{other['slug']}")).json() == other
+        assert db.queries["category_page"] == loads + 1
+
+
 async def test_the_service_runs_on_postgresql_too(redis_url: str, prefix: str) -> None:
     """DATABASE_URL (or the machine's local PostgreSQL) in a database of the test's own."""
     asyncpg = pytest.importorskip("asyncpg")
@@ -260,6 +485,19 @@ async def test_the_service_runs_on_postgresql_too(redis_url: str, prefix: str) -
                 ).status_code == 200
                 assert (await shop.get("/books/17")).json()["price"] == "3.30"
                 assert (await shop.get("/books/17/stock")).status_code == 200
+                # The category page and the batch, on PostgreSQL's queries.
+                page, _ = await _pages_showing(shop)
+                book = page["books"][0]["id"]
+                assert (
+                    await shop.put(f"/books/{book}/price", json={"price": "4.40"})
+                ).status_code == 200
+                page = (await shop.get(f"/categories/{page['slug']}")).json()
+                assert _price_on(page, book) == "4.40"
+                ids = [book, 3, 17, 2]
+                books = (await shop.get("/books", params={"ids": ",".join(map(str, ids))})).json()
+                assert [b["id"] for b in books] == ids and books[2]["price"] == "3.30"
+                assert database.queries["book_details"] == 1
+                assert (await shop.get("/books", params={"ids": "1,99999"})).status_code == 404
         finally:
             await database.close()
     finally:

@@ -7,6 +7,14 @@ See README.md next to this file.
 
 from examples.bookstore.app import BookstoreSettings, create_app
 from examples.bookstore.db import Database, open_database
-from examples.bookstore.models import BookDetail, Stock
+from examples.bookstore.models import BookDetail, CategoryPage, Stock
 
-__all__ = ["BookDetail", "BookstoreSettings", "Database", "Stock", "create_app", "open_database"]
+__all__ = [
+    "BookDetail",
+    "BookstoreSettings",
+    "CategoryPage",
+    "Database",
+    "Stock",
+    "create_app",
+    "open_database",
+]

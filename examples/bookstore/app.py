@@ -2,9 +2,15 @@
 
     GET  /books/{id}         book detail (book + author + price + review count), cached
                              in namespace "book" (L1 -> L2 -> one DB query per key fleet-wide)
+    GET  /books?ids=1,2,3    many books in the order asked, through get_or_load_many: L1,
+                             one MGET, then one DB query for all the misses
+    GET  /categories/{slug}  a category page listing books with their prices, cached in
+                             namespace "category" (tags = true), tagged book:{id} for each
+                             book on it: a price change of any of them kills the page
     PUT  /books/{id}/price   {"price": "9.90"}: update the DB, then produce BookPriceChanged
-                             to Kafka; the invalidation daemon deletes book:{id} in Redis and
-                             the backplane drops every instance's L1 copy
+                             to Kafka; the invalidation daemon deletes book:{id} and kills
+                             the tag book:{id} in Redis, and the backplane drops every
+                             instance's L1 copies (the book and the pages showing it)
     GET  /books/{id}/stock   namespace "stock" has cache = false: always read live
     PUT  /books/{id}/stock   {"on_hand": 3} (so the demo can show stock is never stale)
     GET  /metrics            Prometheus text (layered_cache.prometheus) or, without it, JSON
@@ -12,7 +18,8 @@
     GET  /healthz            200 while the database answers; reports the Redis breaker
 
 Without Kafka (no ``kafka_bootstrap`` / ``KAFKA_BOOTSTRAP``) a price change invalidates
-directly with ``cache.invalidate`` - same effect in one process, no daemon needed.
+directly with ``cache.invalidate`` and ``cache.invalidate_tag`` - the same effect, no
+daemon needed.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import asyncio
 import contextlib
 import datetime as dt
 import os
+import re
 import socket
 import tomllib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +44,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from examples.bookstore.db import Database, open_database, parse_price
-from examples.bookstore.models import BookDetail, PriceUpdate, StockUpdate
+from examples.bookstore.models import BookDetail, CategoryPage, PriceUpdate, StockUpdate
 from layered_cache import BookPriceChanged, Config, LayeredCache, encode_event, parse_config
 
 # /metrics: the Prometheus exporter when the library ships one, else a JSON dump of
@@ -52,10 +60,13 @@ except ImportError:  # pragma: no cover - depends on the library version
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "MAX_BATCH",
     "METRICS_FORMAT",
     "PREFIX_MARKER",
     "BookNotFound",
     "BookstoreSettings",
+    "CategoryNotFound",
+    "book_tags",
     "claim_cache_prefix",
     "create_app",
     "load_bookstore_config",
@@ -67,8 +78,22 @@ METRICS_FORMAT = "prometheus" if _prometheus is not None else "json"
 _log = structlog.get_logger("bookstore")
 
 
+MAX_BATCH = 100  # ids per GET /books?ids=...
+_SLUG = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+
+
 class BookNotFound(LookupError):
-    """Raised by the loader, so a missing book is a 404 and never a cached value."""
+    """Raised by the loader, so a missing book is a 404 and never a cached value.
+    ``args``: the ids that don't exist (one, or several from a batch)."""
+
+
+class CategoryNotFound(LookupError):
+    """Raised by the category page's loader: an unknown slug is a 404, never cached."""
+
+
+def book_tags(page: CategoryPage) -> list[str]:
+    """A category page's tags: ``book:{id}`` for every book it shows (and prices)."""
+    return [f"book:{b.id}" for b in page.books]
 
 
 def load_bookstore_config(
@@ -145,7 +170,11 @@ class _Service:
     def __init__(self, settings: BookstoreSettings) -> None:
         self.settings = settings
         self.db: Database = settings.db or open_database(settings.database_url)
-        self.cache = LayeredCache.from_config(settings.config)
+        # The category page is read with get_or_load, not a decorator: declare its type
+        # here so L2 hits decode into CategoryPage.
+        self.cache = LayeredCache.from_config(
+            settings.config, value_types={"category": CategoryPage}
+        )
         self.producer: Any = None  # AIOKafkaProducer when events are produced
         # One registry per instance: two instances in one process (the demo) must not sum.
         self.registry: Any = None
@@ -164,6 +193,43 @@ class _Service:
             return detail
 
         self.book_detail = book_detail
+
+    async def books(self, ids: Sequence[int]) -> list[BookDetail]:
+        """Many books, in the order of ``ids``: L1, then one MGET for the rest, then one
+        ``book_details`` query for every key still missing (``get_or_load_many``)."""
+
+        async def load_many(missing: list[Mapping[str, object]]) -> list[BookDetail]:
+            wanted = [int(str(fields["id"])) for fields in missing]
+            found = await self.db.book_details(wanted)
+            if unknown := [book_id for book_id in wanted if book_id not in found]:
+                raise BookNotFound(*unknown)  # nothing of this batch's load is cached
+            return [found[book_id] for book_id in wanted]
+
+        unique = list(dict.fromkeys(ids))
+        values = await self.cache.get_or_load_many("book", [{"id": i} for i in unique], load_many)
+        by_id: dict[int, BookDetail] = dict(zip(unique, values, strict=True))
+        return [by_id[book_id] for book_id in ids]
+
+    async def category_page(self, slug: str) -> CategoryPage:
+        """The category page, tagged with the books it shows: ``invalidate_tag("book:42")``
+        (or a BookPriceChanged event through the daemon) kills every page showing 42."""
+
+        async def load() -> CategoryPage:
+            page = await self.db.category_page(slug)
+            if page is None:
+                raise CategoryNotFound(slug)
+            return page
+
+        page: CategoryPage = await self.cache.get_or_load(
+            "category", {"slug": slug}, load, tags=book_tags
+        )
+        return page
+
+    async def invalidate_book(self, book_id: int) -> None:
+        """What a BookPriceChanged event does through the daemon, done here: the book's
+        key and every entry tagged with the book (the category pages showing it)."""
+        await self.cache.invalidate("book", {"id": book_id})
+        await self.cache.invalidate_tag(f"book:{book_id}")
 
     async def start(self) -> None:
         await self.db.open()
@@ -205,7 +271,7 @@ class _Service:
         invalidation (the DB is already updated: a lost event would leave the cache stale
         until its TTL; in production use an outbox table to make this exactly-once)."""
         if self.producer is None:
-            await self.cache.invalidate("book", {"id": book_id})
+            await self.invalidate_book(book_id)
             return "direct"
         now = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         event = BookPriceChanged(book_id=book_id, old_price=old, new_price=new, occurred_at=now)
@@ -216,7 +282,7 @@ class _Service:
             )
         except Exception as exc:
             _log.warning("price_event_not_sent", book_id=book_id, error=str(exc))
-            await self.cache.invalidate("book", {"id": book_id})
+            await self.invalidate_book(book_id)
             return "direct (kafka send failed)"
         return f"kafka:{self.settings.topic}"
 
@@ -302,6 +368,28 @@ def _routes(svc: _Service) -> list[Route]:
         except BookNotFound:
             return _error(404, f"no book {book_id}")
 
+    async def get_books(request: Request) -> Response:
+        raw = request.query_params.get("ids", "")
+        try:
+            ids = [int(part) for part in raw.split(",")]
+        except ValueError:
+            return _error(422, f'ids must be book ids separated by commas, like "1,2,3", got {raw!r}')
+        if not 1 <= len(ids) <= MAX_BATCH:
+            return _error(422, f"ids: 1 to {MAX_BATCH} book ids, got {len(ids)}")
+        try:
+            return _json(await svc.books(ids))
+        except BookNotFound as exc:
+            return _error(404, "no book " + ", ".join(map(str, exc.args)))
+
+    async def get_category(request: Request) -> Response:
+        slug: str = request.path_params["slug"]
+        if not _SLUG.fullmatch(slug):  # the cache key's character rules, and a sane URL
+            return _error(404, f"no category {slug!r}")
+        try:
+            return _json(await svc.category_page(slug))
+        except CategoryNotFound:
+            return _error(404, f"no category {slug!r}")
+
     async def put_price(request: Request) -> Response:
         book_id: int = request.path_params["id"]
         try:
@@ -357,7 +445,9 @@ def _routes(svc: _Service) -> list[Route]:
         return _json(body, 200 if db_ok else 503)
 
     return [
+        Route("/books", get_books, methods=["GET"]),
         Route("/books/{id:int}", get_book, methods=["GET"]),
+        Route("/categories/{slug}", get_category, methods=["GET"]),
         Route("/books/{id:int}/price", put_price, methods=["PUT"]),
         Route("/books/{id:int}/stock", get_stock, methods=["GET"]),
         Route("/books/{id:int}/stock", put_stock, methods=["PUT"]),

@@ -3,7 +3,8 @@
 
 Every query is counted per kind (``db.queries["book_detail"]``), so the demo and the tests
 can show what the cache saved: a stampede of 200 readers on a cold book is *one*
-``book_detail`` query. ``query_delay`` adds latency to each read, standing in for a join
+``book_detail`` query, and ``GET /books?ids=...`` loads all its misses in *one*
+``book_details`` query. ``query_delay`` adds latency to each read, standing in for a join
 on a loaded production database (without it SQLite answers in microseconds and no two
 requests would ever overlap).
 
@@ -20,13 +21,16 @@ import re
 import sqlite3
 import threading
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from examples.bookstore.models import BookDetail, Stock
+from examples.bookstore.models import BookDetail, CategoryBook, CategoryPage, Stock
 
 __all__ = [
+    "CATEGORIES",
+    "PAGE_SIZE",
     "Database",
     "PostgresDatabase",
     "SQLiteDatabase",
@@ -49,7 +53,13 @@ CREATE TABLE IF NOT EXISTS reviews (
 CREATE INDEX IF NOT EXISTS reviews_book ON reviews(book_id);
 CREATE TABLE IF NOT EXISTS stock (
     book_id INTEGER PRIMARY KEY REFERENCES books(id), on_hand INTEGER NOT NULL,
-    warehouse TEXT NOT NULL)
+    warehouse TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS categories (
+    id INTEGER PRIMARY KEY, slug TEXT NOT NULL UNIQUE, name TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS book_categories (
+    book_id INTEGER NOT NULL REFERENCES books(id),
+    category_id INTEGER NOT NULL REFERENCES categories(id),
+    PRIMARY KEY (category_id, book_id))
 """
 
 # The book page: four tables, an aggregate over the reviews.
@@ -63,6 +73,25 @@ LEFT JOIN reviews r ON r.book_id = b.id
 WHERE b.id = ?
 GROUP BY b.id, b.title, b.isbn, b.year, a.id, a.name, p.amount_cents, p.currency
 """
+# Many books at once (GET /books?ids=...): the same join, one query for every id.
+BOOK_DETAILS_SQL = BOOK_DETAIL_SQL.replace("WHERE b.id = ?", "WHERE b.id IN ({marks})")
+
+# The category page: the category, how many books it has, and the first page of them by
+# title, each with its author and price. LEFT JOINs: an empty category is one row of NULLs.
+CATEGORY_PAGE_SQL = """
+SELECT c.slug, c.name,
+       (SELECT COUNT(*) FROM book_categories x WHERE x.category_id = c.id),
+       b.id, b.title, a.name, p.amount_cents, p.currency
+FROM categories c
+LEFT JOIN book_categories bc ON bc.category_id = c.id
+LEFT JOIN books b ON b.id = bc.book_id
+LEFT JOIN authors a ON a.id = b.author_id
+LEFT JOIN prices p ON p.book_id = b.id
+WHERE c.slug = ?
+ORDER BY b.title, b.id
+LIMIT ?
+"""
+PAGE_SIZE = 20  # books on a category page
 STOCK_SQL = "SELECT book_id, on_hand, warehouse FROM stock WHERE book_id = ?"
 PRICE_SQL = "SELECT amount_cents FROM prices WHERE book_id = ?"
 UPDATE_PRICE_SQL = "UPDATE prices SET amount_cents = ? WHERE book_id = ?"
@@ -76,6 +105,11 @@ _LAST = ["Lovelace", "Borges", "Le Guin", "Calvino", "Morrison", "Murakami", "Li
 _WORDS = ["Silent", "River", "Glass", "Winter", "Garden", "Cartographer", "Night", "Orchard",
           "Memory", "Salt", "Invisible", "Cities", "Lighthouse", "Archive", "Paper", "Moon",
           "Labyrinth", "Harbor", "Clock", "Library", "Northern", "Fire", "Atlas", "Wind"]
+# (id, slug, name): every book is in one or two of them.
+CATEGORIES = [
+    (1, "scifi", "Science fiction"), (2, "poetry", "Poetry"), (3, "crime", "Crime"),
+    (4, "history", "History"), (5, "essays", "Essays"), (6, "travel", "Travel"),
+]
 _COUNTRIES = ["AR", "BR", "DE", "ES", "FR", "GB", "IT", "JP", "NG", "PL", "SE", "TR", "US"]
 
 
@@ -117,7 +151,20 @@ def seed_rows(books: int = 1000, seed: int = 42) -> dict[str, list[tuple[Any, ..
         for _ in range(rng.randint(0, 16)):
             review_id += 1
             rows["reviews"].append((review_id, i, rng.randint(1, 5), "ok"))
+    rows.update(category_rows(range(1, books + 1), seed))
     return rows
+
+
+def category_rows(book_ids: Iterable[int], seed: int = 42) -> dict[str, list[tuple[Any, ...]]]:
+    """The categories and one or two of them per book. A random stream of its own, so
+    the rows above stay what they were before categories existed, and a database seeded
+    before them gets the same categories for its books (``open`` adds them)."""
+    rng = random.Random(f"{seed}:categories")
+    links: list[tuple[Any, ...]] = []
+    for book_id in book_ids:
+        for category in rng.sample(CATEGORIES, rng.randint(1, 2)):
+            links.append((book_id, category[0]))
+    return {"categories": list(CATEGORIES), "book_categories": links}
 
 
 class Database(Protocol):
@@ -137,6 +184,11 @@ class Database(Protocol):
     async def close(self) -> None: ...
     async def ping(self) -> bool: ...
     async def book_detail(self, book_id: int) -> BookDetail | None: ...
+    async def book_details(self, book_ids: Sequence[int]) -> dict[int, BookDetail]:
+        """The books that exist among ``book_ids``, in one query."""
+        ...
+
+    async def category_page(self, slug: str) -> CategoryPage | None: ...
     async def stock(self, book_id: int) -> Stock | None: ...
     async def update_price(self, book_id: int, cents: int) -> str | None: ...
     async def set_stock(self, book_id: int, on_hand: int) -> bool: ...
@@ -151,6 +203,24 @@ def _detail(row: tuple[Any, ...] | None) -> BookDetail | None:
         author=row[5], price=format_price(int(row[6])), currency=row[7],
         review_count=int(row[8]), rating=None if avg is None else round(float(avg), 2),
     )
+
+
+def _category_page(rows: Sequence[tuple[Any, ...]]) -> CategoryPage | None:
+    if not rows:
+        return None
+    slug, name, count = rows[0][:3]
+    books = [
+        CategoryBook(
+            id=int(r[3]), title=r[4], author=r[5], price=format_price(int(r[6])), currency=r[7]
+        )
+        for r in rows
+        if r[3] is not None
+    ]
+    return CategoryPage(slug=slug, name=name, book_count=int(count), books=books)
+
+
+def _marks(count: int) -> str:
+    return ",".join("?" * count)
 
 
 class SQLiteDatabase:
@@ -186,6 +256,13 @@ class SQLiteDatabase:
                 if values:
                     conn.executemany(f"INSERT INTO {table} VALUES ({marks})", values)
             conn.execute("COMMIT")
+        elif conn.execute("SELECT COUNT(*) FROM categories").fetchone()[0] == 0:
+            # Seeded before categories existed: add them for the books it has.
+            ids = [row[0] for row in conn.execute("SELECT id FROM books ORDER BY id")]
+            conn.execute("BEGIN")
+            for table, values in category_rows(ids).items():
+                conn.executemany(f"INSERT INTO {table} VALUES ({_marks(len(values[0]))})", values)
+            conn.execute("COMMIT")
         self._conn = conn
 
     async def close(self) -> None:
@@ -193,24 +270,37 @@ class SQLiteDatabase:
             conn, self._conn = self._conn, None
             await asyncio.to_thread(conn.close)
 
-    def _run(self, sql: str, params: tuple[Any, ...], write: bool) -> Any:
+    def _run(self, sql: str, params: tuple[Any, ...], write: bool, many: bool = False) -> Any:
         with self._lock:
             if self._conn is None:
                 raise RuntimeError("database is not open")
             cursor = self._conn.execute(sql, params)
-            return cursor.rowcount if write else cursor.fetchone()
+            if write:
+                return cursor.rowcount
+            return cursor.fetchall() if many else cursor.fetchone()
 
-    async def _query(self, kind: str, sql: str, *params: Any, write: bool = False) -> Any:
+    async def _query(
+        self, kind: str, sql: str, *params: Any, write: bool = False, many: bool = False
+    ) -> Any:
         self.queries[kind] += 1
         if self.query_delay and not write:
             await asyncio.sleep(self.query_delay)
-        return await asyncio.to_thread(self._run, sql, params, write)
+        return await asyncio.to_thread(self._run, sql, params, write, many)
 
     async def ping(self) -> bool:
         return bool(await asyncio.to_thread(self._run, "SELECT 1", (), False) == (1,))
 
     async def book_detail(self, book_id: int) -> BookDetail | None:
         return _detail(await self._query("book_detail", BOOK_DETAIL_SQL, book_id))
+
+    async def book_details(self, book_ids: Sequence[int]) -> dict[int, BookDetail]:
+        sql = BOOK_DETAILS_SQL.format(marks=_marks(len(book_ids)))
+        rows = await self._query("book_details", sql, *book_ids, many=True)
+        return {detail.id: detail for detail in map(_detail, rows) if detail is not None}
+
+    async def category_page(self, slug: str) -> CategoryPage | None:
+        rows = await self._query("category_page", CATEGORY_PAGE_SQL, slug, PAGE_SIZE, many=True)
+        return _category_page(rows)
 
     async def stock(self, book_id: int) -> Stock | None:
         row = await self._query("stock", STOCK_SQL, book_id)
@@ -283,6 +373,11 @@ class PostgresDatabase:
                 for table, values in seed_rows(self.books).items():
                     if values:
                         await conn.copy_records_to_table(table, records=values)
+            elif await conn.fetchval("SELECT COUNT(*) FROM categories") == 0:
+                # Seeded before categories existed: add them for the books it has.
+                ids = [r[0] for r in await conn.fetch("SELECT id FROM books ORDER BY id")]
+                for table, values in category_rows(ids).items():
+                    await conn.copy_records_to_table(table, records=values)
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -296,11 +391,25 @@ class PostgresDatabase:
         row = await self._pool.fetchrow(_pg(sql), *params)
         return None if row is None else tuple(row)
 
+    async def _fetch(self, kind: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        self.queries[kind] += 1
+        if self.query_delay:
+            await asyncio.sleep(self.query_delay)
+        return [tuple(row) for row in await self._pool.fetch(_pg(sql), *params)]
+
     async def ping(self) -> bool:
         return bool(await self._pool.fetchval("SELECT 1") == 1)
 
     async def book_detail(self, book_id: int) -> BookDetail | None:
         return _detail(await self._fetchrow("book_detail", BOOK_DETAIL_SQL, book_id))
+
+    async def book_details(self, book_ids: Sequence[int]) -> dict[int, BookDetail]:
+        sql = BOOK_DETAILS_SQL.format(marks=_marks(len(book_ids)))
+        rows = await self._fetch("book_details", sql, *book_ids)
+        return {detail.id: detail for detail in map(_detail, rows) if detail is not None}
+
+    async def category_page(self, slug: str) -> CategoryPage | None:
+        return _category_page(await self._fetch("category_page", CATEGORY_PAGE_SQL, slug, PAGE_SIZE))
 
     async def stock(self, book_id: int) -> Stock | None:
         row = await self._fetchrow("stock", STOCK_SQL, book_id)

@@ -21,6 +21,28 @@ class BookDetail(msgspec.Struct, frozen=True, kw_only=True):
     rating: float | None  # average stars, None without reviews
 
 
+class CategoryBook(msgspec.Struct, frozen=True, kw_only=True):
+    """One book as a category page lists it (its price included: the page dies with it)."""
+
+    id: int
+    title: str
+    author: str
+    price: str
+    currency: str
+
+
+class CategoryPage(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /categories/{slug}``: the category and the first books in it, by title.
+
+    Cached in namespace ``category`` (``tags = true``) tagged ``book:{id}`` for every
+    book it shows, so a price change of any of them kills the page."""
+
+    slug: str
+    name: str
+    book_count: int  # books in the category; ``books`` holds the first page of them
+    books: list[CategoryBook]
+
+
 class Stock(msgspec.Struct, frozen=True, kw_only=True):
     """Units on hand: changes every sale, so it is never cached (``cache = false``)."""
 
