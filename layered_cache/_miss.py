@@ -108,6 +108,8 @@ class MissPath:
             return result.token
         envelope = fills.decode(read.key, result.data)
         assert envelope is not None  # ``usable`` accepted it
+        if envelope.tags is not None and not await fills.versions.valid(envelope.tags):
+            return None  # its tag died while we waited: load without writing L2
         policy.stats.lease_wait_filled += 1
         fills.fill_l1(read.key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags)
         return _Filled(envelope.value)
@@ -119,7 +121,7 @@ class MissPath:
         filled = self._fills.recheck(await self._rt.store.get(read.key))
         if filled is None or self._rt.clock() >= filled.soft_expiry:
             return None
-        if not self._fills.alive(filled):
+        if filled.tags is not None and not await self._fills.versions.valid(filled.tags):
             return None
         await self.release(read.key, token)
         self._policy.stats.lease_wait_filled += 1

@@ -241,3 +241,33 @@ def test_a_route_target_is_a_key_or_a_tag_never_both() -> None:
         raw = {"namespaces": NAMESPACES, "events": [{"type": "E", "invalidate": [target]}]}
         with pytest.raises(ConfigError, match=r"events\[0\]\.invalidate\[0\]"):
             parse_config(raw, env={})
+
+
+async def test_an_instance_that_waited_for_another_ones_tagged_fill_keeps_it_in_l1(
+    redis_url: str, prefix: str
+) -> None:
+    from layered_cache._l1 import MISSING
+
+    config = make_config(redis_url, prefix, NAMESPACES)
+    gate = asyncio.Event()
+
+    async def slow() -> dict[str, Any]:
+        await gate.wait()
+        return _page("scifi", [42])
+
+    async with (
+        LayeredCache.from_config(config) as filler,
+        LayeredCache.from_config(config) as waiter,
+    ):
+        filling = asyncio.ensure_future(
+            filler.get_or_load("category", {"slug": "scifi"}, slow, tags=_tags_of)
+        )
+        await asyncio.sleep(0.1)  # the filler holds the lease
+        waiting = asyncio.ensure_future(
+            waiter.get_or_load("category", {"slug": "scifi"}, CountingLoader("x"), tags=_tags_of)
+        )
+        await asyncio.sleep(0.1)
+        gate.set()
+        assert (await waiting) == _page("scifi", [42]) == await filling
+        l1 = waiter.namespace("category").policy.l1
+        assert l1 is not None and l1.get(f"{prefix}category:scifi") is not MISSING
