@@ -46,7 +46,7 @@ def _owners(cluster: Any, keys: list[str]) -> Counter[str]:
     client = redis.RedisCluster.from_url(cluster.url)
     try:
         return Counter(
-            f"{node.host}:{node.port}" for node in (client.get_node_from_key(k) for k in keys)
+            f"{node.host}:{node.port}" for node in (client.get_node_from_key(k) for k in keys)  # type: ignore[no-untyped-call]
         )
     finally:
         client.close()

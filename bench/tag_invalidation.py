@@ -35,7 +35,7 @@ from layered_cache._l1 import MISSING
 P99_TARGET = 0.100
 WARMUP = 5
 DEADLINE = 5.0
-NAMESPACES = {
+NAMESPACES: dict[str, dict[str, Any]] = {
     "book": {"key": "book:{id}"},
     "category": {"key": "category:{slug}", "tags": True,
                  "l1": {"ttl": "10m", "max_entries": 10_000}},
@@ -194,7 +194,10 @@ def _row(label: str, results: list[list[float]]) -> tuple[list[str], dict[str, f
     s = {"p50": percentile(both, 50), "p99": percentile(both, 99), "max": max(both),
          "a_p50": percentile(a, 50), "a_p99": percentile(a, 99),
          "b_p50": percentile(b, 50), "b_p99": percentile(b, 99)}
-    ms = lambda x: f"{x * 1000:.1f} ms"  # noqa: E731
+
+    def ms(x: float) -> str:
+        return f"{x * 1000:.1f} ms"
+
     return [label, ms(s["p50"]), ms(s["p99"]), ms(s["max"]),
             f"{ms(s['a_p50'])} / {ms(s['a_p99'])}", f"{ms(s['b_p50'])} / {ms(s['b_p99'])}",
             str(len(results))], s

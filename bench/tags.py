@@ -18,6 +18,7 @@ promises O(1) round trips whatever the number of tagged entries.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -106,7 +107,7 @@ async def _reads(env: BenchEnv, section: Section) -> dict[str, Any]:
 
 
 async def _fill(cache: LayeredCache, namespace: str, entries: int, tag: str) -> None:
-    async def load_many(missing: list[dict[str, object]]) -> list[Any]:
+    async def load_many(missing: list[Mapping[str, object]]) -> list[Any]:
         return [{"slug": m["slug"], "books": [42]} for m in missing]
 
     def tags(_: Any) -> list[str]:
