@@ -40,6 +40,8 @@ class Section:
     seconds: float = 0.0
     error: str | None = None
     date: str = ""  # when this section was measured (a merged report mixes runs)
+    kept: bool = False  # from an earlier run, kept by a ``--only`` run
+    tables: list[Any] = field(default_factory=list)  # more [columns, rows] after the first
 
 
 def _table(columns: list[str], rows: list[list[str]]) -> str:
@@ -78,12 +80,14 @@ def render_markdown(sections: list[Section], machine: dict[str, Any], quick: boo
     ]
     for section in sections:
         out += [f"## {section.title}", ""]
-        if section.date and section.date != machine["date"]:
+        if section.kept:
             out += [f"_Measured {section.date} (an earlier run, kept by a `--only` run)._", ""]
         if section.error:
             out += [f"**n/a**: {section.error}", ""]
         if section.rows:
             out += [_table(section.columns, section.rows), ""]
+        for columns, rows in section.tables:
+            out += [_table(columns, rows), ""]
         out += [f"- {note}" for note in section.notes]
         plots = section.data.get("plots", [])
         if section.notes:
@@ -109,6 +113,7 @@ def _previous(quick: bool) -> list[Section]:
         section = Section(**{k: v for k, v in raw.items() if k in known})
         section.headline = [Headline(**h) for h in raw.get("headline", [])]
         section.date = section.date or payload.get("machine", {}).get("date", "")
+        section.kept = True
         sections.append(section)
     return sections
 

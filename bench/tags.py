@@ -182,16 +182,13 @@ async def run(env: BenchEnv) -> Section:
     started = time.perf_counter()
     section = Section("tags", "12. Tags: tagged L2 hit vs untagged; invalidate_tag for 1 and 10,000 entries")
     reads = await _reads(env, section)
-    columns = section.columns
-    rows, section.rows = section.rows, []
+    columns, rows = section.columns, section.rows
+    section.rows = []
     inv = await _invalidations(env, section)
-    inv_rows, section.rows = section.rows, rows
-    section.columns = columns
-    section.notes.append(
-        "Part B table (invalidate_tag): "
-        + "; ".join(f"{r[0]}: median {r[1]}, {r[2]}, round trips {r[3]}, Redis commands {r[4]}"
-                    for r in inv_rows)
-    )
+    inv_rows = section.rows
+    section.columns, section.rows = columns, rows
+    section.tables.append([["invalidate_tag", "median", "max", "round trips (sends)",
+                            "Redis commands"], inv_rows])
     m = reads["median_s"]
     ratio, ratio_1 = m[TAGGED] / m[UNTAGGED], m[TAGGED_1] / m[UNTAGGED]
     section.headline.append(Headline(
