@@ -57,6 +57,10 @@ def tags_of(value: dict[str, Any]) -> list[str]:
     return [f"book:{b['id']}" for b in value["books"]]
 
 
+def _fmt(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds >= 0.01 else fmt_us(seconds)
+
+
 async def _reads(env: BenchEnv, section: Section) -> dict[str, Any]:
     url = env.redis_url()
     prefix = unique_prefix("tagread")
@@ -162,8 +166,7 @@ async def _invalidations(env: BenchEnv, section: Section) -> dict[str, Any]:
     for label, _, _ in CASES:
         trips = sends_of[label]
         section.rows.append([
-            f"invalidate_tag, {label}", fmt_us(median(latency[label])),
-            f"max {fmt_us(max(latency[label]))}",
+            f"invalidate_tag, {label}", _fmt(median(latency[label])), _fmt(max(latency[label])),
             f"{max(len(t) for t in trips)} ({' + '.join(trips[-1])})",
             f"{min(commands[label])}..{max(commands[label])}",
         ])
@@ -202,8 +205,8 @@ async def run(env: BenchEnv) -> Section:
     one, many_l1, many = (c[0] for c in CASES)
     section.headline.append(Headline(
         f"invalidate_tag, 1 vs 10,000 tagged entries (median of {len(lat[one])})",
-        f"{fmt_us(median(lat[one]))} vs {fmt_us(median(lat[many]))} with L1 off, "
-        f"{fmt_us(median(lat[many_l1]))} with the 10,000 in this L1 "
+        f"{_fmt(median(lat[one]))} vs {_fmt(median(lat[many]))} with L1 off, "
+        f"{_fmt(median(lat[many_l1]))} with the 10,000 in this L1 "
         f"({trips[one]} round trips each)",
         "-", "O(1) round trips", "ok" if len(set(trips.values())) == 1 else "MISSED",
     ))
