@@ -1,4 +1,7 @@
-"""``python -m bench [--quick] [--only NAME ...]``: run the scenarios, write the report."""
+"""``python -m bench [--quick] [--only NAME ...]``: run the scenarios, write the report.
+
+With ``--only``, the report keeps the last run's other sections (each says when it was
+measured), so one scenario can be re-run without re-running (and re-dating) the rest."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import time
 import traceback
 
 from bench.env import BenchEnv, machine_info
-from bench.report import Section, headline_table, write_all
+from bench.report import Section, headline_table, merge, write_all
 
 SCENARIOS = [
     "l1_hit",
@@ -23,6 +26,10 @@ SCENARIOS = [
     "xfetch_sim",
     "hotkey",
     "invalidation",
+    "batch",
+    "batch_cluster",
+    "tags",
+    "tag_invalidation",
 ]
 
 
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 section = Section(name, name, error=f"{type(exc).__name__}: {exc}")
                 section.seconds = time.perf_counter() - t0
+            section.date = time.strftime("%Y-%m-%d %H:%M:%S %Z")
             sections.append(section)
             print(f"   done in {section.seconds:.1f} s", flush=True)
     finally:
@@ -62,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     print(headline_table(sections))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if not args.no_write:
+        if args.only:
+            sections = merge(sections, SCENARIOS, args.quick)
         path = write_all(sections, machine_info(), args.quick)
         print(f"wrote {path}")
     return 0

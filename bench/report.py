@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Headline", "Section", "write_all"]
+__all__ = ["Headline", "Section", "merge", "write_all"]
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -39,6 +39,9 @@ class Section:
     headline: list[Headline] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    date: str = ""  # when this section was measured (a merged report mixes runs)
+    kept: bool = False  # from an earlier run, kept by a ``--only`` run
+    tables: list[Any] = field(default_factory=list)  # more [columns, rows] after the first
 
 
 def _table(columns: list[str], rows: list[list[str]]) -> str:
@@ -77,10 +80,14 @@ def render_markdown(sections: list[Section], machine: dict[str, Any], quick: boo
     ]
     for section in sections:
         out += [f"## {section.title}", ""]
+        if section.kept:
+            out += [f"_Measured {section.date} (an earlier run, kept by a `--only` run)._", ""]
         if section.error:
             out += [f"**n/a**: {section.error}", ""]
         if section.rows:
             out += [_table(section.columns, section.rows), ""]
+        for columns, rows in section.tables:
+            out += [_table(columns, rows), ""]
         out += [f"- {note}" for note in section.notes]
         plots = section.data.get("plots", [])
         if section.notes:
@@ -90,6 +97,35 @@ def render_markdown(sections: list[Section], machine: dict[str, Any], quick: boo
             out.append("")
         out += [f"_({section.seconds:.1f} s)_", ""]
     return "\n".join(out)
+
+
+def _previous(quick: bool) -> list[Section]:
+    """The sections of the last report of the same kind (full or quick), if any."""
+    try:
+        payload = json.loads((RESULTS / "latest.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if payload.get("quick") != quick:
+        return []
+    known = set(Section.__dataclass_fields__)
+    sections = []
+    for raw in payload.get("sections", []):
+        section = Section(**{k: v for k, v in raw.items() if k in known})
+        section.headline = [Headline(**h) for h in raw.get("headline", [])]
+        section.date = section.date or payload.get("machine", {}).get("date", "")
+        section.kept = True
+        sections.append(section)
+    return sections
+
+
+def merge(sections: list[Section], order: list[str], quick: bool) -> list[Section]:
+    """This run's sections, plus the last report's sections this run didn't measure
+    (``--only``), in scenario order."""
+    new = {s.key: s for s in sections}
+    kept = {s.key: s for s in _previous(quick) if s.key not in new}
+    merged = {**kept, **new}
+    rank = {key: i for i, key in enumerate(order)}
+    return sorted(merged.values(), key=lambda s: rank.get(s.key, len(rank)))
 
 
 def write_all(sections: list[Section], machine: dict[str, Any], quick: bool) -> Path:

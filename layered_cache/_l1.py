@@ -102,8 +102,14 @@ class L1Cache:
         with self._lock:
             self._seq += 1
             seq = self._seq
+            entries = self._entries
             for key in keys:
-                self._entries.pop(key, None)
+                # ``del`` rather than ``pop``: TLRUCache.pop looks the key up three
+                # times; a tag invalidation drops thousands of keys in one go.
+                try:
+                    del entries[key]
+                except KeyError:
+                    pass
                 self._tombstones[key] = seq
             if len(self._tombstones) > _MAX_TOMBSTONES:
                 self._tombstones.clear()
