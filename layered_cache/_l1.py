@@ -106,7 +106,7 @@ class L1Cache:
             for key in keys:
                 # ``del`` rather than ``pop``: TLRUCache.pop looks the key up three
                 # times; a tag invalidation drops thousands of keys in one go.
-                try:
+                try:  # noqa: SIM105 - suppress() costs a context manager per key
                     del entries[key]
                 except KeyError:
                     pass
