@@ -30,6 +30,7 @@ from tests.servers import create_topic
 pytestmark = [pytest.mark.kafka, pytest.mark.soak]
 
 KEYS = 100
+SHELVES = 50  # shelf s shows books s and s + SHELVES: a tagged list page (docs/tags.md)
 L1_TTL = 1.0
 L1_JITTER = 0.2
 # A read may return a superseded value for at most the L1 TTL (the fallback when no
@@ -63,7 +64,14 @@ def soak_config(redis_url: str, prefix: str, bootstrap: str, topic: str) -> Any:
                 "l1": {"ttl": f"{L1_TTL}s", "jitter": L1_JITTER},
                 "l2": {"ttl": "30s"},
                 "stampede": {"lease_ttl": "2s", "max_wait": "1s"},
-            }
+            },
+            "shelf": {
+                "key": "shelf:{id}",
+                "tags": True,
+                "l1": {"ttl": f"{L1_TTL}s", "jitter": L1_JITTER},
+                "l2": {"ttl": "30s"},
+                "stampede": {"lease_ttl": "2s", "max_wait": "1s"},
+            },
         },
         backplane={"block": "200ms"},
         kafka={
@@ -80,7 +88,10 @@ def soak_config(redis_url: str, prefix: str, bootstrap: str, topic: str) -> Any:
         events=[
             {
                 "type": "BookPriceChanged",
-                "invalidate": [{"namespace": "book", "key": {"id": "book_id"}}],
+                "invalidate": [
+                    {"namespace": "book", "key": {"id": "book_id"}},
+                    {"tag": "book:{book_id}"},
+                ],
             }
         ],
     )
@@ -103,6 +114,28 @@ async def test_no_read_is_staler_than_the_promise(
         await asyncio.sleep(random.uniform(0.001, 0.01))  # the query takes a moment
         return version
 
+    def books_of(shelf: int) -> list[int]:
+        return [shelf, shelf + SHELVES]
+
+    async def load_shelf(shelf: int) -> list[int]:
+        counts["loads"] += 1
+        versions = [database.version[book] for book in books_of(shelf)]
+        await asyncio.sleep(random.uniform(0.001, 0.01))
+        return versions
+
+    def tags_of(shelf: int) -> list[str]:
+        return [f"book:{book}" for book in books_of(shelf)]
+
+    def check(key: int, version: int) -> None:
+        nonlocal worst
+        superseded = database.superseded_at.get((key, version))
+        if superseded is not None:
+            staleness = time.monotonic() - superseded
+            worst = max(worst, staleness)
+            if staleness > BOUND:
+                counts["violations"] += 1
+                violations.append(f"book {key} v{version}: {staleness:.2f}s stale")
+
     daemon = Daemon(config)
     daemon_task = asyncio.create_task(daemon.run())
     producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=2)
@@ -124,20 +157,24 @@ async def test_no_read_is_staler_than_the_promise(
                     await asyncio.sleep(random.uniform(0.005, 0.03))
 
             async def reader(instance: LayeredCache) -> None:
-                nonlocal worst
                 while time.monotonic() < stop_at:
-                    key = random.randrange(KEYS)
-                    version = await instance.get_or_load(
-                        "book", {"id": key}, lambda key=key: load_for(key)
-                    )
+                    if random.random() < 0.3:  # a list page: every book on it is checked
+                        shelf = random.randrange(SHELVES)
+                        versions = await instance.get_or_load(
+                            "shelf",
+                            {"id": shelf},
+                            lambda shelf=shelf: load_shelf(shelf),
+                            tags=tags_of(shelf),
+                        )
+                        for book, version in zip(books_of(shelf), versions, strict=True):
+                            check(book, version)
+                    else:
+                        key = random.randrange(KEYS)
+                        version = await instance.get_or_load(
+                            "book", {"id": key}, lambda key=key: load_for(key)
+                        )
+                        check(key, version)
                     counts["reads"] += 1
-                    superseded = database.superseded_at.get((key, version))
-                    if superseded is not None:
-                        staleness = time.monotonic() - superseded
-                        worst = max(worst, staleness)
-                        if staleness > BOUND:
-                            counts["violations"] += 1
-                            violations.append(f"book {key} v{version}: {staleness:.2f}s stale")
                     await asyncio.sleep(0.001)
 
             await asyncio.gather(
@@ -155,6 +192,15 @@ async def test_no_read_is_staler_than_the_promise(
                             "book", {"id": key}, lambda key=key: load_for(key)
                         )
                         if got != database.version[key]:
+                            return False
+                    for shelf in range(SHELVES):
+                        page = await instance.get_or_load(
+                            "shelf",
+                            {"id": shelf},
+                            lambda shelf=shelf: load_shelf(shelf),
+                            tags=tags_of(shelf),
+                        )
+                        if page != [database.version[book] for book in books_of(shelf)]:
                             return False
                 return True
 
