@@ -76,6 +76,11 @@ def remember_url_secrets(url: object) -> None:
         userinfo = run[scheme_end : run.rindex("@")]
         _, colon, password = userinfo.partition(":")
         _remember_with_pieces(password if colon else userinfo)
+        # The whole userinfo too: ``redis://{password}@host`` with a ":" in the password
+        # reads as user:password, and the first piece must not show when the password
+        # is printed whole (a config dict, a log field). Not the user part alone: a user
+        # name like "cache" would turn that word into *** in every line.
+        remember_secret(userinfo)
     for match in _QUERY_SECRET.finditer(run):
         value = run[match.end("key") : match.end()]
         remember_secret(value)  # to the end: the password may hold "&"

@@ -346,3 +346,16 @@ def test_redact_masks_shapes_and_known_secrets() -> None:
     assert redact_url("redis//:pw@h:1") == "redis//***@h:1"
     remember_url_secrets("redis://h/0?password=hunter22&ssl_cert_reqs=none")
     assert redact("hunter22, username=none") == "***, username=none"
+
+
+def test_a_password_with_a_colon_in_a_userless_url_is_masked_whole_wherever_printed() -> None:
+    """Found by hypothesis: ``redis://{pw}@host`` with a ``:`` in the password reads as
+    user:password, and a log field holding the whole password showed its first piece."""
+    from layered_cache._redact import forget_secrets, remember_url_secrets
+
+    password = "v8XxzKv=kvV8ZQ87z:qKVxjX8,"
+    forget_secrets()
+    remember_url_secrets(f"redis://{password}@127.0.0.1:6379/0")
+    shown = redact(str({"password": password, "url": f"redis://{password}@127.0.0.1:6379/0"}))
+    assert "v8XxzKv" not in shown and "qKVxjX8" not in shown, shown
+    forget_secrets()
