@@ -9,9 +9,11 @@ import json
 import re
 import shlex
 import tomllib
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml  # type: ignore[import-untyped]
 
@@ -99,6 +101,32 @@ def test_yaml_parses(path: Path) -> None:
         for doc in docs:
             assert {"apiVersion", "kind", "metadata"} <= set(doc), path
             assert doc["metadata"].get("name"), path
+
+
+# The oldest Kubernetes minor we support and the newest whose schemas kubernetes-validate
+# ships: a field removed or renamed on the way fails one of the two.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+K8S_MANIFESTS = sorted(set(DEPLOY.glob("k8s/*.yaml")) - {DEPLOY / "k8s/kustomization.yaml"})
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", K8S_MANIFESTS, ids=lambda p: p.name)
+def test_manifests_validate_against_the_kubernetes_schemas(path: Path, version: str) -> None:
+    """Strict: an unknown field (a typo such as ``livenessProb``) fails too, where the
+    API server would silently drop it."""
+    for doc in _docs(path):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_schema_check_catches_a_typo_and_a_wrong_type() -> None:
+    (deployment,) = _docs(DEPLOY / "k8s/deployment.yaml")
+    typo = deepcopy(deployment)
+    typo["spec"]["template"]["spec"]["containers"][0]["livenessProb"] = {}
+    wrong_type = deepcopy(deployment)
+    wrong_type["spec"]["replicas"] = "two"
+    for broken in (typo, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
 
 
 def test_kustomization_lists_every_manifest() -> None:
