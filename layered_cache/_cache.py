@@ -19,7 +19,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 
 from layered_cache import _decorate as decorate
-from layered_cache._backplane import BackplaneListener
+from layered_cache._backplane import BackplaneListener, BackplaneStatus
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._config import Config
 from layered_cache._hotreport import HotKeyReporter
@@ -82,7 +82,7 @@ class LayeredCache:
             self._backplane = BackplaneListener(
                 parts.listener_client,
                 parts.stream,
-                on_keys=self._forget,
+                on_keys=self._apply_remote,
                 on_gap=self._forget_all,
                 block=config.backplane.block,
                 origin=parts.instance_id,
@@ -245,6 +245,10 @@ class LayeredCache:
             node_breakers={node: b.state for node, b in sorted(self._store.node_breakers.items())},
         )
 
+    def backplane_status(self) -> BackplaneStatus | None:
+        """The backplane listener's state and counters; None when the backplane is off."""
+        return self._backplane.status() if self._backplane is not None else None
+
     def hot_keys(self) -> dict[str, dict[str, float]]:
         """Current hot keys per namespace with their measured L2 read rate (reads/s)."""
         return {ns.name: ns.hot_keys() for ns in self if ns.policy.hot is not None}
@@ -262,6 +266,11 @@ class LayeredCache:
         instance): every namespace drops the keys from L1 and detaches their loads."""
         for ns in self:
             ns._forget(keys)
+
+    def _apply_remote(self, keys: list[str]) -> None:
+        """A backplane entry (the daemon or another instance invalidated ``keys``)."""
+        for ns in self:
+            ns.policy.stats.backplane_l1_dropped += ns._forget(keys)
 
     def _forget_all(self) -> None:
         """This instance fell behind the backplane's retention: nothing in L1 is known

@@ -238,12 +238,11 @@ class Namespace:
             return
         self._fills.fill_l1(key, value, soft_expiry, l1.begin_read())
 
-    def _forget(self, keys: list[str]) -> None:
+    def _forget(self, keys: list[str]) -> int:
         """Drop ``keys`` from L1 and detach their in-flight loads: a load that began
         before an invalidation may return the old value; callers arriving after it start
         a fresh load instead of joining it. The old load's own fills are refused anyway
         (its lease is gone, its L1 read_seq is older than the tombstone)."""
         for key in keys:
             self._rt.flight.forget(key)
-        if self.policy.l1 is not None:
-            self.policy.l1.discard(keys)
+        return self.policy.l1.discard(keys) if self.policy.l1 is not None else 0
