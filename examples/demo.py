@@ -400,7 +400,7 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
         step("B6. Counters (GET /stats on each instance; the same numbers are on /metrics)")
         stats = {name: (await c.get("/stats")).json() for name, (_, c) in apps.items()}
         fields = ["l1_hit", "l2_hit", "miss", "load", "coalesced", "lease_won", "lease_lost",
-                  "lease_wait_filled", "invalidated"]
+                  "lease_wait_filled", "invalidated", "backplane_l1_dropped"]
         print(f"  {'namespace book':<22}" + "".join(f"{name:>10}" for name in stats))
         for field in fields:
             print(f"  {field:<22}" + "".join(f"{n(s['cache']['book'][field]):>10}" for s in stats.values()))
@@ -415,6 +415,8 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
               " book_details: the batch's misses; stock: every read")
         print("    coalesced: joined a load in flight in the same process; lease_lost /"
               " lease_wait_filled:\n    waited for the other instance's fill instead of querying")
+        print("    invalidated: this instance's invalidate() calls; backplane_l1_dropped: L1 copies"
+              " it dropped\n    for invalidations by the daemon or another instance")
         if daemon is not None:
             st = daemon.stats
             print(f"  daemon: {st.events} event(s), {st.keys} key(s) and {st.tags_invalidated} tag(s)"

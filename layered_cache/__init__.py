@@ -8,6 +8,7 @@ here), ``layered_cache.cli`` (the ``layered-cache`` command), ``layered_cache.pr
 whose name starts with ``_`` is private: its names may change in any release.
 """
 
+from layered_cache._backplane import BackplaneStatus
 from layered_cache._cache import LayeredCache, RedisStatus
 from layered_cache._codec import CodecError
 from layered_cache._config import Config, ConfigError, ConfigWarning, load_config, parse_config
@@ -20,6 +21,7 @@ from layered_cache._tracing import instrument
 from layered_cache.sync import SyncLayeredCache
 
 __all__ = [
+    "BackplaneStatus",
     "BookPriceChanged",
     "CacheInvalidate",
     "CodecError",

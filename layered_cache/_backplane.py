@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,12 +23,29 @@ from redis.exceptions import RedisError
 from layered_cache._backoff import Backoff
 from layered_cache._clients import RedisClient, is_redis_failure
 
-__all__ = ["BackplaneListener", "BackplanePublisher", "parse_id"]
+__all__ = ["BackplaneListener", "BackplanePublisher", "BackplaneStatus", "parse_id"]
 
 _log = structlog.get_logger("layered_cache.backplane")
 # Reconnect delays: from 50 ms, doubling up to 2 s (jittered, see layered_cache._backoff).
 _RECONNECT_BASE = 0.05
 _RECONNECT_CAP = 2.0
+
+
+class BackplaneStatus(msgspec.Struct, frozen=True):
+    """This instance's view of the backplane (``LayeredCache.backplane_status()``).
+
+    ``lag_seconds``: how old the newest invalidation this instance read was when it read
+    it (0 once a read finds nothing new: caught up); while disconnected, at least the
+    time since the connection was lost. Entry ages come from the entry ID (Redis's
+    clock) against this host's clock: NTP-level skew shows up as lag.
+    """
+
+    connected: bool
+    last_id: str | None  # the newest stream entry read
+    entries_applied: int  # entries from others (daemon, other instances) applied to L1
+    keys_applied: int  # keys in those entries
+    gaps: int  # whole-L1 clears: our position was trimmed, or the stream was deleted
+    lag_seconds: float
 
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -85,8 +103,25 @@ class BackplaneListener:
         self.last_id: bytes | None = None
         self.connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.entries_seen = 0
+        self.entries_seen = 0  # every entry read, our own included
+        self.entries_applied = 0
+        self.keys_applied = 0
         self.gaps = 0
+        self._lag = 0.0
+        self._down_since: float | None = None  # monotonic time the connection was lost
+
+    def status(self) -> BackplaneStatus:
+        lag = self._lag
+        if self._down_since is not None:
+            lag = max(lag, time.monotonic() - self._down_since)
+        return BackplaneStatus(
+            connected=self.connected.is_set(),
+            last_id=self.last_id.decode() if self.last_id is not None else None,
+            entries_applied=self.entries_applied,
+            keys_applied=self.keys_applied,
+            gaps=self.gaps,
+            lag_seconds=lag,
+        )
 
     def start(self) -> None:
         if self._task is None:
@@ -119,6 +154,7 @@ class BackplaneListener:
                     await self._check_gap()
                 check_gap = False
                 self.connected.set()
+                self._down_since = None
                 backoff.reset()
                 full = await self._read_once()
                 check_gap = full  # a full batch means we may be far behind
@@ -129,6 +165,8 @@ class BackplaneListener:
                     raise  # a bug: fail loudly rather than reconnect forever
                 if self.connected.is_set():
                     _log.warning("backplane_disconnected", error=type(exc).__name__)
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
                 self.connected.clear()
                 check_gap = True
                 await asyncio.sleep(backoff.next_delay())
@@ -218,6 +256,7 @@ class BackplaneListener:
             {self._stream: self.last_id}, count=self._batch, block=self._block_ms
         )
         if not response:
+            self._lag = 0.0  # blocked and nothing came: caught up
             return False
         entries = response[0][1]
         for entry_id, fields in entries:
@@ -235,4 +274,7 @@ class BackplaneListener:
                 _log.warning("backplane_bad_entry", entry_id=self.last_id.decode())
                 continue
             self._on_keys(keys)
+            self.entries_applied += 1
+            self.keys_applied += len(keys)
+        self._lag = max(0.0, time.time() - parse_id(self.last_id)[0] / 1000)
         return len(entries) >= self._batch

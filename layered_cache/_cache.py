@@ -20,7 +20,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 
 from layered_cache import _decorate as decorate
-from layered_cache._backplane import BackplaneListener
+from layered_cache._backplane import BackplaneListener, BackplaneStatus
 from layered_cache._batch import LoadMany
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._coherence import Coherence
@@ -90,7 +90,7 @@ class LayeredCache:
             self._backplane = BackplaneListener(
                 parts.listener_client,
                 parts.stream,
-                on_keys=self._coherence.forget,
+                on_keys=self._coherence.apply_remote,
                 on_gap=self._coherence.forget_all,
                 on_tags=self._coherence.apply_tags,
                 block=config.backplane.block,
@@ -285,6 +285,10 @@ class LayeredCache:
             breaker_transitions=breaker.transitions,
             node_breakers={node: b.state for node, b in sorted(self._store.node_breakers.items())},
         )
+
+    def backplane_status(self) -> BackplaneStatus | None:
+        """The backplane listener's state and counters; None when the backplane is off."""
+        return self._backplane.status() if self._backplane is not None else None
 
     def hot_keys(self) -> dict[str, dict[str, float]]:
         """Current hot keys per namespace with their measured L2 read rate (reads/s)."""

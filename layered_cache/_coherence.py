@@ -48,11 +48,17 @@ class Coherence:
         for ns in self._namespaces:
             ns._forget(keys)
 
+    def apply_remote(self, keys: list[str]) -> None:
+        """A backplane entry: the daemon or another instance invalidated ``keys``."""
+        for ns in self._namespaces:
+            ns.policy.stats.backplane_l1_dropped += ns._forget(keys)
+
     def apply_tags(self, versions: dict[str, str]) -> None:
         """New tag versions from the backplane (another instance, or the daemon)."""
         self._rt.versions.apply(versions)
         for tag in versions:
-            self._forget_tag(tag)
+            for ns in self._namespaces:
+                ns.policy.stats.backplane_l1_dropped += ns._forget_tag(tag)
 
     def forget_all(self) -> None:
         """This instance fell behind the backplane's retention: nothing in L1, no tag

@@ -97,8 +97,10 @@ class L1Cache:
         ``read_seq``."""
         return read_seq < self._floor or self._tombstones.get(key, -1) > read_seq
 
-    def discard(self, keys: Iterable[str]) -> None:
-        """Drop keys and tombstone them so in-flight fills of them are discarded."""
+    def discard(self, keys: Iterable[str]) -> int:
+        """Drop keys and tombstone them so in-flight fills of them are discarded.
+        Returns how many live entries were dropped."""
+        dropped = 0
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -106,14 +108,16 @@ class L1Cache:
             for key in keys:
                 # ``del`` rather than ``pop``: TLRUCache.pop looks the key up three
                 # times; a tag invalidation drops thousands of keys in one go.
-                try:  # noqa: SIM105 - suppress() costs a context manager per key
+                try:
                     del entries[key]
+                    dropped += 1
                 except KeyError:
                     pass
                 self._tombstones[key] = seq
             if len(self._tombstones) > _MAX_TOMBSTONES:
                 self._tombstones.clear()
                 self._floor = seq
+        return dropped
 
     def clear(self) -> None:
         """Drop everything (the backplane fell behind): every in-flight fill is discarded."""

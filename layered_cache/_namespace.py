@@ -223,17 +223,18 @@ class Namespace:
             raise self._untagged()
         return await self._batch.get_or_load_many(fields_list, load_many, tags)
 
-    def _forget_tag(self, tag: str) -> None:
-        """Drop from L1 every entry filled with ``tag`` (its version just changed)."""
-        if self.policy.tags:
-            self._forget(self._fills.forget_tag(tag))
+    def _forget_tag(self, tag: str) -> int:
+        """Drop from L1 every entry filled with ``tag`` (its version just changed);
+        how many were there."""
+        if not self.policy.tags:
+            return 0
+        return self._forget(self._fills.forget_tag(tag))
 
-    def _forget(self, keys: list[str]) -> None:
+    def _forget(self, keys: list[str]) -> int:
         """Drop ``keys`` from L1 and detach their in-flight loads: a load that began
         before an invalidation may return the old value; callers arriving after it start
         a fresh load instead of joining it. The old load's own fills are refused anyway
         (its lease is gone, its L1 read_seq is older than the tombstone)."""
         for key in keys:
             self._rt.flight.forget(key)
-        if self.policy.l1 is not None:
-            self.policy.l1.discard(keys)
+        return self.policy.l1.discard(keys) if self.policy.l1 is not None else 0

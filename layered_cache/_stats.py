@@ -29,7 +29,8 @@ class NamespaceStats:
     fill_revoked: int = 0  # fill dropped: lease revoked by an invalidation meanwhile
     l1_fill_discarded: int = 0  # L1 fill dropped: key invalidated after the read began
     replica_miss: int = 0  # hot-key replica missing, read the base key
-    invalidated: int = 0  # invalidate() calls
+    invalidated: int = 0  # invalidate() calls on this instance (not remote ones)
+    backplane_l1_dropped: int = 0  # L1 entries dropped for a backplane entry (remote)
     set: int = 0  # set() calls
     replica_reads: Counter[int] = dataclasses.field(default_factory=Counter)
 

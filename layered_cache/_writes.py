@@ -29,7 +29,7 @@ class Writes:
         policy: Policy,
         fills: Fills,
         runtime: Runtime,
-        forget: Callable[[list[str]], None],
+        forget: Callable[[list[str]], object],
     ) -> None:
         self._policy = policy
         self._fills = fills

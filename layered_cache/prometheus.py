@@ -42,6 +42,7 @@ except ImportError as exc:  # an extra: pip install 'layered-cache[prometheus]'
     raise missing_extra("layered_cache.prometheus", "prometheus", exc) from exc
 
 if TYPE_CHECKING:
+    from layered_cache._backplane import BackplaneStatus
     from layered_cache._cache import LayeredCache, RedisStatus
 
 __all__ = [
@@ -81,7 +82,10 @@ SIMPLE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("l1_fills_discarded", "L1 fills discarded because the key was invalidated meanwhile",
      "l1_fill_discarded"),
     ("replica_misses", "Hot-key replica reads that found no replica", "replica_miss"),
-    ("invalidations", "Keys invalidated by this instance", "invalidated"),
+    ("invalidations", "Keys invalidated by this instance's invalidate() calls", "invalidated"),
+    ("backplane_l1_dropped",
+     "L1 entries dropped because a backplane entry (the daemon, another instance) "
+     "invalidated their key", "backplane_l1_dropped"),
     ("sets", "Explicit set() calls", "set"),
 )  # fmt: skip
 REQUEST_RESULTS = ("l1_hit", "l2_hit", "miss")
@@ -195,10 +199,14 @@ class _Scrape:
             "Circuit breaker state changes",
             labels=["instance"],
         )
+        self.backplane = _BackplaneFamilies()
 
     def add(self, cache: LayeredCache) -> None:
         stats = cache.stats()
         self._add_breakers(cache.instance_id, cache.redis_status())
+        backplane = cache.backplane_status()
+        if backplane is not None:
+            self.backplane.add(cache.instance_id, backplane)
         for namespace, counters in stats.items():
             row = self.totals.setdefault(namespace, {})
             for name, value in counters.items():
@@ -276,6 +284,42 @@ class _Scrape:
         yield l1_gauge
         yield self.breaker
         yield self.transitions
+        yield from self.backplane.families()
+
+
+class _BackplaneFamilies:
+    """Each cache's backplane listener (L1 coherence), one series per instance."""
+
+    def __init__(self) -> None:
+        def counter(suffix: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_backplane_{suffix}", doc, labels=["instance"])
+
+        def gauge(suffix: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_backplane_{suffix}", doc, labels=["instance"])
+
+        self.entries = counter(
+            "entries_applied", "Backplane entries from the daemon or other instances applied"
+        )
+        self.keys = counter("keys_applied", "Keys in the backplane entries applied")
+        self.gaps = counter(
+            "gaps", "Whole-L1 clears: the stream was trimmed past our position, or deleted"
+        )
+        self.connected = gauge("connected", "1 while the backplane listener is connected")
+        self.lag = gauge(
+            "lag_seconds",
+            "Age of the newest backplane entry when read (0: caught up); while "
+            "disconnected, at least the time since the connection was lost",
+        )
+
+    def add(self, instance: str, status: BackplaneStatus) -> None:
+        self.entries.add_metric([instance], float(status.entries_applied))
+        self.keys.add_metric([instance], float(status.keys_applied))
+        self.gaps.add_metric([instance], float(status.gaps))
+        self.connected.add_metric([instance], 1.0 if status.connected else 0.0)
+        self.lag.add_metric([instance], status.lag_seconds)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.entries, self.keys, self.gaps, self.connected, self.lag)
 
 
 def _hot_keys(cache: LayeredCache) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.servers import (
+    REDIS_SERVER,
     ExistingRedisCluster,
     KafkaBroker,
     RedisClusterServers,
@@ -27,6 +28,10 @@ from tests.servers import (
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "soak: long-running load test (make soak)")
+
+
+def pytest_report_header() -> str:
+    return f"redis fixtures start: {REDIS_SERVER} (REDIS_SERVER=redis|valkey)"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

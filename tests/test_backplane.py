@@ -142,3 +142,87 @@ async def test_instance_whose_position_was_trimmed_clears_its_l1(
         proxy.restore()
         assert await eventually(lambda: not any(in_l1(b, i) for i in (1, 2, 99)), timeout=5)
         assert b._backplane is not None and b._backplane.gaps == 1
+        status = b.backplane_status()
+        assert status is not None and status.gaps == 1
+
+
+# -- what a person looks at: counters, connection state and lag ---------------------------
+
+
+def _scrape(cache: LayeredCache) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One real scrape of ``cache`` alone (layered_cache.prometheus, its own registry)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from layered_cache.prometheus import register_cache, render_metrics
+
+    registry = CollectorRegistry()
+    register_cache(cache, registry)
+    body, _ = render_metrics(registry)
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+async def test_remote_invalidations_are_counted_apart_from_local_ones(
+    redis_url: str, prefix: str
+) -> None:
+    """B applies A's invalidations: B counts them as backplane entries/keys applied and
+    the L1 copies it dropped; ``invalidated`` stays the local invalidate() calls."""
+    async with two_instances(redis_url, prefix) as (a, b, _proxy):
+        for book_id in (1, 2, 3):
+            await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
+        await a.invalidate("book", {"id": 1})
+        await a.invalidate("book", {"id": 2})
+        await a.invalidate("book", {"id": 50})  # not in B's L1: applied, nothing dropped
+        assert await eventually(lambda: b.backplane_status().entries_applied == 3)  # type: ignore[union-attr]
+        assert in_l1(b, 3) and not in_l1(b, 1) and not in_l1(b, 2)
+
+        status = b.backplane_status()
+        assert status is not None
+        assert (status.entries_applied, status.keys_applied, status.gaps) == (3, 3, 0)
+        assert status.connected and status.last_id is not None
+        assert 0 <= status.lag_seconds < 5
+        assert b.stats()["book"]["backplane_l1_dropped"] == 2
+        assert b.stats()["book"]["invalidated"] == 0
+        assert a.stats()["book"]["invalidated"] == 3
+        mine = a.backplane_status()
+        assert mine is not None and mine.entries_applied == 0  # its own entries: skipped
+
+        data = _scrape(b)
+        instance = (("instance", b.instance_id),)
+        book = (("namespace", "book"),)
+        assert data[("layered_cache_backplane_entries_applied_total", instance)] == 3
+        assert data[("layered_cache_backplane_keys_applied_total", instance)] == 3
+        assert data[("layered_cache_backplane_gaps_total", instance)] == 0
+        assert data[("layered_cache_backplane_connected", instance)] == 1
+        assert 0 <= data[("layered_cache_backplane_lag_seconds", instance)] < 5
+        assert data[("layered_cache_backplane_l1_dropped_total", book)] == 2
+        assert data[("layered_cache_invalidations_total", book)] == 0
+        assert _scrape(a)[("layered_cache_invalidations_total", book)] == 3
+
+
+async def test_a_cut_shows_as_disconnected_with_growing_lag_until_caught_up(
+    redis_url: str, prefix: str
+) -> None:
+    async with two_instances(redis_url, prefix) as (a, b, proxy):
+        await b.get_or_load("book", {"id": 1}, CountingLoader("v1"))
+        await cut_off(b, proxy)
+        await a.invalidate("book", {"id": 1})
+        await asyncio.sleep(0.3)
+        status = b.backplane_status()
+        assert status is not None and not status.connected
+        assert status.lag_seconds >= 0.3
+        data = _scrape(b)
+        instance = (("instance", b.instance_id),)
+        assert data[("layered_cache_backplane_connected", instance)] == 0
+        assert data[("layered_cache_backplane_lag_seconds", instance)] >= 0.3
+
+        proxy.restore()
+        assert await eventually(lambda: not in_l1(b, 1), timeout=5)
+        # Caught up: the next read finds nothing new (block = 200 ms) and the lag is 0.
+        assert await eventually(lambda: b.backplane_status().lag_seconds == 0, timeout=5)  # type: ignore[union-attr]
+        status = b.backplane_status()
+        assert status is not None and status.connected and status.entries_applied == 1

@@ -9,14 +9,18 @@ import json
 import re
 import shlex
 import tomllib
+import urllib.parse
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml  # type: ignore[import-untyped]
 
 from layered_cache import load_config, parse_config
 from layered_cache._config import ENV_OVERRIDES
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -99,6 +103,32 @@ def test_yaml_parses(path: Path) -> None:
         for doc in docs:
             assert {"apiVersion", "kind", "metadata"} <= set(doc), path
             assert doc["metadata"].get("name"), path
+
+
+# The oldest Kubernetes minor we support and the newest whose schemas kubernetes-validate
+# ships: a field removed or renamed on the way fails one of the two.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+K8S_MANIFESTS = sorted(set(DEPLOY.glob("k8s/*.yaml")) - {DEPLOY / "k8s/kustomization.yaml"})
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", K8S_MANIFESTS, ids=lambda p: p.name)
+def test_manifests_validate_against_the_kubernetes_schemas(path: Path, version: str) -> None:
+    """Strict: an unknown field (a typo such as ``livenessProb``) fails too, where the
+    API server would silently drop it."""
+    for doc in _docs(path):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_schema_check_catches_a_typo_and_a_wrong_type() -> None:
+    (deployment,) = _docs(DEPLOY / "k8s/deployment.yaml")
+    typo = deepcopy(deployment)
+    typo["spec"]["template"]["spec"]["containers"][0]["livenessProb"] = {}
+    wrong_type = deepcopy(deployment)
+    wrong_type["spec"]["replicas"] = "two"
+    for broken in (typo, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
 
 
 def test_kustomization_lists_every_manifest() -> None:
@@ -321,3 +351,137 @@ def test_kafka_codec_library_is_a_runtime_dependency_the_image_installs() -> Non
     runs = [a for ins, a in _dockerfile_instructions() if ins == "RUN"]
     assert any("pip wheel" in r and '".[' in r and "daemon" in r for r in runs)
     assert any("pip install" in r and "layered_cache[" in r and "daemon" in r for r in runs)
+
+
+# -- the image: what compose and the docs use ---------------------------------------------
+
+
+def _extra(name: str) -> list[str]:
+    deps = _pyproject()["project"]["optional-dependencies"][name]
+    return [re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in deps]
+
+
+def _installed_extras() -> set[str]:
+    """The extras the image's runtime stage installs (``layered_cache[a,b]``)."""
+    runs = [a for ins, a in _dockerfile_instructions() if ins == "RUN" and "pip install" in a]
+    found = {e for r in runs for m in re.finditer(r"layered_cache\[([a-z,]+)\]", r) for e in m.group(1).split(",")}
+    assert found, "the image installs no layered_cache extras"
+    return found
+
+
+def test_the_image_has_asyncpg_for_database_url_and_the_kafka_codecs() -> None:
+    """compose (and docs/operations.md) run the bookstore on PostgreSQL: DATABASE_URL
+    needs asyncpg; the daemon reads snappy/lz4/zstd batches with cramjam."""
+    extras = _installed_extras()
+    assert {"daemon", "prometheus", "example"} <= extras
+    assert "asyncpg" in _extra("example")
+    assert {"cramjam", "aiokafka"} <= set(_extra("daemon"))
+    # The build stage makes wheels for the same extras the runtime stage installs.
+    wheel = next(a for ins, a in _dockerfile_instructions() if ins == "RUN" and "pip wheel" in a)
+    assert set(re.search(r'"\.\[([a-z,]+)\]"', wheel).group(1).split(",")) == extras  # type: ignore[union-attr]
+
+
+def _header_commands() -> list[list[str]]:
+    """The commands the Dockerfile's header shows (``docker run ... layered-cache CMD``);
+    an empty list is the image's default command."""
+    commands = []
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        if line.startswith("#") and "docker run" in line:
+            argv = shlex.split(line.lstrip("# "))
+            commands.append(argv[argv.index("layered-cache") + 1 :])
+    assert len(commands) >= 2, "the header shows the daemon and the bookstore"
+    return commands
+
+
+def _health_url(argv: list[str]) -> str:
+    """Where the process ``argv`` serves /healthz, from the code and the baked config."""
+    if not argv:  # the default CMD
+        argv = json.loads([a for ins, a in _dockerfile_instructions() if ins == "CMD"][-1])
+    assert_entry_point(argv)
+    if argv[:2] == ["layered-cache", "daemon"]:
+        config = load_config(DEPLOY / "config/layered_cache.toml", env={})
+        assert '"/healthz"' in (ROOT / "layered_cache/daemon/health.py").read_text()
+        return f"http://127.0.0.1:{config.kafka.health_port}/healthz"
+    assert argv[:3] == ["python", "-m", "examples.bookstore"], argv
+    main = (ROOT / "examples/bookstore/__main__.py").read_text()
+    default = re.search(r'"--port", type=int, default=(\d+)', main)
+    assert default, "examples.bookstore has no --port default"
+    port = argv[argv.index("--port") + 1] if "--port" in argv else default.group(1)
+    assert 'Route("/healthz"' in (ROOT / "examples/bookstore/app.py").read_text()
+    return f"http://127.0.0.1:{port}/healthz"
+
+
+def _healthcheck_module() -> Any:
+    spec = importlib.util.spec_from_file_location("healthcheck", DEPLOY / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_healthcheck_fits_every_command_the_header_shows() -> None:
+    instructions = _dockerfile_instructions()
+    (check,) = [a for ins, a in instructions if ins == "HEALTHCHECK"]
+    timeout = float(re.search(r"--timeout=(\d+)s", check).group(1))  # type: ignore[union-attr]
+    argv = json.loads(check.split("CMD", 1)[1])
+    assert argv[0] == "python"
+    script = argv[1]
+    copies = [a.split() for ins, a in instructions if ins == "COPY" and not a.startswith("--from")]
+    assert ["deploy/healthcheck.py", script] in copies
+    healthcheck = _healthcheck_module()
+    urls = argv[2:] or list(healthcheck.DEFAULT_URLS)
+    for command in _header_commands():
+        assert _health_url(command) in urls, f"the HEALTHCHECK does not probe {command or 'CMD'}"
+    assert healthcheck.PROBE_TIMEOUT * len(urls) < timeout
+    # compose's bookstore probes its own port with the same script.
+    bookstore = _compose()["services"]["bookstore"]
+    test = bookstore["healthcheck"]["test"]
+    assert test[1:3] == ["python", script]
+    assert test[3:] == [_health_url(bookstore["command"])]
+
+
+def test_healthcheck_script_is_healthy_when_one_url_answers_200(tmp_path: Path) -> None:
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 503)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        live = f"http://127.0.0.1:{server.server_address[1]}"
+        dead = f"http://127.0.0.1:{free_port()}/healthz"
+
+        def run(*urls: str) -> int:
+            cmd = [sys.executable, str(DEPLOY / "healthcheck.py"), *urls]
+            return subprocess.run(cmd, timeout=10, check=False).returncode
+
+        assert run(dead, f"{live}/healthz") == 0
+        assert run(dead) == 1
+        assert run(f"{live}/failing") == 1
+    finally:
+        server.shutdown()
+
+
+def test_compose_runs_the_bookstore_on_its_postgres() -> None:
+    services = _compose()["services"]
+    postgres, bookstore = services["postgres"], services["bookstore"]
+    assert postgres["image"].startswith("postgres:")
+    assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
+    url = urllib.parse.urlparse(bookstore["environment"]["DATABASE_URL"])
+    assert url.scheme in ("postgres", "postgresql")  # examples/bookstore/db.py: PostgreSQL
+    env = postgres["environment"]
+    assert (url.hostname, url.port or 5432) == ("postgres", 5432)
+    assert (url.username, url.password) == (env["POSTGRES_USER"], env["POSTGRES_PASSWORD"])
+    assert url.path.lstrip("/") == env["POSTGRES_DB"]
+    assert bookstore["depends_on"]["postgres"]["condition"] == "service_healthy"
+    # The explicit depends_on replaces the shared one: it must keep redis and the topics.
+    assert {"redis", "kafka-topics"} <= set(bookstore["depends_on"])

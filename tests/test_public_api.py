@@ -11,6 +11,7 @@ from pathlib import Path
 import layered_cache
 
 PUBLIC_NAMES = [
+    "BackplaneStatus",
     "BookPriceChanged",
     "CacheInvalidate",
     "CodecError",
@@ -33,6 +34,7 @@ PUBLIC_NAMES = [
 # Modules users import by name: the sync facade, and the two with optional extras.
 PUBLIC_MODULES = {"cli", "daemon", "prometheus", "sync"}
 LAYERED_CACHE_METHODS = {
+    "backplane_status",
     "cached",
     "close",
     "config",

