@@ -203,15 +203,10 @@ class SyncLayeredCache:
             raise RuntimeError("SyncLayeredCache called from its own event loop thread")
         return runner.run(coro, self._timeout, what)
 
-    @staticmethod
-    def _refuse_running_loop() -> None:
-        """Blocking inside a running event loop would freeze it for the whole call."""
-        if asyncio.events._get_running_loop() is not None:
-            raise RuntimeError(
-                "SyncLayeredCache called from a running event loop (async code): it would "
-                "block the loop; await the async API instead (layered_cache.LayeredCache, "
-                "e.g. `await cache.get_or_load(...)`)"
-            )
+    def _call(self, make: Callable[[LayeredCache], Coroutine[Any, Any, T]], what: str) -> T:
+        """Run ``make(cache)`` on the loop (for in-package adapters, e.g. Django's)."""
+        _refuse_running_loop()
+        return self._run(make(self.cache), what)
 
     def _loading_keys(self) -> tuple[str, ...]:
         keys: tuple[str, ...] = getattr(self._loading, "keys", ())
@@ -269,7 +264,7 @@ class SyncLayeredCache:
         self, namespace: str, fields: Mapping[str, object], loader: Callable[[], T]
     ) -> T:
         """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
-        self._refuse_running_loop()
+        _refuse_running_loop()
         policy = self.cache.namespace(namespace).policy
         value = self._l1_hit(policy, fields)
         if value is not MISSING:
@@ -283,19 +278,19 @@ class SyncLayeredCache:
 
     def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
         """The cached value or None; never loads."""
-        self._refuse_running_loop()
+        _refuse_running_loop()
         value = self._l1_hit(self.cache.namespace(namespace).policy, fields)
         if value is not MISSING:
             return value
         return self._run(self.cache.get(namespace, fields), f"get({namespace!r})")
 
     def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
-        self._refuse_running_loop()
+        _refuse_running_loop()
         self._run(self.cache.set(namespace, fields, value), f"set({namespace!r})")
 
     def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
         """Delete the L2 key, replicas and lease, then drop L1 everywhere."""
-        self._refuse_running_loop()
+        _refuse_running_loop()
         self._run(self.cache.invalidate(namespace, fields), f"invalidate({namespace!r})")
 
     def cached(
@@ -335,6 +330,16 @@ class SyncLayeredCache:
 
     def key(self, namespace: str, fields: Mapping[str, object]) -> str:
         return self.cache.key(namespace, fields)
+
+
+def _refuse_running_loop() -> None:
+    """Blocking inside a running event loop would freeze it for the whole call."""
+    if asyncio.events._get_running_loop() is not None:
+        raise RuntimeError(
+            "SyncLayeredCache called from a running event loop (async code): it would "
+            "block the loop; await the async API instead (layered_cache.LayeredCache, "
+            "e.g. `await cache.get_or_load(...)`)"
+        )
 
 
 async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
