@@ -135,14 +135,9 @@ class SyncLayeredCache:
         if self._runner is not None and self._cache is not None:
             return self._cache
         runner = LoopThread(self._max_workers)
-
-        async def open_cache() -> LayeredCache:
-            cache = LayeredCache.from_config(self.config, **self._cache_kwargs)
-            await cache.start()
-            return cache
-
+        opening = _open_cache(self.config, self._cache_kwargs)
         try:
-            self._cache = runner.run(open_cache(), self._timeout, "starting the cache")
+            self._cache = runner.run(opening, self._timeout, "starting the cache")
         except BaseException:
             runner.stop()
             raise
@@ -330,6 +325,23 @@ class SyncLayeredCache:
 
     def key(self, namespace: str, fields: Mapping[str, object]) -> str:
         return self.cache.key(namespace, fields)
+
+
+async def _open_cache(config: Config, kwargs: Mapping[str, Any]) -> LayeredCache:
+    """Start a cache and wait until its backplane listener knows its position in the
+    stream. Before that, an invalidation announced right after a first L1 fill would be
+    missed, and the fill served for its L1 TTL: in a forked worker, whose cache starts
+    on its first request, every worker start opened that window. Bounded (Redis may be
+    down; the cache works without it)."""
+    cache = LayeredCache.from_config(config, **kwargs)
+    await cache.start()
+    listener = getattr(cache, "_backplane", None)
+    positioned = getattr(listener, "connected", None)
+    if isinstance(positioned, asyncio.Event):
+        bound = 2 * (config.redis.connect_timeout + config.redis.timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(positioned.wait(), bound)
+    return cache
 
 
 def _refuse_running_loop() -> None:

@@ -174,3 +174,19 @@ def test_the_fork_hook_does_not_keep_a_closed_cache_alive(redis_url: str, prefix
     del sync_cache
     gc.collect()
     assert ref() is None
+
+
+def test_a_new_cache_does_not_miss_an_invalidation_right_after_its_first_fill(
+    redis_url: str, prefix: str, cache: SyncLayeredCache
+) -> None:
+    # A forked worker starts its cache on its first request and fills L1 at once: the
+    # backplane listener must already know where to read from, or this set is missed.
+    for attempt in range(5):
+        cache.set("book", {"id": attempt}, "old")
+        with SyncLayeredCache.from_config(make_config(redis_url, prefix)) as fresh:
+            assert fresh.get("book", {"id": attempt}) == "old"  # in fresh's L1 (5 s)
+            cache.set("book", {"id": attempt}, "new")
+            deadline = time.monotonic() + 3
+            while fresh.get("book", {"id": attempt}) != "new":
+                assert time.monotonic() < deadline, f"missed the invalidation ({attempt})"
+                time.sleep(0.02)
