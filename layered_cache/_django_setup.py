@@ -36,14 +36,20 @@ __all__ = [
 ]
 
 DEFAULT_NAMESPACE = "django"
-# The namespace added when the config has none of that name. L2 keeps an entry as long
-# as the config allows (3650d, no jitter: a Django timeout is the caller's, exact); each
-# write then sets the Redis TTL to the entry's own timeout. L1 keeps a copy 5 s at most.
-_DEFAULT_TABLE: dict[str, Any] = {
-    "key": "django:{key}",
-    "l1": {"ttl": "5s", "jitter": 0.2},
-    "l2": {"ttl": "3650d", "jitter": 0.0},
-}
+
+
+def default_table(namespace: str) -> dict[str, Any]:
+    """The namespace added when the config has none of that name: ``{namespace}:{key}``.
+    L2 keeps an entry as long as the config allows (3650d, no jitter: a Django timeout is
+    the caller's, exact); each write then sets the Redis TTL to the entry's own timeout.
+    L1 keeps a copy 5 s at most (every read checks the entry's own expiry too)."""
+    return {
+        "key": f"{namespace}:{{key}}",
+        "l1": {"ttl": "5s", "jitter": 0.2},
+        "l2": {"ttl": "3650d", "jitter": 0.0},
+    }
+
+
 # Ours, plus Django's generic ones that a Redis-backed cache leaves to Redis (eviction is
 # Redis's maxmemory policy; L1 has the namespace's max_entries): accepted, unused.
 _OPTIONS = {"config", "namespace", "timeout", "max_workers", "MAX_ENTRIES", "CULL_FREQUENCY"}
@@ -80,7 +86,7 @@ def build_config(location: str, options: Mapping[str, Any]) -> tuple[Config, str
     raw = _merge(raw, options.get("config") or {})
     namespace = str(options.get("namespace", DEFAULT_NAMESPACE))
     namespaces = dict(raw.get("namespaces") or {})
-    namespaces.setdefault(namespace, _DEFAULT_TABLE)
+    namespaces.setdefault(namespace, default_table(namespace))
     raw["namespaces"] = namespaces
     config = parse_config(raw, source=source)
     fields = parse_template(namespace, config.namespaces[namespace].key)[1]

@@ -20,6 +20,7 @@ they can be, hashed otherwise, injective either way); values are stored without 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -160,7 +161,8 @@ class LayeredCacheBackend(BaseCache):
         wanted = [(key, self._fields(key, version)) for key in keys]
 
         async def get_all(cache: LayeredCache, namespace: str) -> list[Any]:
-            return [await cache.get(namespace, fields) for _, fields in wanted]
+            # concurrent reads over the pool: the misses' round trips overlap
+            return await asyncio.gather(*(cache.get(namespace, fields) for _, fields in wanted))
 
         entries = self._call(get_all, "get_many")
         return {
@@ -179,8 +181,7 @@ class LayeredCacheBackend(BaseCache):
         ]  # every value encoded before the first write: an uncacheable one writes none
 
         async def set_all(cache: LayeredCache, namespace: str) -> None:
-            for fields, entry in writes:
-                await self._write(cache, namespace, fields, entry)
+            await asyncio.gather(*(self._write(cache, namespace, f, e) for f, e in writes))
 
         if writes:
             self._call(set_all, "set_many")
@@ -190,8 +191,7 @@ class LayeredCacheBackend(BaseCache):
         targets = [self._fields(key, version) for key in keys]
 
         async def delete_all(cache: LayeredCache, namespace: str) -> None:
-            for fields in targets:
-                await cache.invalidate(namespace, fields)
+            await asyncio.gather(*(cache.invalidate(namespace, fields) for fields in targets))
 
         if targets:
             self._call(delete_all, "delete_many")

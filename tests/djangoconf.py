@@ -36,7 +36,13 @@ def configure() -> None:
         INSTALLED_APPS=apps,
         DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
         CACHES={"default": {"BACKEND": "django.core.cache.backends.dummy.DummyCache"}},
-        USE_TZ=True,
+        # As Django's own test settings (tests/runtests.py, tests/test_sqlite.py): its
+        # cache tests expect them (USE_TZ off: no time zone in cache_page keys).
+        USE_TZ=False,
+        LANGUAGE_CODE="en",
+        TEMPLATES=[
+            {"BACKEND": "django.template.backends.django.DjangoTemplates", "APP_DIRS": True}
+        ],
         ALLOWED_HOSTS=["*"],
         DEFAULT_AUTO_FIELD="django.db.models.AutoField",
     )

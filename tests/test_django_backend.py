@@ -52,6 +52,7 @@ def _close_shared() -> Iterator[None]:
     close_shared()
 
 
+@pytest.mark.filterwarnings("ignore::django.core.cache.CacheKeyWarning")
 def test_readable_keys_stay_readable_in_redis_and_others_are_hashed(
     redis_url: str, prefix: str, redis_client: redis.Redis
 ) -> None:
@@ -235,6 +236,7 @@ def test_a_bad_caches_entry_is_a_config_error_saying_what_is_wrong(
         backend(redis_url, prefix, **options).get("x")
 
 
+@pytest.mark.filterwarnings("ignore::django.core.cache.CacheKeyWarning")
 def test_key_functions_may_return_anything_and_keys_stay_distinct(
     redis_url: str, prefix: str
 ) -> None:

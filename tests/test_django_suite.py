@@ -50,9 +50,34 @@ def _caches(redis_url: str, prefix: str) -> dict[str, dict[str, object]]:
     return settings
 
 
+def _retarget(
+    caches: dict[str, dict[str, object]], options: dict[str, object]
+) -> dict[str, object]:
+    """A class's LocMemCache aliases as ours: each LOCATION (a separate store for
+    locmem) becomes a namespace of its own, other parameters (TIMEOUT, KEY_PREFIX) kept."""
+    ours: dict[str, object] = {}
+    for alias, params in caches.items():
+        location = str(params.get("LOCATION") or "default")
+        kept = {k: v for k, v in params.items() if k not in ("BACKEND", "LOCATION", "OPTIONS")}
+        ours[alias] = {
+            **kept,
+            "BACKEND": "layered_cache.django.LayeredCacheBackend",
+            "OPTIONS": {**options, "namespace": f"dj_{location}"},
+        }
+    return ours
+
+
 @pytest.fixture(scope="module", autouse=True)
 def layered_caches(redis_url: str) -> Iterator[None]:
-    with override_settings(CACHES=_caches(redis_url, f"dj{uuid.uuid4().hex[:8]}:")):
+    prefix = f"dj{uuid.uuid4().hex[:8]}:"
+    options = {"config": {"redis": {"url": redis_url, "prefix": prefix}}}
+    for cls in RETARGETED:
+        caches = cls._overridden_settings["CACHES"]
+        cls._overridden_settings = {
+            **cls._overridden_settings,
+            "CACHES": _retarget(caches, options),
+        }
+    with override_settings(CACHES=_caches(redis_url, prefix)):
         yield
     close_shared()
 
@@ -63,3 +88,21 @@ class LayeredCacheBackendTests(django_cache_tests.BaseCacheTests, SimpleTestCase
 
 for _name, _reason in NOT_APPLICABLE.items():
     setattr(LayeredCacheBackendTests, _name, unittest.skip(_reason)(lambda self: None))
+
+
+# Django's tests of what it builds on a cache (cache_page and the cache middleware,
+# i18n cache keys, TemplateResponse, HEAD requests, django.utils.cache), written against
+# LocMemCache: run against ours, each with its own CACHES aliases retargeted.
+RETARGETED = [
+    type(name, (getattr(django_cache_tests, name),), {"__module__": __name__})
+    for name in (
+        "CacheUtils",
+        "PrefixedCacheUtils",
+        "CacheHEADTest",
+        "CacheI18nTest",
+        "PrefixedCacheI18nTest",
+        "CacheMiddlewareTest",
+        "TestWithTemplateResponse",
+    )
+]
+globals().update({cls.__name__: cls for cls in RETARGETED})
