@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 try:
+    from asgiref.sync import sync_to_async
     from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 except ImportError as error:  # pragma: no cover - exercised without the extra
     from layered_cache._extras import missing_extra
@@ -67,6 +68,11 @@ class LayeredCacheBackend(BaseCache):
         if self._shared is None:
             self._shared = shared(self._location, self._options, Entry)
         return self._shared
+
+    def key_fields(self, key: Any, version: int | None = None) -> Fields:
+        """The namespace's key fields for a Django key, e.g. ``{"key": "/1/answer"}``:
+        what a ``CacheInvalidate`` event (or ``layered.invalidate``) names it by."""
+        return self._fields(key, version)
 
     def _fields(self, key: Any, version: int | None) -> Fields:
         sync_cache, namespace = self._parts()
@@ -225,6 +231,18 @@ class LayeredCacheBackend(BaseCache):
             name = sync_cache.key(namespace, fields)
             self._call(lambda cache, ns: expire(cache, name, expires_at - time.time()), "expire")
         return loads(entry.payload)
+
+    async def aget_or_set(
+        self,
+        key: Any,
+        default: Any,
+        timeout: Any = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - Django's signature
+        version: int | None = None,
+    ) -> Any:
+        """``get_or_set`` from async code, with its stampede protection (Django's generic
+        ``aget_or_set`` is aget + aadd: every concurrent miss would call ``default``)."""
+        get_or_set = sync_to_async(self.get_or_set, thread_sensitive=True)
+        return await get_or_set(key, default, timeout, version)
 
     def clear(self) -> None:
         """Invalidate every key of the namespace: all KEY_PREFIXes and versions sharing

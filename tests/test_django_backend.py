@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import decimal
 import multiprocessing
@@ -272,3 +273,37 @@ def test_close_after_each_request_leaves_the_shared_cache_working(
     cache.set("k", 1)
     cache.close()  # Django's request_finished handler
     assert cache.get("k") == 1
+
+
+def test_an_invalidation_by_key_fields_reaches_every_process(redis_url: str, prefix: str) -> None:
+    # What the daemon does for {"type": "CacheInvalidate", "namespace": "django",
+    # "keys": [{"key": "/1/price"}]}: the same name, the same delete-then-backplane.
+    cache, other = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    cache.set("price", "12.90")
+    assert other.get("price") == "12.90"
+    assert cache.key_fields("price") == {"key": "/1/price"}
+    cache.layered.invalidate("django", cache.key_fields("price"))
+    deadline = time.monotonic() + 3
+    while other.get("price") is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_async_django_calls_work_and_aget_or_set_calls_the_default_once(
+    redis_url: str, prefix: str
+) -> None:
+    cache = backend(redis_url, prefix)
+    calls: list[int] = []
+
+    def expensive() -> int:
+        calls.append(1)
+        time.sleep(0.2)
+        return 2
+
+    async def views() -> Any:  # async views: Django runs the sync backend in a thread
+        await cache.aset("k", {"v": 1})
+        values = await asyncio.gather(*(cache.aget_or_set("g", expensive) for _ in range(10)))
+        return await cache.aget("k"), values
+
+    assert asyncio.run(views()) == ({"v": 1}, [2] * 10)
+    assert len(calls) == 1
