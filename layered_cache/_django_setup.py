@@ -14,16 +14,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
+import time
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from layered_cache._cache import LayeredCache
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._config import Config, ConfigError, parse_config
-from layered_cache._keys import parse_template
+from layered_cache._django_values import Entry
+from layered_cache._keys import parse_template, replica_names
+from layered_cache._policy import Policy
 from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "close_shared",
     "expire",
     "shared",
+    "write",
 ]
 
 DEFAULT_NAMESPACE = "django"
@@ -55,6 +62,16 @@ def default_table(namespace: str) -> dict[str, Any]:
 _OPTIONS = {"config", "namespace", "timeout", "max_workers", "MAX_ENTRIES", "CULL_FREQUENCY"}
 _shared: dict[str, tuple[SyncLayeredCache, str]] = {}
 _shared_lock = threading.Lock()
+_log = structlog.get_logger("layered_cache")
+
+
+def _reset_lock_in_child() -> None:
+    """A thread of the parent may have held the lock at the fork; none runs here."""
+    global _shared_lock
+    _shared_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_lock_in_child)
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,12 +146,48 @@ def close_shared() -> None:
         sync_cache.close()
 
 
-async def expire(cache: LayeredCache, name: str, seconds: float) -> None:
-    """Let Redis drop ``name`` when its Django timeout passes (not the namespace's 3650d).
-    Only memory depends on it: every read checks the entry's own expiry, so a failed
-    ``PEXPIRE`` is ignored."""
+async def write(
+    cache: LayeredCache, namespace: str, fields: Mapping[str, str], entry: Entry
+) -> None:
+    """Write one Django entry. An already expired one (timeout 0) deletes the key; so
+    does one too large for the namespace (``max_value_bytes``), as memcached does: the
+    value it replaces must not be served on."""
+    remaining = None if entry.expires_at is None else entry.expires_at - time.time()
+    policy = cache.namespace(namespace).policy
+    if remaining is not None and remaining <= 0:
+        await cache.invalidate(namespace, fields)
+        return
+    if _too_large(policy, entry):
+        policy.stats.not_cached += 1
+        _log.warning("value_too_large", namespace=namespace, limit=policy.max_value_bytes)
+        await cache.invalidate(namespace, fields)
+        return
+    await cache.set(namespace, fields, entry)
+    if remaining is not None and remaining < policy.l2_ttl:
+        await expire(cache, namespace, fields, remaining)
+
+
+def _too_large(policy: Policy, entry: Entry) -> bool:
+    if len(entry.payload) + 128 <= policy.max_value_bytes:
+        return False  # far from the limit: no need to build the envelope
+    # The exact size L2 would get (msgpack floats are 8 bytes whatever their value).
+    return len(policy.codec.encode(entry, 0.0, 0.0, 0.0)) > policy.max_value_bytes
+
+
+async def expire(
+    cache: LayeredCache, namespace: str, fields: Mapping[str, str], seconds: float
+) -> None:
+    """Let Redis drop ``name`` and its hot-key replicas when its Django timeout passes
+    (not the namespace's 3650d). Only memory depends on it: every read checks the
+    entry's own expiry, so a failed ``PEXPIRE`` is ignored."""
+    client = cache._parts.client
+    name = cache.key(namespace, fields)
+    replicas = cache.namespace(namespace).policy.replicas
+    milliseconds = max(1, int(seconds * 1000))
     with contextlib.suppress(*REDIS_FAILURES):
-        await cache._parts.client.pexpire(name, max(1, int(seconds * 1000)))
+        await asyncio.gather(
+            *(client.pexpire(n, milliseconds) for n in [name, *replica_names(name, replicas)])
+        )
 
 
 async def clear_namespace(cache: LayeredCache, namespace: str) -> int:

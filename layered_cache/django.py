@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
 
 from layered_cache._cache import LayeredCache
 from layered_cache._django_keys import field_value
-from layered_cache._django_setup import clear_namespace, expire, shared
+from layered_cache._django_setup import clear_namespace, expire, shared, write
 from layered_cache._django_values import Entry, UncacheableValue, dumps, loads
 from layered_cache._keys import parse_template
 from layered_cache.sync import SyncLayeredCache
@@ -93,18 +93,6 @@ class LayeredCacheBackend(BaseCache):
         entry = sync_cache.get(namespace, fields)
         return entry if _alive(entry) else None
 
-    async def _write(
-        self, cache: LayeredCache, namespace: str, fields: Fields, entry: Entry
-    ) -> None:
-        """Write one entry; an already expired one (timeout 0) deletes the key instead."""
-        remaining = None if entry.expires_at is None else entry.expires_at - time.time()
-        if remaining is not None and remaining <= 0:
-            await cache.invalidate(namespace, fields)
-            return
-        await cache.set(namespace, fields, entry)
-        if remaining is not None and remaining < cache.namespace(namespace).policy.l2_ttl:
-            await expire(cache, cache.key(namespace, fields), remaining)
-
     # -- the django.core.cache API -----------------------------------------------------
 
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
@@ -116,7 +104,7 @@ class LayeredCacheBackend(BaseCache):
     ) -> None:
         entry = Entry(dumps(value), self.get_backend_timeout(timeout))
         fields = self._fields(key, version)
-        self._call(lambda cache, ns: self._write(cache, ns, fields, entry), "set")
+        self._call(lambda cache, ns: write(cache, ns, fields, entry), "set")
 
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -126,7 +114,7 @@ class LayeredCacheBackend(BaseCache):
         fields = self._fields(key, version)
         if self._entry(fields) is not None:
             return False
-        self._call(lambda cache, ns: self._write(cache, ns, fields, entry), "add")
+        self._call(lambda cache, ns: write(cache, ns, fields, entry), "add")
         return True
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
@@ -135,7 +123,7 @@ class LayeredCacheBackend(BaseCache):
         if entry is None:
             return False
         touched = Entry(entry.payload, self.get_backend_timeout(timeout))
-        self._call(lambda cache, ns: self._write(cache, ns, fields, touched), "touch")
+        self._call(lambda cache, ns: write(cache, ns, fields, touched), "touch")
         return True
 
     def delete(self, key: Any, version: int | None = None) -> bool:
@@ -160,7 +148,7 @@ class LayeredCacheBackend(BaseCache):
             raise ValueError(f"Key '{key}' not found")
         value = loads(entry.payload) + delta
         updated = Entry(dumps(value), entry.expires_at)
-        self._call(lambda cache, ns: self._write(cache, ns, fields, updated), "incr")
+        self._call(lambda cache, ns: write(cache, ns, fields, updated), "incr")
         return value
 
     def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
@@ -187,7 +175,7 @@ class LayeredCacheBackend(BaseCache):
         ]  # every value encoded before the first write: an uncacheable one writes none
 
         async def set_all(cache: LayeredCache, namespace: str) -> None:
-            await asyncio.gather(*(self._write(cache, namespace, f, e) for f, e in writes))
+            await asyncio.gather(*(write(cache, namespace, f, e) for f, e in writes))
 
         if writes:
             self._call(set_all, "set_many")
@@ -228,8 +216,8 @@ class LayeredCacheBackend(BaseCache):
             sync_cache.invalidate(namespace, fields)
             entry = sync_cache.get_or_load(namespace, fields, load)
         if loaded and expires_at is not None:
-            name = sync_cache.key(namespace, fields)
-            self._call(lambda cache, ns: expire(cache, name, expires_at - time.time()), "expire")
+            remaining = expires_at - time.time()
+            self._call(lambda cache, ns: expire(cache, ns, fields, remaining), "expire")
         return loads(entry.payload)
 
     async def aget_or_set(

@@ -307,3 +307,31 @@ def test_async_django_calls_work_and_aget_or_set_calls_the_default_once(
 
     assert asyncio.run(views()) == ({"v": 1}, [2] * 10)
     assert len(calls) == 1
+
+
+def test_a_value_too_large_to_cache_deletes_the_one_it_replaces(
+    redis_url: str, prefix: str
+) -> None:
+    # As memcached does: a failed set must not leave the previous value to be served.
+    config = {"namespaces": {"django": {"key": "django:{key}", "max_value_bytes": 2000}}}
+    cache = backend(redis_url, prefix, config=config)
+    cache.set("page", "small")
+    cache.set("page", "x" * 1990)  # fits as a payload, not with its envelope
+    assert cache.get("page") is None
+    assert cache.layered.stats()["django"]["not_cached"] == 1
+    cache.set("page", "x" * 1500)
+    assert cache.get("page") == "x" * 1500
+
+
+def test_hot_key_replicas_expire_with_the_entry(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    config = {
+        "namespaces": {
+            "django": {"key": "django:{key}", "hot": {"replicas": 2, "keys": ["django:/1/home"]}}
+        }
+    }
+    cache = backend(redis_url, prefix, config=config)
+    cache.set("home", "<html>", timeout=30)
+    for name in ("django:/1/home", "django:/1/home#0", "django:/1/home#1"):
+        assert 0 < redis_client.pttl(f"{prefix}{name}") <= 30_000
