@@ -335,3 +335,18 @@ def test_hot_key_replicas_expire_with_the_entry(
     cache.set("home", "<html>", timeout=30)
     for name in ("django:/1/home", "django:/1/home#0", "django:/1/home#1"):
         assert 0 < redis_client.pttl(f"{prefix}{name}") <= 30_000
+
+
+def test_on_a_redis_cluster_clear_reaches_every_master(redis_cluster: Any, prefix: str) -> None:
+    config = {"redis": {"cluster": True, "timeout": "1s"}}
+    cache = backend(redis_cluster.url, prefix, config=config)
+    cache.set_many({f"k{i}": i for i in range(60)})  # spread over the three masters
+    assert cache.get_many(["k1", "k59"]) == {"k1": 1, "k59": 59}
+    holding = 0
+    for host, port in redis_cluster.nodes:
+        with redis.Redis(host=host, port=port) as node:
+            holding += any(node.scan_iter(f"{prefix}django:*"))
+    assert holding == 3
+    cache.clear()
+    other = backend(redis_cluster.url, prefix, config={**config}, timeout=19.0)
+    assert other.get_many([f"k{i}" for i in range(60)]) == {}
