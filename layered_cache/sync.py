@@ -155,10 +155,12 @@ class SyncLayeredCache:
             if not runner.owned_here:  # close() in a forked child before any call
                 runner.abandon(cache)
                 return
-            if cache is not None:
-                with contextlib.suppress(SyncTimeoutError):
-                    runner.run(cache.close(), timeout, "closing the cache")
-            runner.stop(timeout)
+            try:
+                if cache is not None:
+                    with contextlib.suppress(SyncTimeoutError):
+                        runner.run(cache.close(), timeout, "closing the cache")
+            finally:
+                runner.stop(timeout)  # whatever closing raised: no loop thread left behind
 
     def _forget_parent(self) -> None:
         """In a forked child (``os.register_at_fork``): the loop thread, the loader pool
