@@ -190,3 +190,20 @@ def test_a_new_cache_does_not_miss_an_invalidation_right_after_its_first_fill(
             while fresh.get("book", {"id": attempt}) != "new":
                 assert time.monotonic() < deadline, f"missed the invalidation ({attempt})"
                 time.sleep(0.02)
+
+
+def test_a_fork_the_hook_did_not_see_is_caught_on_the_next_call(
+    cache: SyncLayeredCache,
+) -> None:
+    # A server that forks without running Python's at-fork hooks: the loop thread seen
+    # from here belongs to another pid, so the next call builds this process's own.
+    inherited = cache._runner
+    assert inherited is not None
+    inherited.pid = -1  # as if started by the parent
+    try:
+        assert cache.get_or_load("book", {"id": 9}, lambda: "rebuilt") == "rebuilt"
+        assert cache._runner is not inherited and cache._runner is not None
+        assert cache._runner.owned_here
+    finally:
+        inherited.pid = os.getpid()
+        inherited.stop()
