@@ -35,6 +35,8 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
 
 from layered_cache._cache import LayeredCache
 from layered_cache._django_keys import field_value
+from layered_cache._django_locked import alive as _alive
+from layered_cache._django_locked import locked
 from layered_cache._django_setup import clear_namespace, expire, shared, write
 from layered_cache._django_values import Entry, UncacheableValue, dumps, loads
 from layered_cache._keys import parse_template
@@ -43,10 +45,6 @@ from layered_cache.sync import SyncLayeredCache
 __all__ = ["LayeredCacheBackend", "UncacheableValue"]
 
 Fields = dict[str, str]
-
-
-def _alive(entry: Entry | None) -> bool:
-    return entry is not None and (entry.expires_at is None or entry.expires_at > time.time())
 
 
 class LayeredCacheBackend(BaseCache):
@@ -109,22 +107,36 @@ class LayeredCacheBackend(BaseCache):
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        """Set unless present. Not atomic across processes (docs/django.md#add-and-incr)."""
+        """Set unless present: one of any number of concurrent adders, in any process,
+        gets True (under the key's lease, ``_django_locked``)."""
         entry = Entry(dumps(value), self.get_backend_timeout(timeout))
         fields = self._fields(key, version)
-        if self._entry(fields) is not None:
-            return False
-        self._call(lambda cache, ns: write(cache, ns, fields, entry), "add")
-        return True
+
+        async def add(cache: LayeredCache, namespace: str) -> bool:
+            async def step(current: Entry | None) -> bool:
+                if current is not None:
+                    return False
+                await write(cache, namespace, fields, entry)
+                return True
+
+            return await locked(cache, namespace, fields, step)
+
+        return bool(self._call(add, "add"))
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         fields = self._fields(key, version)
-        entry = self._entry(fields)
-        if entry is None:
-            return False
-        touched = Entry(entry.payload, self.get_backend_timeout(timeout))
-        self._call(lambda cache, ns: write(cache, ns, fields, touched), "touch")
-        return True
+        expires_at = self.get_backend_timeout(timeout)
+
+        async def touch(cache: LayeredCache, namespace: str) -> bool:
+            async def step(current: Entry | None) -> bool:
+                if current is None:
+                    return False
+                await write(cache, namespace, fields, Entry(current.payload, expires_at))
+                return True
+
+            return await locked(cache, namespace, fields, step)
+
+        return bool(self._call(touch, "touch"))
 
     def delete(self, key: Any, version: int | None = None) -> bool:
         fields = self._fields(key, version)
@@ -140,16 +152,21 @@ class LayeredCacheBackend(BaseCache):
         return self._entry(self._fields(key, version)) is not None
 
     def incr(self, key: Any, delta: int = 1, version: int | None = None) -> Any:
-        """Read, add, write back with the remaining timeout. Not atomic across
-        processes (docs/django.md#add-and-incr)."""
+        """Add ``delta``, keeping the remaining timeout. Atomic with every other
+        add/incr/decr/touch of the key, in any process (``_django_locked``)."""
         fields = self._fields(key, version)
-        entry = self._entry(fields)
-        if entry is None:
-            raise ValueError(f"Key '{key}' not found")
-        value = loads(entry.payload) + delta
-        updated = Entry(dumps(value), entry.expires_at)
-        self._call(lambda cache, ns: write(cache, ns, fields, updated), "incr")
-        return value
+
+        async def incr(cache: LayeredCache, namespace: str) -> Any:
+            async def step(current: Entry | None) -> Any:
+                if current is None:
+                    raise ValueError(f"Key '{key}' not found")
+                value = loads(current.payload) + delta
+                await write(cache, namespace, fields, Entry(dumps(value), current.expires_at))
+                return value
+
+            return await locked(cache, namespace, fields, step)
+
+        return self._call(incr, "incr")
 
     def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
         wanted = [(key, self._fields(key, version)) for key in keys]

@@ -350,3 +350,43 @@ def test_on_a_redis_cluster_clear_reaches_every_master(redis_cluster: Any, prefi
     cache.clear()
     other = backend(redis_cluster.url, prefix, config={**config}, timeout=19.0)
     assert other.get_many([f"k{i}" for i in range(60)]) == {}
+
+
+def _race(caches: list[LayeredCacheBackend], threads: int, call: Any) -> list[Any]:
+    """``call(cache)`` from ``threads`` threads at once, alternating between ``caches``."""
+    barrier = threading.Barrier(threads)
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def run(index: int) -> None:
+        barrier.wait(5)
+        result = call(caches[index % len(caches)])
+        with lock:
+            results.append(result)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    return results
+
+
+def test_add_admits_exactly_one_of_many_concurrent_adders_across_processes(
+    redis_url: str, prefix: str
+) -> None:
+    caches = [backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)]
+    for round_ in range(3):
+        results = _race(caches, 20, lambda cache: cache.add(f"lock{round_}", "mine", 30))
+        assert sorted(results) == [False] * 19 + [True]
+
+
+def test_incr_loses_no_increment_across_processes(redis_url: str, prefix: str) -> None:
+    caches = [backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)]
+    caches[0].set("hits", 0)
+    _race(caches, 20, lambda cache: [cache.incr("hits") for _ in range(5)])
+    assert caches[0].get("hits") == 100
+    deadline = time.monotonic() + 3
+    while caches[1].get("hits") != 100:  # the other process's L1 follows too
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
