@@ -55,6 +55,7 @@ class LayeredCacheBackend(BaseCache):
         self._location = location or ""
         self._options: dict[str, Any] = dict(params.get("OPTIONS") or {})
         self._shared: tuple[SyncLayeredCache, str] | None = None  # connected on first use
+        self._field = ""  # the namespace template's one placeholder
 
     @property
     def layered(self) -> SyncLayeredCache:
@@ -64,7 +65,10 @@ class LayeredCacheBackend(BaseCache):
 
     def _parts(self) -> tuple[SyncLayeredCache, str]:
         if self._shared is None:
-            self._shared = shared(self._location, self._options, Entry)
+            sync_cache, namespace = shared(self._location, self._options, Entry)
+            template = sync_cache.config.namespaces[namespace].key
+            self._field = parse_template(namespace, template)[1][0]
+            self._shared = sync_cache, namespace
         return self._shared
 
     def key_fields(self, key: Any, version: int | None = None) -> Fields:
@@ -73,10 +77,8 @@ class LayeredCacheBackend(BaseCache):
         return self._fields(key, version)
 
     def _fields(self, key: Any, version: int | None) -> Fields:
-        sync_cache, namespace = self._parts()
-        template = sync_cache.config.namespaces[namespace].key
-        field = parse_template(namespace, template)[1][0]
-        return {field: field_value(self.make_and_validate_key(key, version=version))}
+        self._parts()
+        return {self._field: field_value(self.make_and_validate_key(key, version=version))}
 
     def _call(self, make: Callable[[LayeredCache, str], Any], what: str) -> Any:
         sync_cache, namespace = self._parts()
@@ -251,7 +253,7 @@ class LayeredCacheBackend(BaseCache):
 
     def clear(self) -> None:
         """Invalidate every key of the namespace: all KEY_PREFIXes and versions sharing
-        it, never another namespace's keys, never FLUSHDB (docs/django.md#clear)."""
+        it, never another namespace's keys, never FLUSHDB (docs/django.md, the API)."""
         self._call(clear_namespace, "clear")
 
     def close(self, **kwargs: Any) -> None:
