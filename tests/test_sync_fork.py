@@ -207,3 +207,12 @@ def test_a_fork_the_hook_did_not_see_is_caught_on_the_next_call(
     finally:
         inherited.pid = os.getpid()
         inherited.stop()
+
+
+def test_a_cache_started_with_redis_down_waits_a_bounded_time_then_serves(prefix: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    started = time.monotonic()
+    with SyncLayeredCache.from_config(make_config(url, prefix)) as cache:
+        waited = time.monotonic() - started
+        assert cache.get_or_load("book", {"id": 1}, lambda: "from-db") == "from-db"
+    assert waited < 2 * (0.2 + 0.2) + 1.0  # 2 x (connect_timeout + timeout) + slack
