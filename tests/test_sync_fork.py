@@ -39,7 +39,7 @@ def _get(url: str, timeout: float = 10.0) -> dict[str, Any]:
 
 
 @pytest.fixture
-def gunicorn_preload(redis_url: str, prefix: str) -> Iterator[str]:
+def gunicorn_preload(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[str]:
     """gunicorn -w 2 --preload serving tests/apps/wsgi_books.py; yields its base URL."""
     port = free_port()
     env = {**os.environ, "LC_REDIS_URL": redis_url, "LC_PREFIX": prefix}
@@ -56,9 +56,9 @@ def gunicorn_preload(redis_url: str, prefix: str) -> Iterator[str]:
         f"127.0.0.1:{port}",
         "tests.apps.wsgi_books:app",
     ]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    log_path = tmp_path / "gunicorn.log"
+    log = log_path.open("wb")  # a file, not a pipe: nobody drains a pipe while tests run
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -68,7 +68,7 @@ def gunicorn_preload(redis_url: str, prefix: str) -> Iterator[str]:
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("gunicorn did not start") from None
+                    raise RuntimeError(f"gunicorn did not start:\n{log_path.read_text()}") from None
                 time.sleep(0.1)
         yield base
     finally:
@@ -78,6 +78,7 @@ def gunicorn_preload(redis_url: str, prefix: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
 
 
 def test_gunicorn_preload_worker_serves_requests_after_fork(
