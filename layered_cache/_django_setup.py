@@ -1,6 +1,7 @@
-"""What ``layered_cache.django`` builds from Django's ``CACHES`` entry, and the few Redis
-steps Django's API needs beyond the namespace API (``EXPIRE`` to a per-key timeout,
-``SCAN`` for ``clear()``).
+"""What ``layered_cache.django`` builds from Django's ``CACHES`` entry, how it writes an
+entry (``write``: timeout 0 and oversized values delete), and the few Redis steps
+Django's API needs beyond the namespace API (``PEXPIRE`` to a per-key timeout, ``SCAN``
+for ``clear()``).
 
 Django makes one backend object per alias *per thread* (``caches`` is thread-local),
 and calls ``close()`` on every one after each request. A loop thread and a Redis pool
@@ -49,7 +50,7 @@ def default_table(namespace: str) -> dict[str, Any]:
     """The namespace added when the config has none of that name: ``{namespace}:{key}``.
     L2 keeps an entry as long as the config allows (3650d, no jitter: a Django timeout is
     the caller's, exact); each write then sets the Redis TTL to the entry's own timeout.
-    L1 keeps a copy 5 s at most (every read checks the entry's own expiry too)."""
+    L1 keeps a copy about 5 s (every read checks the entry's own expiry too)."""
     return {
         "key": f"{namespace}:{{key}}",
         "l1": {"ttl": "5s", "jitter": 0.2},
