@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -38,47 +39,63 @@ def _get(url: str, timeout: float = 10.0) -> dict[str, Any]:
         return body
 
 
+@contextlib.contextmanager
+def _serving(command: list[str], port: int, env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """Run a WSGI server (the app: tests/apps/wsgi_books.py); yield its base URL once it
+    answers."""
+    with log_path.open("wb") as log:  # a file, not a pipe: nobody drains a pipe here
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    _get(f"{base}/loads", timeout=1)
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"{log_path.stem} did not start:\n{log_path.read_text()}"
+                        ) from None
+                    time.sleep(0.1)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.fixture
 def gunicorn_preload(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[str]:
     """gunicorn -w 2 --preload serving tests/apps/wsgi_books.py; yields its base URL."""
     port = free_port()
     env = {**os.environ, "LC_REDIS_URL": redis_url, "LC_PREFIX": prefix}
-    command = [
-        sys.executable,
-        "-m",
-        "gunicorn",
-        "--preload",
-        "-w",
-        "2",
-        "--timeout",
-        "30",
-        "-b",
-        f"127.0.0.1:{port}",
-        "tests.apps.wsgi_books:app",
-    ]
-    log_path = tmp_path / "gunicorn.log"
-    log = log_path.open("wb")  # a file, not a pipe: nobody drains a pipe while tests run
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _get(f"{base}/loads", timeout=1)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gunicorn did not start:\n{log_path.read_text()}") from None
-                time.sleep(0.1)
+    command = [sys.executable, "-m", "gunicorn", "--preload", "-w", "2", "--timeout", "30",
+               "-b", f"127.0.0.1:{port}", "tests.apps.wsgi_books:app"]  # fmt: skip
+    with _serving(command, port, env, tmp_path / "gunicorn.log") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+
+
+@pytest.fixture
+def uwsgi_prefork(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[str]:
+    """uWSGI, master + 2 workers, the app loaded in the master then forked (its default,
+    like --preload), with the two options README asks for. Not in the dev extra (a C
+    build): skipped unless installed."""
+    uwsgi = Path(sys.executable).with_name("uwsgi")
+    if not uwsgi.exists():
+        pytest.skip("uwsgi is not installed (pip install uwsgi)")
+    port = free_port()
+    env = {**os.environ, "LC_REDIS_URL": redis_url, "LC_PREFIX": prefix}
+    venv = Path(sys.executable).parent.parent
+    command = [str(uwsgi), "--http-socket", f"127.0.0.1:{port}", "--master",
+               "--processes", "2", "--enable-threads", "--py-call-osafterfork",
+               "--need-app", "--die-on-term",
+               "--chdir", str(ROOT), "-H", str(venv), "--module", "tests.apps.wsgi_books:app"]  # fmt: skip
+    with _serving(command, port, env, tmp_path / "uwsgi.log") as base:
+        yield base
 
 
 def test_gunicorn_preload_worker_serves_requests_after_fork(
@@ -217,3 +234,16 @@ def test_a_cache_started_with_redis_down_waits_a_bounded_time_then_serves(prefix
         waited = time.monotonic() - started
         assert cache.get_or_load("book", {"id": 1}, lambda: "from-db") == "from-db"
     assert waited < 2 * (0.2 + 0.2) + 1.0  # 2 x (connect_timeout + timeout) + slack
+
+
+def test_uwsgi_worker_serves_requests_and_follows_invalidations_after_fork(
+    uwsgi_prefork: str, redis_url: str, prefix: str
+) -> None:
+    answers = [_get(f"{uwsgi_prefork}/book/42") for _ in range(20)]
+    assert [a["value"] for a in answers] == ["v1"] * 20
+    with SyncLayeredCache.from_config(make_config(redis_url, prefix)) as other:
+        other.set("book", {"id": 42}, "v2")
+    deadline = time.monotonic() + 10
+    while _get(f"{uwsgi_prefork}/book/42")["value"] != "v2":
+        assert time.monotonic() < deadline, "a worker kept serving the invalidated value"
+        time.sleep(0.05)
