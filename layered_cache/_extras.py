@@ -14,6 +14,7 @@ __all__ = ["EXTRAS", "MissingExtraError", "missing_extra"]
 EXTRAS: dict[str, tuple[str, ...]] = {
     "daemon": ("aiokafka", "cramjam", "prometheus_client"),
     "prometheus": ("prometheus_client",),
+    "django": ("django",),
 }
 
 

@@ -30,17 +30,26 @@ one load).
   that raises ``RecursionError`` naming the key instead.
 - Calling it from a running event loop (async code) raises ``RuntimeError``: blocking
   would freeze that loop; use ``LayeredCache`` there.
+- It survives a fork (gunicorn ``--preload``, uWSGI, ``multiprocessing``): a cache
+  created and started at import is inherited without its loop thread, which only the
+  parent has. The child forgets the parent's loop, pool and connections (untouched:
+  the parent still uses them) and its first call builds its own, with an empty L1.
+- No call waits forever by default: after ``timeout`` (``DEFAULT_TIMEOUT``, 20 s) it
+  raises ``SyncTimeoutError`` (a ``TimeoutError``) naming the call; ``timeout=None``
+  opts out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import inspect
+import os
 import threading
 import typing
+import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, ParamSpec, TypeVar
 
@@ -48,12 +57,33 @@ from layered_cache._cache import LayeredCache, RedisStatus
 from layered_cache._config import Config
 from layered_cache._decorate import bind_key_fields
 from layered_cache._l1 import MISSING
+from layered_cache._loopthread import LoopThread, SyncTimeoutError
 from layered_cache._policy import Policy
 
-__all__ = ["SyncLayeredCache"]
+__all__ = ["DEFAULT_TIMEOUT", "SyncLayeredCache", "SyncTimeoutError"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
+
+# Seconds a sync call may block by default. Longer than any bound of the cache itself
+# (Redis timeouts, the lease's max_wait) plus a slow query, shorter than a WSGI
+# server's worker timeout (gunicorn: 30 s), so a stuck call is an exception naming the
+# call, not a killed worker.
+DEFAULT_TIMEOUT = 20.0
+
+
+def _forget_parent_after_fork(sync_cache: SyncLayeredCache) -> None:
+    """Register the child-side reset of ``sync_cache`` with ``os.register_at_fork``.
+    Registrations can't be removed, so the hook holds a weak reference: a closed,
+    dropped cache is collected, and its hook does nothing."""
+    ref = weakref.ref(sync_cache)
+
+    def after_in_child() -> None:
+        alive = ref()
+        if alive is not None:
+            alive._forget_parent()
+
+    os.register_at_fork(after_in_child=after_in_child)
 
 
 class SyncLayeredCache:
@@ -64,23 +94,23 @@ class SyncLayeredCache:
         config: Config,
         *,
         max_workers: int = 32,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
         **cache_kwargs: Any,
     ) -> None:
         """``max_workers``: threads for sync loaders; ``timeout``: seconds a call may
-        block before ``TimeoutError`` (None: as long as the cache's own bounds allow)."""
+        block before ``SyncTimeoutError`` (a ``TimeoutError``); None waits without bound."""
         self.config = config
         self._cache_kwargs = cache_kwargs
         self._timeout = timeout
         self._max_workers = max_workers
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._runner: LoopThread | None = None
         self._cache: LayeredCache | None = None
+        self._started = False  # start() called and close() not: a forked child rebuilds
         # Per thread: the keys whose loaders this thread is running (outermost first).
         # Set only on loader threads; nested calls from them take the nested path.
         self._loading = threading.local()
+        _forget_parent_after_fork(self)
 
     @classmethod
     def from_config(cls, config: Config, **kwargs: Any) -> SyncLayeredCache:
@@ -98,92 +128,82 @@ class SyncLayeredCache:
     def start(self) -> None:
         """Start the loop thread and the cache on it (idempotent)."""
         with self._lock:
-            if self._loop is not None:
-                return
-            loop = asyncio.new_event_loop()
-            ready = threading.Event()
+            self._started = True
+            self._start_locked()
 
-            def run() -> None:
-                asyncio.set_event_loop(loop)
-                loop.call_soon(ready.set)
-                loop.run_forever()
-                try:
-                    _cancel_leftovers(loop)
-                    loop.run_until_complete(loop.shutdown_asyncgens())
-                finally:
-                    loop.close()
-
-            thread = threading.Thread(target=run, name="layered-cache-loop", daemon=True)
-            thread.start()
-            ready.wait()
-            self._loop, self._thread = loop, thread
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self._max_workers, thread_name_prefix="layered-cache-loader"
-            )
-
-            async def open_cache() -> LayeredCache:
-                cache = LayeredCache.from_config(self.config, **self._cache_kwargs)
-                await cache.start()
-                return cache
-
-            try:
-                self._cache = asyncio.run_coroutine_threadsafe(open_cache(), loop).result()
-            except BaseException:
-                self._stop_loop()
-                raise
+    def _start_locked(self) -> LayeredCache:
+        if self._runner is not None and self._cache is not None:
+            return self._cache
+        runner = LoopThread(self._max_workers)
+        opening = _open_cache(self.config, self._cache_kwargs)
+        try:
+            self._cache = runner.run(opening, self._timeout, "starting the cache")
+        except BaseException:
+            runner.stop()
+            raise
+        self._runner = runner
+        return self._cache
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the cache, stop the loop thread, shut the loader pool down."""
         with self._lock:
-            if self._loop is None:
+            self._started = False
+            runner, cache = self._runner, self._cache
+            self._runner = self._cache = None
+            if runner is None:
                 return
-            cache, loop = self._cache, self._loop
-            if cache is not None:
-                future = asyncio.run_coroutine_threadsafe(cache.close(), loop)
-                try:
-                    future.result(timeout)
-                except (TimeoutError, concurrent.futures.TimeoutError):
-                    future.cancel()
-            self._stop_loop(timeout)
+            if not runner.owned_here:  # close() in a forked child before any call
+                runner.abandon(cache)
+                return
+            try:
+                if cache is not None:
+                    with contextlib.suppress(SyncTimeoutError):
+                        runner.run(cache.close(), timeout, "closing the cache")
+            finally:
+                runner.stop(timeout)  # whatever closing raised: no loop thread left behind
 
-    def _stop_loop(self, timeout: float = 10.0) -> None:
-        loop, thread, executor = self._loop, self._thread, self._executor
-        self._loop = self._thread = self._executor = self._cache = None
-        if loop is not None:
-            loop.call_soon_threadsafe(loop.stop)
-        if thread is not None:
-            thread.join(timeout)
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+    def _forget_parent(self) -> None:
+        """In a forked child (``os.register_at_fork``): the loop thread, the loader pool
+        and the Redis connections are the parent's. Drop them untouched (the parent
+        still uses those sockets) and a fresh lock (another thread may have held ours at
+        the fork); the next call builds a new loop and a new cache, with an empty L1
+        (the copied L1 missed every invalidation since the fork)."""
+        if self._runner is not None:
+            self._runner.abandon(self._cache)
+        self._runner = self._cache = None
+        self._lock = threading.Lock()
+        self._loading = threading.local()
 
     @property
     def cache(self) -> LayeredCache:
-        """The underlying async cache (for metrics registration, policies, stats)."""
-        if self._cache is None:
-            raise RuntimeError("SyncLayeredCache is not started (use `with` or .start())")
-        return self._cache
+        """The underlying async cache (for metrics registration, policies, stats).
+        In a forked child, the first use builds the child's own (lazily)."""
+        cache, runner = self._cache, self._runner
+        if cache is not None and runner is not None and runner.owned_here:
+            return cache
+        with self._lock:
+            if not self._started:
+                raise RuntimeError("SyncLayeredCache is not started (use `with` or .start())")
+            if self._runner is not None and not self._runner.owned_here:
+                self._forget_parent()  # a fork the at-fork hook did not see
+            return self._start_locked()
 
     # -- plumbing ----------------------------------------------------------------------
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        loop = self._loop
-        if loop is None or self._cache is None:
+    def _run(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        runner = self._runner
+        if runner is None or self._cache is None or not runner.owned_here:
             coro.close()
             raise RuntimeError("SyncLayeredCache is not started (use `with` or .start())")
-        if self._thread is not None and threading.get_ident() == self._thread.ident:
+        if threading.get_ident() == runner.thread.ident:
             coro.close()
             raise RuntimeError("SyncLayeredCache called from its own event loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(self._timeout)
+        return runner.run(coro, self._timeout, what)
 
-    @staticmethod
-    def _refuse_running_loop() -> None:
-        """Blocking inside a running event loop would freeze it for the whole call."""
-        if asyncio.events._get_running_loop() is not None:
-            raise RuntimeError(
-                "SyncLayeredCache called from a running event loop (async code): it would "
-                "block the loop; await the async API instead (layered_cache.LayeredCache, "
-                "e.g. `await cache.get_or_load(...)`)"
-            )
+    def _call(self, make: Callable[[LayeredCache], Coroutine[Any, Any, T]], what: str) -> T:
+        """Run ``make(cache)`` on the loop (for in-package adapters, e.g. Django's)."""
+        _refuse_running_loop()
+        return self._run(make(self.cache), what)
 
     def _loading_keys(self) -> tuple[str, ...]:
         keys: tuple[str, ...] = getattr(self._loading, "keys", ())
@@ -197,7 +217,7 @@ class SyncLayeredCache:
         thread of its own: queueing it behind the pool its caller occupies could wait
         forever."""
         context = contextvars.copy_context()
-        executor = self._executor
+        executor = self._runner.executor if self._runner is not None else None
         chain = (*self._loading_keys(), key)
 
         def run_marked() -> T:
@@ -241,7 +261,7 @@ class SyncLayeredCache:
         self, namespace: str, fields: Mapping[str, object], loader: Callable[[], T]
     ) -> T:
         """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
-        self._refuse_running_loop()
+        _refuse_running_loop()
         policy = self.cache.namespace(namespace).policy
         value = self._l1_hit(policy, fields)
         if value is not MISSING:
@@ -249,24 +269,26 @@ class SyncLayeredCache:
         key = policy.template.build(fields)
         self._check_not_own_key(key)
         load = self._async_loader(key, loader)
-        return self._run(self.cache.get_or_load(namespace, fields, load))
+        return self._run(
+            self.cache.get_or_load(namespace, fields, load), f"get_or_load({namespace!r})"
+        )
 
     def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
         """The cached value or None; never loads."""
-        self._refuse_running_loop()
+        _refuse_running_loop()
         value = self._l1_hit(self.cache.namespace(namespace).policy, fields)
         if value is not MISSING:
             return value
-        return self._run(self.cache.get(namespace, fields))
+        return self._run(self.cache.get(namespace, fields), f"get({namespace!r})")
 
     def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
-        self._refuse_running_loop()
-        self._run(self.cache.set(namespace, fields, value))
+        _refuse_running_loop()
+        self._run(self.cache.set(namespace, fields, value), f"set({namespace!r})")
 
     def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
         """Delete the L2 key, replicas and lease, then drop L1 everywhere."""
-        self._refuse_running_loop()
-        self._run(self.cache.invalidate(namespace, fields))
+        _refuse_running_loop()
+        self._run(self.cache.invalidate(namespace, fields), f"invalidate({namespace!r})")
 
     def cached(
         self, namespace: str, *, value_type: Any = None
@@ -307,6 +329,33 @@ class SyncLayeredCache:
         return self.cache.key(namespace, fields)
 
 
+async def _open_cache(config: Config, kwargs: Mapping[str, Any]) -> LayeredCache:
+    """Start a cache and wait until its backplane listener knows its position in the
+    stream. Before that, an invalidation announced right after a first L1 fill would be
+    missed, and the fill served for its L1 TTL: in a forked worker, whose cache starts
+    on its first request, every worker start opened that window. Bounded (Redis may be
+    down; the cache works without it)."""
+    cache = LayeredCache.from_config(config, **kwargs)
+    await cache.start()
+    listener = getattr(cache, "_backplane", None)
+    positioned = getattr(listener, "connected", None)
+    if isinstance(positioned, asyncio.Event):
+        bound = 2 * (config.redis.connect_timeout + config.redis.timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(positioned.wait(), bound)
+    return cache
+
+
+def _refuse_running_loop() -> None:
+    """Blocking inside a running event loop would freeze it for the whole call."""
+    if asyncio.events._get_running_loop() is not None:
+        raise RuntimeError(
+            "SyncLayeredCache called from a running event loop (async code): it would "
+            "block the loop; await the async API instead (layered_cache.LayeredCache, "
+            "e.g. `await cache.get_or_load(...)`)"
+        )
+
+
 async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
     """Run ``fn`` on a new daemon thread (a nested load: see ``_async_loader``)."""
     future: asyncio.Future[T] = loop.create_future()
@@ -325,13 +374,3 @@ async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -
 
     threading.Thread(target=run, name="layered-cache-nested-loader", daemon=True).start()
     return await future
-
-
-def _cancel_leftovers(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:
-    """Cancel tasks still pending after close (e.g. a listener mid-XREAD) and let them
-    finish, so none is destroyed pending when the loop closes."""
-    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))

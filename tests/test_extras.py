@@ -68,13 +68,21 @@ def test_the_daemon_command_without_its_extra_is_one_line_and_exit_2(tmp_path: P
     ]
 
 
+def test_the_django_backend_without_its_extra_is_an_import_error_naming_the_extra() -> None:
+    result = run_without(["django"], "import layered_cache.django")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("layered_cache._extras.MissingExtraError:"), result.stderr
+    assert "pip install 'layered-cache[django]'" in last
+
+
 def test_the_library_imports_without_any_extra() -> None:
     code = (
         "import layered_cache, layered_cache._cache, layered_cache.cli, layered_cache.sync\n"
         "import layered_cache._backplane, layered_cache._logs, layered_cache.daemon.main\n"
         "print('ok')\n"
     )
-    result = run_without(["aiokafka", "cramjam", "prometheus_client"], code)
+    result = run_without(["aiokafka", "cramjam", "prometheus_client", "django"], code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 

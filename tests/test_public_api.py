@@ -31,8 +31,8 @@ PUBLIC_NAMES = [
     "parse_config",
     "redact_event",
 ]
-# Modules users import by name: the sync facade, and the two with optional extras.
-PUBLIC_MODULES = {"cli", "daemon", "prometheus", "sync"}
+# Modules users import by name: the sync facade, and the three with optional extras.
+PUBLIC_MODULES = {"cli", "daemon", "django", "prometheus", "sync"}
 LAYERED_CACHE_METHODS = {
     "backplane_status",
     "cached",

@@ -76,8 +76,8 @@ def test_50_threads_concurrent_misses_cause_one_load(cache: SyncLayeredCache) ->
 def test_l1_hit_is_served_in_the_calling_thread(cache: SyncLayeredCache) -> None:
     loader = SyncLoader("v")
     assert cache.get_or_load("book", {"id": 1}, loader) == "v"
-    loop = cache._loop
-    assert loop is not None
+    assert cache._runner is not None
+    loop = cache._runner.loop
     # Stall the loop thread: an L1 hit must not need it.
     release = threading.Event()
     loop.call_soon_threadsafe(lambda: release.wait(5))
@@ -180,8 +180,9 @@ def test_lifecycle(redis_url: str, prefix: str) -> None:
         sync_cache.get("book", {"id": 1})
     sync_cache.start()
     sync_cache.start()  # idempotent
-    thread = sync_cache._thread
-    assert thread is not None and thread.daemon and thread.is_alive()
+    assert sync_cache._runner is not None
+    thread = sync_cache._runner.thread
+    assert thread.daemon and thread.is_alive()
     sync_cache.set("book", {"id": 1}, 1)
     sync_cache.close()
     sync_cache.close()

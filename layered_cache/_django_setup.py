@@ -1,0 +1,209 @@
+"""What ``layered_cache.django`` builds from Django's ``CACHES`` entry, how it writes an
+entry (``write``: timeout 0 and oversized values delete), and the few Redis steps
+Django's API needs beyond the namespace API (``PEXPIRE`` to a per-key timeout, ``SCAN``
+for ``clear()``).
+
+Django makes one backend object per alias *per thread* (``caches`` is thread-local),
+and calls ``close()`` on every one after each request. A loop thread and a Redis pool
+per backend object would multiply with the threads and be torn down per request, so
+backend objects share one ``SyncLayeredCache`` per configuration per process (``shared``);
+it is never closed by Django (it dies with the process, and a fork rebuilds it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+import time
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from layered_cache._cache import LayeredCache
+from layered_cache._clients import REDIS_FAILURES
+from layered_cache._config import Config, ConfigError, parse_config
+from layered_cache._django_values import Entry
+from layered_cache._keys import parse_template, replica_names
+from layered_cache._policy import Policy
+from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "build_config",
+    "clear_namespace",
+    "close_shared",
+    "expire",
+    "shared",
+    "write",
+]
+
+DEFAULT_NAMESPACE = "django"
+
+
+def default_table(namespace: str) -> dict[str, Any]:
+    """The namespace added when the config has none of that name: ``{namespace}:{key}``.
+    L2 keeps an entry as long as the config allows (3650d, no jitter: a Django timeout is
+    the caller's, exact); each write then sets the Redis TTL to the entry's own timeout.
+    L1 keeps a copy about 5 s (every read checks the entry's own expiry too)."""
+    return {
+        "key": f"{namespace}:{{key}}",
+        "l1": {"ttl": "5s", "jitter": 0.2},
+        "l2": {"ttl": "3650d", "jitter": 0.0},
+    }
+
+
+# Ours, plus Django's generic ones that a Redis-backed cache leaves to Redis (eviction is
+# Redis's maxmemory policy; L1 has the namespace's max_entries): accepted, unused.
+_OPTIONS = {"config", "namespace", "timeout", "max_workers", "MAX_ENTRIES", "CULL_FREQUENCY"}
+_shared: dict[str, tuple[SyncLayeredCache, str]] = {}
+_shared_lock = threading.Lock()
+_log = structlog.get_logger("layered_cache")
+
+
+def _reset_lock_in_child() -> None:
+    """A thread of the parent may have held the lock at the fork; none runs here."""
+    global _shared_lock
+    _shared_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_lock_in_child)
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over`` merged into ``base`` table by table (inline OPTIONS refine the file)."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_config(location: str, options: Mapping[str, Any]) -> tuple[Config, str]:
+    """The layered_cache config of a ``CACHES`` entry, and the namespace it uses:
+    ``LOCATION`` (a TOML file, may be empty) with ``OPTIONS["config"]`` merged over it,
+    plus the namespace ``OPTIONS["namespace"]`` (default ``django``) if it lacks one."""
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ConfigError(f"CACHES OPTIONS: unknown {sorted(unknown)} (known: {sorted(_OPTIONS)})")
+    raw: dict[str, Any] = {}
+    source = "<CACHES OPTIONS>"
+    if location:
+        source = location
+        try:
+            raw = tomllib.loads(Path(location).read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{location}: cannot read the layered_cache config: {exc}") from None
+    raw = _merge(raw, options.get("config") or {})
+    namespace = str(options.get("namespace", DEFAULT_NAMESPACE))
+    namespaces = dict(raw.get("namespaces") or {})
+    namespaces.setdefault(namespace, default_table(namespace))
+    raw["namespaces"] = namespaces
+    config = parse_config(raw, source=source)
+    fields = parse_template(namespace, config.namespaces[namespace].key)[1]
+    if len(fields) != 1:
+        raise ConfigError(
+            f"{source}: namespaces.{namespace}.key: a Django cache namespace has exactly one "
+            f"placeholder (e.g. 'django:{{key}}'), got {list(fields)}"
+        )
+    return config, namespace
+
+
+def shared(
+    location: str, options: Mapping[str, Any], value_type: Any
+) -> tuple[SyncLayeredCache, str]:
+    """The process's ``SyncLayeredCache`` for this configuration (started on first use);
+    the namespace's reads decode into ``value_type``."""
+    identity = json.dumps([location, dict(options)], sort_keys=True, default=repr)
+    with _shared_lock:
+        found = _shared.get(identity)
+        if found is None:
+            config, namespace = build_config(location, options)
+            sync_cache = SyncLayeredCache.from_config(
+                config,
+                timeout=options.get("timeout", DEFAULT_TIMEOUT),
+                max_workers=options.get("max_workers", 32),
+                value_types={namespace: value_type},
+            )
+            sync_cache.start()
+            found = _shared[identity] = (sync_cache, namespace)
+    return found
+
+
+def close_shared() -> None:
+    """Close every shared cache of this process (tests; a process that wants a clean
+    exit). Backend objects made later start a new one."""
+    with _shared_lock:
+        found = list(_shared.values())
+        _shared.clear()
+    for sync_cache, _ in found:
+        sync_cache.close()
+
+
+async def write(
+    cache: LayeredCache, namespace: str, fields: Mapping[str, str], entry: Entry
+) -> None:
+    """Write one Django entry. An already expired one (timeout 0) deletes the key; so
+    does one too large for the namespace (``max_value_bytes``), as memcached does: the
+    value it replaces must not be served on."""
+    remaining = None if entry.expires_at is None else entry.expires_at - time.time()
+    policy = cache.namespace(namespace).policy
+    if remaining is not None and remaining <= 0:
+        await cache.invalidate(namespace, fields)
+        return
+    if _too_large(policy, entry):
+        policy.stats.not_cached += 1
+        _log.warning("value_too_large", namespace=namespace, limit=policy.max_value_bytes)
+        await cache.invalidate(namespace, fields)
+        return
+    await cache.set(namespace, fields, entry)
+    if remaining is not None and remaining < policy.l2_ttl:
+        await expire(cache, namespace, fields, remaining)
+
+
+def _too_large(policy: Policy, entry: Entry) -> bool:
+    if len(entry.payload) + 128 <= policy.max_value_bytes:
+        return False  # far from the limit: no need to build the envelope
+    # The exact size L2 would get (msgpack floats are 8 bytes whatever their value).
+    return len(policy.codec.encode(entry, 0.0, 0.0, 0.0)) > policy.max_value_bytes
+
+
+async def expire(
+    cache: LayeredCache, namespace: str, fields: Mapping[str, str], seconds: float
+) -> None:
+    """Let Redis drop ``name`` and its hot-key replicas when its Django timeout passes
+    (not the namespace's 3650d). Only memory depends on it: every read checks the
+    entry's own expiry, so a failed ``PEXPIRE`` is ignored."""
+    client = cache._parts.client
+    name = cache.key(namespace, fields)
+    replicas = cache.namespace(namespace).policy.replicas
+    milliseconds = max(1, int(seconds * 1000))
+    with contextlib.suppress(*REDIS_FAILURES):
+        await asyncio.gather(
+            *(client.pexpire(n, milliseconds) for n in [name, *replica_names(name, replicas)])
+        )
+
+
+async def clear_namespace(cache: LayeredCache, namespace: str) -> int:
+    """Invalidate every key of ``namespace`` (each Redis master's keys, in a cluster):
+    L2, replicas and leases, then every instance's L1 through the backplane."""
+    template = cache.namespace(namespace).policy.template
+    lead = parse_template(namespace, template.template)[0][0]  # distinct per namespace
+    pattern = template.prefix + lead + "*"
+    found: list[dict[str, str]] = []
+    async for raw in cache._parts.client.scan_iter(match=pattern, count=1000):
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        fields = template.parse(name)  # None for replica names (key#i): deleted with it
+        if fields is not None:
+            found.append(fields)
+    for start in range(0, len(found), 100):
+        batch = found[start : start + 100]
+        await asyncio.gather(*(cache.invalidate(namespace, fields) for fields in batch))
+    return len(found)

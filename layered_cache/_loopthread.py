@@ -1,0 +1,95 @@
+"""A private event loop on a daemon thread, with a thread pool for sync loaders: what
+``SyncLayeredCache`` runs the async core on.
+
+A loop thread belongs to the process that started it. ``fork()`` copies only the calling
+thread: in the child the loop object, its sockets and the pool look alive but nothing
+runs them, so a coroutine submitted there is never executed and ``.result()`` waits
+forever. ``LoopThread.pid`` lets the owner tell (``owned_here``) and build a new one;
+the inherited one is abandoned, never stopped or closed (see ``abandon``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread", "SyncTimeoutError"]
+
+T = TypeVar("T")
+
+# Loop threads (and whatever they held: caches, Redis connections) inherited through a
+# fork. Kept referenced, so the child never runs their finalizers: closing a copied
+# connection could write on a socket the parent still uses, and a half-copied loop is
+# no place to run cleanup code. A fork happens a handful of times per process.
+_INHERITED: list[object] = []
+
+
+class SyncTimeoutError(TimeoutError):
+    """A sync call did not finish within ``SyncLayeredCache``'s ``timeout``."""
+
+
+class LoopThread:
+    """An event loop running forever on its own daemon thread, plus the loader pool."""
+
+    def __init__(self, max_workers: int) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        loop = self.loop
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+            try:
+                _cancel_leftovers(loop)
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+        self.thread = threading.Thread(target=run, name="layered-cache-loop", daemon=True)
+        self.thread.start()
+        ready.wait()
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="layered-cache-loader"
+        )
+
+    @property
+    def owned_here(self) -> bool:
+        """False in a forked child: this loop's thread exists only in the parent."""
+        return self.pid == os.getpid()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+        """Run ``coro`` on the loop and block for its result, at most ``timeout`` s."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # the task is cancelled on the loop: no orphan keeps running
+            raise SyncTimeoutError(
+                f"{what} did not finish within {timeout} s (SyncLayeredCache timeout=); "
+                "raise the timeout if the loader is legitimately slow"
+            ) from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def abandon(self, *held: object) -> None:
+        """In a forked child: forget this loop (and ``held``) without touching them."""
+        _INHERITED.append((self, held))
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:
+    """Cancel tasks still pending after close (e.g. a listener mid-XREAD) and let them
+    finish, so none is destroyed pending when the loop closes."""
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))

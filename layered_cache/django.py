@@ -1,0 +1,261 @@
+"""A Django cache backend over layered_cache: L1 in each process, L2 in Redis, the
+backplane keeping every process's L1 coherent, and stampede protection on
+``get_or_set``. Needs the ``django`` extra. Documented in docs/django.md::
+
+    CACHES = {
+        "default": {
+            "BACKEND": "layered_cache.django.LayeredCacheBackend",
+            "LOCATION": "/etc/shop/layered_cache.toml",   # optional: a layered_cache config
+            "OPTIONS": {
+                "config": {"redis": {"url": "redis://cache:6379/0", "prefix": "shop:"}},
+                "namespace": "django",                     # default; added if missing
+            },
+        }
+    }
+
+Django keys become one key field of that namespace (``_django_keys``: readable when
+they can be, hashed otherwise, injective either way); values are stored without pickle
+(``_django_values``) with their own expiry, so ``timeout`` is exact in every layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+try:
+    from asgiref.sync import sync_to_async
+    from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
+except ImportError as error:  # pragma: no cover - exercised without the extra
+    from layered_cache._extras import missing_extra
+
+    raise missing_extra("layered_cache.django", "django", error) from error
+
+from layered_cache._cache import LayeredCache
+from layered_cache._django_keys import field_value
+from layered_cache._django_locked import alive as _alive
+from layered_cache._django_locked import locked
+from layered_cache._django_setup import clear_namespace, expire, shared, write
+from layered_cache._django_values import Entry, UncacheableValue, dumps, loads
+from layered_cache._keys import parse_template
+from layered_cache.sync import SyncLayeredCache
+
+__all__ = ["LayeredCacheBackend", "UncacheableValue"]
+
+Fields = dict[str, str]
+
+
+class LayeredCacheBackend(BaseCache):
+    """``django.core.cache`` API over one layered_cache namespace (docs/django.md)."""
+
+    def __init__(self, location: str, params: dict[str, Any]) -> None:
+        super().__init__(params)
+        self._location = location or ""
+        self._options: dict[str, Any] = dict(params.get("OPTIONS") or {})
+        self._shared: tuple[SyncLayeredCache, str] | None = None  # connected on first use
+        self._field = ""  # the namespace template's one placeholder
+
+    @property
+    def layered(self) -> SyncLayeredCache:
+        """The process's ``SyncLayeredCache`` behind this backend: its other namespaces
+        (``get_or_load("book", ...)``, event invalidation), ``stats()``, ``cache``."""
+        return self._parts()[0]
+
+    def _parts(self) -> tuple[SyncLayeredCache, str]:
+        if self._shared is None:
+            sync_cache, namespace = shared(self._location, self._options, Entry)
+            template = sync_cache.config.namespaces[namespace].key
+            self._field = parse_template(namespace, template)[1][0]
+            self._shared = sync_cache, namespace
+        return self._shared
+
+    def key_fields(self, key: Any, version: int | None = None) -> Fields:
+        """The namespace's key fields for a Django key, e.g. ``{"key": "/1/answer"}``:
+        what a ``CacheInvalidate`` event (or ``layered.invalidate``) names it by."""
+        return self._fields(key, version)
+
+    def _fields(self, key: Any, version: int | None) -> Fields:
+        self._parts()
+        return {self._field: field_value(self.make_and_validate_key(key, version=version))}
+
+    def _call(self, make: Callable[[LayeredCache, str], Any], what: str) -> Any:
+        sync_cache, namespace = self._parts()
+
+        async def run(cache: LayeredCache) -> Any:
+            return await make(cache, namespace)
+
+        return sync_cache._call(run, f"django {what}")
+
+    def _entry(self, fields: Fields) -> Entry | None:
+        sync_cache, namespace = self._parts()
+        entry = sync_cache.get(namespace, fields)
+        return entry if _alive(entry) else None
+
+    # -- the django.core.cache API -----------------------------------------------------
+
+    def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
+        entry = self._entry(self._fields(key, version))
+        return default if entry is None else loads(entry.payload)
+
+    def set(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> None:
+        entry = Entry(dumps(value), self.get_backend_timeout(timeout))
+        fields = self._fields(key, version)
+        self._call(lambda cache, ns: write(cache, ns, fields, entry), "set")
+
+    def add(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> bool:
+        """Set unless present: one of any number of concurrent adders, in any process,
+        gets True (under the key's lease, ``_django_locked``)."""
+        entry = Entry(dumps(value), self.get_backend_timeout(timeout))
+        fields = self._fields(key, version)
+
+        async def add(cache: LayeredCache, namespace: str) -> bool:
+            async def step(current: Entry | None) -> bool:
+                if current is not None:
+                    return False
+                await write(cache, namespace, fields, entry)
+                return True
+
+            return await locked(cache, namespace, fields, step)
+
+        return bool(self._call(add, "add"))
+
+    def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
+        fields = self._fields(key, version)
+        expires_at = self.get_backend_timeout(timeout)
+
+        async def touch(cache: LayeredCache, namespace: str) -> bool:
+            async def step(current: Entry | None) -> bool:
+                if current is None:
+                    return False
+                await write(cache, namespace, fields, Entry(current.payload, expires_at))
+                return True
+
+            return await locked(cache, namespace, fields, step)
+
+        return bool(self._call(touch, "touch"))
+
+    def delete(self, key: Any, version: int | None = None) -> bool:
+        fields = self._fields(key, version)
+
+        async def delete(cache: LayeredCache, namespace: str) -> bool:
+            existed = _alive(await cache.get(namespace, fields))
+            await cache.invalidate(namespace, fields)  # L2, replicas, lease, every L1
+            return existed
+
+        return bool(self._call(delete, "delete"))
+
+    def has_key(self, key: Any, version: int | None = None) -> bool:
+        return self._entry(self._fields(key, version)) is not None
+
+    def incr(self, key: Any, delta: int = 1, version: int | None = None) -> Any:
+        """Add ``delta``, keeping the remaining timeout. Atomic with every other
+        add/incr/decr/touch of the key, in any process (``_django_locked``)."""
+        fields = self._fields(key, version)
+
+        async def incr(cache: LayeredCache, namespace: str) -> Any:
+            async def step(current: Entry | None) -> Any:
+                if current is None:
+                    raise ValueError(f"Key '{key}' not found")
+                value = loads(current.payload) + delta
+                await write(cache, namespace, fields, Entry(dumps(value), current.expires_at))
+                return value
+
+            return await locked(cache, namespace, fields, step)
+
+        return self._call(incr, "incr")
+
+    def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
+        wanted = [(key, self._fields(key, version)) for key in keys]
+
+        async def get_all(cache: LayeredCache, namespace: str) -> list[Any]:
+            # concurrent reads over the pool: the misses' round trips overlap
+            return await asyncio.gather(*(cache.get(namespace, fields) for _, fields in wanted))
+
+        entries = self._call(get_all, "get_many")
+        return {
+            key: loads(entry.payload)
+            for (key, _), entry in zip(wanted, entries, strict=True)
+            if _alive(entry)
+        }
+
+    def set_many(
+        self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> list[Any]:
+        expires_at = self.get_backend_timeout(timeout)
+        writes = [
+            (self._fields(key, version), Entry(dumps(value), expires_at))
+            for key, value in data.items()
+        ]  # every value encoded before the first write: an uncacheable one writes none
+
+        async def set_all(cache: LayeredCache, namespace: str) -> None:
+            await asyncio.gather(*(write(cache, namespace, f, e) for f, e in writes))
+
+        if writes:
+            self._call(set_all, "set_many")
+        return []
+
+    def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
+        targets = [self._fields(key, version) for key in keys]
+
+        async def delete_all(cache: LayeredCache, namespace: str) -> None:
+            await asyncio.gather(*(cache.invalidate(namespace, fields) for fields in targets))
+
+        if targets:
+            self._call(delete_all, "delete_many")
+
+    def get_or_set(
+        self,
+        key: Any,
+        default: Any,
+        timeout: Any = DEFAULT_TIMEOUT,
+        version: int | None = None,
+    ) -> Any:
+        """The cached value, else ``default`` (called if callable) stored and returned:
+        with stampede protection, one call of ``default`` per key for the whole fleet."""
+        sync_cache, namespace = self._parts()
+        fields = self._fields(key, version)
+        expires_at = self.get_backend_timeout(timeout)
+        if expires_at is not None and expires_at <= time.time():  # timeout 0: not cached
+            return default() if callable(default) else default
+        loaded: list[Entry] = []
+
+        def load() -> Entry:
+            entry = Entry(dumps(default() if callable(default) else default), expires_at)
+            loaded.append(entry)
+            return entry
+
+        entry: Entry = sync_cache.get_or_load(namespace, fields, load)
+        if not _alive(entry):  # a copy past its own timeout: drop it, load once more
+            sync_cache.invalidate(namespace, fields)
+            entry = sync_cache.get_or_load(namespace, fields, load)
+        if loaded and expires_at is not None:
+            remaining = expires_at - time.time()
+            self._call(lambda cache, ns: expire(cache, ns, fields, remaining), "expire")
+        return loads(entry.payload)
+
+    async def aget_or_set(
+        self,
+        key: Any,
+        default: Any,
+        timeout: Any = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - Django's signature
+        version: int | None = None,
+    ) -> Any:
+        """``get_or_set`` from async code, with its stampede protection (Django's generic
+        ``aget_or_set`` is aget + aadd: every concurrent miss would call ``default``)."""
+        get_or_set = sync_to_async(self.get_or_set, thread_sensitive=True)
+        return await get_or_set(key, default, timeout, version)
+
+    def clear(self) -> None:
+        """Invalidate every key of the namespace: all KEY_PREFIXes and versions sharing
+        it, never another namespace's keys, never FLUSHDB (docs/django.md, the API)."""
+        self._call(clear_namespace, "clear")
+
+    def close(self, **kwargs: Any) -> None:
+        """Nothing to close per request: the loop and the Redis pool are shared by the
+        process's backend objects (Django calls this after every request)."""

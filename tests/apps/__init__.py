@@ -1,0 +1,1 @@
+"""Tiny applications the tests run under real servers (gunicorn)."""

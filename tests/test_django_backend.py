@@ -1,0 +1,392 @@
+"""The Django backend as Django apps use it: coherent L1 across processes, one call of
+``get_or_set``'s default per key, exact timeouts, pickle-free values, a scoped clear()."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import decimal
+import multiprocessing
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests import djangoconf
+
+djangoconf.configure()
+
+from django.http import HttpResponse  # noqa: E402
+from django.utils.safestring import SafeString, mark_safe  # noqa: E402
+
+from layered_cache import ConfigError  # noqa: E402
+from layered_cache._django_setup import close_shared  # noqa: E402
+from layered_cache.django import LayeredCacheBackend, UncacheableValue  # noqa: E402
+
+
+def backend(redis_url: str, prefix: str, **options: Any) -> LayeredCacheBackend:
+    """A backend as Django builds it from CACHES; distinct ``options`` give a distinct
+    shared cache (own L1 and backplane listener): a second process, in effect."""
+    config = options.pop("config", {})
+    config.setdefault("redis", {}).update({"url": redis_url, "prefix": prefix})
+    return LayeredCacheBackend(
+        options.pop("location", ""), {"OPTIONS": {"config": config, **options}}
+    )
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+def _close_shared() -> Iterator[None]:
+    yield
+    close_shared()
+
+
+@pytest.mark.filterwarnings("ignore::django.core.cache.CacheKeyWarning")
+def test_readable_keys_stay_readable_in_redis_and_others_are_hashed(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    cache = backend(redis_url, prefix)
+    cache.set("answer", 42)
+    cache.set("key with spaces", 1)
+    names = sorted(name.decode() for name in redis_client.scan_iter(f"{prefix}*"))
+    assert f"{prefix}django:/1/answer" in names
+    hashed = [name for name in names if name.startswith(f"{prefix}django:=")]
+    assert len(hashed) == 1 and len(hashed[0]) == len(f"{prefix}django:=") + 64
+    assert (cache.get("answer"), cache.get("key with spaces")) == (42, 1)
+
+
+def test_a_set_in_one_process_drops_the_l1_copy_in_another(redis_url: str, prefix: str) -> None:
+    writer, reader = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    writer.set("price", "12.90")
+    assert reader.get("price") == "12.90"  # now in the reader's L1 for up to 5 s
+    writer.set("price", "9.90")
+    deadline = time.monotonic() + 3
+    while reader.get("price") != "9.90":
+        assert time.monotonic() < deadline, "the reader kept its L1 copy"
+        time.sleep(0.02)
+    writer.delete("price")
+    deadline = time.monotonic() + 3
+    while reader.get("price") is not None:
+        assert time.monotonic() < deadline, "the reader kept a deleted value"
+        time.sleep(0.02)
+
+
+def test_get_or_set_calls_the_default_once_for_concurrent_misses_in_two_processes(
+    redis_url: str, prefix: str
+) -> None:
+    caches = [backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)]
+    calls: list[int] = []
+    barrier = threading.Barrier(20)
+
+    def expensive() -> dict[str, int]:
+        calls.append(1)
+        time.sleep(0.3)
+        return {"books": 42}
+
+    def read(index: int) -> Any:
+        barrier.wait(5)
+        return caches[index % 2].get_or_set("report", expensive, timeout=60)
+
+    threads_results: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda i=i: threads_results.append(read(i))) for i in range(20)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert threads_results == [{"books": 42}] * 20
+    assert len(calls) == 1
+
+
+def test_timeouts_are_exact_in_every_layer_and_redis_forgets_the_entry_with_them(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    cache = backend(redis_url, prefix)
+    cache.set("short", "v", timeout=1)
+    assert 0 < redis_client.pttl(f"{prefix}django:/1/short") <= 1000
+    cache.set("forever", "v", timeout=None)
+    assert redis_client.pttl(f"{prefix}django:/1/forever") > 365 * 86400 * 1000
+    assert cache.get("short") == "v"  # in L1, whose TTL is 5 s
+    time.sleep(1.1)
+    assert cache.get("short") is None and not cache.has_key("short")
+    assert redis_client.exists(f"{prefix}django:/1/short") == 0
+    assert cache.get("forever") == "v"
+
+
+def test_incr_keeps_the_remaining_timeout(redis_url: str, prefix: str) -> None:
+    cache = backend(redis_url, prefix)
+    cache.set("hits", 1, timeout=1)
+    assert cache.incr("hits", 5) == 6
+    time.sleep(1.1)
+    assert cache.get("hits") is None
+
+
+def test_values_come_back_as_the_type_they_went_in_as(redis_url: str, prefix: str) -> None:
+    cache, other = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    value = {
+        "tuple": (1, (2, "x")),
+        "set": {1, 2},
+        "frozenset": frozenset({"a"}),
+        "decimal": decimal.Decimal("12.90"),
+        "uuid": uuid.UUID(int=42),
+        "naive": datetime.datetime(2026, 11, 29, 10, 0),
+        "aware": datetime.datetime(2026, 11, 29, 10, 0, tzinfo=datetime.UTC),
+        "date": datetime.date(2026, 11, 29),
+        "delta": datetime.timedelta(days=1, seconds=2),
+        "bytes": b"\x00\xff",
+        (1, "tuple-key"): None,
+        "fragment": mark_safe("<b>Dune</b>"),
+    }
+    cache.set("value", value)
+    for reader in (cache, other):  # from L1 and from L2
+        got = reader.get("value")
+        assert got == value
+        assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in value.items()}
+        assert isinstance(got["fragment"], SafeString)
+
+
+def test_a_cached_response_comes_back_with_status_headers_cookies_and_content(
+    redis_url: str, prefix: str
+) -> None:
+    cache = backend(redis_url, prefix)
+    response = HttpResponse("<h1>Dune</h1>", status=203, headers={"X-Shelf": "sf"})
+    response.set_cookie("seen", "1", max_age=60)
+    cache.set("page", response)
+    got = backend(redis_url, prefix, timeout=19.0).get("page")
+    assert (got.status_code, got.content, got["X-Shelf"]) == (203, b"<h1>Dune</h1>", "sf")
+    assert got.cookies["seen"].value == "1" and got.cookies["seen"]["max-age"] == 60
+
+
+def test_an_uncacheable_value_is_a_pickle_error_and_writes_nothing(
+    redis_url: str, prefix: str
+) -> None:
+    cache = backend(redis_url, prefix)
+    cache.set("a", "kept")
+
+    class Book:
+        pass
+
+    with pytest.raises(UncacheableValue, match="never pickles") as raised:
+        cache.set_many({"a": "replaced", "b": Book()})
+    assert isinstance(raised.value, pickle.PickleError) and isinstance(raised.value, TypeError)
+    assert cache.get_many(["a", "b"]) == {"a": "kept"}
+
+
+def test_clear_removes_the_django_namespace_only(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    config = {"namespaces": {"book": {"key": "book:{id}"}}}
+    cache = backend(redis_url, prefix, config=config)
+    other = backend(redis_url, prefix, config=config, timeout=19.0)
+    cache.layered.set("book", {"id": 42}, "Dune")
+    cache.set_many({f"k{i}": i for i in range(250)})
+    assert other.get("k7") == 7  # in the other process's L1
+    cache.clear()
+    assert redis_client.exists(f"{prefix}book:42") == 1
+    assert list(redis_client.scan_iter(f"{prefix}django:*")) == []
+    deadline = time.monotonic() + 3
+    while other.get("k7") is not None:
+        assert time.monotonic() < deadline, "clear() did not reach the other L1"
+        time.sleep(0.02)
+
+
+def test_config_from_a_toml_file_with_inline_options_merged_over_it(
+    redis_url: str, prefix: str, tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    path = tmp_path / "layered_cache.toml"
+    path.write_text(
+        f'[redis]\nurl = "{redis_url}"\nprefix = "file:"\n\n'
+        '[namespaces.pages]\nkey = "pages:{key}"\nl1 = { ttl = "1s" }\n'
+    )
+    cache = LayeredCacheBackend(
+        str(path), {"OPTIONS": {"config": {"redis": {"prefix": prefix}}, "namespace": "pages"}}
+    )
+    cache.set("home", "<html>")
+    assert redis_client.exists(f"{prefix}pages:/1/home") == 1
+    assert cache.layered.cache.namespace("pages").policy.l1_ttl == 1.0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"colour": "blue"}, r"unknown \['colour'\]"),
+        (
+            {"config": {"namespaces": {"django": {"key": "dj:{a}:{b}"}}}},
+            "exactly one placeholder",
+        ),
+        ({"config": {"redis": {"timeout": "soon"}}}, "redis.timeout"),
+    ],
+)
+def test_a_bad_caches_entry_is_a_config_error_saying_what_is_wrong(
+    redis_url: str, prefix: str, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        backend(redis_url, prefix, **options).get("x")
+
+
+@pytest.mark.filterwarnings("ignore::django.core.cache.CacheKeyWarning")
+def test_key_functions_may_return_anything_and_keys_stay_distinct(
+    redis_url: str, prefix: str
+) -> None:
+    cache = backend(redis_url, prefix)
+    cache.key_func = lambda key, key_prefix, version: key  # e.g. a KEY_FUNCTION
+    for key in ["a/b", "a:b", "a=b", "=" + "0" * 64, "清", "a" * 300]:
+        cache.set(key, key)
+    for key in ["a/b", "a:b", "a=b", "=" + "0" * 64, "清", "a" * 300]:
+        assert cache.get(key) == key
+
+
+def _child_round_trip(cache: LayeredCacheBackend, results: Any) -> None:
+    results.put((cache.get("parent"), cache.get_or_set("child", lambda: "from-child")))
+
+
+def test_a_backend_used_before_a_fork_works_in_the_child(redis_url: str, prefix: str) -> None:
+    cache = backend(redis_url, prefix)
+    cache.set("parent", "from-parent")
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_child_round_trip, args=(cache, results))
+    child.start()
+    child.join(15)
+    assert child.exitcode == 0
+    assert results.get(timeout=1) == ("from-parent", "from-child")
+    assert cache.get("child") == "from-child"
+
+
+def test_close_after_each_request_leaves_the_shared_cache_working(
+    redis_url: str, prefix: str
+) -> None:
+    cache = backend(redis_url, prefix)
+    cache.set("k", 1)
+    cache.close()  # Django's request_finished handler
+    assert cache.get("k") == 1
+
+
+def test_an_invalidation_by_key_fields_reaches_every_process(redis_url: str, prefix: str) -> None:
+    # What the daemon does for {"type": "CacheInvalidate", "namespace": "django",
+    # "keys": [{"key": "/1/price"}]}: the same name, the same delete-then-backplane.
+    cache, other = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    cache.set("price", "12.90")
+    assert other.get("price") == "12.90"
+    assert cache.key_fields("price") == {"key": "/1/price"}
+    cache.layered.invalidate("django", cache.key_fields("price"))
+    deadline = time.monotonic() + 3
+    while other.get("price") is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_async_django_calls_work_and_aget_or_set_calls_the_default_once(
+    redis_url: str, prefix: str
+) -> None:
+    cache = backend(redis_url, prefix)
+    calls: list[int] = []
+
+    def expensive() -> int:
+        calls.append(1)
+        time.sleep(0.2)
+        return 2
+
+    async def views() -> Any:  # async views: Django runs the sync backend in a thread
+        await cache.aset("k", {"v": 1})
+        values = await asyncio.gather(*(cache.aget_or_set("g", expensive) for _ in range(10)))
+        return await cache.aget("k"), values
+
+    assert asyncio.run(views()) == ({"v": 1}, [2] * 10)
+    assert len(calls) == 1
+
+
+def test_a_value_too_large_to_cache_deletes_the_one_it_replaces(
+    redis_url: str, prefix: str
+) -> None:
+    # As memcached does: a failed set must not leave the previous value to be served.
+    config = {"namespaces": {"django": {"key": "django:{key}", "max_value_bytes": 2000}}}
+    cache = backend(redis_url, prefix, config=config)
+    cache.set("page", "small")
+    cache.set("page", "x" * 1990)  # fits as a payload, not with its envelope
+    assert cache.get("page") is None
+    assert cache.layered.stats()["django"]["not_cached"] == 1
+    cache.set("page", "x" * 1500)
+    assert cache.get("page") == "x" * 1500
+
+
+def test_hot_key_replicas_expire_with_the_entry(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    config = {
+        "namespaces": {
+            "django": {"key": "django:{key}", "hot": {"replicas": 2, "keys": ["django:/1/home"]}}
+        }
+    }
+    cache = backend(redis_url, prefix, config=config)
+    cache.set("home", "<html>", timeout=30)
+    for name in ("django:/1/home", "django:/1/home#0", "django:/1/home#1"):
+        assert 0 < redis_client.pttl(f"{prefix}{name}") <= 30_000
+
+
+def test_on_a_redis_cluster_clear_reaches_every_master(redis_cluster: Any, prefix: str) -> None:
+    config = {"redis": {"cluster": True, "timeout": "1s"}}
+    cache = backend(redis_cluster.url, prefix, config=config)
+    cache.set_many({f"k{i}": i for i in range(60)})  # spread over the three masters
+    assert cache.get_many(["k1", "k59"]) == {"k1": 1, "k59": 59}
+    holding = 0
+    for host, port in redis_cluster.nodes:
+        with redis.Redis(host=host, port=port) as node:
+            holding += any(node.scan_iter(f"{prefix}django:*"))
+    assert holding == 3
+    cache.clear()
+    other = backend(redis_cluster.url, prefix, config={**config}, timeout=19.0)
+    assert other.get_many([f"k{i}" for i in range(60)]) == {}
+
+
+def _race(caches: list[LayeredCacheBackend], threads: int, call: Any) -> list[Any]:
+    """``call(cache)`` from ``threads`` threads at once, alternating between ``caches``."""
+    barrier = threading.Barrier(threads)
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def run(index: int) -> None:
+        barrier.wait(5)
+        result = call(caches[index % len(caches)])
+        with lock:
+            results.append(result)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    return results
+
+
+def test_add_admits_exactly_one_of_many_concurrent_adders_across_processes(
+    redis_url: str, prefix: str
+) -> None:
+    caches = [backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)]
+    for round_ in range(3):
+        results = _race(caches, 20, lambda cache: cache.add(f"lock{round_}", "mine", 30))
+        assert sorted(results) == [False] * 19 + [True]
+
+
+def test_incr_loses_no_increment_across_processes(redis_url: str, prefix: str) -> None:
+    caches = [backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)]
+    caches[0].set("hits", 0)
+    _race(caches, 20, lambda cache: [cache.incr("hits") for _ in range(5)])
+    assert caches[0].get("hits") == 100
+    deadline = time.monotonic() + 3
+    while caches[1].get("hits") != 100:  # the other process's L1 follows too
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
