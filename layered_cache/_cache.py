@@ -9,7 +9,6 @@ keyed by namespace name. It owns no storage logic and no step of the read path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -17,16 +16,15 @@ from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 import structlog
-from redis.asyncio.cluster import RedisCluster
 
 from layered_cache import _decorate as decorate
+from layered_cache import _startup as startup
 from layered_cache._backplane import BackplaneListener, BackplaneStatus
 from layered_cache._batch import LoadMany
-from layered_cache._clients import REDIS_FAILURES
 from layered_cache._coherence import Coherence
 from layered_cache._config import Config
 from layered_cache._hotreport import HotKeyReporter
-from layered_cache._invalidation import Invalidator, ReplicaCountMismatch, check_replica_counts
+from layered_cache._invalidation import Invalidator, ReplicaCountMismatch
 from layered_cache._keys import hot_report_name
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
@@ -126,31 +124,19 @@ class LayeredCache:
         await self.close()
 
     async def start(self) -> None:
-        """Start following the backplane (L1 coherence). A cluster client learns the
-        slot map now rather than under the first burst of requests (if the cluster is
-        unreachable it retries on first use; the cache works without it meanwhile)."""
-        client = self._parts.client
-        if isinstance(client, RedisCluster):
-            with contextlib.suppress(*REDIS_FAILURES):
-                await client.initialize()
+        """Start following the backplane (L1 coherence) and reporting hot keys; see
+        ``_startup`` for what is checked first and why."""
+        await startup.learn_slots(self._parts.client)
         try:
-            await self._check_replicas()
+            await startup.check_replicas(self._parts.client, self.config.redis.prefix, self)
         except ReplicaCountMismatch:
             await self.close()
             raise
         if self._backplane is not None:
             self._backplane.start()
+            await startup.positioned(self._backplane, self.config.redis)
         if self._hot_reporter is not None:
             self._hot_reporter.start()
-
-    async def _check_replicas(self) -> None:
-        """Refuse to start with a hot.replicas other than the fleet's (see invalidation).
-        Redis unreachable: start anyway (the cache works without Redis), unchecked."""
-        counts = {ns.name: ns.policy.replicas for ns in self if ns.policy.l2}
-        try:
-            await check_replica_counts(self._parts.client, self.config.redis.prefix, counts)
-        except REDIS_FAILURES as exc:
-            _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
     async def close(self) -> None:
         await self._rt.tasks.close()

@@ -63,20 +63,34 @@ class Writes:
             return
         writes: list[Write] = []
         settled: list[tuple[str, Any, float]] = []
+        uncacheable: list[str] = []
         for key, value in keyed:
             soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
             encoded = fills.encode(key, value, soft_expiry, 0.0, versions)
             if encoded is None:
+                uncacheable.append(key)
                 continue
             names, outdated = replicas.set_plan(key, policy.replicas, fills.is_hot(key))
             writes.append((names, outdated, encoded[0], fills.redis_ttl_ms(soft_expiry)))
             settled.append((key, encoded[1], soft_expiry))
+        if uncacheable:
+            # The new value can't be stored (not encodable, too large): the old one
+            # must not be served in its place, so the key goes, everywhere (as
+            # memcached drops a key whose new value is refused).
+            await self._drop(uncacheable)
         if not writes:
             return
         await replicas.write_many(self._rt.store, writes)
         await self._announce([key for key, _, _ in settled])
         for key, value, soft_expiry in settled:
             self._settle(key, value, soft_expiry, read_seq, versions)
+
+    async def _drop(self, keys: list[str]) -> None:
+        try:
+            await self._rt.invalidator.invalidate((key, self._policy.replicas) for key in keys)
+        except REDIS_FAILURES as exc:
+            self._policy.stats.redis_error += 1
+            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def _begin(self, keys: list[str]) -> int | None:
         """Detach in-flight loads and drop our L1 copies before writing. Like every other

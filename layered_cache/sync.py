@@ -43,14 +43,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import inspect
 import os
 import threading
 import typing
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any, ParamSpec, TypeVar
 
 from layered_cache._cache import LayeredCache, RedisStatus
@@ -58,7 +58,9 @@ from layered_cache._config import Config
 from layered_cache._decorate import bind_key_fields
 from layered_cache._l1 import MISSING
 from layered_cache._loopthread import LoopThread, SyncTimeoutError
+from layered_cache._miss import TagsOf
 from layered_cache._policy import Policy
+from layered_cache._sync_loaders import LoaderThreads
 
 __all__ = ["DEFAULT_TIMEOUT", "SyncLayeredCache", "SyncTimeoutError"]
 
@@ -107,9 +109,7 @@ class SyncLayeredCache:
         self._runner: LoopThread | None = None
         self._cache: LayeredCache | None = None
         self._started = False  # start() called and close() not: a forked child rebuilds
-        # Per thread: the keys whose loaders this thread is running (outermost first).
-        # Set only on loader threads; nested calls from them take the nested path.
-        self._loading = threading.local()
+        self._loaders = LoaderThreads()
         _forget_parent_after_fork(self)
 
     @classmethod
@@ -172,7 +172,7 @@ class SyncLayeredCache:
             self._runner.abandon(self._cache)
         self._runner = self._cache = None
         self._lock = threading.Lock()
-        self._loading = threading.local()
+        self._loaders = LoaderThreads()
 
     @property
     def cache(self) -> LayeredCache:
@@ -205,45 +205,6 @@ class SyncLayeredCache:
         _refuse_running_loop()
         return self._run(make(self.cache), what)
 
-    def _loading_keys(self) -> tuple[str, ...]:
-        keys: tuple[str, ...] = getattr(self._loading, "keys", ())
-        return keys
-
-    def _async_loader(
-        self, key: str, loader: Callable[[], T]
-    ) -> Callable[[], Coroutine[Any, Any, T]]:
-        """Wrap a sync loader for ``key``: it runs in a copy of the caller's context, on
-        the pool, or, when the caller is itself a loader (a nested cached function), on a
-        thread of its own: queueing it behind the pool its caller occupies could wait
-        forever."""
-        context = contextvars.copy_context()
-        executor = self._runner.executor if self._runner is not None else None
-        chain = (*self._loading_keys(), key)
-
-        def run_marked() -> T:
-            self._loading.keys = chain
-            try:
-                return context.run(loader)
-            finally:
-                self._loading.keys = ()
-
-        async def load() -> T:
-            loop = asyncio.get_running_loop()
-            if len(chain) == 1:
-                return await loop.run_in_executor(executor, run_marked)
-            return await _in_own_thread(loop, run_marked)
-
-        return load
-
-    def _check_not_own_key(self, key: str) -> None:
-        chain = self._loading_keys()
-        if key in chain:
-            path = " -> ".join((*chain[chain.index(key) :], key))
-            raise RecursionError(
-                f"the loader of {key!r} needs {key!r} itself ({path}): it would wait for "
-                "its own load forever"
-            )
-
     def _l1_hit(self, policy: Policy, fields: Mapping[str, object]) -> Any:
         """The L1 value (counted as an L1 hit) or MISSING; validates the key either way."""
         key = policy.template.build(fields)
@@ -258,7 +219,11 @@ class SyncLayeredCache:
     # -- public API (same as LayeredCache, blocking) -----------------------------------
 
     def get_or_load(
-        self, namespace: str, fields: Mapping[str, object], loader: Callable[[], T]
+        self,
+        namespace: str,
+        fields: Mapping[str, object],
+        loader: Callable[[], T],
+        tags: TagsOf | None = None,
     ) -> T:
         """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
         _refuse_running_loop()
@@ -267,10 +232,10 @@ class SyncLayeredCache:
         if value is not MISSING:
             return typing.cast(T, value)
         key = policy.template.build(fields)
-        self._check_not_own_key(key)
-        load = self._async_loader(key, loader)
+        self._loaders.check_not_own_key(key)
+        load = self._loaders.wrap(key, loader, self._pool())
         return self._run(
-            self.cache.get_or_load(namespace, fields, load), f"get_or_load({namespace!r})"
+            self.cache.get_or_load(namespace, fields, load, tags), f"get_or_load({namespace!r})"
         )
 
     def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
@@ -281,9 +246,49 @@ class SyncLayeredCache:
             return value
         return self._run(self.cache.get(namespace, fields), f"get({namespace!r})")
 
-    def set(self, namespace: str, fields: Mapping[str, object], value: Any) -> None:
+    def set(
+        self,
+        namespace: str,
+        fields: Mapping[str, object],
+        value: Any,
+        tags: Iterable[str] | None = None,
+    ) -> None:
         _refuse_running_loop()
-        self._run(self.cache.set(namespace, fields, value), f"set({namespace!r})")
+        self._run(self.cache.set(namespace, fields, value, tags), f"set({namespace!r})")
+
+    def get_many(self, namespace: str, fields_list: Sequence[Mapping[str, object]]) -> list[Any]:
+        """Values in order, None for a miss (``LayeredCache.get_many``)."""
+        _refuse_running_loop()
+        return self._run(self.cache.get_many(namespace, fields_list), f"get_many({namespace!r})")
+
+    def get_or_load_many(
+        self,
+        namespace: str,
+        fields_list: Sequence[Mapping[str, object]],
+        load_many: Callable[[list[Any]], Sequence[Any]],
+        tags: TagsOf | None = None,
+    ) -> list[Any]:
+        """``LayeredCache.get_or_load_many`` with a sync ``load_many`` (on the pool)."""
+        _refuse_running_loop()
+        ns = self.cache.namespace(namespace)
+        keys = [ns.key(fields) for fields in fields_list]
+        for key in keys:
+            self._loaders.check_not_own_key(key)
+        load = self._loaders.wrap_many(keys, load_many, self._pool())
+        call = self.cache.get_or_load_many(namespace, fields_list, load, tags)
+        return self._run(call, f"get_or_load_many({namespace!r})")
+
+    def set_many(self, namespace: str, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
+        _refuse_running_loop()
+        self._run(self.cache.set_many(namespace, items), f"set_many({namespace!r})")
+
+    def invalidate_tag(self, tag: str) -> None:
+        """Kill every entry carrying ``tag`` everywhere (``LayeredCache.invalidate_tag``)."""
+        _refuse_running_loop()
+        self._run(self.cache.invalidate_tag(tag), f"invalidate_tag({tag!r})")
+
+    def _pool(self) -> Executor | None:
+        return self._runner.executor if self._runner is not None else None
 
     def invalidate(self, namespace: str, fields: Mapping[str, object]) -> None:
         """Delete the L2 key, replicas and lease, then drop L1 everywhere."""
@@ -330,19 +335,10 @@ class SyncLayeredCache:
 
 
 async def _open_cache(config: Config, kwargs: Mapping[str, Any]) -> LayeredCache:
-    """Start a cache and wait until its backplane listener knows its position in the
-    stream. Before that, an invalidation announced right after a first L1 fill would be
-    missed, and the fill served for its L1 TTL: in a forked worker, whose cache starts
-    on its first request, every worker start opened that window. Bounded (Redis may be
-    down; the cache works without it)."""
+    """Start a cache (``start`` waits, bounded, until its backplane listener knows its
+    position in the stream: see ``LayeredCache._backplane_positioned``)."""
     cache = LayeredCache.from_config(config, **kwargs)
     await cache.start()
-    listener = getattr(cache, "_backplane", None)
-    positioned = getattr(listener, "connected", None)
-    if isinstance(positioned, asyncio.Event):
-        bound = 2 * (config.redis.connect_timeout + config.redis.timeout)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(positioned.wait(), bound)
     return cache
 
 
@@ -354,23 +350,3 @@ def _refuse_running_loop() -> None:
             "block the loop; await the async API instead (layered_cache.LayeredCache, "
             "e.g. `await cache.get_or_load(...)`)"
         )
-
-
-async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on a new daemon thread (a nested load: see ``_async_loader``)."""
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():
-            outcome()
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # handed to the awaiting task, not lost in the thread
-            loop.call_soon_threadsafe(settle, functools.partial(future.set_exception, exc))
-        else:
-            loop.call_soon_threadsafe(settle, functools.partial(future.set_result, result))
-
-    threading.Thread(target=run, name="layered-cache-nested-loader", daemon=True).start()
-    return await future

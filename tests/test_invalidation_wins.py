@@ -541,3 +541,27 @@ async def test_set_whose_backplane_append_fails_raises_instead_of_promising_cohe
         assert await a.get("book", {"id": 1}) == "new"
         await admin.delete(stream)
     await admin.aclose()
+
+
+async def test_set_of_a_value_that_cannot_be_stored_drops_the_old_one_everywhere(
+    redis_url: str, prefix: str
+) -> None:
+    """A set() whose value is refused (too large, not encodable) must not leave the
+    previous value to be served in its place, here or in another instance's L1."""
+    config = make_config(
+        redis_url, prefix, {"book": {"key": "book:{id}", "max_value_bytes": 200}}
+    )
+    async with (
+        LayeredCache.from_config(config) as writer,
+        LayeredCache.from_config(config) as reader,
+    ):
+        await writer.set("book", {"id": 1}, "old price")
+        assert await reader.get("book", {"id": 1}) == "old price"  # in reader's L1 now
+        await writer.set("book", {"id": 1}, "x" * 1000)  # over max_value_bytes
+        assert writer.stats()["book"]["not_cached"] == 1
+        assert await writer.get("book", {"id": 1}) is None
+        for _ in range(100):
+            if await reader.get("book", {"id": 1}) is None:
+                break
+            await asyncio.sleep(0.02)
+        assert await reader.get("book", {"id": 1}) is None

@@ -274,3 +274,26 @@ async def test_the_sync_api_called_from_a_running_event_loop_raises_naming_the_a
             assert time.monotonic() - started < 0.5  # refused, not blocked first
     finally:
         cache.close()
+
+
+def test_sync_batches_and_tags_work_like_the_async_api(redis_url: str, prefix: str) -> None:
+    namespaces = {"book": {"key": "book:{id}"}, "shelf": {"key": "shelf:{id}", "tags": True}}
+    config = make_config(redis_url, prefix, namespaces)
+    calls: list[list[int]] = []
+
+    def load_many(fields_list: list[Any]) -> list[str]:
+        calls.append([int(f["id"]) for f in fields_list])
+        return [f"book {f['id']}" for f in fields_list]
+
+    with SyncLayeredCache.from_config(config) as cache:
+        cache.set_many("book", [({"id": 1}, "book 1")])
+        assert cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many) == [
+            "book 1",
+            "book 2",
+        ]
+        assert calls == [[2]]
+        assert cache.get_many("book", [{"id": 2}, {"id": 3}]) == ["book 2", None]
+        shelf = cache.get_or_load("shelf", {"id": 1}, lambda: [1, 2], tags=["book:1"])
+        assert shelf == [1, 2]
+        cache.invalidate_tag("book:1")
+        assert cache.get("shelf", {"id": 1}) is None

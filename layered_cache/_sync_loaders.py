@@ -1,0 +1,102 @@
+"""Where the sync API's loaders run: a sync loader must not block the loop thread, so
+it runs on the thread pool, in a copy of the caller's context; a loader that itself calls
+the cache (a nested cached function) runs on a thread of its own, since queueing it
+behind the pool its caller occupies could wait forever. A loader that needs its own key
+is refused (``RecursionError``) rather than waiting for itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+__all__ = ["LoaderThreads"]
+
+T = TypeVar("T")
+
+
+class LoaderThreads:
+    def __init__(self) -> None:
+        # Per thread: the keys whose loaders this thread is running (outermost first).
+        # Set only on loader threads; nested calls from them take the nested path.
+        self._loading = threading.local()
+
+    def chain(self) -> tuple[str, ...]:
+        keys: tuple[str, ...] = getattr(self._loading, "keys", ())
+        return keys
+
+    def check_not_own_key(self, key: str) -> None:
+        chain = self.chain()
+        if key in chain:
+            path = " -> ".join((*chain[chain.index(key) :], key))
+            raise RecursionError(
+                f"the loader of {key!r} needs {key!r} itself ({path}): it would wait for "
+                "its own load forever"
+            )
+
+    def wrap(
+        self, key: str, loader: Callable[[], T], executor: Executor | None
+    ) -> Callable[[], Coroutine[Any, Any, T]]:
+        """An async loader running the sync ``loader`` for ``key`` (see module doc)."""
+        return self.wrap_chain([key], loader, executor)
+
+    def wrap_many(
+        self,
+        keys: Sequence[str],
+        load_many: Callable[[list[Any]], Sequence[Any]],
+        executor: Executor | None,
+    ) -> Callable[[list[Any]], Coroutine[Any, Any, Sequence[Any]]]:
+        """``wrap`` for a batch loader: it is loading every key of the batch."""
+
+        async def load(fields_list: list[Any]) -> Sequence[Any]:
+            wrapped = self.wrap_chain(keys, lambda: load_many(fields_list), executor)
+            return await wrapped()
+
+        return load
+
+    def wrap_chain(
+        self, keys: Sequence[str], loader: Callable[[], T], executor: Executor | None
+    ) -> Callable[[], Coroutine[Any, Any, T]]:
+        """``loader`` on the pool, marked as loading ``keys``; nested: its own thread."""
+        context = contextvars.copy_context()
+        outer = self.chain()
+        chain = (*outer, *keys)
+
+        def run_marked() -> T:
+            self._loading.keys = chain
+            try:
+                return context.run(loader)
+            finally:
+                self._loading.keys = ()
+
+        async def load() -> T:
+            loop = asyncio.get_running_loop()
+            if not outer:
+                return await loop.run_in_executor(executor, run_marked)
+            return await _in_own_thread(loop, run_marked)
+
+        return load
+
+
+async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a new daemon thread (a nested load: see ``_async_loader``)."""
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting task, not lost in the thread
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_exception, exc))
+        else:
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_result, result))
+
+    threading.Thread(target=run, name="layered-cache-nested-loader", daemon=True).start()
+    return await future
