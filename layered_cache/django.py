@@ -174,8 +174,8 @@ class LayeredCacheBackend(BaseCache):
         wanted = [(key, self._fields(key, version)) for key in keys]
 
         async def get_all(cache: LayeredCache, namespace: str) -> list[Any]:
-            # concurrent reads over the pool: the misses' round trips overlap
-            return await asyncio.gather(*(cache.get(namespace, fields) for _, fields in wanted))
+            # one batch: L1 hits, then one MGET for the rest (LayeredCache.get_many)
+            return await cache.get_many(namespace, [fields for _, fields in wanted])
 
         entries = self._call(get_all, "get_many")
         return {
