@@ -137,7 +137,8 @@ class Namespace:
         envelope: Envelope[Any] | None = None
         if policy.l2:
             try:
-                envelope = await self._read_l2(key)
+                async with self._rt.admission:  # see Runtime.admission
+                    envelope = await self._read_l2(key)
             except L2Unavailable:
                 policy.stats.redis_error += 1
                 return await self._miss.load_unleased(read, loader)

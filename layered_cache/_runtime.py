@@ -69,10 +69,12 @@ class Runtime:
     flight: SingleFlight[Any] = field(default_factory=SingleFlight)
     tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
     hooks: Hooks = field(default_factory=Hooks)
-    # Admission of writes (set, set_many): taken before a write's CPU work, not only
-    # around its Redis call. ``asyncio.gather`` of 10,000 set() calls otherwise runs
-    # every call's encoding in one event-loop pass before any connection is served,
-    # and the first connections' timeouts expire on the starved loop: a burst of our
-    # own making would open the breaker. Separate from ``L2Store.slots`` (taken
-    # inside): holders of this one never wait for it again, so the two can't deadlock.
+    # Admission of writes (set, set_many) and of the first L2 read of an L1 miss: taken
+    # before the work, not only around its Redis call. ``asyncio.gather`` of 10,000
+    # set() calls (or cold reads) otherwise runs every call's CPU work in one event-loop
+    # pass before any connection is served, and the first connections' timeouts expire
+    # on the starved loop: a burst of our own making would open the breaker. Never held
+    # across a loader call (a slow database must not block other reads). Separate from
+    # ``L2Store.slots`` (taken inside): holders of this one never wait for it again, so
+    # the two can't deadlock.
     admission: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(64))

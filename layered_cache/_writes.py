@@ -10,6 +10,7 @@ backplane append.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,10 @@ class Writes:
         written but the backplane append failed: then other instances may still serve
         their old L1 copies for their TTL, and returning normally would promise otherwise."""
         async with self._rt.admission:  # see Runtime.admission
+            # Once more to the back of the loop's queue: in a burst, every other call
+            # parks at the admission first, so the timeouts of our Redis round trips
+            # (connect, read) start on a loop that is free to serve them.
+            await asyncio.sleep(0)
             await self._set_many(items, tags)
 
     async def _set_many(
