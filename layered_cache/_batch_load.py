@@ -15,7 +15,7 @@ from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch
-from layered_cache._miss import MissPath, Read, TagsOf, call_loader, tag_names
+from layered_cache._miss import MissPath, Read, TagsOf, awaited, call_loader, tag_names
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
@@ -266,7 +266,7 @@ class BatchLoader:
 
 async def checked(name: str, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:
     """``load_many(fields_list)``, refused with a clear error unless it is one value per key."""
-    values = await load_many(fields_list)
+    values = await awaited(name, lambda: load_many(fields_list))
     if not isinstance(values, Sequence) or isinstance(values, str | bytes):
         raise TypeError(
             f"namespace {name!r}: load_many must return a list of values "

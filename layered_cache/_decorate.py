@@ -46,6 +46,11 @@ def bind_key_fields(
 def cached(
     namespace: Namespace, fn: Callable[P, Awaitable[T]], value_type: Any = None
 ) -> Callable[P, Awaitable[T]]:
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"{fn.__qualname__} is not an async function: LayeredCache.cached caches "
+            "`async def` functions (for a plain `def`, use SyncLayeredCache.cached)"
+        )
     signature = bind_key_fields(namespace, fn, value_type)
 
     @functools.wraps(fn)

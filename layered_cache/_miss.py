@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -321,7 +322,7 @@ async def call_loader(policy: Policy, hooks: Hooks, loader: Loader) -> Any:
         if hooks.load_wrapper is not None:
             value = await hooks.load_wrapper(policy.name, loader)
         else:
-            value = await loader()
+            value = await awaited(policy.name, loader)
         ok = True
         return value
     except Exception:
@@ -330,3 +331,16 @@ async def call_loader(policy: Policy, hooks: Hooks, loader: Loader) -> Any:
     finally:
         for observe in hooks.load_observers:
             observe(policy.name, time.perf_counter() - started, ok)
+
+
+def awaited(namespace: str, loader: Loader) -> Awaitable[Any]:
+    """``loader()``, refused with a clear error unless it is awaitable: a plain function
+    passed to the async API would otherwise fail as "object dict can't be used in
+    'await' expression", far from the mistake."""
+    result = loader()
+    if not inspect.isawaitable(result):
+        raise TypeError(
+            f"namespace {namespace!r}: the loader returned a {type(result).__name__}, not "
+            "an awaitable: pass an async function (sync loaders: SyncLayeredCache)"
+        )
+    return result

@@ -21,7 +21,7 @@ from layered_cache._fills import Fills
 from layered_cache._keys import replica_name
 from layered_cache._l1 import MISSING
 from layered_cache._l2 import L2Unavailable
-from layered_cache._miss import MissPath, Read, TagsOf
+from layered_cache._miss import MissPath, Read, TagsOf, awaited
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
@@ -92,7 +92,7 @@ class Namespace:
         if not policy.cache:
             policy.stats.miss += 1
             policy.stats.load += 1
-            return await loader()
+            return await awaited(policy.name, loader)  # type: ignore[no-any-return]
         l1 = policy.l1
         if l1 is not None:
             value = l1.get(key)

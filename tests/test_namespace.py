@@ -78,3 +78,23 @@ async def test_the_constructor_takes_injected_parts(redis_url: str, prefix: str)
         await cache.set("book", {"id": 7}, {"title": "Persuasion"})
         assert await parts.client.exists(f"{prefix}book:7") == 1
         assert cache.instance_id == parts.instance_id
+
+
+async def test_async_api_misuse_is_a_clear_error_where_the_mistake_is(
+    redis_url: str, prefix: str
+) -> None:
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        with pytest.raises(TypeError, match="not an async function.*SyncLayeredCache"):
+
+            @cache.cached("book")
+            def plain(id: int) -> dict[str, int]:  # a plain def under the async decorator
+                return {"id": id}
+
+        with pytest.raises(TypeError, match="loader returned a dict, not an awaitable"):
+            await cache.get_or_load("book", {"id": 1}, lambda: {"id": 1})  # type: ignore[arg-type, return-value]
+
+        def sync_many(fields_list: list[object]) -> list[int]:
+            return [1 for _ in fields_list]
+
+        with pytest.raises(TypeError, match="returned a list, not an awaitable"):
+            await cache.get_or_load_many("book", [{"id": 2}], sync_many)  # type: ignore[arg-type]
