@@ -354,7 +354,15 @@ class _Run:
             self.history.type_errors.append(f"{who} got {len(values)} values for {len(names)} keys")
             return
         returned = []
+        seen: dict[str, Any] = {}
         for name, value in zip(names, values, strict=True):
+            if name in seen:  # a key a batch names twice: one read, the same value twice
+                if value != seen[name]:
+                    self.history.type_errors.append(
+                        f"{who} got {value} and {seen[name]} for {name}, named twice"
+                    )
+                continue
+            seen[name] = value
             version = None if value is None else int(value["v"])
             if value is not None and value.get("key") != name:
                 self.history.type_errors.append(f"{who} got {value['key']}'s value for {name}")
