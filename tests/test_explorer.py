@@ -36,6 +36,12 @@ def _first_seed() -> int:
 # seeds run in a test of their own, marked xfail until the fix lands, so that the other
 # variants keep guarding everything else. Empty once fixed.
 KNOWN_FAILING = {"tags"}
+# Seeds of the other variants that violate because of a known library bug, each with its
+# deterministic test (xfail until fixed): reported, not failed on. Empty once fixed.
+KNOWN_SEEDS = {
+    20261652: "test_explorer_findings.py::"
+    "test_a_fallback_is_not_served_once_an_invalidation_arrived_during_its_recheck",
+}
 
 
 async def _explore(
@@ -68,7 +74,7 @@ async def _explore(
                 faults += outcome.faults
                 if outcome.violations:
                     failed.append(outcome)
-                    if len(failed) >= 3:
+                    if len([o for o in failed if o.seed not in KNOWN_SEEDS]) >= 3:
                         break
     finally:
         for world in worlds.values():
@@ -97,6 +103,10 @@ async def test_thousands_of_interleavings_never_serve_a_superseded_value(
     redis_url: str, prefix: str
 ) -> None:
     failed = await _explore(redis_url, prefix, _budget(1000), set(VARIANTS) - KNOWN_FAILING)
+    known = [o for o in failed if o.seed in KNOWN_SEEDS]
+    if known:
+        print(f"known findings (not failed on): {[(o.seed, KNOWN_SEEDS[o.seed]) for o in known]}")
+    failed = [o for o in failed if o.seed not in KNOWN_SEEDS]
     assert not failed, _report(failed)
 
 
