@@ -1,15 +1,18 @@
 """The explorer's world: two cache instances and a daemon on one Redis, a database of
 versions, and random programs of operations run under a seeded scheduler.
 
-Operations (weights in ``_KINDS``): ``get_or_load`` and ``get`` on either instance;
-writes that bump the database version and then ``invalidate()`` (on either instance),
-``set()`` the new value (write-through), or let the daemon invalidate (the same
-``Invalidator`` the daemon runs after decoding an event; Kafka adds nothing to the
-ordering); cancellation of a random operation at a random point. Loaders read the
-database at their start (their linearisation point) and may fail, which exercises the
-stale fail-safe. Variants switch on the paths that only some configs take: hot keys
-with replicas, short soft expiry with stale fallback, early refresh and
-``load_timeout``, no L1. Redis faults are injected at a rate drawn per schedule.
+Operations (weights in ``_KINDS``): ``get_or_load`` and ``get`` on either instance, and
+their batch forms ``get_or_load_many`` and ``get_many`` over 2-3 keys (each value one
+read); writes that bump the database version and then ``invalidate()`` (on either
+instance), ``set()`` the new value (write-through), or let the daemon invalidate (the
+same ``Invalidator`` the daemon runs after decoding an event; Kafka adds nothing to the
+ordering); in the ``tags`` variant, ``invalidate_tag`` (a version bump of every key
+carrying the tag) and the daemon's tag route; cancellation of a random operation at a
+random point. Loaders (single and ``load_many``) read the database at their start (their
+linearisation point) and may fail, which exercises the stale fail-safe. Variants switch
+on the paths that only some configs take: hot keys with replicas, short soft expiry with
+stale fallback, early refresh and ``load_timeout``, no L1, tags. Redis faults are
+injected at a rate drawn per schedule.
 
 After the program, a quiet phase checks liveness: with faults off and the breaker's
 reset passed, a final write must succeed on every instance and every instance must
