@@ -5,7 +5,8 @@ the guarantee "no value superseded before a read began is returned beyond the bo
 
 ``EXPLORER_SCHEDULES`` sets the budget (default 1,000 on one Redis, 100 on the cluster;
 ``make explore`` runs 20,000), ``EXPLORER_SEED`` the first seed (default: a fixed base, so
-CI explores the same programs every run; set it to explore new ones).
+CI explores the same programs every run; set it to explore new ones),
+``EXPLORER_VARIANTS`` (``tags,hot``) runs only those variants' seeds of the budget.
 """
 
 from __future__ import annotations
@@ -31,34 +32,58 @@ def _first_seed() -> int:
     return int(os.environ.get("EXPLORER_SEED", DEFAULT_SEED))
 
 
-async def _explore(url: str, prefix: str, schedules: int, cluster: bool = False) -> list[Outcome]:
-    worlds = [await World.start(url, prefix, v, cluster) for v in VARIANTS]
+# Known violations in the library (tests/test_explorer_findings.py): their variant's
+# seeds run in a test of their own, marked xfail until the fix lands, so that the other
+# variants keep guarding everything else. Empty once fixed.
+KNOWN_FAILING = {"tags"}
+# Seeds of the other variants that violate because of a known library bug, each with its
+# deterministic test (xfail until fixed): reported, not failed on. Empty once fixed.
+KNOWN_SEEDS = {
+    20261652: "test_explorer_findings.py::"
+    "test_a_fallback_is_not_served_once_an_invalidation_arrived_during_its_recheck",
+}
+
+
+async def _explore(
+    url: str, prefix: str, schedules: int, variants: set[str], cluster: bool = False
+) -> list[Outcome]:
+    """Seeds first..first+schedules-1, each in variant ``seed % len(VARIANTS)``; only
+    those in ``variants`` (and in ``EXPLORER_VARIANTS=tags,hot``, if set) run."""
+    only = set(filter(None, os.environ.get("EXPLORER_VARIANTS", "").split(",")))
+    names = list(VARIANTS)
+    wanted = {v for v in variants if not only or v in only}
+    worlds = {v: await World.start(url, prefix, v, cluster) for v in names if v in wanted}
     failed: list[Outcome] = []
     counts: Counter[str] = Counter()
     points = faults = 0
-    first = _first_seed()
+    first = last = _first_seed()
     started = time.perf_counter()
     try:
         with yield_points():
             for offset in range(schedules):
-                seed = first + offset
-                world = worlds[seed % len(worlds)]
-                outcome = await run_schedule(world, seed, keys=2 if (seed // 4) % 4 == 3 else 1)
+                seed = last = first + offset
+                world = worlds.get(names[seed % len(names)])
+                if world is None:
+                    continue
+                # One key in half the schedules (the most contention), two or three
+                # in the others (batches read them together; a shared tag spans them).
+                keys = (1, 1, 2, 3)[(seed // 4) % 4]
+                outcome = await run_schedule(world, seed, keys=keys)
                 counts[world.variant] += 1
                 points += outcome.points
                 faults += outcome.faults
                 if outcome.violations:
                     failed.append(outcome)
-                    if len(failed) >= 3:
+                    if len([o for o in failed if o.seed not in KNOWN_SEEDS]) >= 3:
                         break
     finally:
-        for world in worlds:
+        for world in worlds.values():
             await world.close()
     elapsed = time.perf_counter() - started
     explored = sum(counts.values())
     print(
         f"\nexplorer{' (cluster)' if cluster else ''}: {explored} schedules, seeds "
-        f"{first}..{first + explored - 1}, {points:,} yield points, {faults} injected "
+        f"{first}..{last}, {points:,} yield points, {faults} injected "
         f"faults, {dict(counts)}, {elapsed:.1f} s; violating seeds: "
         f"{[o.seed for o in failed]}"
     )
@@ -77,7 +102,24 @@ def _report(failed: list[Outcome]) -> str:
 async def test_thousands_of_interleavings_never_serve_a_superseded_value(
     redis_url: str, prefix: str
 ) -> None:
-    failed = await _explore(redis_url, prefix, _budget(1000))
+    failed = await _explore(redis_url, prefix, _budget(1000), set(VARIANTS) - KNOWN_FAILING)
+    known = [o for o in failed if o.seed in KNOWN_SEEDS]
+    if known:
+        print(f"known findings (not failed on): {[(o.seed, KNOWN_SEEDS[o.seed]) for o in known]}")
+    failed = [o for o in failed if o.seed not in KNOWN_SEEDS]
+    assert not failed, _report(failed)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the tags variant finds three violations in the library "
+    "(tests/test_explorer_findings.py, docs/explorer.md): remove once they are fixed",
+)
+async def test_tagged_interleavings_never_serve_a_superseded_value(
+    redis_url: str, prefix: str
+) -> None:
+    """The `tags` variant's seeds of the same budget (its share: one in five)."""
+    failed = await _explore(redis_url, prefix, _budget(1000), KNOWN_FAILING)
     assert not failed, _report(failed)
 
 
@@ -85,5 +127,6 @@ async def test_thousands_of_interleavings_never_serve_a_superseded_value(
 async def test_interleavings_on_a_redis_cluster_never_serve_a_superseded_value(
     redis_cluster: RedisClusterServers, prefix: str
 ) -> None:
-    failed = await _explore(redis_cluster.url, prefix, _budget(1000) // 10, cluster=True)
+    variants = set(VARIANTS) - KNOWN_FAILING
+    failed = await _explore(redis_cluster.url, prefix, _budget(1000) // 10, variants, cluster=True)
     assert not failed, _report(failed)

@@ -1,15 +1,18 @@
 """The explorer's world: two cache instances and a daemon on one Redis, a database of
 versions, and random programs of operations run under a seeded scheduler.
 
-Operations (weights in ``_KINDS``): ``get_or_load`` and ``get`` on either instance;
-writes that bump the database version and then ``invalidate()`` (on either instance),
-``set()`` the new value (write-through), or let the daemon invalidate (the same
-``Invalidator`` the daemon runs after decoding an event; Kafka adds nothing to the
-ordering); cancellation of a random operation at a random point. Loaders read the
-database at their start (their linearisation point) and may fail, which exercises the
-stale fail-safe. Variants switch on the paths that only some configs take: hot keys
-with replicas, short soft expiry with stale fallback, early refresh and
-``load_timeout``, no L1. Redis faults are injected at a rate drawn per schedule.
+Operations (weights in ``_KINDS``): ``get_or_load`` and ``get`` on either instance, and
+their batch forms ``get_or_load_many`` and ``get_many`` over 2-3 keys (each value one
+read); writes that bump the database version and then ``invalidate()`` (on either
+instance), ``set()`` the new value (write-through), or let the daemon invalidate (the
+same ``Invalidator`` the daemon runs after decoding an event; Kafka adds nothing to the
+ordering); in the ``tags`` variant, ``invalidate_tag`` (a version bump of every key
+carrying the tag) and the daemon's tag route; cancellation of a random operation at a
+random point. Loaders (single and ``load_many``) read the database at their start (their
+linearisation point) and may fail, which exercises the stale fail-safe. Variants switch
+on the paths that only some configs take: hot keys with replicas, short soft expiry with
+stale fallback, early refresh and ``load_timeout``, no L1, tags. Redis faults are
+injected at a rate drawn per schedule.
 
 After the program, a quiet phase checks liveness: with faults off and the breaker's
 reset passed, a final write must succeed on every instance and every instance must
@@ -31,8 +34,9 @@ from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import REDIS_FAILURES, make_client
 from layered_cache._config import Config
 from layered_cache._invalidation import Invalidator
-from layered_cache._keys import replica_names
+from layered_cache._keys import replica_names, tag_version_name
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._tags import invalidate_tags
 from tests.explorer.history import History, Read, Write
 from tests.explorer.scheduler import PROBE, Probe, Scheduler
 from tests.helpers import make_config
@@ -58,18 +62,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
     },
     "no_l1": {"l1": False},
+    # Every read-through and set() passes tags (key i: its own tag and one shared by
+    # every key of the schedule); invalidate_tag and the daemon's tag route write.
+    "tags": {"tags": True},
 }
 _STAMPEDE = {"lease_ttl": "1s", "reread_pause": ["2ms", "10ms"], "max_wait": "300ms"}
 
 _KINDS = [
-    ("get_or_load", 34),
-    ("get", 10),
+    ("get_or_load", 28),
+    ("get", 8),
+    ("get_or_load_many", 10),
+    ("get_many", 4),
     ("invalidate", 16),
     ("set", 14),
     ("daemon", 12),
     ("cancel", 8),
     ("outage", 4),
 ]
+# Only where the namespace has tags = true (the `tags` variant).
+_TAG_KINDS = [("invalidate_tag", 16)]
+_READS = ("get_or_load", "get", "get_or_load_many", "get_many")
+_BATCHES = ("get_or_load_many", "get_many")
 
 
 def variant_config(url: str, prefix: str, variant: str, cluster: bool = False) -> Config:
@@ -97,6 +110,7 @@ class World:
     probe: Probe
     instances: dict[str, LayeredCache] = field(default_factory=dict)
     daemon: Invalidator | None = None
+    daemon_store: L2Store | None = None
     _daemon_client: Any = None
 
     @classmethod
@@ -115,7 +129,8 @@ class World:
             breaker = CircuitBreaker(3, BREAKER_RESET)
             stream = config.redis.prefix + config.backplane.stream
             publisher = BackplanePublisher(world._daemon_client, stream, config.backplane.maxlen)
-            world.daemon = Invalidator(L2Store(world._daemon_client, breaker), publisher)
+            world.daemon_store = L2Store(world._daemon_client, breaker)
+            world.daemon = Invalidator(world.daemon_store, publisher)
         finally:
             PROBE.reset(token)
         for cache in world.instances.values():
@@ -141,6 +156,8 @@ class Op:
     key_id: int
     stagger: int
     target: int = -1  # cancel: index of the op to cancel
+    batch: list[int] = field(default_factory=list)  # batches: the keys read, in order
+    tag: str | None = None  # invalidate_tag, daemon: "own" (the key's tag) or "shared"
 
 
 @dataclass
@@ -153,9 +170,10 @@ class Outcome:
     trace: list[str]
 
 
-def make_program(rng: random.Random, keys: int) -> list[Op]:
-    kinds = [k for k, _ in _KINDS]
-    weights = [w for _, w in _KINDS]
+def make_program(rng: random.Random, keys: int, tagged: bool = False) -> list[Op]:
+    table = _KINDS + (_TAG_KINDS if tagged else [])
+    kinds = [k for k, _ in table]
+    weights = [w for _, w in table]
     count = rng.randint(5, 12)
     program = []
     for index in range(count):
@@ -163,6 +181,12 @@ def make_program(rng: random.Random, keys: int) -> list[Op]:
         op = Op(index, kind, rng.choice("AB"), rng.randrange(keys), rng.randrange(40))
         if kind == "cancel":
             op.target = rng.randrange(count)
+        elif kind in _BATCHES:
+            # 2-3 keys; with fewer keys in the schedule, one repeats (a legal call).
+            op.batch = [rng.randrange(keys) for _ in range(rng.randint(2, 3))]
+        elif kind == "invalidate_tag" or (kind == "daemon" and tagged and rng.random() < 0.5):
+            # The key's own tag, or the tag every key of the schedule carries.
+            op.tag = "shared" if rng.random() < 0.35 else "own"
         program.append(op)
     return program
 
@@ -177,44 +201,104 @@ class _Run:
         self.history = History()
         if world.variant == "no_l1":
             self.history.instances_without_l1 = set(world.instances)
+        self.tagged = world.variant == "tags"
         self.keys = [{"id": f"s{seed}k{i}"} for i in range(keys)]
         self.db = {self.key(i): 0 for i in range(keys)}
+        self.index_of = {self.key(i): i for i in range(keys)}
         for name in self.db:
             self.history.writes[(name, 0)] = Write(0, "initial", name, None, 0, 0, True)
         self.fail_loads = self.rng.random() < 0.5
-        self.current_write: dict[asyncio.Task[Any], Write] = {}
+        # The writes a task is running (an invalidate_tag writes every key of its tag).
+        self.current_write: dict[asyncio.Task[Any], list[Write]] = {}
 
     def key(self, index: int) -> str:
         return self.world.instances["A"].key("book", self.keys[index])
 
-    def loader(
-        self, name: str, who: str, state: list[str] | None = None
-    ) -> Callable[[], Awaitable[Any]]:
-        """``state`` (if given) records the load's progress: a read whose own load
-        failed or was still running when it returned got a fallback (stale) value."""
+    # -- tags (the `tags` variant) -------------------------------------------------------
+
+    @property
+    def shared_tag(self) -> str:
+        return f"s{self.seed}:all"
+
+    def tags_of(self, index: int) -> list[str]:
+        """Key ``index``'s tags: its own, and the one every key of the schedule carries."""
+        return [f"s{self.seed}:t{index}", self.shared_tag]
+
+    def tags_of_value(self, value: Any) -> list[str]:
+        return self.tags_of(self.index_of[value["key"]])
+
+    def tag_of(self, op: Op) -> tuple[str, list[int]]:
+        """The tag ``op`` invalidates and the keys carrying it."""
+        if op.tag == "shared":
+            return self.shared_tag, list(range(len(self.keys)))
+        return self.tags_of(op.key_id)[0], [op.key_id]
+
+    def tags_arg(self, index: int, batch: bool) -> Any:
+        """What a read-through passes as ``tags=``: a list, or a function of the loaded
+        value (a batch's values have different tags: always the function)."""
+        if not self.tagged:
+            return None
         scheduler = self.world.probe.scheduler
         assert scheduler is not None
-        progress = state if state is not None else []
+        if batch or scheduler.rng.random() < 0.5:
+            return self.tags_of_value
+        return self.tags_of(index)
+
+    # -- loaders -------------------------------------------------------------------------
+
+    def loader(
+        self, name: str, who: str, state: list[str] | None = None, *, quick: bool = False
+    ) -> Callable[[], Awaitable[Any]]:
+        """``state`` (if given) records the load's progress: a read whose own load
+        failed or was still running when it returned got a fallback (stale) value.
+        ``quick``: no query time (the final reads, where it races nothing)."""
+        load_many = self.load_many(who, {name: state} if state is not None else {}, quick=quick)
+        fields = self.keys[self.index_of[name]]
 
         async def load() -> Any:
-            progress.append("running")
+            return (await load_many([fields]))[0]
+
+        return load
+
+    def load_many(
+        self, who: str, states: dict[str, list[str]], *, quick: bool = False
+    ) -> Callable[[list[Any]], Awaitable[list[Any]]]:
+        """A database query for several keys: it reads every version at its start (its
+        linearisation point). ``states``: each key's load progress (see ``loader``)."""
+        scheduler = self.world.probe.scheduler
+        assert scheduler is not None
+        cache = self.world.instances["A"]
+
+        async def load(fields_list: list[Any]) -> list[Any]:
+            names = [cache.key("book", fields) for fields in fields_list]
+            progress = [states.setdefault(name, []) for name in names]
+            for state in progress:
+                state.append("running")
             await scheduler.point()
-            version = self.db[name]
-            self.history.tick(f"{who} loader read v{version}")
+            versions = [self.db[name] for name in names]
+            read = ", ".join(f"{n}=v{v}" for n, v in zip(names, versions, strict=True))
+            self.history.tick(f"{who} loader read {read}")
             # The query takes a while, sometimes long enough for whole invalidations to
             # run (and reach the other instance) meanwhile.
-            await asyncio.sleep(scheduler.rng.choice((0.0, 0.001, 0.005, 0.015, 0.015)))
+            if not quick:
+                await asyncio.sleep(scheduler.rng.choice((0.0, 0.001, 0.005, 0.015, 0.015)))
             await scheduler.point()
             if self.fail_loads and scheduler.rng.random() < 0.3:
                 self.history.tick(f"{who} loader failed")
-                progress.append("failed")
+                for state in progress:
+                    state.append("failed")
                 raise RuntimeError("explorer: database error")
-            progress.append("ok")
+            for state in progress:
+                state.append("ok")
             # A tuple inside: L2 can only hand it back as a list, so a read that returns a
             # tuple got the loader's own object (fix 11: every layer returns one type).
-            return {"key": name, "v": version, "shape": (version, name)}
+            return [
+                {"key": n, "v": v, "shape": (v, n)} for n, v in zip(names, versions, strict=True)
+            ]
 
         return load
+
+    # -- operations ----------------------------------------------------------------------
 
     async def run_op(self, op: Op, tasks: list[asyncio.Task[Any]]) -> None:
         scheduler = self.world.probe.scheduler
@@ -225,8 +309,6 @@ class _Run:
         else:  # a later arrival: after other operations may have finished
             await asyncio.sleep((op.stagger - 20) / 1000)
         cache = self.world.instances[op.instance]
-        fields = self.keys[op.key_id]
-        name = self.key(op.key_id)
         who = f"#{op.index} {op.kind}@{op.instance}"
         if op.kind == "outage":
             scheduler.outage = scheduler.rng.randint(3, 25)
@@ -238,69 +320,141 @@ class _Run:
                 self.history.tick(f"{who} cancels #{op.target}")
                 target.cancel()
             return
-        if op.kind in ("get_or_load", "get"):
-            began = self.history.tick(f"{who} {name} begins")
-            state: list[str] = []
-            if op.kind == "get":
-                read = cache.get("book", fields)
-            else:
-                read = cache.get_or_load("book", fields, self.loader(name, who, state))
-            if scheduler.rng.random() < 0.25:
-                # A client timeout: the request is cancelled wherever it is.
-                value = await asyncio.wait_for(read, scheduler.rng.uniform(0.001, 0.02))
-            else:
-                value = await read
+        if op.kind in _READS:
+            await self.read(op, cache, who)
+            return
+        await self.write(op, cache, who)
+
+    async def read(self, op: Op, cache: LayeredCache, who: str) -> None:
+        """A read of one key, or a batch of 2-3: each value returned is one read of the
+        history, all with the operation's begin and end."""
+        scheduler = self.world.probe.scheduler
+        assert scheduler is not None
+        batch = op.kind in _BATCHES
+        indices = op.batch if batch else [op.key_id]
+        names = [self.key(i) for i in indices]
+        began = self.history.tick(f"{who} {' '.join(names)} begins")
+        states: dict[str, list[str]] = {}
+        fields_list = [self.keys[i] for i in indices]
+        tags = self.tags_arg(op.key_id, batch)
+        read: Awaitable[Any]
+        if op.kind == "get":
+            read = cache.get("book", fields_list[0])
+        elif op.kind == "get_or_load":
+            state = states.setdefault(names[0], [])
+            read = cache.get_or_load(
+                "book", fields_list[0], self.loader(names[0], who, state), tags
+            )
+        elif op.kind == "get_many":
+            read = cache.get_many("book", fields_list)
+        else:
+            read = cache.get_or_load_many("book", fields_list, self.load_many(who, states), tags)
+        if scheduler.rng.random() < 0.25:
+            # A client timeout: the request is cancelled wherever it is.
+            result = await asyncio.wait_for(read, scheduler.rng.uniform(0.001, 0.02))
+        else:
+            result = await read
+        values = list(result) if batch else [result]
+        if len(values) != len(names):
+            self.history.type_errors.append(f"{who} got {len(values)} values for {len(names)} keys")
+            return
+        returned = []
+        seen: dict[str, Any] = {}
+        for name, value in zip(names, values, strict=True):
+            if name in seen:  # a key a batch names twice: one read, the same value twice
+                if value != seen[name]:
+                    self.history.type_errors.append(
+                        f"{who} got {value} and {seen[name]} for {name}, named twice"
+                    )
+                continue
+            seen[name] = value
             version = None if value is None else int(value["v"])
+            if value is not None and value.get("key") != name:
+                self.history.type_errors.append(f"{who} got {value['key']}'s value for {name}")
             if value is not None and "shape" in value and not isinstance(value["shape"], list):
                 self.history.type_errors.append(
                     f"{who} got {type(value['shape']).__name__} where L2 returns list: "
                     "the type depends on the layer that answered"
                 )
+            state = states.get(name, [])
             fallback = bool(state) and state[-1] != "ok"
-            ended = self.history.tick(
-                f"{who} returned v{version}{' (fallback: its load failed or is running)' if fallback else ''}"
+            returned.append((name, version, fallback))
+        ended = self.history.tick(
+            f"{who} returned "
+            + ", ".join(
+                f"v{version}{' (fallback: its load failed or is running)' if fallback else ''}"
+                for _, version, fallback in returned
             )
+        )
+        for name, version, fallback in returned:
             self.history.reads.append(
                 Read(op.kind, name, op.instance, began, ended, version, fallback)
             )
-            return
-        await self.write(op, cache, fields, name, who)
 
-    async def write(self, op: Op, cache: LayeredCache, fields: Any, name: str, who: str) -> None:
-        version = self.db[name] + 1
-        self.db[name] = version
+    async def write(self, op: Op, cache: LayeredCache, who: str) -> None:
+        tag, indices = self.tag_of(op) if op.tag is not None else (None, [op.key_id])
+        kind = f"{op.kind}-tag" if op.kind == "daemon" and tag is not None else op.kind
         instance = None if op.kind == "daemon" else op.instance
-        began = self.history.tick(f"{who} {name} db=v{version}")
-        write = Write(version, op.kind, name, instance, began)
-        self.history.writes[(name, version)] = write
+        writes = []
+        for index in indices:
+            name = self.key(index)
+            self.db[name] += 1
+            writes.append(Write(self.db[name], kind, name, instance, 0))
+        what = f"tag {tag} " if tag is not None else ""
+        began = self.history.tick(
+            f"{who} {what}" + ", ".join(f"{w.key} db=v{w.version}" for w in writes)
+        )
+        for write in writes:
+            write.began = began
+            self.history.writes[(write.key, write.version)] = write
         task = asyncio.current_task()
         assert task is not None
-        self.current_write[task] = write
+        self.current_write[task] = writes
+        ok = False
         try:
+            fields = self.keys[op.key_id]
             if op.kind == "invalidate":
                 await cache.invalidate("book", fields)
             elif op.kind == "set":
-                await cache.set("book", fields, {"key": name, "v": version})
+                value = {"key": writes[0].key, "v": writes[0].version}
+                tags = self.tags_of(op.key_id) if self.tagged else None
+                await cache.set("book", fields, value, tags)
+            elif op.kind == "invalidate_tag":
+                assert tag is not None
+                await cache.invalidate_tag(tag)
             else:
-                assert self.world.daemon is not None
-                try:
-                    await self.world.daemon.invalidate([(name, cache.namespace("book").policy.replicas)])
-                except REDIS_FAILURES as exc:
-                    # The daemon retries the batch and commits only after it succeeds;
-                    # this attempt failed and committed nothing.
-                    raise L2Unavailable(str(exc)) from exc
-            write.ok = True
+                await self.daemon(cache, writes[0].key, tag)
+            ok = True
         finally:
-            write.ended = self.history.tick(f"{who} v{version} {'ok' if write.ok else 'failed'}")
+            ended = self.history.tick(f"{who} {'ok' if ok else 'failed'}")
+            for write in writes:
+                write.ok, write.ended = ok, ended
             del self.current_write[task]
+
+    async def daemon(self, cache: LayeredCache, name: str, tag: str | None) -> None:
+        """What the daemon runs for one event: the key's deletes, or (a route
+        ``{ tag = ... }``) new tag versions; then the backplane entry."""
+        daemon, store = self.world.daemon, self.world.daemon_store
+        assert daemon is not None and store is not None
+        try:
+            if tag is None:
+                await daemon.invalidate([(name, cache.namespace("book").policy.replicas)])
+            else:
+                prefix = self.world.config.redis.prefix
+                await daemon.announce_tags(await invalidate_tags(store, prefix, [tag]))
+        except REDIS_FAILURES as exc:
+            # The daemon retries the batch and commits only after it succeeds;
+            # this attempt failed and committed nothing.
+            raise L2Unavailable(str(exc)) from exc
 
     def on_reply(self, command: str, args: tuple[Any, ...], result: Any) -> None:
         """Backplane bookkeeping: a write's entry id, and how far each listener read."""
         task = asyncio.current_task()
         if command == "XADD":
-            write = self.current_write.get(task) if task is not None else None
-            if write is not None and result:
-                write.entry_id = parse_id(result)
+            writes = self.current_write.get(task, []) if task is not None else []
+            if result:
+                for write in writes:
+                    write.entry_id = parse_id(result)
         elif command == "XREAD" and result and task is not None:
             instance = self._listener_instance(task)
             if instance is not None:
@@ -326,7 +480,7 @@ async def run_schedule(world: World, seed: int, *, keys: int = 1) -> Outcome:
     probe.on_reply = run.on_reply
     probe.trace = run.history.tick
     token = PROBE.set(probe)
-    program = make_program(rng, keys)
+    program = make_program(rng, keys, run.tagged)
     violations: list[str] = []
     try:
         tasks: list[asyncio.Task[Any]] = []
@@ -397,7 +551,10 @@ async def _incoherence(run: _Run) -> list[str]:
         data = await client.get(name)
         if data is None:
             return None
-        return int(policy.codec.decode(data).value["v"])
+        envelope = policy.codec.decode(data)
+        if envelope.tags and not await _tags_current(client, run, envelope.tags):
+            return None  # a tag of it was invalidated since: dead, as good as absent
+        return int(envelope.value["v"])
 
     problems = []
     for index in range(len(run.keys)):
@@ -427,6 +584,17 @@ async def _incoherence(run: _Run) -> list[str]:
     return problems
 
 
+async def _tags_current(client: Any, run: _Run, tags: dict[str, str]) -> bool:
+    """Whether every tag version an envelope carries is still the tag's current one
+    (``{prefix}layered_cache:tag:<tag>``; a missing version key kills the entry too)."""
+    prefix = run.world.config.redis.prefix
+    for tag, version in tags.items():
+        current = await client.get(tag_version_name(prefix, tag))
+        if current is None or current.decode() != version:
+            return False
+    return True
+
+
 def _overlapping_sets(writes: list[Write]) -> bool:
     sets = [w for w in writes if w.kind == "set"]
     return any(
@@ -454,26 +622,37 @@ async def _converges(run: _Run) -> list[str]:
         cache = world.instances[instance]
         final = run.db[name] + 1
         run.db[name] = final
-        write = Write(final, "final-invalidate", name, instance, run.history.tick())
+        # In the tags variant, every other key's final write is an invalidate_tag of its
+        # own tag: a tag invalidation must recover from faults and reach everyone too.
+        by_tag = run.tagged and (run.seed + index) % 2 == 1
+        kind = "final-invalidate_tag" if by_tag else "final-invalidate"
+        write = Write(final, kind, name, instance, run.history.tick())
         run.history.writes[(name, final)] = write
         task = asyncio.current_task()
         assert task is not None
-        run.current_write[task] = write
-        ok = await _retry_until(lambda c=cache, f=fields: c.invalidate("book", f), 3.0)
+        run.current_write[task] = [write]
+        tag = run.tags_of(index)[0] if by_tag else None
+        ok = await _retry_until(
+            lambda c=cache, f=fields, t=tag: (
+                c.invalidate_tag(t) if t is not None else c.invalidate("book", f)
+            ),
+            3.0,
+        )
         del run.current_write[task]
         if not ok:
-            problems.append(f"invalidate@{instance} of {name} still failing 3 s after faults")
+            problems.append(f"{kind}@{instance} of {name} still failing 3 s after faults")
             continue
-        write.ok, write.ended = True, run.history.tick(f"final invalidate@{instance} ok")
+        write.ok, write.ended = True, run.history.tick(f"{kind}@{instance} ok")
+        tags = run.tags_of(index) if run.tagged else None
         for reader_name, reader in world.instances.items():
             if reader_name != instance and write.entry_id is not None:
                 await _delivered(run, reader_name, write.entry_id)
             value = await reader.get_or_load(
-                "book", fields, run.loader(name, f"final read@{reader_name}")
+                "book", fields, run.loader(name, f"final read@{reader_name}", quick=True), tags
             )
             if int(value["v"]) != final:
                 problems.append(
-                    f"after the final invalidate@{instance} of {name}, "
+                    f"after the {kind}@{instance} of {name}, "
                     f"{reader_name} read v{value['v']}, not v{final}"
                 )
     return problems
