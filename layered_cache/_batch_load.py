@@ -178,7 +178,7 @@ class BatchLoader:
         except L2Unavailable:  # no version, no fill: the values are served, not stored
             policy.stats.redis_error += 1
             await self._release([r.key for r in reads], token)
-            return dict(zip((r.key for r in reads), values, strict=True))
+            return {r.key: fills.as_read(r.key, v) for r, v in zip(reads, values, strict=True)}
         for read, value, tagged in zip(reads, values, versions, strict=True):
             if fills.is_hot(read.key):
                 hot.append((read, value))

@@ -43,6 +43,12 @@ class Fills:
         now = self._clock()
         return envelopes.encode(self._policy, key, value, now, soft_expiry, delta, tags)
 
+    def as_read(self, key: str, value: Any) -> Any:
+        """``value`` as an L2 read would return it (see ``_envelopes``): for a value
+        served without being stored, so a call returns the same type either way."""
+        encoded = self.encode(key, value, 0.0, 0.0)
+        return value if encoded is None else encoded[1]
+
     def fill_l1(
         self,
         key: str,

@@ -220,19 +220,30 @@ class MissPath:
         stale = read.stale
         if stale is None or not self._fills.within_stale(stale, self._rt.clock()):
             return False
-        if stale.tags and self._fills.versions.known(stale.tags) is not True:
-            return False  # a tag of it was invalidated (or can't be confirmed here)
-        l1 = self._policy.l1
-        if l1 is not None and read.seq is not None and l1.invalidated_since(read.key, read.seq):
+        if not self._still_current(read):
             return False
         try:
             current = self._fills.recheck(await self._rt.store.get(read.key))
         except L2Unavailable:
             return False
+        # Again after the GET: an invalidation delivered while its reply was in flight
+        # (the backplane is another connection) must not be missed.
         return (
-            current is not None
+            self._still_current(read)
+            and current is not None
             and current.written_at == stale.written_at
             and current.soft_expiry == stale.soft_expiry
+        )
+
+    def _still_current(self, read: Read) -> bool:
+        """Not invalidated here since ``read`` began (tombstone), nor a tag of its stale
+        value (or a tag this instance can't confirm)."""
+        stale = read.stale
+        if stale is not None and stale.tags and self._fills.versions.known(stale.tags) is not True:
+            return False
+        l1 = self._policy.l1
+        return not (
+            l1 is not None and read.seq is not None and l1.invalidated_since(read.key, read.seq)
         )
 
     async def fill(self, read: Read, token: str, value: Any, delta: float) -> Any:
@@ -257,7 +268,7 @@ class MissPath:
             except L2Unavailable:
                 policy.stats.redis_error += 1
                 await self.release(key, token, quietly=False)
-                return value
+                return fills.as_read(key, value)  # not stored, but L2's type all the same
         encoded = fills.encode(key, value, soft_expiry, delta, versions)
         if encoded is None:
             await self.release(key, token)

@@ -226,9 +226,15 @@ class Namespace:
 
     def _forget_tag(self, tag: str) -> int:
         """Drop from L1 every entry filled with ``tag`` (its version just changed);
-        how many were there."""
+        how many were there. Every load of this namespace in flight is detached too:
+        its tags are known only once it returns, and later callers must not join a load
+        that began before the invalidation."""
         if not self.policy.tags:
             return 0
+        template, flight = self.policy.template, self._rt.flight
+        for key in flight.running():
+            if template.parse(key) is not None:
+                flight.forget(key)
         return self._forget(self._fills.forget_tag(tag))
 
     def _forget(self, keys: list[str]) -> int:

@@ -35,6 +35,10 @@ class SingleFlight(Generic[T]):
         an invalidation: a load that began before it may return the old value)."""
         self._calls.pop(key, None)
 
+    def running(self) -> list[str]:
+        """The keys with a call in flight."""
+        return list(self._calls)
+
     def forget_all(self) -> None:
         """``forget`` every key (the backplane lost track: every load may be outdated)."""
         self._calls.clear()

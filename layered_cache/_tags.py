@@ -54,12 +54,22 @@ def new_version() -> str:
 
 
 class TagVersions:
-    """This instance's view of tag versions, kept current by the backplane."""
+    """This instance's view of tag versions: only ever what Redis held when read.
+
+    An invalidation (ours, or another's via the backplane) makes this instance *forget*
+    the tag rather than adopt the version it carries: two invalidations of one tag may
+    reach us in the other order than Redis applied their SETs, and adopting the last
+    one delivered could leave us on a version Redis no longer holds. The next read of
+    the tag fetches the version Redis holds now (one round trip). A fetch whose reply
+    raced an invalidation of its tag is not remembered: it may predate it."""
 
     def __init__(self, store: L2Store, prefix: str) -> None:
         self._store = store
         self._prefix = prefix
         self._versions: dict[str, str] = {}
+        self._generation = 0  # bumped by every forget
+        self._forgotten: dict[str, int] = {}  # tag -> generation of its last forget
+        self._floor = 0  # fetches begun before this generation are not remembered
 
     def known(self, tags: Mapping[str, str]) -> bool | None:
         """True: every version is current; False: one is outdated (the entry is dead);
@@ -77,39 +87,56 @@ class TagVersions:
         """The current version of each tag, fetching (or creating) unknown ones in one
         round trip. Raises ``L2Unavailable``."""
         wanted = [validate_tag(tag) for tag in dict.fromkeys(tags)]
-        missing = [tag for tag in wanted if tag not in self._versions]
+        found = {tag: self._versions[tag] for tag in wanted if tag in self._versions}
+        missing = [tag for tag in wanted if tag not in found]
         if missing:
-            await self._fetch(missing)
-        return {tag: self._versions[tag] for tag in wanted}
+            found.update(await self._fetch(missing))
+        return {tag: found[tag] for tag in wanted}
 
     async def valid(self, tags: Mapping[str, str]) -> bool:
         """Whether an entry carrying ``tags`` is alive (fetching unknown tags)."""
         state = self.known(tags)
-        if state is None:
-            await self._fetch([tag for tag in tags if tag not in self._versions])
-            state = self.known(tags)
-        return bool(state)
+        if state is not None:
+            return state
+        current = await self.current(tags)
+        return all(current[tag] == version for tag, version in tags.items())
 
-    async def _fetch(self, tags: list[str]) -> None:
+    async def _fetch(self, tags: list[str]) -> dict[str, str]:
+        generation = self._generation
         pipe = self._store.client.pipeline(transaction=False)
         for tag in tags:
             name = tag_version_name(self._prefix, tag)
             pipe.set(name, new_version(), nx=True)  # a tag never invalidated gets one now
             pipe.get(name)
         results = await self._store.guard(pipe.execute())
-        if len(self._versions) + len(tags) > _LIMIT:
+        fetched = {
+            tag: version.decode() if isinstance(version, bytes) else str(version)
+            for tag, version in zip(tags, results[1::2], strict=True)
+            if version is not None
+        }
+        if len(self._versions) + len(fetched) > _LIMIT:
             self._versions.clear()
-        for tag, version in zip(tags, results[1::2], strict=True):
-            if version is not None:
-                self._versions[tag] = version.decode() if isinstance(version, bytes) else version
+        for tag, version in fetched.items():
+            if generation >= self._floor and self._forgotten.get(tag, -1) < generation:
+                self._versions[tag] = version
+        return fetched
 
     def apply(self, versions: Mapping[str, str]) -> None:
-        """New versions from an invalidation (ours, or another's via the backplane)."""
-        self._versions.update(versions)
+        """Tags invalidated (by us, or by another via the backplane): forget them."""
+        self._generation += 1
+        if len(self._forgotten) > _LIMIT:  # bounded: fetches begun before now are void
+            self._forgotten.clear()
+            self._floor = self._generation
+        for tag in versions:
+            self._versions.pop(tag, None)
+            self._forgotten[tag] = self._generation
 
     def forget_all(self) -> None:
         """The backplane lost track: every remembered version may be outdated."""
+        self._generation += 1
         self._versions.clear()
+        self._forgotten.clear()
+        self._floor = self._generation
 
     async def invalidate(self, tag: str) -> str:
         """Write a new version for ``tag`` and revoke every tagged load in flight.
@@ -118,7 +145,7 @@ class TagVersions:
         version = new_version()
         name = tag_version_name(self._prefix, tag)
         await self._store.guard(self._store.client.set(name, version), name)
-        self._versions[tag] = version
+        self.apply({tag: version})
         await take_loading(self._store, self._prefix)
         return version
 

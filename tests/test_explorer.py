@@ -32,16 +32,11 @@ def _first_seed() -> int:
     return int(os.environ.get("EXPLORER_SEED", DEFAULT_SEED))
 
 
-# Known violations in the library (tests/test_explorer_findings.py): their variant's
-# seeds run in a test of their own, marked xfail until the fix lands, so that the other
-# variants keep guarding everything else. Empty once fixed.
-KNOWN_FAILING = {"tags"}
-# Seeds of the other variants that violate because of a known library bug, each with its
-# deterministic test (xfail until fixed): reported, not failed on. Empty once fixed.
-KNOWN_SEEDS = {
-    20261652: "test_explorer_findings.py::"
-    "test_a_fallback_is_not_served_once_an_invalidation_arrived_during_its_recheck",
-}
+# Variants, and seeds, that violate because of a known library bug not fixed yet, each
+# with its deterministic test in tests/test_explorer_findings.py (xfail until fixed):
+# reported, not failed on. Empty: every finding so far is fixed (docs/explorer.md).
+KNOWN_FAILING: set[str] = set()
+KNOWN_SEEDS: dict[int, str] = {}
 
 
 async def _explore(
@@ -107,19 +102,6 @@ async def test_thousands_of_interleavings_never_serve_a_superseded_value(
     if known:
         print(f"known findings (not failed on): {[(o.seed, KNOWN_SEEDS[o.seed]) for o in known]}")
     failed = [o for o in failed if o.seed not in KNOWN_SEEDS]
-    assert not failed, _report(failed)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="the tags variant finds three violations in the library "
-    "(tests/test_explorer_findings.py, docs/explorer.md): remove once they are fixed",
-)
-async def test_tagged_interleavings_never_serve_a_superseded_value(
-    redis_url: str, prefix: str
-) -> None:
-    """The `tags` variant's seeds of the same budget (its share: one in five)."""
-    failed = await _explore(redis_url, prefix, _budget(1000), KNOWN_FAILING)
     assert not failed, _report(failed)
 
 

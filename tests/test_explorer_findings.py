@@ -1,7 +1,7 @@
-"""What the schedule explorer found in the tag paths (docs/explorer.md, "What the new
-operations found"), each as one deterministic scenario against a real Redis. They fail
-today and are marked ``xfail(strict=True)``: the fix (in ``layered_cache/``) makes them
-pass, and then the marker must go."""
+"""What the schedule explorer found in the tag paths and the stale fail-safe
+(docs/explorer.md, "What the new operations found"), each as one deterministic scenario
+against a real Redis. Each failed before its fix (named in docs/explorer.md) and guards
+it now."""
 
 from __future__ import annotations
 
@@ -98,12 +98,6 @@ def hold() -> Iterator[Hold]:
         redis_client.Pipeline.execute = pipeline  # type: ignore[method-assign]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="explorer seeds 20261364, 20261424 (tags): TagVersions._fetch stores the version "
-    "its pipeline read even when a newer one was learned (invalidate_tag, backplane) while "
-    "the reply was in flight; the instance then takes dead entries for alive, indefinitely",
-)
 async def test_a_tag_version_fetched_before_an_invalidation_does_not_overwrite_the_newer_one(
     redis_url: str, prefix: str, hold: Hold
 ) -> None:
@@ -119,9 +113,11 @@ async def test_a_tag_version_fetched_before_an_invalidation_does_not_overwrite_t
         # whose reply is held after Redis answered it with the old version...
         reading = asyncio.ensure_future(reader.get("category", SCIFI))
         await asyncio.wait_for(hold.arrived.wait(), 5)
+        listener = reader._backplane
+        assert listener is not None
+        seen = listener.entries_seen
         await writer.invalidate_tag("book:42")  # ...while the tag is invalidated
-        versions = reader._rt.versions
-        await _until(lambda: versions.known({"book:42": ""}) is False)  # reader learned it
+        await _until(lambda: listener.entries_seen > seen)  # the reader was told
         hold.release.set()
         await reading  # began before the invalidation: either answer is allowed
         # Afterwards the old page is dead for the reader as for everyone else.
@@ -129,12 +125,6 @@ async def test_a_tag_version_fetched_before_an_invalidation_does_not_overwrite_t
         assert await reader.get("category", SCIFI) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="explorer seed 20261484 (tags): invalidate_tag detaches in-flight loads only of "
-    "keys already in the L1 tag index, so a caller arriving after the invalidation joins "
-    "a load that began before it and gets the superseded value",
-)
 async def test_callers_after_invalidate_tag_do_not_join_a_load_that_began_before_it(
     redis_url: str, prefix: str
 ) -> None:
@@ -162,12 +152,6 @@ async def test_callers_after_invalidate_tag_do_not_join_a_load_that_began_before
         assert (await later)["edition"] == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="explorer seed 20261319 (tags): when the tag versions can't be read after a "
-    "load, the fill returns the loader's own object, not the value as L2 decodes it "
-    "(fix 11: a call's type must not depend on the layer that answered)",
-)
 async def test_a_tagged_load_whose_version_fetch_fails_returns_the_l2_type(
     redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -193,13 +177,6 @@ async def test_a_tagged_load_whose_version_fetch_fails_returns_the_l2_type(
         assert isinstance(batch["shape"], list)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="explorer seeds 20262029, 20263219 (tags, with the fixes above in place): two "
-    "invalidate_tag calls of one tag whose backplane entries land in the other order than "
-    "their SETs leave instances remembering a version Redis no longer holds: entries "
-    "written afterwards are alive for them and dead for everyone else",
-)
 async def test_concurrent_invalidate_tag_calls_leave_every_instance_on_the_version_redis_holds(
     redis_url: str, prefix: str, hold: Hold
 ) -> None:
@@ -223,13 +200,6 @@ async def test_concurrent_invalidate_tag_calls_leave_every_instance_on_the_versi
         assert [p is not None and p["edition"] for p in pages] == [2, 2, 2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="explorer seed 20261652 (stale): the fail-safe checks the key's tombstone before "
-    "its L2 re-read, not after: an invalidation delivered while the re-read's reply is in "
-    "flight is missed, and the invalidated value is served as a fallback after this "
-    "instance was told",
-)
 async def test_a_fallback_is_not_served_once_an_invalidation_arrived_during_its_recheck(
     redis_url: str, prefix: str, hold: Hold
 ) -> None:

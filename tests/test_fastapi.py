@@ -49,7 +49,11 @@ def build_app(config: Config, database: dict[int, str], queries: list[int]) -> F
         return msgspec.to_builtins(await book_detail(id))  # type: ignore[no-any-return]
 
     @app.post("/books/{id}/title/{title}")
-    async def rename(id: int, title: str, c: LayeredCache = Depends(get_cache)) -> None:
+    async def rename(
+        id: int,
+        title: str,
+        c: LayeredCache = Depends(get_cache),  # noqa: B008 - FastAPI's dependency idiom
+    ) -> None:
         database[id] = title
         await c.invalidate("book", {"id": id})
 

@@ -84,7 +84,7 @@ async def test_async_api_misuse_is_a_clear_error_where_the_mistake_is(
     redis_url: str, prefix: str
 ) -> None:
     async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
-        with pytest.raises(TypeError, match="not an async function.*SyncLayeredCache"):
+        with pytest.raises(TypeError, match=r"not an async function.*SyncLayeredCache"):
 
             @cache.cached("book")
             def plain(id: int) -> dict[str, int]:  # a plain def under the async decorator
