@@ -250,3 +250,17 @@ async def test_10000_concurrent_misses_of_distinct_keys_all_get_their_value(
         await asyncio.sleep(0.5)  # past the breaker's reset (300 ms in make_config)
         assert await cache.get_or_load("book", {"id": 0}, load) == "v"
         assert cache.redis_status().breaker == "closed"
+
+
+async def test_get_many_reads_a_hot_key_from_a_replica(redis_url: str, prefix: str) -> None:
+    namespaces = {
+        "book": {"key": "book:{id}", "l1": False, "hot": {"replicas": 4, "keys": ["book:7"]}}
+    }
+    async with LayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
+        await cache.set_many("book", [({"id": 7}, "hot"), ({"id": 8}, "cold")])
+        for _ in range(20):
+            assert await cache.get_many("book", [{"id": 7}, {"id": 8}]) == ["hot", "cold"]
+        stats = cache.stats()["book"]
+        replica_reads = stats["replica_reads"]
+        assert isinstance(replica_reads, dict) and sum(replica_reads.values()) == 20
+        assert stats["replica_miss"] == 0
