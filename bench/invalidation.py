@@ -61,6 +61,12 @@ def _config(redis_url: str, prefix: str, bootstrap: str, topic: str, max_batch: 
 def daemon_process(redis_url: str, prefix: str, bootstrap: str, topic: str, max_batch: int,
                    started: Any, stop: Any) -> None:
     """What ``layered-cache daemon --config FILE`` does, with the config built in code."""
+    run_daemon(_config(redis_url, prefix, bootstrap, topic, max_batch), started, stop)
+
+
+def run_daemon(config: Any, started: Any, stop: Any) -> None:
+    """Run the daemon in this (child) process: ``started`` once it owns partitions,
+    until ``stop``. Shared by the scenarios that measure event -> L1 latency."""
     import logging
 
     import structlog
@@ -69,7 +75,7 @@ def daemon_process(redis_url: str, prefix: str, bootstrap: str, topic: str, max_
     from layered_cache.daemon import Daemon
 
     async def main() -> None:
-        daemon = Daemon(_config(redis_url, prefix, bootstrap, topic, max_batch), health_port=-1)
+        daemon = Daemon(config, health_port=-1)
         task = asyncio.create_task(daemon.run())
         while not daemon.assignment and not task.done():
             await asyncio.sleep(0.05)

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from bench.configs import make_config
 from bench.env import BenchEnv, unique_prefix
 from bench.floors import percentile
+from bench.invalidation import run_daemon
 from bench.report import Headline, Section
 from bench.sends import drop_prefix
 from layered_cache import LayeredCache
@@ -61,25 +62,7 @@ def _config(redis_url: str, prefix: str, bootstrap: str | None = None,
 def daemon_process(redis_url: str, prefix: str, bootstrap: str, topic: str,
                    started: Any, stop: Any) -> None:
     """What ``layered-cache daemon --config FILE`` does, with the tag route."""
-    import logging
-
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    from layered_cache.daemon import Daemon
-
-    async def main() -> None:
-        daemon = Daemon(_config(redis_url, prefix, bootstrap, topic), health_port=-1)
-        task = asyncio.create_task(daemon.run())
-        while not daemon.assignment and not task.done():
-            await asyncio.sleep(0.05)
-        started.set()
-        while not stop.is_set() and not task.done():
-            await asyncio.sleep(0.05)
-        daemon.stop()
-        await asyncio.wait_for(task, 20)
-
-    asyncio.run(main())
+    run_daemon(_config(redis_url, prefix, bootstrap, topic), started, stop)
 
 
 class Pair:

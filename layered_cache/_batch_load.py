@@ -244,11 +244,7 @@ class BatchLoader:
             values = await self.call(load_many, [fields_of[r.key] for r in reads])
         except Exception as exc:
             return await self._stale_or_raise(reads, exc)
-        found: dict[str, Any] = {}
-        for read, value in zip(reads, values, strict=True):
-            encoded = self._fills.encode(read.key, value, 0.0, 0.0)
-            found[read.key] = value if encoded is None else encoded[1]
-        return found
+        return {r.key: self._fills.as_read(r.key, v) for r, v in zip(reads, values, strict=True)}
 
     async def _release(self, keys: list[str], token: str) -> None:
         # Redis down: the leases expire by themselves (lease_ttl).

@@ -67,9 +67,7 @@ class BatchReader:
         if not tagged:
             return decoded
         versions = self._fills.versions
-        unknown = {
-            t for e in tagged.values() for t in (e.tags or {}) if versions.known({t: ""}) is None
-        }
+        unknown = versions.unknown(t for e in tagged.values() for t in (e.tags or {}))
         if unknown:
             await versions.current(unknown)
         for key, envelope in tagged.items():

@@ -194,8 +194,7 @@ class MissPath:
             return await self._stale_or_raise(read, exc)
         if not self._policy.l2:
             return value  # no L2 layer: the loader's object is what every layer returns
-        encoded = self._fills.encode(read.key, value, 0.0, 0.0)
-        return value if encoded is None else encoded[1]  # the type an L2 hit returns
+        return self._fills.as_read(read.key, value)  # the type an L2 hit returns
 
     async def _stale_or_raise(self, read: Read, exc: Exception) -> Any:
         if not await self.stale_usable(read):

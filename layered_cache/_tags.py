@@ -138,16 +138,16 @@ class TagVersions:
         self._forgotten.clear()
         self._floor = self._generation
 
+    def unknown(self, tags: Iterable[str]) -> set[str]:
+        """The tags among ``tags`` this instance holds no version of."""
+        return {tag for tag in tags if tag not in self._versions}
+
     async def invalidate(self, tag: str) -> str:
         """Write a new version for ``tag`` and revoke every tagged load in flight.
         Returns the new version (the caller announces it on the backplane)."""
-        validate_tag(tag)
-        version = new_version()
-        name = tag_version_name(self._prefix, tag)
-        await self._store.guard(self._store.client.set(name, version), name)
-        self.apply({tag: version})
-        await take_loading(self._store, self._prefix)
-        return version
+        versions = await invalidate_tags(self._store, self._prefix, [tag])
+        self.apply(versions)
+        return versions[tag]
 
 
 async def invalidate_tags(store: L2Store, prefix: str, tags: list[str]) -> dict[str, str]:
