@@ -137,6 +137,8 @@ async def _stream_entries(redis_url: str, stream: str) -> list[tuple[float, list
         await client.aclose()
     result = []
     for entry_id, fields in entries:
+        if b"keys" not in fields:  # the stream's start marker: a listener's, no keys
+            continue
         millis = int(entry_id.split(b"-")[0])
         result.append((millis / 1000, msgspec.msgpack.decode(fields[b"keys"])))
     return result
