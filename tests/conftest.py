@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import redis.asyncio as aioredis
 
 from tests.servers import (
     REDIS_SERVER,
@@ -104,6 +105,14 @@ def durable_kafka_broker() -> Iterator[KafkaBroker]:
     local moto server), for tests that restart the broker under the daemon."""
     with S3Server() as s3, KafkaBroker(s3=s3) as broker:
         yield broker
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A plain client of the suite's Redis, to look at what the cache really wrote."""
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
 
 
 @pytest.fixture

@@ -131,13 +131,6 @@ async def existing(client: aioredis.Redis, keys: list[str]) -> list[str]:
     return [key for key, there in zip(keys, await pipe.execute(), strict=True) if there]
 
 
-@pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
 # -- scenarios ---------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ still running.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -39,13 +39,6 @@ from tests.test_daemon import (
 pytestmark = pytest.mark.kafka
 
 Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers
-
-
-@pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 class Scenario:
