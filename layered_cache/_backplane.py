@@ -21,7 +21,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from layered_cache._backoff import Backoff
-from layered_cache._clients import RedisClient, is_redis_failure
+from layered_cache._clients import RedisClient, is_redis_failure, resurface_cancel
 
 __all__ = ["BackplaneListener", "BackplanePublisher", "BackplaneStatus", "parse_id"]
 
@@ -71,9 +71,12 @@ class BackplanePublisher:
             fields["tags"] = msgspec.msgpack.encode(dict(tags))
         if self._origin:
             fields["origin"] = self._origin
+        task = asyncio.current_task()
+        requested = task.cancelling() if task is not None else 0
         entry_id: Any = await self._client.xadd(
             self.stream, fields, maxlen=self._maxlen, approximate=True
         )
+        resurface_cancel(task, requested)
         return entry_id.encode() if isinstance(entry_id, str) else bytes(entry_id)
 
 

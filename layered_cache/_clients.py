@@ -26,6 +26,7 @@ __all__ = [
     "make_client",
     "make_node_client",
     "raised_in_redis_py",
+    "resurface_cancel",
     "with_timeout",
 ]
 
@@ -49,6 +50,21 @@ def raised_in_redis_py(exc: AttributeError) -> bool:
         tb = tb.tb_next
     module = str(tb.tb_frame.f_globals.get("__name__", ""))
     return module == "redis" or module.startswith("redis.")
+
+
+def resurface_cancel(task: asyncio.Task[Any] | None, requested_before: int) -> None:
+    """Raise the ``CancelledError`` a Redis command swallowed.
+
+    redis-py sends through ``asyncio.wait_for`` when a socket timeout is set. On Python
+    3.11, ``wait_for`` returns the inner result when a cancellation arrives just as the
+    send finishes, and the ``CancelledError`` is lost (CPython gh-86296, fixed in 3.12):
+    a task looping on ``invalidate()`` ran on after ``cancel()``. The task still counts
+    the request (``Task.cancelling()``), so an operation that returned normally while
+    the count rose was cancelled underneath: cancellation takes effect here instead.
+    ``asyncio.timeout`` blocks around us still work: they see this CancelledError as
+    their own and turn it into TimeoutError."""
+    if task is not None and task.cancelling() > requested_before:
+        raise asyncio.CancelledError
 
 
 def is_redis_failure(exc: BaseException) -> bool:

@@ -38,7 +38,12 @@ from redis.exceptions import (
 )
 
 from layered_cache._breaker import CircuitBreaker
-from layered_cache._clients import REDIS_FAILURES, RedisClient, raised_in_redis_py
+from layered_cache._clients import (
+    REDIS_FAILURES,
+    RedisClient,
+    raised_in_redis_py,
+    resurface_cancel,
+)
 from layered_cache._placement import ReplicaPlacement
 
 __all__ = ["L2Store", "L2Unavailable", "Write", "is_key_error"]
@@ -159,6 +164,8 @@ class L2Store:
         if not breaker.allow():
             operation.close()
             raise L2Unavailable("circuit breaker open")
+        task = asyncio.current_task()
+        requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
                 result = await operation
@@ -178,7 +185,8 @@ class L2Store:
         except BaseException:
             breaker.abandon()  # cancelled: a probe must not stay in flight forever
             raise
-        breaker.success()
+        breaker.success()  # Redis answered, even if our caller was cancelled meanwhile
+        resurface_cancel(task, requested)
         return result
 
     async def get(self, name: str) -> bytes | None:
@@ -187,6 +195,8 @@ class L2Store:
         breaker = self.breaker_for(name)
         if not breaker.allow():
             raise L2Unavailable("circuit breaker open")
+        task = asyncio.current_task()
+        requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
                 result = await self.client.get(name)
@@ -215,6 +225,7 @@ class L2Store:
             breaker.abandon()
             raise
         breaker.success()
+        resurface_cancel(task, requested)
         return result  # type: ignore[return-value]  # bytes: decode_responses is off
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:

@@ -33,8 +33,11 @@ class _Subscription:
 
     async def wait(self, seconds: float) -> bytes | None:
         """The next published envelope, or None after ``seconds``."""
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop a cancellation
+        # that arrives as the message does (see ``_clients.resurface_cancel``).
         try:
-            return await asyncio.wait_for(self.queue.get(), seconds)
+            async with asyncio.timeout(seconds):
+                return await self.queue.get()
         except TimeoutError:
             return None
 
