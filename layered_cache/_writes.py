@@ -135,8 +135,15 @@ class Writes:
         """After our write landed: a load of this key that began while it was in flight
         may have read the value we replaced. Detach it (later callers must not join it)
         and tombstone the key again (its L1 fill is refused), then fill L1 with our value
-        - unless a remote set()/invalidate() overtook ours meanwhile. No await in here:
-        nothing can run between the checks and the fill."""
+        - unless another write of the key ran since we began: a set() of it here (its
+        ``_begin`` or ``_settle`` tombstones it), a local invalidate(), or a remote one
+        heard on the backplane. We can't tell whose L2 write landed last, so an
+        overtaken set() leaves L1 empty (the next read refills from L2) rather than
+        risk keeping a value L2 no longer holds. Of two overlapping set() calls, the
+        one that began first is always overtaken (the other's ``_begin`` tombstoned the
+        key): when it settles it drops L1, whether or not the other filled it already
+        (tests/test_set_race.py). No await in here: nothing can run between the checks
+        and the fill."""
         self._rt.flight.forget(key)
         l1 = self._policy.l1
         if l1 is None:
