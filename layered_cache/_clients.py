@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as redis
@@ -115,16 +116,23 @@ def _host_port(node: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_node_client(config: RedisConfig) -> redis.Redis:
-    """A plain connection for pub/sub. In a cluster, classic PUBLISH (also from a Lua
-    script) is broadcast over the cluster bus to every node, so subscribing on any one
-    node sees every fill notification: the node of the configured URL is used. (The
-    cluster client knows no nodes before its first command, and a lost notification only
-    costs a waiter its jittered re-read, so no node discovery is needed here.)"""
+def make_node_client(config: RedisConfig, node: str | None = None) -> redis.Redis:
+    """A plain connection for pub/sub, to the URL's node or to ``node`` ("host:port",
+    same scheme, credentials and TLS options). On a single node the fill notifications
+    use the URL's node; in a cluster each master gets its own (sharded pub/sub stays
+    within the slot's shard, ``_notify.ClusterFillNotifier``)."""
     # socket_timeout stays ``redis.timeout``: it bounds the connect handshake and every
     # command a waiter sends (SUBSCRIBE/UNSUBSCRIBE) on a hung Redis. The reader's
     # ``get_message(timeout=...)`` passes its own read timeout, which overrides it.
-    return redis.Redis.from_url(config.url, **_client_kwargs(config))
+    url = config.url if node is None else _with_netloc(config.url, node)
+    return redis.Redis.from_url(url, **_client_kwargs(config))
+
+
+def _with_netloc(url: str, node: str) -> str:
+    """``url`` pointing at ``node`` instead, keeping any user:password@ part."""
+    parts = urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{node}"))
 
 
 def with_timeout(config: RedisConfig, timeout: float) -> RedisConfig:

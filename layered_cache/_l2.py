@@ -12,8 +12,16 @@ Atomicity notes (why the Lua scripts exist):
   step, otherwise an invalidation (which deletes the lease) could slip in between the
   check and the write and the old value would outlive it. The lease name
   ``{key}:lease`` carries ``key`` as its hash tag, so in Redis Cluster both names live in
-  one slot and one script may touch them. The same script PUBLISHes the envelope so
-  waiters in other processes wake up without polling.
+  one slot and one script may touch them. The same script publishes the envelope so
+  waiters in other processes wake up without polling, but only when this node has a
+  subscriber on the channel: most fills have no waiter, and a publish nobody reads
+  still costs the whole value on the wire. In a cluster it is ``SPUBLISH`` (sharded
+  pub/sub): the channel ``{key}:filled`` hashes to the key's slot, so the message
+  stays within that slot's master and its replicas instead of the cluster bus
+  broadcasting it to every node (``_notify.py``). An envelope larger than
+  ``NOTIFY_INLINE_MAX`` is announced by an empty message instead, and the waiter GETs
+  it: the value then crosses the wire once per waiting process, not once more per
+  node of the shard (``bench/fill_bytes.py`` has the figures).
 - ``RELEASE``: compare-and-delete: a slow winner whose lease expired and was taken by
   someone else must not delete the new holder's lease.
 """
@@ -46,7 +54,12 @@ from layered_cache._clients import (
 )
 from layered_cache._placement import ReplicaPlacement
 
-__all__ = ["L2Store", "L2Unavailable", "Write", "is_key_error"]
+__all__ = ["NOTIFY_INLINE_MAX", "L2Store", "L2Unavailable", "Write", "is_key_error"]
+
+# Fill notifications carry the envelope up to this size (bytes), else they are empty and
+# the waiter GETs the value. Below it, a message costs about what its header costs (a
+# cluster bus message has a ~2 KB header), and the waiter saves a round trip.
+NOTIFY_INLINE_MAX = 2048
 
 FILL_SCRIPT = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then
@@ -57,7 +70,15 @@ if ARGV[5] == '1' then
   redis.call('DEL', KEYS[2])
 end
 if ARGV[4] ~= '' then
-  redis.call('PUBLISH', ARGV[4], ARGV[2])
+  local sharded = ARGV[6] == '1'
+  local waiting = redis.call('PUBSUB', sharded and 'SHARDNUMSUB' or 'NUMSUB', ARGV[4])
+  if waiting[2] > 0 then
+    local body = ARGV[2]
+    if string.len(body) > tonumber(ARGV[7]) then
+      body = ''
+    end
+    redis.call(sharded and 'SPUBLISH' or 'PUBLISH', ARGV[4], body)
+  end
 end
 return 1
 """
@@ -132,6 +153,7 @@ class L2Store:
         self.node_breakers: dict[str, CircuitBreaker] = {}
         self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures
         self.cluster = isinstance(client, RedisCluster)
+        self.notify_inline_max = NOTIFY_INLINE_MAX
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
         self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)
@@ -243,7 +265,8 @@ class L2Store:
         release: bool,
     ) -> bool:
         """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
-        args: list[str | bytes | int] = [token, data, ttl_ms, channel, "1" if release else "0"]
+        flags = ["1" if release else "0", "1" if self.cluster else "0", self.notify_inline_max]
+        args: list[str | bytes | int] = [token, data, ttl_ms, channel, *flags]
         return bool(await self.guard(self._fill(keys=[key, lease], args=args), key))
 
     async def release(self, lease: str, token: str) -> bool:

@@ -2,7 +2,8 @@
 
 On an L2 miss a reader tries ``SET {key}:lease <token> NX PX lease_ttl``. The winner
 loads and fills (see ``L2Store.fill``). Losers wait for the fill: they subscribe to the
-key's fill channel and get the envelope in the notification; as a fallback for a lost
+key's fill channel (sharded in a cluster, ``_notify``) and get the envelope in the
+notification; as a fallback for a lost
 notification they re-read L2 after a jittered pause drawn uniformly from the policy's
 ``reread_pause`` range (never a fixed sleep, so waiters of many processes don't re-read in lock
 step), and they retry the lease, so a winner that crashed or failed blocks nobody longer
@@ -20,9 +21,13 @@ from dataclasses import dataclass
 
 from layered_cache._keys import fill_channel
 from layered_cache._l2 import L2Store
-from layered_cache._notify import FillNotifier
+from layered_cache._notify import Notifier
 
-__all__ = ["LeaseResult", "LeaseWaiter", "new_token"]
+__all__ = ["ANNOUNCED", "LeaseResult", "LeaseWaiter", "new_token"]
+
+# The notification of a fill whose envelope was too large to send along (``_l2``): never
+# a valid envelope itself.
+ANNOUNCED = b""
 
 
 def new_token() -> str:
@@ -42,7 +47,7 @@ class LeaseWaiter:
     def __init__(
         self,
         l2: L2Store,
-        notifier: FillNotifier | None,
+        notifier: Notifier | None,
         rand: Callable[[float, float], float] = random.uniform,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -84,6 +89,8 @@ class LeaseWaiter:
                 return LeaseResult(data=data)
             while (remaining := deadline - self._clock()) > 0:
                 message = await sub.wait(min(self._rand(*reread_pause), remaining))
+                if message == ANNOUNCED:  # a large value: the fill landed, read it
+                    message = await self._l2.get(key)
                 if message is not None and usable(message):
                     return LeaseResult(data=message)
                 if message is not None:

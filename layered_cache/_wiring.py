@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from redis.asyncio.cluster import RedisCluster
+
 from layered_cache._backplane import BackplanePublisher
 from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import RedisClient, make_client, make_node_client, with_timeout
 from layered_cache._config import Config
 from layered_cache._keys import backplane_stream_name
 from layered_cache._l2 import L2Store
-from layered_cache._notify import FillNotifier
+from layered_cache._notify import ClusterFillNotifier, FillNotifier, Notifier
 
 __all__ = ["CacheParts", "build_parts"]
 
@@ -27,7 +29,7 @@ class CacheParts:
     instance_id: str  # names this process in backplane entries and fleet reports
     client: RedisClient
     store: L2Store
-    notifier: FillNotifier
+    notifier: Notifier
     publisher: BackplanePublisher | None  # None: backplane switched off
     listener_client: RedisClient | None  # its own client: XREAD blocks a connection
     stream: str | None  # the backplane stream's name
@@ -57,8 +59,16 @@ def build_parts(config: Config) -> CacheParts:
         instance_id=instance_id,
         client=client,
         store=store,
-        notifier=FillNotifier(make_node_client(config.redis)),
+        notifier=_notifier(config, client),
         publisher=publisher,
         listener_client=listener_client,
         stream=stream,
     )
+
+
+def _notifier(config: Config, client: RedisClient) -> Notifier:
+    """Fill notifications: one connection to the URL's node, or in a cluster one per
+    master for sharded pub/sub (see ``_notify``)."""
+    if isinstance(client, RedisCluster):
+        return ClusterFillNotifier(client, lambda node: make_node_client(config.redis, node))
+    return FillNotifier(make_node_client(config.redis))

@@ -338,6 +338,14 @@ class RedisServer(ManagedProcess):
     def ready(self) -> bool:
         return redis_reachable(self.url, timeout=0.5)
 
+    def bytes_written(self) -> int:
+        """Bytes the server process has written so far (``wchar`` of /proc/PID/io): to
+        clients, to its replicas and on the cluster bus. INFO's
+        ``total_net_output_bytes`` leaves the cluster bus out, which is where a classic
+        PUBLISH goes to every node."""
+        with open(f"/proc/{self.pid}/io") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
+
 
 class RedisClusterServers:
     """N Redis masters joined into a cluster with ``redis-cli --cluster create``.
