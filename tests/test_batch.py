@@ -209,7 +209,14 @@ async def test_set_many_is_one_round_trip_and_other_instances_drop_their_copies(
 
 
 async def test_10000_concurrent_sets_complete_without_errors(redis_url: str, prefix: str) -> None:
-    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    # Patient timeouts: the point is that admission bounds the burst (no connection
+    # storm, no breaker trip), not how fast a starved CPU serves 10,000 writes.
+    config = make_config(
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}", "l1": False}},
+        redis={"timeout": "5s", "connect_timeout": "5s"},
+    )
     async with LayeredCache.from_config(config) as cache:
         await asyncio.gather(*(cache.set("book", {"id": i}, i) for i in range(10_000)))
         assert cache.redis_status().breaker == "closed"
@@ -237,7 +244,12 @@ async def test_10000_concurrent_misses_of_distinct_keys_all_get_their_value(
     without errors on an idle machine. On a starved CPU (issue 22's busy loops) a few of
     the first reads can still time out: they fall back to the loader, every caller gets
     its value, and the breaker closes again."""
-    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    config = make_config(
+        redis_url,
+        prefix,
+        {"book": {"key": "book:{id}", "l1": False}},
+        redis={"timeout": "5s", "connect_timeout": "5s"},
+    )
 
     async def load() -> str:
         return "v"

@@ -36,7 +36,10 @@ def write_config(tmp_path: Path, redis_url: str, prefix: str, extra: str = "") -
 [redis]
 url = "{redis_url}"
 prefix = "{prefix}"
-timeout = "500ms"
+# Patient: these scenarios are about the CLI, not latency; on a starved CPU (make
+# test-stress) a 500 ms connect once stopped `warm` with "Redis error".
+timeout = "3s"
+connect_timeout = "3s"
 
 [namespaces.book]
 key = "book:{{id}}"
@@ -655,7 +658,10 @@ url = "{url}"
 cluster = true
 nodes = [{seeds}]
 prefix = "{prefix}"
-timeout = "500ms"
+# Patient: these scenarios are about the CLI, not latency; on a starved CPU (make
+# test-stress) a 500 ms connect once stopped `warm` with "Redis error".
+timeout = "3s"
+connect_timeout = "3s"
 
 [namespaces.book]
 key = "book:{{id}}"

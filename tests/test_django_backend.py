@@ -34,7 +34,12 @@ def backend(redis_url: str, prefix: str, **options: Any) -> LayeredCacheBackend:
     """A backend as Django builds it from CACHES; distinct ``options`` give a distinct
     shared cache (own L1 and backplane listener): a second process, in effect."""
     config = options.pop("config", {})
-    config.setdefault("redis", {}).update({"url": redis_url, "prefix": prefix})
+    # Patient timeouts: these scenarios are about Django's cache semantics, not latency,
+    # and a starved CPU (make test-stress) once timed a read out at the default.
+    section = config.setdefault("redis", {})
+    section.update({"url": redis_url, "prefix": prefix})
+    section.setdefault("timeout", "3s")
+    section.setdefault("connect_timeout", "3s")
     return LayeredCacheBackend(
         options.pop("location", ""), {"OPTIONS": {"config": config, **options}}
     )
