@@ -63,7 +63,7 @@ async def locked(
             envelope = policy.codec.decode(data) if data is not None else None
         except CodecError:
             envelope = None  # a foreign value at the key: absent, the write replaces it
-        fresh = envelope is not None and envelope.soft_expiry > time.time()
+        fresh = envelope is not None and envelope.soft_expiry > cache._rt.clock()  # Redis time
         current = envelope.value if envelope is not None and fresh else None
         return await step(current if alive(current) else None)
     finally:
