@@ -29,6 +29,7 @@ from layered_cache._keys import hot_report_name
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
 from layered_cache._policy import compile_policy
+from layered_cache._redisclock import redis_clock
 from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import LeaseWaiter
 from layered_cache._tags import TagVersions
@@ -65,11 +66,14 @@ class LayeredCache:
         self.config = config
         self._parts = parts
         self._store = parts.store
+        # ``clock`` is this host's wall clock; envelopes are stamped and judged in Redis'
+        # time (``_redisclock``): a skewed host must not stretch or cut values' lives.
+        self._clock = redis_clock(clock, parts.client, config)
         self._rt = Runtime(
             store=parts.store,
             leases=LeaseWaiter(parts.store, parts.notifier),
             invalidator=Invalidator(parts.store, parts.publisher),
-            clock=clock,
+            clock=self._clock.now,
             rand=rand,
             versions=TagVersions(parts.store, config.redis.prefix),
             prefix=config.redis.prefix,
@@ -127,6 +131,7 @@ class LayeredCache:
         """Start following the backplane (L1 coherence) and reporting hot keys; see
         ``_startup`` for what is checked first and why."""
         await startup.learn_slots(self._parts.client)
+        await self._clock.start()  # before any read or write stamps an envelope
         try:
             await startup.check_replicas(self._parts.client, self.config.redis.prefix, self)
         except ReplicaCountMismatch:
@@ -139,6 +144,7 @@ class LayeredCache:
             self._hot_reporter.start()
 
     async def close(self) -> None:
+        await self._clock.stop()
         await self._rt.tasks.close()
         if self._backplane is not None:
             await self._backplane.stop()

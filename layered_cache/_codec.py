@@ -31,8 +31,8 @@ class Envelope(msgspec.Struct, Generic[T], array_like=True, frozen=True):
 
     format: Literal[1]
     value: T
-    written_at: float  # wall clock (time.time), shared between hosts
-    soft_expiry: float  # wall clock; past it the value is stale
+    written_at: float  # Redis' clock (``_redisclock``): one time scale for every host
+    soft_expiry: float  # Redis' clock; past it the value is stale
     delta: float  # seconds the load took: XFetch's delta
     tags: dict[str, str] | None = None  # tag -> its version when the entry was loaded
 

@@ -38,8 +38,10 @@ T = TypeVar("T")
 _log = structlog.get_logger("layered_cache")
 
 
-def alive(entry: Entry | None) -> bool:
-    return entry is not None and (entry.expires_at is None or entry.expires_at > time.time())
+def alive(entry: Entry | None, now: float) -> bool:
+    """Whether ``entry`` is there and within its own Django timeout at ``now`` (the
+    cache's clock: Redis' time, in which ``get_backend_timeout`` stamped it)."""
+    return entry is not None and (entry.expires_at is None or entry.expires_at > now)
 
 
 async def locked(
@@ -63,9 +65,10 @@ async def locked(
             envelope = policy.codec.decode(data) if data is not None else None
         except CodecError:
             envelope = None  # a foreign value at the key: absent, the write replaces it
-        fresh = envelope is not None and envelope.soft_expiry > time.time()
+        now = cache._rt.clock()  # Redis' time, as envelopes are stamped (``_redisclock``)
+        fresh = envelope is not None and envelope.soft_expiry > now
         current = envelope.value if envelope is not None and fresh else None
-        return await step(current if alive(current) else None)
+        return await step(current if alive(current, now) else None)
     finally:
         if held:
             with contextlib.suppress(L2Unavailable):

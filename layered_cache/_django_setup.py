@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import threading
-import time
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -153,7 +152,7 @@ async def write(
     """Write one Django entry. An already expired one (timeout 0) deletes the key; so
     does one too large for the namespace (``max_value_bytes``), as memcached does: the
     value it replaces must not be served on."""
-    remaining = None if entry.expires_at is None else entry.expires_at - time.time()
+    remaining = None if entry.expires_at is None else entry.expires_at - cache._rt.clock()
     policy = cache.namespace(namespace).policy
     if remaining is not None and remaining <= 0:
         await cache.invalidate(namespace, fields)

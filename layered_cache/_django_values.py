@@ -32,7 +32,7 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
     """One Django cache entry as the namespace stores it (L1 and L2)."""
 
     payload: bytes  # the value, encoded by ``dumps``
-    expires_at: float | None  # time.time() after which it is gone; None: no own expiry
+    expires_at: float | None  # Redis' time after which it is gone; None: no own expiry
 
 
 class UncacheableValue(TypeError, pickle.PickleError):

@@ -21,7 +21,6 @@ they can be, hashed otherwise, injective either way); values are stored without 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -90,8 +89,28 @@ class LayeredCacheBackend(BaseCache):
 
     def _entry(self, fields: Fields) -> Entry | None:
         sync_cache, namespace = self._parts()
-        entry = sync_cache.get(namespace, fields)
-        return entry if _alive(entry) else None
+        entry: Entry | None = sync_cache.get(namespace, fields)
+        if entry is None or entry.expires_at is None:
+            return entry
+        # ``get`` just ran through ``sync_cache.cache`` (this process's cache, rebuilt
+        # after a fork), so ``_cache`` is current: read its clock without a second check.
+        cache = sync_cache._cache or sync_cache.cache
+        return entry if entry.expires_at > cache._rt.clock() else None
+
+    def _now(self) -> float:
+        """The cache's clock: Redis' time as this host estimates it (``_redisclock``),
+        so a Django timeout means the same instant on every host, whatever its skew."""
+        shared = self._shared or self._parts()  # the get path: no second lookup
+        return shared[0].cache._rt.clock()
+
+    def get_backend_timeout(self, timeout: Any = DEFAULT_TIMEOUT) -> float | None:
+        """Django's absolute expiry (``BaseCache.get_backend_timeout``), in Redis' time
+        instead of this host's ``time.time()``."""
+        if timeout is DEFAULT_TIMEOUT:
+            timeout = self.default_timeout
+        elif timeout == 0:
+            timeout = -1  # Django's ticket 21147: expired, whatever the float rounding
+        return None if timeout is None else self._now() + timeout
 
     # -- the django.core.cache API -----------------------------------------------------
 
@@ -144,7 +163,7 @@ class LayeredCacheBackend(BaseCache):
         fields = self._fields(key, version)
 
         async def delete(cache: LayeredCache, namespace: str) -> bool:
-            existed = _alive(await cache.get(namespace, fields))
+            existed = _alive(await cache.get(namespace, fields), cache._rt.clock())
             await cache.invalidate(namespace, fields)  # L2, replicas, lease, every L1
             return existed
 
@@ -178,10 +197,11 @@ class LayeredCacheBackend(BaseCache):
             return await cache.get_many(namespace, [fields for _, fields in wanted])
 
         entries = self._call(get_all, "get_many")
+        now = self._now()
         return {
             key: loads(entry.payload)
             for (key, _), entry in zip(wanted, entries, strict=True)
-            if _alive(entry)
+            if _alive(entry, now)
         }
 
     def set_many(
@@ -221,7 +241,7 @@ class LayeredCacheBackend(BaseCache):
         sync_cache, namespace = self._parts()
         fields = self._fields(key, version)
         expires_at = self.get_backend_timeout(timeout)
-        if expires_at is not None and expires_at <= time.time():  # timeout 0: not cached
+        if expires_at is not None and expires_at <= self._now():  # timeout 0: not cached
             return default() if callable(default) else default
         loaded: list[Entry] = []
 
@@ -231,11 +251,11 @@ class LayeredCacheBackend(BaseCache):
             return entry
 
         entry: Entry = sync_cache.get_or_load(namespace, fields, load)
-        if not _alive(entry):  # a copy past its own timeout: drop it, load once more
+        if not _alive(entry, self._now()):  # a copy past its own timeout: drop it, load once more
             sync_cache.invalidate(namespace, fields)
             entry = sync_cache.get_or_load(namespace, fields, load)
         if loaded and expires_at is not None:
-            remaining = expires_at - time.time()
+            remaining = expires_at - self._now()
             self._call(lambda cache, ns: expire(cache, ns, fields, remaining), "expire")
         return loads(entry.payload)
 
