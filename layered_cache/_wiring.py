@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import redis.asyncio as redis
+
 from layered_cache._backplane import BackplanePublisher
 from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import RedisClient, make_client, make_node_client, with_timeout
@@ -31,10 +33,12 @@ class CacheParts:
     publisher: BackplanePublisher | None  # None: backplane switched off
     listener_client: RedisClient | None  # its own client: XREAD blocks a connection
     stream: str | None  # the backplane stream's name
+    # Its own pub/sub connection for the backplane's fallback channel (``_fallback``).
+    fallback_client: redis.Redis | None = None
 
     async def close(self) -> None:
         await self.notifier.close()
-        for client in (self.client, self.listener_client):
+        for client in (self.client, self.listener_client, self.fallback_client):
             if client is not None:
                 try:
                     await client.aclose()
@@ -47,12 +51,13 @@ def build_parts(config: Config) -> CacheParts:
     breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
     client = make_client(config.redis)
     store = L2Store(client, breaker, config.redis.max_connections)
-    publisher = listener_client = stream = None
+    publisher = listener_client = stream = fallback_client = None
     if config.backplane.enabled:
         stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
         publisher = BackplanePublisher(client, stream, config.backplane.maxlen, instance_id)
         # Blocking XREAD needs a socket timeout longer than the block time.
         listener_client = make_client(with_timeout(config.redis, config.backplane.block + 1.0))
+        fallback_client = make_node_client(config.redis)
     return CacheParts(
         instance_id=instance_id,
         client=client,
@@ -61,4 +66,5 @@ def build_parts(config: Config) -> CacheParts:
         publisher=publisher,
         listener_client=listener_client,
         stream=stream,
+        fallback_client=fallback_client,
     )

@@ -18,6 +18,7 @@ from layered_cache import _replicas as replicas
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable, Write
+from layered_cache._memory_policy import refused_for_memory
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 
@@ -85,7 +86,16 @@ class Writes:
             await self._drop(uncacheable)
         if not writes:
             return
-        await replicas.write_many(self._rt.store, writes)
+        try:
+            await replicas.write_many(self._rt.store, writes)
+        except L2Unavailable as exc:
+            if not refused_for_memory(exc):
+                raise
+            # Redis is full (noeviction) and refuses the new values, but still deletes:
+            # as for a value that can't be stored, the old one goes, everywhere.
+            policy.stats.not_cached += len(settled)
+            await self._drop([key for key, _, _ in settled])
+            return
         await self._announce([key for key, _, _ in settled])
         for key, value, soft_expiry in settled:
             self._settle(key, value, soft_expiry, read_seq, versions)
