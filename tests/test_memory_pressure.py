@@ -167,6 +167,27 @@ async def test_invalidate_on_a_full_noeviction_redis_reaches_the_other_l1(prefix
             assert a.redis_status().breaker == "closed"  # OOM is not a dead node
 
 
+async def test_in_a_cluster_a_refused_append_reaches_the_other_l1(
+    redis_cluster: Any, prefix: str
+) -> None:
+    """Classic PUBLISH is broadcast over the cluster bus: whichever node the publisher's
+    PUBLISH lands on, the subscriber on the URL's node gets it. The append is refused
+    by a WRONGTYPE stream name (a full master can't be held to the byte, see below)."""
+    config = make_config(redis_cluster.url, prefix, redis={"cluster": True, "timeout": "1s"})
+    admin = redis.RedisCluster.from_url(redis_cluster.url)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        assert await b.get_or_load("book", {"id": 1}, CountingLoader("old")) == "old"
+        stream = config.redis.prefix + config.backplane.stream
+        await admin.delete(stream)
+        await admin.set(stream, "not a stream")
+        await a.invalidate("book", {"id": 1})
+        l1 = b.namespace("book").policy.l1
+        assert l1 is not None
+        assert await eventually(lambda: l1.get(f"{prefix}book:1") is MISSING)
+        await admin.delete(stream)
+    await admin.aclose()
+
+
 # -- eviction of library-owned names --------------------------------------------------
 
 
