@@ -22,6 +22,8 @@ from layered_cache import LayeredCache
 from layered_cache._l1 import MISSING
 from layered_cache._memory_policy import consequence, read_memory_policies
 from layered_cache.cli import main
+from layered_cache.daemon.deletes import Deleter
+from layered_cache.daemon.stats import DaemonStats
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
 
@@ -284,29 +286,43 @@ class Checker:
         return load
 
 
-async def _workload(a: LayeredCache, b: LayeredCache, checker: Checker, seconds: float) -> None:
+async def _workload(
+    a: LayeredCache, b: LayeredCache, daemon: Deleter, checker: Checker, seconds: float
+) -> None:
+    """Random writes: ``invalidate()`` or ``set()`` on one instance, or the daemon's
+    delete; after each returns, the instances that did not write must read the new
+    version once the backplane delivered (``eventually``, 5 s: far below the L1 TTL)."""
     rng = random.Random(18)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while loop.time() < deadline:
         key = rng.randrange(10)
         writer, reader = (a, b) if rng.random() < 0.5 else (b, a)
+        readers = [reader]
         try:
             await reader.get_or_load("book", {"id": key}, checker.loader(key))
             checker.db[key] = version = checker.db.get(key, 0) + 1
-            if rng.random() < 0.5:
+            choice = rng.random()
+            if choice < 0.35:
                 await writer.invalidate("book", {"id": key})
-            else:
+            elif choice < 0.7:
                 await writer.set("book", {"id": key}, version)
-
-            async def fresh(key: int = key, version: int = version) -> bool:
-                seen = await reader.get_or_load("book", {"id": key}, checker.loader(key))
-                return bool(seen >= version)
-
-            if not await eventually(fresh, timeout=5):
-                checker.stale.append((key, version, checker.db[key]))
+            else:
+                await daemon.delete([(writer.key("book", {"id": key}), 0)], DaemonStats())
+                readers = [a, b]
+            for cache in readers:
+                if not await eventually(_fresh(cache, checker, key, version), timeout=5):
+                    checker.stale.append((key, version, checker.db[key]))
         except Exception as exc:
             checker.errors.append(exc)
+
+
+def _fresh(cache: LayeredCache, checker: Checker, key: int, version: int) -> Any:
+    async def check() -> bool:
+        seen = await cache.get_or_load("book", {"id": key}, checker.loader(key))
+        return bool(seen >= version)
+
+    return check
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -322,8 +338,10 @@ async def test_every_policy_kept_full_gives_no_errors_and_no_stale_reads(
             for key in range(10):  # warm: both L1s and L2 hold every key
                 for cache in (a, b):
                     await cache.get_or_load("book", {"id": key}, checker.loader(key))
+            daemon = Deleter(config)
             async with kept_full(server.url):
-                await _workload(a, b, checker, seconds=3.0)
+                await _workload(a, b, daemon, checker, seconds=3.0)
+            await daemon.close()
             sent = [s.fallback_sent for s in (a.backplane_status(), b.backplane_status()) if s]
         assert checker.errors == []
         assert checker.stale == []
@@ -339,9 +357,6 @@ async def test_the_daemon_whose_append_is_refused_reaches_every_l1(
     pub/sub and the batch counts as done (its offsets may be committed). Refused by a
     WRONGTYPE name here: an OOM can't be held to the byte across the DEL that precedes
     the append (the DEL frees a few bytes); the workload tests cover real OOMs."""
-    from layered_cache.daemon.deletes import Deleter
-    from layered_cache.daemon.stats import DaemonStats
-
     config = make_config(redis_url, prefix)
     deleter, stats = Deleter(config), DaemonStats()
     admin = redis.Redis.from_url(redis_url)
