@@ -44,8 +44,10 @@ class Writes:
         tags: Iterable[str] | None = None,
     ) -> None:
         """Raises ``L2Unavailable`` if Redis fails, including when the values were
-        written but the backplane append failed: then other instances may still serve
-        their old L1 copies for their TTL, and returning normally would promise otherwise."""
+        written but neither the backplane append nor its pub/sub fallback (``_fallback``)
+        was taken: then other instances may still serve their old L1 copies for their
+        TTL, and returning normally would promise otherwise. A Redis full under
+        noeviction refuses the values: the keys are dropped everywhere instead."""
         async with self._rt.admission:  # see Runtime.admission
             # Once more to the back of the loop's queue: in a burst, every other call
             # parks at the admission first, so the timeouts of our Redis round trips
