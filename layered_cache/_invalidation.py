@@ -5,7 +5,9 @@ or not this process thinks the key is hot: another instance may have), the lease
 in-flight fill that read the database before this invalidation can no longer write: its
 compare-and-write sees a missing lease) and each replica's own lease ``{key#i}:lease``.
 Only then are the keys appended to the backplane stream: an instance that drops its L1
-copy on that message can only refill from the new L2 state.
+copy on that message can only refill from the new L2 state. If the stream refuses
+the append (a full Redis under noeviction answers OOM to XADD but not to DEL or
+PUBLISH), the announcement goes over its pub/sub fallback channel (``_fallback``).
 
 Replicas are deleted in two phases, base first (why: ``_replicas.py``). Each phase is
 one pipelined round trip per node (in a cluster: one DEL per slot, a key and its lease
