@@ -39,7 +39,6 @@ from redis.exceptions import (
     AskError,
     ClusterDownError,
     NoScriptError,
-    OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
     TryAgainError,
@@ -105,19 +104,21 @@ end
 return {data, redis.call('PTTL', KEYS[1])}
 """
 
-# Error replies that speak for the whole node (a replica after failover, out of memory,
-# cluster down, a resharding in progress, ...): they count against the breaker like a
-# timeout. Every other error reply (WRONGTYPE, a script error) is about one key: the node
-# answered, so it is no reason to skip Redis for every other key.
+# Error replies that speak for the whole node (a replica after failover, cluster down,
+# a resharding in progress, ...): they count against the breaker like a timeout. Every
+# other error reply (WRONGTYPE, a script error) is about one key: the node answered, so
+# it is no reason to skip Redis for every other key. Nor is OOM (a full Redis under
+# noeviction): it refuses writes only, while reads and the DELs of an invalidation still
+# work, and an open breaker would refuse those too (docs/operations.md, "Redis under
+# memory pressure").
 _NODE_REPLIES = (
     ReadOnlyError,
-    OutOfMemoryError,
     ClusterDownError,
     TryAgainError,
     AskError,
     NoScriptError,
 )
-_NODE_REPLY_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "NOAUTH", "OOM", "READONLY")
+_NODE_REPLY_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "NOAUTH", "READONLY")
 
 
 def is_key_error(exc: BaseException) -> bool:
