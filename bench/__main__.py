@@ -30,6 +30,7 @@ SCENARIOS = [
     "batch_cluster",
     "tags",
     "tag_invalidation",
+    "failover",
 ]
 
 
