@@ -32,6 +32,7 @@ SCENARIOS = [
     "tags",
     "tag_invalidation",
     "fill_bytes",
+    "failover",
 ]
 
 

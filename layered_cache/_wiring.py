@@ -51,7 +51,7 @@ def build_parts(config: Config) -> CacheParts:
     instance_id = os.urandom(6).hex()
     breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
     client = make_client(config.redis)
-    store = L2Store(client, breaker, config.redis.max_connections)
+    store = L2Store(client, breaker, config.redis.max_connections, config.redis.timeout)
     publisher = listener_client = stream = fallback_client = None
     if config.backplane.enabled:
         stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
