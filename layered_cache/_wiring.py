@@ -51,7 +51,10 @@ def build_parts(config: Config) -> CacheParts:
     instance_id = os.urandom(6).hex()
     breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
     client = make_client(config.redis)
-    store = L2Store(client, breaker, config.redis.max_connections, config.redis.timeout)
+    # A cluster operation's overall deadline: one connect (a cold or re-established
+    # connection) plus one command, the bound each single step already had.
+    deadline = config.redis.connect_timeout + config.redis.timeout
+    store = L2Store(client, breaker, config.redis.max_connections, deadline)
     publisher = listener_client = stream = fallback_client = None
     if config.backplane.enabled:
         stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)

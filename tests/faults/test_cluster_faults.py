@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from consumers import Daemon
 from layered_cache import LayeredCache
+from layered_cache._config import Duration
 from layered_cache._events import BookPriceChanged, encode_event
 from layered_cache._keys import lease_name, replica_names
 from layered_cache.prometheus import register_cache
@@ -72,7 +73,16 @@ async def test_master_failover_keeps_reads_answering_and_loses_no_invalidation(
     # Cluster mode, seeded with every master: the client must find the cluster even
     # when the URL's own node is the one that died.
     seeds = [f"{host}:{port}" for host, port in failover_cluster.nodes[:3]]
-    redis_section = msgspec.structs.replace(config.redis, cluster=True, nodes=seeds)
+    # Patient timeouts: this scenario is about answers and invalidations through a
+    # failover, not latency (tests/faults/test_failover_latency.py bounds that). With
+    # 200 ms, 50 cold connections on a starved CPU timed out in the warm-up.
+    redis_section = msgspec.structs.replace(
+        config.redis,
+        cluster=True,
+        nodes=seeds,
+        timeout=Duration(1.0),
+        connect_timeout=Duration(1.0),
+    )
     config = msgspec.structs.replace(config, redis=redis_section)
     admin = RedisCluster.from_url(failover_cluster.url)
     loader = CountingLoader("v1")
@@ -151,7 +161,10 @@ async def test_one_dead_master_does_not_stop_l2_reads_on_the_others(prefix: str)
             cluster.url,
             prefix,
             {"book": {"key": "book:{id}", "l1": False}},
-            redis={"cluster": True, "nodes": seeds},
+            # Patient timeouts: the point is which keys L2 serves, not latency; with
+            # 200 ms, 50 cold connections on a starved CPU timed out in the warm-up and
+            # those keys were never filled.
+            redis={"cluster": True, "nodes": seeds, "timeout": "1s", "connect_timeout": "1s"},
             backplane={"enabled": False},
         )
         loader = CountingLoader("v")
