@@ -6,24 +6,7 @@ the circuit breaker; any Redis failure (error, timeout, breaker open) surfaces a
 ``L2Unavailable`` so the facade has one thing to catch and can fall through to the
 loader.
 
-Atomicity notes (why the Lua scripts exist):
-
-- ``FILL``: "write the value only if my lease token is still the lease" must be one
-  step, otherwise an invalidation (which deletes the lease) could slip in between the
-  check and the write and the old value would outlive it. The lease name
-  ``{key}:lease`` carries ``key`` as its hash tag, so in Redis Cluster both names live in
-  one slot and one script may touch them. The same script publishes the envelope so
-  waiters in other processes wake up without polling, but only when this node has a
-  subscriber on the channel: most fills have no waiter, and a publish nobody reads
-  still costs the whole value on the wire. In a cluster it is ``SPUBLISH`` (sharded
-  pub/sub): the channel ``{key}:filled`` hashes to the key's slot, so the message
-  stays within that slot's master and its replicas instead of the cluster bus
-  broadcasting it to every node (``_notify.py``). An envelope larger than
-  ``NOTIFY_INLINE_MAX`` is announced by an empty message instead, and the waiter GETs
-  it: the value then crosses the wire once per waiting process, not once more per
-  node of the shard (``bench/fill_bytes.py`` has the figures).
-- ``RELEASE``: compare-and-delete: a slow winner whose lease expired and was taken by
-  someone else must not delete the new holder's lease.
+The Lua scripts and why each must be one atomic step are in ``_scripts``.
 """
 
 from __future__ import annotations
@@ -51,59 +34,18 @@ from layered_cache._clients import (
     raised_in_redis_py,
     resurface_cancel,
 )
+from layered_cache._nodebreakers import NodeBreakers
 from layered_cache._placement import ReplicaPlacement
+from layered_cache._scripts import (
+    FILL_SCRIPT,
+    NOTIFY_INLINE_MAX,
+    READ_UNDER_LEASE_SCRIPT,
+    RELEASE_SCRIPT,
+    fill_args,
+)
 from layered_cache._topology import RefreshingCluster
 
 __all__ = ["NOTIFY_INLINE_MAX", "L2Store", "L2Unavailable", "Write", "is_key_error"]
-
-# Fill notifications carry the envelope up to this size (bytes), else they are empty and
-# the waiter GETs the value. Below it, a message costs about what its header costs (a
-# cluster bus message has a ~2 KB header), and the waiter saves a round trip.
-NOTIFY_INLINE_MAX = 2048
-
-FILL_SCRIPT = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then
-  return 0
-end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-if ARGV[5] == '1' then
-  redis.call('DEL', KEYS[2])
-end
-if ARGV[4] ~= '' then
-  local sharded = ARGV[6] == '1'
-  local waiting = redis.call('PUBSUB', sharded and 'SHARDNUMSUB' or 'NUMSUB', ARGV[4])
-  if waiting[2] > 0 then
-    local body = ARGV[2]
-    if string.len(body) > tonumber(ARGV[7]) then
-      body = ''
-    end
-    redis.call(sharded and 'SPUBLISH' or 'PUBLISH', ARGV[4], body)
-  end
-end
-return 1
-"""
-
-RELEASE_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# Read the base key and its remaining TTL only while ``token`` still holds the lease, and
-# release the lease in the same step. Used to copy a base value to replicas: the check
-# proves no invalidation deleted the lease before this instant (see ``fill_replicas``).
-READ_UNDER_LEASE_SCRIPT = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then
-  return false
-end
-redis.call('DEL', KEYS[2])
-local data = redis.call('GET', KEYS[1])
-if not data then
-  return false
-end
-return {data, redis.call('PTTL', KEYS[1])}
-"""
 
 # Error replies that speak for the whole node (a replica after failover, cluster down,
 # a resharding in progress, ...): they count against the breaker like a timeout. Every
@@ -162,7 +104,8 @@ class L2Store:
         # Bounds the connections the read path opens: a burst queues here (cheaply, no
         # timer) instead of opening a connection per waiting request.
         self.slots = asyncio.Semaphore(max_in_flight)
-        self.node_breakers: dict[str, CircuitBreaker] = {}
+        self.breakers = NodeBreakers(client, breaker)
+        self.node_breakers = self.breakers.by_node  # one per master (cluster), by host:port
         self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures
         self.cluster = isinstance(client, RedisCluster)
         self.notify_inline_max = NOTIFY_INLINE_MAX
@@ -174,7 +117,7 @@ class L2Store:
         # socket timeout bounds each command already and nothing retries behind it.
         self.deadline = deadline if self.cluster else None
         if isinstance(client, RefreshingCluster):
-            client.refresh_listeners.append(self.drop_gone_breakers)
+            client.refresh_listeners.append(self.breakers.drop_gone)
             # redis-py flags its map as stale after a failed single command, not after a
             # failed pipeline (without retries nothing else would ever refresh it: the
             # daemon's deletes would go to a dead master forever).
@@ -192,39 +135,11 @@ class L2Store:
             return operation
         return _within(operation, self.deadline)
 
-    def drop_gone_breakers(self) -> None:
-        """Forget the breakers of masters no longer in the slot map (after a failover the
-        dead master's would otherwise show "open" in ``redis_status()`` and the metrics
-        forever). A master that comes back gets a fresh breaker on its first request."""
-        slots = self.client.nodes_manager.slots_cache  # type: ignore[union-attr]
-        masters = {nodes[0].name for nodes in slots.values() if nodes}
-        for node in set(self.node_breakers) - masters:
-            del self.node_breakers[node]
-
-    def breaker_for(self, name: str | None) -> CircuitBreaker:
-        """The breaker guarding the node that holds ``name``.
-
-        In a cluster each master gets its own breaker: one dead master must not make
-        every instance skip the healthy ones (all their reads would fall through to the
-        database during a failover). Multi-key operations, a single node, and a slot map
-        not known yet use the shared breaker.
-        """
-        if not self.cluster or name is None:
-            return self.breaker
-        nodes = self.client.nodes_manager.slots_cache.get(key_slot(name.encode()))  # type: ignore[union-attr]
-        if not nodes:
-            return self.breaker
-        node = nodes[0].name
-        breaker = self.node_breakers.get(node)
-        if breaker is None:
-            breaker = self.node_breakers[node] = self.breaker.sibling(f"redis {node}")
-        return breaker
-
     async def guard(self, operation: Any, name: str | None = None) -> Any:
         """Run ``operation`` under the breaker of the node holding ``name`` (shared for
         multi-key operations) and the concurrency bound; any Redis failure becomes
         ``L2Unavailable``."""
-        breaker = self.breaker_for(name)
+        breaker = self.breakers.for_name(name)
         if not breaker.allow():
             operation.close()
             raise L2Unavailable("circuit breaker open")
@@ -256,7 +171,7 @@ class L2Store:
     async def get(self, name: str) -> bytes | None:
         # _guard inlined: this is the L2-hit path, where one more coroutine level is a
         # measurable share of a loopback GET.
-        breaker = self.breaker_for(name)
+        breaker = self.breakers.for_name(name)
         if not breaker.allow():
             raise L2Unavailable("circuit breaker open")
         task = asyncio.current_task()
@@ -307,8 +222,8 @@ class L2Store:
         release: bool,
     ) -> bool:
         """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
-        flags = ["1" if release else "0", "1" if self.cluster else "0", self.notify_inline_max]
-        args: list[str | bytes | int] = [token, data, ttl_ms, channel, *flags]
+        inline_max = self.notify_inline_max
+        args = fill_args(token, data, ttl_ms, channel, release, self.cluster, inline_max)
         return bool(await self.guard(self._fill(keys=[key, lease], args=args), key))
 
     async def release(self, lease: str, token: str) -> bool:
@@ -400,6 +315,3 @@ class L2Store:
             return None
         data, pttl = result
         return bytes(data), int(pttl)
-
-    async def publish(self, channel: str, data: bytes) -> None:
-        await self.guard(self.client.publish(channel, data))

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from layered_cache._keys import fill_channel
-from layered_cache._l2 import FILL_SCRIPT, RELEASE_SCRIPT, L2Store
+from layered_cache._l2 import L2Store
+from layered_cache._scripts import FILL_SCRIPT, RELEASE_SCRIPT, fill_args
 
 __all__ = ["Fill", "L2Batch"]
 
@@ -53,7 +54,8 @@ class L2Batch:
             return []
         pipe = self._store.client.pipeline(transaction=False)
         for key, lease, data, ttl_ms in fills:
-            pipe.eval(FILL_SCRIPT, 2, key, lease, token, data, ttl_ms, fill_channel(key), "1")
+            args = fill_args(token, data, ttl_ms, fill_channel(key), True, self._store.cluster)
+            pipe.eval(FILL_SCRIPT, 2, key, lease, *args)
         return [bool(done) for done in await self._store.guard(pipe.execute())]
 
     async def release_many(self, leases: Sequence[str], token: str) -> None:

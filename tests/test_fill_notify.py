@@ -40,7 +40,7 @@ def _config(url: str, prefix: str, cluster: bool) -> Config:
     return make_config(url, prefix, namespaces, redis=redis, backplane={"enabled": False})
 
 
-async def _waiter_is_woken(config: Config, value: str) -> None:
+async def _waiter_is_woken(config: Config, value: str, batch: bool = False) -> None:
     release = asyncio.Event()
     loader = CountingLoader(value)
 
@@ -48,8 +48,14 @@ async def _waiter_is_woken(config: Config, value: str) -> None:
         await release.wait()
         return await loader()
 
+    async def held_many(fields: list[dict[str, object]]) -> list[Any]:
+        return [await held() for _ in fields]
+
     async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
-        winner = asyncio.create_task(a.get_or_load("book", {"id": 1}, held))
+        if batch:  # the batch fill runs the same script, with the same arguments
+            winner = asyncio.create_task(_first(a.get_or_load_many("book", [{"id": 1}], held_many)))
+        else:
+            winner = asyncio.create_task(a.get_or_load("book", {"id": 1}, held))
         assert await eventually(lambda: a.stats()["book"]["lease_won"] == 1, timeout=10)
         waiter = asyncio.create_task(b.get_or_load("book", {"id": 1}, held))
         assert await eventually(lambda: b.stats()["book"]["lease_lost"] == 1, timeout=10)
@@ -61,11 +67,22 @@ async def _waiter_is_woken(config: Config, value: str) -> None:
         assert loader.calls == 1 and b.stats()["book"]["lease_wait_filled"] == 1
 
 
+async def _first(values: Any) -> Any:
+    return (await values)[0]
+
+
 @pytest.mark.parametrize("value", [SMALL, LARGE], ids=["inline", "announced"])
 async def test_a_waiter_on_one_node_is_woken_by_the_fill(
     redis_url: str, prefix: str, value: str
 ) -> None:
     await _waiter_is_woken(_config(redis_url, prefix, cluster=False), value)
+
+
+@pytest.mark.parametrize("value", [SMALL, LARGE], ids=["inline", "announced"])
+async def test_a_waiter_is_woken_by_a_batch_fill_too(redis_url: str, prefix: str, value: str) -> None:
+    # The batch fill once passed the script too few arguments: with a waiter subscribed
+    # the script failed, the value was never written and the waiter slept to its re-read.
+    await _waiter_is_woken(_config(redis_url, prefix, cluster=False), value, batch=True)
 
 
 @pytest.mark.cluster

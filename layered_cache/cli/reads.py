@@ -54,7 +54,7 @@ class KeyReads:
         """``command()`` as the store runs its own: refused while ``name``'s node breaker
         is open, its outcome counted by that breaker (a per-key error reply is no node
         failure), any Redis failure raised as ``L2Unavailable``."""
-        breaker = self._store.breaker_for(name)
+        breaker = self._store.breakers.for_name(name)
         if not breaker.allow():
             raise L2Unavailable("circuit breaker open")
         try:

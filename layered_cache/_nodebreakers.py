@@ -1,0 +1,52 @@
+"""Which circuit breaker guards a Redis operation.
+
+In a cluster each master gets its own breaker: one dead master must not make every
+instance skip the healthy ones (all their reads would fall through to the database
+during a failover). Multi-key operations, a single node, and a slot map not known yet
+use the shared breaker. Breakers of masters that left the slot map are dropped, so a
+failed-over master doesn't show "open" in ``redis_status()`` and the metrics forever.
+"""
+
+from __future__ import annotations
+
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from layered_cache._breaker import CircuitBreaker
+from layered_cache._clients import RedisClient
+
+__all__ = ["NodeBreakers"]
+
+
+class NodeBreakers:
+    """The shared breaker, and in a cluster one per master (``by_node``, by host:port)."""
+
+    def __init__(self, client: RedisClient, shared: CircuitBreaker) -> None:
+        self.shared = shared
+        self.by_node: dict[str, CircuitBreaker] = {}
+        self._cluster = client if isinstance(client, RedisCluster) else None
+
+    def for_name(self, name: str | None) -> CircuitBreaker:
+        """The breaker guarding the node that holds ``name`` (None: a multi-key
+        operation, guarded by the shared breaker)."""
+        if self._cluster is None or name is None:
+            return self.shared
+        nodes = self._cluster.nodes_manager.slots_cache.get(key_slot(name.encode()))
+        if not nodes:
+            return self.shared
+        node = nodes[0].name
+        breaker = self.by_node.get(node)
+        if breaker is None:
+            breaker = self.by_node[node] = self.shared.sibling(f"redis {node}")
+        return breaker
+
+    def drop_gone(self) -> None:
+        """Forget the breakers of masters no longer in the slot map (run after each
+        slot-map refresh). A master that comes back gets a fresh breaker on its first
+        request."""
+        if self._cluster is None:
+            return
+        slots = self._cluster.nodes_manager.slots_cache
+        masters = {nodes[0].name for nodes in slots.values() if nodes}
+        for node in set(self.by_node) - masters:
+            del self.by_node[node]

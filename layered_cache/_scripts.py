@@ -1,0 +1,93 @@
+"""Lua scripts of the L2 store, and why each must run as one atomic step.
+
+- ``FILL``: "write the value only if my lease token is still the lease" must be one
+  step, otherwise an invalidation (which deletes the lease) could slip in between the
+  check and the write and the old value would outlive it. The lease name
+  ``{key}:lease`` carries ``key`` as its hash tag, so in Redis Cluster both names live in
+  one slot and one script may touch them. The same script publishes the envelope so
+  waiters in other processes wake up without polling, but only when this node has a
+  subscriber on the channel: most fills have no waiter, and a publish nobody reads
+  still costs the whole value on the wire. In a cluster it is ``SPUBLISH`` (sharded
+  pub/sub): the channel ``{key}:filled`` hashes to the key's slot, so the message
+  stays within that slot's master and its replicas instead of the cluster bus
+  broadcasting it to every node (``_notify.py``). An envelope larger than
+  ``NOTIFY_INLINE_MAX`` is announced by an empty message instead, and the waiter GETs
+  it: the value then crosses the wire once per waiting process, not once more per
+  node of the shard (``bench/fill_bytes.py`` has the figures).
+- ``RELEASE``: compare-and-delete: a slow winner whose lease expired and was taken by
+  someone else must not delete the new holder's lease.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FILL_SCRIPT",
+    "NOTIFY_INLINE_MAX",
+    "READ_UNDER_LEASE_SCRIPT",
+    "RELEASE_SCRIPT",
+    "fill_args",
+]
+
+# Fill notifications carry the envelope up to this size (bytes), else they are empty and
+# the waiter GETs the value. Below it, a message costs about what its header costs (a
+# cluster bus message has a ~2 KB header), and the waiter saves a round trip.
+NOTIFY_INLINE_MAX = 2048
+
+FILL_SCRIPT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if ARGV[5] == '1' then
+  redis.call('DEL', KEYS[2])
+end
+if ARGV[4] ~= '' then
+  local sharded = ARGV[6] == '1'
+  local waiting = redis.call('PUBSUB', sharded and 'SHARDNUMSUB' or 'NUMSUB', ARGV[4])
+  if waiting[2] > 0 then
+    local body = ARGV[2]
+    if string.len(body) > tonumber(ARGV[7]) then
+      body = ''
+    end
+    redis.call(sharded and 'SPUBLISH' or 'PUBLISH', ARGV[4], body)
+  end
+end
+return 1
+"""
+
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# Read the base key and its remaining TTL only while ``token`` still holds the lease, and
+# release the lease in the same step. Used to copy a base value to replicas: the check
+# proves no invalidation deleted the lease before this instant (see ``fill_replicas``).
+READ_UNDER_LEASE_SCRIPT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return false
+end
+redis.call('DEL', KEYS[2])
+local data = redis.call('GET', KEYS[1])
+if not data then
+  return false
+end
+return {data, redis.call('PTTL', KEYS[1])}
+"""
+
+
+def fill_args(
+    token: str,
+    data: bytes,
+    ttl_ms: int,
+    channel: str,
+    release: bool,
+    sharded: bool,
+    inline_max: int = NOTIFY_INLINE_MAX,
+) -> list[str | bytes | int]:
+    """ARGV of FILL_SCRIPT, in its order; single fills and batch fills alike (a missing
+    argument would make the script fail whenever a waiter is subscribed)."""
+    flags = ["1" if release else "0", "1" if sharded else "0", inline_max]
+    return [token, data, ttl_ms, channel, *flags]
