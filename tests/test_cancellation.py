@@ -61,7 +61,8 @@ async def test_32_tasks_looping_on_an_operation_all_stop_when_cancelled(
         redis_url,
         prefix,
         {"book": {"key": "book:{id}", "l1": False}},
-        redis={"timeout": "2s"},  # a socket timeout: redis-py sends through wait_for
+        # A socket timeout (redis-py sends through wait_for), patient for a busy machine.
+        redis={"timeout": "2s", "connect_timeout": "2s"},
     )
     operation = OPERATIONS[name]
     async with LayeredCache.from_config(config) as cache:
