@@ -20,6 +20,7 @@ SCENARIOS = [
     "l1_hit",
     "l2_hit",
     "memory",
+    "l2_memory",
     "stampede_local",
     "stampede_procs",
     "jitter",
@@ -31,6 +32,7 @@ SCENARIOS = [
     "tags",
     "tag_invalidation",
     "fill_bytes",
+    "failover",
 ]
 
 

@@ -46,6 +46,10 @@ class BackplaneStatus(msgspec.Struct, frozen=True):
     keys_applied: int  # keys in those entries
     gaps: int  # whole-L1 clears: our position was trimmed, or the stream was deleted
     lag_seconds: float
+    # Announcements that went over pub/sub because the stream refused them (a full
+    # Redis under noeviction: ``_fallback``): sent by this instance, received from others.
+    fallback_sent: int = 0
+    fallback_received: int = 0
 
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -58,10 +62,10 @@ class BackplanePublisher:
     """Appends invalidated keys to the stream (one XADD per batch of keys)."""
 
     def __init__(self, client: RedisClient, stream: str, maxlen: int, origin: str = "") -> None:
-        self._client = client
+        self.client = client
         self.stream = stream
         self._maxlen = maxlen
-        self._origin = origin
+        self.origin = origin
 
     async def publish(self, keys: Sequence[str], tags: Mapping[str, str] | None = None) -> bytes:
         """Raises redis errors: the caller decides (the daemon retries, the facade reports).
@@ -69,11 +73,11 @@ class BackplanePublisher:
         fields: dict[Any, Any] = {"keys": msgspec.msgpack.encode(list(keys))}
         if tags:
             fields["tags"] = msgspec.msgpack.encode(dict(tags))
-        if self._origin:
-            fields["origin"] = self._origin
+        if self.origin:
+            fields["origin"] = self.origin
         task = asyncio.current_task()
         requested = task.cancelling() if task is not None else 0
-        entry_id: Any = await self._client.xadd(
+        entry_id: Any = await self.client.xadd(
             self.stream, fields, maxlen=self._maxlen, approximate=True
         )
         resurface_cancel(task, requested)

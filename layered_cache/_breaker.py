@@ -28,6 +28,7 @@ class CircuitBreaker:
         reset: float,
         name: str = "redis",
         clock: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
         self._threshold = failures
         self._reset = reset
@@ -38,10 +39,13 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probing = False
         self.transitions = 0
+        # Called on every failure: a Redis Cluster client refreshes its slot map (a
+        # failed node may have been replaced; ``_topology``).
+        self.on_failure = on_failure
 
     def sibling(self, name: str) -> CircuitBreaker:
         """A new breaker with the same settings (one per Redis Cluster node)."""
-        return CircuitBreaker(self._threshold, self._reset, name, self._clock)
+        return CircuitBreaker(self._threshold, self._reset, name, self._clock, self.on_failure)
 
     @property
     def state(self) -> State:
@@ -77,6 +81,8 @@ class CircuitBreaker:
         self._probing = False
 
     def failure(self, error: BaseException | None = None) -> None:
+        if self.on_failure is not None:
+            self.on_failure()
         self._probing = False
         self._failures += 1
         if self._state == "half_open" or (

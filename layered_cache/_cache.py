@@ -19,7 +19,7 @@ import structlog
 
 from layered_cache import _decorate as decorate
 from layered_cache import _startup as startup
-from layered_cache._backplane import BackplaneListener, BackplaneStatus
+from layered_cache._backplane import BackplaneStatus
 from layered_cache._batch import LoadMany
 from layered_cache._coherence import Coherence
 from layered_cache._config import Config
@@ -87,17 +87,9 @@ class LayeredCache:
         self._coherence = Coherence(list(self._namespaces.values()), self._rt)
         for name, value_type in (value_types or {}).items():
             self.namespace(name)._declare_type(value_type, by="value_types")
-        self._backplane: BackplaneListener | None = None
-        if parts.listener_client is not None and parts.stream is not None:
-            self._backplane = BackplaneListener(
-                parts.listener_client,
-                parts.stream,
-                on_keys=self._coherence.apply_remote,
-                on_gap=self._coherence.forget_all,
-                on_tags=self._coherence.apply_tags,
-                block=config.backplane.block,
-                origin=parts.instance_id,
-            )
+        self._backplane, self._fallback = startup.followers(
+            parts, self._coherence, config.backplane.block
+        )
         detecting = any(ns.policy.hot is not None and ns.policy.hot.threshold for ns in self)
         self._hot_reporter = (
             HotKeyReporter(parts.client, hot_report_name(prefix, parts.instance_id), self.hot_keys)
@@ -137,9 +129,12 @@ class LayeredCache:
         except ReplicaCountMismatch:
             await self.close()
             raise
-        if self._backplane is not None:
+        # In the background: a log line, not worth delaying the start on a slow Redis.
+        self._rt.tasks.spawn(startup.check_memory_policy(self._parts.client, self.config.redis))
+        if self._backplane is not None and self._fallback is not None:
             self._backplane.start()
-            await startup.positioned(self._backplane, self.config.redis)
+            self._fallback.start()
+            await startup.listening(self._backplane, self._fallback, self.config.redis)
         if self._hot_reporter is not None:
             self._hot_reporter.start()
 
@@ -148,6 +143,8 @@ class LayeredCache:
         await self._rt.tasks.close()
         if self._backplane is not None:
             await self._backplane.stop()
+        if self._fallback is not None:
+            await self._fallback.stop()
         if self._hot_reporter is not None:
             await self._hot_reporter.stop()
         await self._parts.close()
@@ -301,7 +298,13 @@ class LayeredCache:
 
     def backplane_status(self) -> BackplaneStatus | None:
         """The backplane listener's state and counters; None when the backplane is off."""
-        return self._backplane.status() if self._backplane is not None else None
+        if self._backplane is None:
+            return None
+        return msgspec.structs.replace(
+            self._backplane.status(),
+            fallback_sent=self._rt.invalidator.fallback_deliveries,
+            fallback_received=self._fallback.received if self._fallback is not None else 0,
+        )
 
     def hot_keys(self) -> dict[str, dict[str, float]]:
         """Current hot keys per namespace with their measured L2 read rate (reads/s)."""

@@ -19,6 +19,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from layered_cache._config import Duration, RedisConfig
+from layered_cache._topology import RefreshingCluster
 
 __all__ = [
     "REDIS_FAILURES",
@@ -95,14 +96,19 @@ def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
 def make_client(config: RedisConfig) -> RedisClient:
     """A redis.asyncio client for the config: RedisCluster when ``cluster = true``.
 
-    Standalone clients get no automatic retries: a retry would multiply the time a
-    request waits on a sick Redis, and the breaker plus the loader are the fallback.
-    The cluster client keeps redis-py's MOVED/ASK handling and its default retries.
+    No client retries automatically: a retry would multiply the time a request waits
+    on a sick Redis, and the breaker plus the loader are the fallback. In a cluster
+    redis-py's retries also refreshed the slot map and closed every connection (to
+    healthy masters too) on each attempt: a failover stalled every request for
+    seconds (issue 21). The cluster client still follows MOVED/ASK (that is routing,
+    not a retry) and refreshes its slot map in the background (``_topology``).
     """
     kwargs = _client_kwargs(config)
     if config.cluster:
         seeds = [ClusterNode(*_host_port(node)) for node in config.nodes]
-        return RedisCluster.from_url(config.url, startup_nodes=seeds, **kwargs)
+        return RefreshingCluster.from_url(
+            config.url, startup_nodes=seeds, retry=Retry(NoBackoff(), 0), **kwargs
+        )
     # The pool itself is not capped (redis-py 8 caps at 100 by default): a capped pool
     # either fails a burst ("Too many connections") or, as BlockingConnectionPool, costs
     # a lock and a timer per command on the hot path. L2Store bounds its concurrency

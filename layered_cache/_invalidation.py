@@ -5,7 +5,9 @@ or not this process thinks the key is hot: another instance may have), the lease
 in-flight fill that read the database before this invalidation can no longer write: its
 compare-and-write sees a missing lease) and each replica's own lease ``{key#i}:lease``.
 Only then are the keys appended to the backplane stream: an instance that drops its L1
-copy on that message can only refill from the new L2 state.
+copy on that message can only refill from the new L2 state. If the stream refuses
+the append (a full Redis under noeviction answers OOM to XADD but not to DEL or
+PUBLISH), the announcement goes over its pub/sub fallback channel (``_fallback``).
 
 Replicas are deleted in two phases, base first (why: ``_replicas.py``). Each phase is
 one pipelined round trip per node (in a cluster: one DEL per slot, a key and its lease
@@ -25,8 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._backplane import BackplanePublisher
-from layered_cache._clients import RedisClient
+from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._config import Config
+from layered_cache._fallback import FallbackChannel, fallback_channel
 from layered_cache._keys import replica_record_name
 from layered_cache._l2 import L2Store
 from layered_cache._policy import compile_policy
@@ -79,9 +82,22 @@ async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping
 
 
 class Invalidator:
+    """Deletes L2 names, then announces the keys: on the stream, or over pub/sub when
+    the stream refuses the append (``_fallback``: a Redis full under ``noeviction``)."""
+
     def __init__(self, l2: L2Store, backplane: BackplanePublisher | None) -> None:
         self._l2 = l2
         self._backplane = backplane
+        self.fallback: FallbackChannel | None = None
+        if backplane is not None:
+            self.fallback = FallbackChannel(
+                backplane.client, fallback_channel(backplane.stream), backplane.origin
+            )
+
+    @property
+    def fallback_deliveries(self) -> int:
+        """Announcements the stream refused that went over pub/sub instead."""
+        return self.fallback.deliveries if self.fallback is not None else 0
 
     async def invalidate(self, targets: Iterable[tuple[str, int]]) -> int:
         """``targets``: (full key, replica count). Returns how many names existed.
@@ -103,15 +119,35 @@ class Invalidator:
         await self.announce(keys)
         return deleted
 
-    async def announce_tags(self, versions: Mapping[str, str]) -> None:
-        """Tell every instance the new versions of invalidated tags."""
-        if self._backplane is not None and versions:
-            async with self._l2.slots:
-                await self._backplane.publish([], tags=versions)
+    async def announce_tags(self, versions: Mapping[str, str]) -> bool:
+        """Tell every instance the new versions of invalidated tags. Returns whether
+        the announcement went over pub/sub (degraded) rather than the stream."""
+        if self._backplane is None or not versions:
+            return False
+        return await self._announce([], versions)
 
-    async def announce(self, keys: Sequence[str]) -> None:
-        if self._backplane is not None and keys:
-            # Through the store's concurrency bound: a burst of set()/invalidate() must
-            # not open a connection per caller (the pool itself is uncapped).
-            async with self._l2.slots:
-                await self._backplane.publish(keys)
+    async def announce(self, keys: Sequence[str]) -> bool:
+        """Tell every instance to drop ``keys`` from L1. Returns whether it went over
+        pub/sub (degraded); raises the Redis error only when neither the stream nor
+        pub/sub took it (no instance could be told)."""
+        if self._backplane is None or not keys:
+            return False
+        return await self._announce(keys, None)
+
+    async def _announce(self, keys: Sequence[str], tags: Mapping[str, str] | None) -> bool:
+        assert self._backplane is not None and self.fallback is not None
+        # Through the store's concurrency bound: a burst of set()/invalidate() must
+        # not open a connection per caller (the pool itself is uncapped).
+        async with self._l2.slots:
+            try:
+                await self._backplane.publish(keys, tags=tags)
+                return False
+            except REDIS_FAILURES as exc:
+                # Refused (OOM under noeviction, a WRONGTYPE name, ...) after the L2
+                # names are gone: PUBLISH needs no memory. If it fails too, the
+                # stream's error is what the caller sees.
+                try:
+                    await self.fallback.deliver(keys, tags, exc)
+                except REDIS_FAILURES:
+                    raise exc from None
+                return True

@@ -29,8 +29,8 @@ Atomicity notes (why the Lua scripts exist):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
@@ -39,7 +39,6 @@ from redis.exceptions import (
     AskError,
     ClusterDownError,
     NoScriptError,
-    OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
     TryAgainError,
@@ -53,6 +52,7 @@ from layered_cache._clients import (
     resurface_cancel,
 )
 from layered_cache._placement import ReplicaPlacement
+from layered_cache._topology import RefreshingCluster
 
 __all__ = ["NOTIFY_INLINE_MAX", "L2Store", "L2Unavailable", "Write", "is_key_error"]
 
@@ -105,19 +105,21 @@ end
 return {data, redis.call('PTTL', KEYS[1])}
 """
 
-# Error replies that speak for the whole node (a replica after failover, out of memory,
-# cluster down, a resharding in progress, ...): they count against the breaker like a
-# timeout. Every other error reply (WRONGTYPE, a script error) is about one key: the node
-# answered, so it is no reason to skip Redis for every other key.
+# Error replies that speak for the whole node (a replica after failover, cluster down,
+# a resharding in progress, ...): they count against the breaker like a timeout. Every
+# other error reply (WRONGTYPE, a script error) is about one key: the node answered, so
+# it is no reason to skip Redis for every other key. Nor is OOM (a full Redis under
+# noeviction): it refuses writes only, while reads and the DELs of an invalidation still
+# work, and an open breaker would refuse those too (docs/operations.md, "Redis under
+# memory pressure").
 _NODE_REPLIES = (
     ReadOnlyError,
-    OutOfMemoryError,
     ClusterDownError,
     TryAgainError,
     AskError,
     NoScriptError,
 )
-_NODE_REPLY_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "NOAUTH", "OOM", "READONLY")
+_NODE_REPLY_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "NOAUTH", "READONLY")
 
 
 def is_key_error(exc: BaseException) -> bool:
@@ -132,7 +134,13 @@ def is_key_error(exc: BaseException) -> bool:
 _log = structlog.get_logger("layered_cache.l2")
 
 
+T = TypeVar("T")
 Write = tuple[Sequence[str], Sequence[str], bytes, int]  # (names, delete first, data, ms)
+
+
+async def _within(operation: Awaitable[T], seconds: float) -> T:
+    async with asyncio.timeout(seconds):
+        return await operation
 
 
 class L2Unavailable(Exception):
@@ -143,7 +151,11 @@ class L2Store:
     """Redis operations of the cache, each guarded by the circuit breaker."""
 
     def __init__(
-        self, client: RedisClient, breaker: CircuitBreaker, max_in_flight: int = 64
+        self,
+        client: RedisClient,
+        breaker: CircuitBreaker,
+        max_in_flight: int = 64,
+        deadline: float | None = None,
     ) -> None:
         self.client = client
         self.breaker = breaker
@@ -158,6 +170,36 @@ class L2Store:
         self._release = client.register_script(RELEASE_SCRIPT)
         self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)
         self.placement = ReplicaPlacement(client)
+        # Cluster only: one overall deadline per operation (``bounded``). A single node's
+        # socket timeout bounds each command already and nothing retries behind it.
+        self.deadline = deadline if self.cluster else None
+        if isinstance(client, RefreshingCluster):
+            client.refresh_listeners.append(self.drop_gone_breakers)
+            # redis-py flags its map as stale after a failed single command, not after a
+            # failed pipeline (without retries nothing else would ever refresh it: the
+            # daemon's deletes would go to a dead master forever).
+            breaker.on_failure = client.refresh_soon
+
+    def bounded(self, operation: Awaitable[T]) -> Awaitable[T]:
+        """``operation`` cut off at ``deadline`` (TimeoutError: a failure of the node's
+        breaker). Socket timeouts bound one command; in a cluster one operation may be
+        several (MOVED/ASK, a connect, a pipeline per node), and a failover must not
+        stretch a request past the configured timeout. ``asyncio.timeout``, not
+        ``wait_for``: on Python 3.11 ``wait_for`` can swallow the caller's own
+        cancellation. Not before the first slot map is known: the discovery itself
+        (CLUSTER SLOTS, COMMAND) is one-off and may need longer on a busy machine."""
+        if self.deadline is None or not self.client.nodes_manager.slots_cache:  # type: ignore[union-attr]
+            return operation
+        return _within(operation, self.deadline)
+
+    def drop_gone_breakers(self) -> None:
+        """Forget the breakers of masters no longer in the slot map (after a failover the
+        dead master's would otherwise show "open" in ``redis_status()`` and the metrics
+        forever). A master that comes back gets a fresh breaker on its first request."""
+        slots = self.client.nodes_manager.slots_cache  # type: ignore[union-attr]
+        masters = {nodes[0].name for nodes in slots.values() if nodes}
+        for node in set(self.node_breakers) - masters:
+            del self.node_breakers[node]
 
     def breaker_for(self, name: str | None) -> CircuitBreaker:
         """The breaker guarding the node that holds ``name``.
@@ -190,7 +232,7 @@ class L2Store:
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
-                result = await operation
+                result = await self.bounded(operation)
         except REDIS_FAILURES as exc:
             if is_key_error(exc):
                 breaker.success()  # the node answered: not a node failure
@@ -221,7 +263,7 @@ class L2Store:
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
-                result = await self.client.get(name)
+                result = await self.bounded(self.client.get(name))
         except ResponseError as exc:
             if not is_key_error(exc):
                 breaker.failure(exc)

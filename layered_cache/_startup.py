@@ -12,11 +12,22 @@ from redis.asyncio.cluster import RedisCluster
 
 from layered_cache._backplane import BackplaneListener
 from layered_cache._clients import REDIS_FAILURES, RedisClient
+from layered_cache._coherence import Coherence
 from layered_cache._config import RedisConfig
+from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscribed
 from layered_cache._invalidation import check_replica_counts
+from layered_cache._memory_policy import log_memory_policies
 from layered_cache._namespace import Namespace
+from layered_cache._wiring import CacheParts
 
-__all__ = ["check_replicas", "learn_slots", "positioned"]
+__all__ = [
+    "check_memory_policy",
+    "check_replicas",
+    "followers",
+    "learn_slots",
+    "listening",
+    "positioned",
+]
 
 _log = structlog.get_logger("layered_cache")
 
@@ -48,3 +59,46 @@ async def positioned(listener: BackplaneListener, redis: RedisConfig) -> None:
         await asyncio.wait_for(
             listener.connected.wait(), 2 * (redis.connect_timeout + redis.timeout)
         )
+
+
+async def check_memory_policy(client: RedisClient, redis: RedisConfig) -> None:
+    """Log what a full Redis will do to the cache (``_memory_policy``): once, bounded,
+    never failing the start."""
+    await log_memory_policies(client, 2 * (redis.connect_timeout + redis.timeout))
+
+
+async def listening(
+    listener: BackplaneListener, fallback: FallbackSubscriber, redis: RedisConfig
+) -> None:
+    """``positioned``, and the fallback channel subscribed (``_fallback``): both bounded,
+    waited for together so that a Redis that is down delays the start only once."""
+    await asyncio.gather(
+        positioned(listener, redis),
+        subscribed(fallback, 2 * (redis.connect_timeout + redis.timeout)),
+    )
+
+
+def followers(
+    parts: CacheParts, coherence: Coherence, block: float
+) -> tuple[BackplaneListener | None, FallbackSubscriber | None]:
+    """What keeps L1 coherent with the fleet: the backplane stream's reader and the
+    fallback channel's subscriber (``_fallback``); both None with the backplane off."""
+    if parts.listener_client is None or parts.stream is None or parts.fallback_client is None:
+        return None, None
+    listener = BackplaneListener(
+        parts.listener_client,
+        parts.stream,
+        on_keys=coherence.apply_remote,
+        on_gap=coherence.forget_all,
+        on_tags=coherence.apply_tags,
+        block=block,
+        origin=parts.instance_id,
+    )
+    fallback = FallbackSubscriber(
+        parts.fallback_client,
+        fallback_channel(parts.stream),
+        on_keys=coherence.apply_remote,
+        on_tags=coherence.apply_tags,
+        origin=parts.instance_id,
+    )
+    return listener, fallback

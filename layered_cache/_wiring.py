@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 
 from layered_cache._backplane import BackplanePublisher
@@ -33,10 +34,12 @@ class CacheParts:
     publisher: BackplanePublisher | None  # None: backplane switched off
     listener_client: RedisClient | None  # its own client: XREAD blocks a connection
     stream: str | None  # the backplane stream's name
+    # Its own pub/sub connection for the backplane's fallback channel (``_fallback``).
+    fallback_client: redis.Redis | None = None
 
     async def close(self) -> None:
         await self.notifier.close()
-        for client in (self.client, self.listener_client):
+        for client in (self.client, self.listener_client, self.fallback_client):
             if client is not None:
                 try:
                     await client.aclose()
@@ -48,13 +51,14 @@ def build_parts(config: Config) -> CacheParts:
     instance_id = os.urandom(6).hex()
     breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
     client = make_client(config.redis)
-    store = L2Store(client, breaker, config.redis.max_connections)
-    publisher = listener_client = stream = None
+    store = L2Store(client, breaker, config.redis.max_connections, config.redis.timeout)
+    publisher = listener_client = stream = fallback_client = None
     if config.backplane.enabled:
         stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
         publisher = BackplanePublisher(client, stream, config.backplane.maxlen, instance_id)
         # Blocking XREAD needs a socket timeout longer than the block time.
         listener_client = make_client(with_timeout(config.redis, config.backplane.block + 1.0))
+        fallback_client = make_node_client(config.redis)
     return CacheParts(
         instance_id=instance_id,
         client=client,
@@ -63,6 +67,7 @@ def build_parts(config: Config) -> CacheParts:
         publisher=publisher,
         listener_client=listener_client,
         stream=stream,
+        fallback_client=fallback_client,
     )
 
 

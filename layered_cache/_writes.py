@@ -18,6 +18,7 @@ from layered_cache import _replicas as replicas
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable, Write
+from layered_cache._memory_policy import refused_for_memory
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 
@@ -43,8 +44,10 @@ class Writes:
         tags: Iterable[str] | None = None,
     ) -> None:
         """Raises ``L2Unavailable`` if Redis fails, including when the values were
-        written but the backplane append failed: then other instances may still serve
-        their old L1 copies for their TTL, and returning normally would promise otherwise."""
+        written but neither the backplane append nor its pub/sub fallback (``_fallback``)
+        was taken: then other instances may still serve their old L1 copies for their
+        TTL, and returning normally would promise otherwise. A Redis full under
+        noeviction refuses the values: the keys are dropped everywhere instead."""
         async with self._rt.admission:  # see Runtime.admission
             # Once more to the back of the loop's queue: in a burst, every other call
             # parks at the admission first, so the timeouts of our Redis round trips
@@ -85,7 +88,16 @@ class Writes:
             await self._drop(uncacheable)
         if not writes:
             return
-        await replicas.write_many(self._rt.store, writes)
+        try:
+            await replicas.write_many(self._rt.store, writes)
+        except L2Unavailable as exc:
+            if not refused_for_memory(exc):
+                raise
+            # Redis is full (noeviction) and refuses the new values, but still deletes:
+            # as for a value that can't be stored, the old one goes, everywhere.
+            policy.stats.not_cached += len(settled)
+            await self._drop([key for key, _, _ in settled])
+            return
         await self._announce([key for key, _, _ in settled])
         for key, value, soft_expiry in settled:
             self._settle(key, value, soft_expiry, read_seq, versions)

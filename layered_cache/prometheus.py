@@ -304,6 +304,13 @@ class _BackplaneFamilies:
         self.gaps = counter(
             "gaps", "Whole-L1 clears: the stream was trimmed past our position, or deleted"
         )
+        self.fallback_sent = counter(
+            "fallback_sent",
+            "Announcements the stream refused (full Redis) this instance sent over pub/sub",
+        )
+        self.fallback_received = counter(
+            "fallback_received", "Announcements from others received over the pub/sub fallback"
+        )
         self.connected = gauge("connected", "1 while the backplane listener is connected")
         self.lag = gauge(
             "lag_seconds",
@@ -315,11 +322,14 @@ class _BackplaneFamilies:
         self.entries.add_metric([instance], float(status.entries_applied))
         self.keys.add_metric([instance], float(status.keys_applied))
         self.gaps.add_metric([instance], float(status.gaps))
+        self.fallback_sent.add_metric([instance], float(status.fallback_sent))
+        self.fallback_received.add_metric([instance], float(status.fallback_received))
         self.connected.add_metric([instance], 1.0 if status.connected else 0.0)
         self.lag.add_metric([instance], status.lag_seconds)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.entries, self.keys, self.gaps, self.connected, self.lag)
+        yield from (self.entries, self.keys, self.gaps, self.fallback_sent)
+        yield from (self.fallback_received, self.connected, self.lag)
 
 
 def _hot_keys(cache: LayeredCache) -> dict[str, Any]:

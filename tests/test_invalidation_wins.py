@@ -523,11 +523,13 @@ async def test_load_that_began_during_a_set_is_not_served_after_it(
         assert await cache.get("book", {"id": 1}) == "new"
 
 
-async def test_set_whose_backplane_append_fails_raises_instead_of_promising_coherence(
+async def test_set_whose_backplane_append_fails_reaches_the_other_l1_over_pubsub(
     redis_url: str, prefix: str
 ) -> None:
     """Found by the schedule explorer under load: set() wrote L2, its XADD failed, and it
-    returned normally while another instance kept serving its old L1 copy."""
+    returned normally while another instance kept serving its old L1 copy. The refused
+    announcement now goes over the pub/sub fallback (``_fallback``): set() returns only
+    once it was sent, and the other instance drops its copy."""
     config = make_config(redis_url, prefix)
     admin = redis.Redis.from_url(redis_url)
     async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
@@ -535,12 +537,42 @@ async def test_set_whose_backplane_append_fails_raises_instead_of_promising_cohe
         stream = config.redis.prefix + config.backplane.stream
         await admin.delete(stream)
         await admin.set(stream, "not a stream")  # every XADD now fails (WRONGTYPE)
+        await a.set("book", {"id": 1}, "new")
+        assert await eventually(lambda: _l1_missing(b, f"{prefix}book:1"))
+        assert await b.get("book", {"id": 1}) == "new"
+        status = a.backplane_status()
+        assert status is not None and status.fallback_sent == 1
+        await admin.delete(stream)
+    await admin.aclose()
+
+
+async def test_set_whose_announcement_no_channel_takes_raises(redis_url: str, prefix: str) -> None:
+    """Neither the stream nor pub/sub took the announcement: set() must not return as if
+    the write had reached every instance."""
+    config = make_config(redis_url, prefix)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as a:
+        stream = config.redis.prefix + config.backplane.stream
+        await admin.delete(stream)
+        await admin.set(stream, "not a stream")  # every XADD now fails (WRONGTYPE)
+        fallback = a._rt.invalidator.fallback
+        assert fallback is not None
+
+        async def refused(*args: object, **kwargs: object) -> None:
+            raise redis.ConnectionError("pub/sub down too")
+
+        fallback._client.publish = refused  # type: ignore[method-assign]
         with pytest.raises(L2Unavailable, match="could not announce"):
             await a.set("book", {"id": 1}, "new")
         # L2 holds the new value; A doesn't keep it in L1 as if the write were everywhere.
         assert await a.get("book", {"id": 1}) == "new"
         await admin.delete(stream)
     await admin.aclose()
+
+
+def _l1_missing(cache: LayeredCache, key: str) -> bool:
+    l1 = cache.namespace("book").policy.l1
+    return l1 is not None and l1.get(key) is MISSING
 
 
 async def test_set_of_a_value_that_cannot_be_stored_drops_the_old_one_everywhere(

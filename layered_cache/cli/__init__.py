@@ -4,6 +4,7 @@
     layered-cache inspect NAMESPACE field=value ... --config FILE [--json]
     layered-cache invalidate NAMESPACE field=value ... --config FILE
     layered-cache hotkeys --config FILE [--json]
+    layered-cache doctor --config FILE [--json]
     layered-cache warm NAMESPACE --from FILE.jsonl --config FILE [--concurrency N]
                        [--start-line K]
     layered-cache daemon --config FILE [--log-format json|console] [--health-port N]
@@ -18,7 +19,7 @@ early (``| head -1``) ends the command quietly with 141, as a process killed by 
 would. See docs/cli.md.
 
 One module per command group (``config_check``, ``inspect_key``, ``invalidate``,
-``hotkeys``, ``warm``, ``daemon``), each with its typed report; ``parser`` holds the
+``hotkeys``, ``doctor``, ``warm``, ``daemon``), each with its typed report; ``parser`` holds the
 command line, ``common``, ``connect`` and ``reads`` (key reads through the store and its
 breaker) what the commands share.
 """

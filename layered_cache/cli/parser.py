@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from layered_cache.cli.config_check import cmd_config_check
 from layered_cache.cli.daemon import cmd_daemon
+from layered_cache.cli.doctor import cmd_doctor
 from layered_cache.cli.hotkeys import cmd_hotkeys
 from layered_cache.cli.inspect_key import cmd_inspect
 from layered_cache.cli.invalidate import cmd_invalidate
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(commands)
     _add_keyed(commands)
     _add_hotkeys(commands)
+    _add_doctor(commands)
     _add_warm(commands)
     _add_daemon(commands)
     return parser
@@ -80,6 +82,15 @@ def _add_hotkeys(commands: _Commands) -> None:
     hotkeys.add_argument("--config", required=True, metavar="FILE")
     hotkeys.add_argument("--json", action="store_true")
     hotkeys.set_defaults(handler=cmd_hotkeys)
+
+
+def _add_doctor(commands: _Commands) -> None:
+    doctor = commands.add_parser(
+        "doctor", help="each Redis master's maxmemory-policy and what a full Redis does"
+    )
+    doctor.add_argument("--config", required=True, metavar="FILE")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(handler=cmd_doctor)
 
 
 def _add_warm(commands: _Commands) -> None:

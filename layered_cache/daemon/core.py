@@ -133,6 +133,7 @@ class Daemon:
     async def _start(self) -> bool:
         self._deleter = Deleter(self.config)
         await self._deleter.check_replicas()  # refuses a fleet-inconsistent config
+        await self._deleter.check_memory_policy()  # logs what a full Redis will do
         if self._health_port >= 0:
             await self._start_health()
         return await self._retrier.connect(

@@ -18,6 +18,7 @@ from layered_cache._config import Config
 from layered_cache._invalidation import Invalidator, check_replica_counts, replica_counts
 from layered_cache._keys import backplane_stream_name
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._memory_policy import log_memory_policies
 from layered_cache._tags import invalidate_tags
 from layered_cache.daemon.stats import DaemonStats
 
@@ -58,19 +59,30 @@ class Deleter:
         except REDIS_FAILURES as exc:
             _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
+    async def check_memory_policy(self) -> None:
+        """Log each master's maxmemory-policy and what it means when Redis is full."""
+        redis = self._config.redis
+        await log_memory_policies(self.client, 2 * (redis.connect_timeout + redis.timeout))
+
     async def delete(
         self, keys: list[tuple[str, int]], stats: DaemonStats, tags: Sequence[str] = ()
     ) -> None:
         """Raises DELETE_FAILURES; the chunks done before a failure stay done (and are
         redone by the retry: deleting is idempotent, and so is a new tag version)."""
+        invalidator = self._invalidator
         for start in range(0, len(keys), _CHUNK):
-            stats.names_deleted += await self._invalidator.invalidate(keys[start : start + _CHUNK])
+            before = invalidator.fallback_deliveries
+            stats.names_deleted += await invalidator.invalidate(keys[start : start + _CHUNK])
+            # The stream refused the append (a full Redis under noeviction) and pub/sub
+            # carried it: done (no retry), but counted (``_fallback``).
+            stats.backplane_fallbacks += invalidator.fallback_deliveries - before
         unique = list(dict.fromkeys(tags))
         for start in range(0, len(unique), _CHUNK):
             versions = await invalidate_tags(
                 self._store, self._config.redis.prefix, unique[start : start + _CHUNK]
             )
-            await self._invalidator.announce_tags(versions)
+            if await invalidator.announce_tags(versions):
+                stats.backplane_fallbacks += 1
             stats.tags_invalidated += len(versions)
 
     async def close(self) -> None:

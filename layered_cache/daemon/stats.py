@@ -32,6 +32,9 @@ class DaemonStats(msgspec.Struct):
     dead_letters_rejected: int = 0  # refused for good by the producer/broker: set aside
     tombstones: int = 0
     redis_retries: int = 0
+    # Announcements the backplane stream refused (a full Redis under noeviction) that
+    # went over pub/sub instead (``layered_cache._fallback``).
+    backplane_fallbacks: int = 0
     connect_retries: int = 0
     commits: int = 0
     commit_failures: int = 0

@@ -1,0 +1,169 @@
+"""The backplane's fallback: invalidations over pub/sub when the stream refuses them.
+
+A Redis full under ``noeviction`` (or ``volatile-*`` with nothing left to evict)
+refuses XADD ("OOM command not allowed"), but DEL and PUBLISH still run: neither is a
+``denyoom`` command, and a PUBLISH stores nothing. So once the L2 names are deleted,
+an announcement the stream refused goes to the channel ``<stream>:fallback`` instead,
+which every instance's ``FallbackSubscriber`` follows next to its stream reader. The
+other instances drop their L1 copies just the same.
+
+Pub/sub is at-most-once: an instance disconnected from Redis at that moment misses the
+message, and keeps its L1 copy for at most its ``l1.ttl`` (the bound documented in
+docs/operations.md, "Redis under memory pressure"). In a cluster, classic PUBLISH is
+broadcast over the cluster bus, so subscribing on one node sees every message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import msgspec
+import redis.asyncio as redis
+import structlog
+
+from layered_cache._backoff import Backoff
+from layered_cache._clients import RedisClient, is_redis_failure
+
+__all__ = [
+    "FallbackChannel",
+    "FallbackMessage",
+    "FallbackSubscriber",
+    "fallback_channel",
+    "subscribed",
+]
+
+_log = structlog.get_logger("layered_cache.backplane")
+_LOG_EVERY = 1.0  # seconds between two degraded-delivery warnings (an OOM storm is one)
+
+
+def fallback_channel(stream: str) -> str:
+    """The pub/sub channel that backs up the stream ``stream`` (a channel, not a key:
+    it takes no memory and is never evicted)."""
+    return f"{stream}:fallback"
+
+
+class FallbackMessage(msgspec.Struct, frozen=True):
+    keys: list[str]
+    tags: dict[str, str] = msgspec.field(default_factory=dict)
+    origin: str = ""
+
+
+class FallbackChannel:
+    """Publishes what the stream refused; counts and logs each degraded delivery."""
+
+    def __init__(self, client: RedisClient, channel: str, origin: str = "") -> None:
+        self._client = client
+        self.channel = channel
+        self._origin = origin
+        self.deliveries = 0  # announcements that went over pub/sub instead of the stream
+        self._logged_at = -_LOG_EVERY
+
+    async def deliver(
+        self, keys: Sequence[str], tags: Mapping[str, str] | None, refused: BaseException
+    ) -> None:
+        """PUBLISH the announcement the stream refused (``refused``). Raises the Redis
+        error when PUBLISH fails too: then no instance can be told."""
+        payload = msgspec.msgpack.encode(
+            FallbackMessage(list(keys), dict(tags or {}), self._origin)
+        )
+        await self._client.publish(self.channel, payload)
+        self.deliveries += 1
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_EVERY:
+            self._logged_at = now
+            _log.warning(
+                "backplane_append_failed_delivered_over_pubsub",
+                error=f"{type(refused).__name__}: {refused}",
+                keys=len(keys),
+                tags=len(tags or {}),
+                degraded_total=self.deliveries,
+            )
+
+
+class FallbackSubscriber:
+    """Follows the fallback channel and applies its messages like stream entries."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        channel: str,
+        on_keys: Callable[[list[str]], None],
+        on_tags: Callable[[dict[str, str]], None],
+        origin: str = "",
+    ) -> None:
+        self._client = client
+        self._channel = channel
+        self._on_keys = on_keys
+        self._on_tags = on_tags
+        self._origin = origin
+        self.subscribed = asyncio.Event()
+        self.received = 0  # messages from others applied
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="layered_cache._fallback")
+
+    async def stop(self) -> None:
+        """Never hangs: the connection is closed to unblock a pending read."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
+        await asyncio.wait({task}, timeout=1.0)
+
+    async def _run(self) -> None:
+        backoff = Backoff(base=0.05, cap=2.0)
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                await self._read(pubsub, backoff)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not is_redis_failure(exc):
+                    raise
+                _log.debug("fallback_subscriber_failed", error=type(exc).__name__)
+            finally:
+                self.subscribed.clear()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(pubsub.aclose(), 0.1)  # type: ignore[no-untyped-call]
+            await asyncio.sleep(backoff.next_delay())
+
+    async def _read(self, pubsub: redis.client.PubSub, backoff: Backoff) -> None:
+        while True:
+            message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
+            if message is None:
+                continue
+            if message["type"] == "subscribe":
+                self.subscribed.set()
+                backoff.reset()
+            elif message["type"] == "message":
+                self._apply(message["data"])
+
+    def _apply(self, data: bytes) -> None:
+        try:
+            message = msgspec.msgpack.decode(data, type=FallbackMessage)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            _log.warning("backplane_bad_fallback_message")
+            return
+        if self._origin and message.origin == self._origin:
+            return  # our own: already applied locally
+        if message.tags:
+            self._on_tags(message.tags)
+        if message.keys:
+            self._on_keys(message.keys)
+        self.received += 1
+
+
+async def subscribed(subscriber: FallbackSubscriber, seconds: float) -> None:
+    """Wait (bounded) until the subscription is confirmed: from then on no fallback
+    message is missed while Redis stays reachable."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(subscriber.subscribed.wait(), seconds)

@@ -1,0 +1,154 @@
+"""What Redis does when it is full, read at start-up and by ``layered-cache doctor``.
+
+``maxmemory-policy`` decides what a full Redis does to the library's names: under
+``noeviction`` it refuses writes (fills fail and fall back to the loader; the backplane
+stream refuses announcements, which then go over pub/sub: ``_fallback``), under
+``allkeys-*`` it may evict the backplane stream (a gap: every instance clears its L1
+once), a lease (at most one extra load), a tag version (its entries read as stale) or a
+replica (reads fall back to the base key). Nothing breaks either way, but an operator
+should know which of these to expect, so each master's policy is logged once at start.
+
+Managed services (ElastiCache, Memorystore, ...) often refuse ``CONFIG``: then the
+policy is unknown, said once at info level, and the cache starts anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import structlog
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import OutOfMemoryError
+
+from layered_cache._clients import REDIS_FAILURES, RedisClient
+
+__all__ = [
+    "MemoryPolicy",
+    "consequence",
+    "log_memory_policies",
+    "read_memory_policies",
+    "refused_for_memory",
+]
+
+_log = structlog.get_logger("layered_cache")
+
+_NOEVICTION = (
+    "when Redis reaches maxmemory it refuses writes: fills fail (reads fall back to the "
+    "loader, without a fleet-wide lease) and the backplane stream refuses invalidation "
+    "announcements, which then go over pub/sub (reaching only the instances connected at "
+    "that moment; see docs/operations.md)"
+)
+_ALLKEYS = (
+    "when Redis reaches maxmemory it may evict any name, the library's own included: an "
+    "evicted backplane stream makes every instance clear its L1 once, an evicted lease "
+    "costs at most one extra load, an evicted tag version makes its entries reload, an "
+    "evicted replica makes reads fall back to the base key"
+)
+_VOLATILE = (
+    "when Redis reaches maxmemory it evicts only names with a TTL (values, replicas, "
+    "leases); once none is left it refuses writes as under noeviction"
+)
+
+
+class MemoryPolicy(msgspec.Struct, frozen=True):
+    """One master's ``maxmemory-policy`` and ``maxmemory`` (None: CONFIG refused)."""
+
+    node: str  # "host:port" of a cluster master; "" for a single Redis
+    policy: str | None
+    maxmemory: int | None  # bytes; 0 = no limit
+    error: str | None = None  # why CONFIG GET failed
+
+    @property
+    def consequence(self) -> str | None:
+        return consequence(self.policy, self.maxmemory)
+
+
+def consequence(policy: str | None, maxmemory: int | None) -> str | None:
+    """What a full Redis does to the cache under ``policy``; None when nothing to say
+    (no memory limit, or the policy unknown)."""
+    if policy is None or not maxmemory:
+        return None
+    if policy == "noeviction":
+        return _NOEVICTION
+    if policy.startswith("allkeys-"):
+        return _ALLKEYS
+    if policy.startswith("volatile-"):
+        return _VOLATILE
+    return None
+
+
+def refused_for_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the Redis error it wraps: ``L2Unavailable``) is a write
+    refused because Redis is full ("OOM command not allowed", noeviction)."""
+    cause = exc if isinstance(exc, OutOfMemoryError) else exc.__cause__
+    return isinstance(cause, OutOfMemoryError)
+
+
+def _value(reply: Any, name: str) -> str | None:
+    """CONFIG GET's reply as a dict (redis-py's callback) or a flat [name, value] list."""
+    if isinstance(reply, dict):
+        found = reply.get(name, reply.get(name.encode()))
+    elif isinstance(reply, list | tuple) and len(reply) >= 2:
+        found = reply[1]
+    else:
+        found = None
+    if found is None:
+        return None
+    return found.decode() if isinstance(found, bytes) else str(found)
+
+
+async def _read_one(node: str, conn: Any) -> MemoryPolicy:
+    try:
+        policy = _value(
+            await conn.execute_command("CONFIG", "GET", "maxmemory-policy"), "maxmemory-policy"
+        )
+        limit = _value(await conn.execute_command("CONFIG", "GET", "maxmemory"), "maxmemory")
+    except REDIS_FAILURES as exc:
+        return MemoryPolicy(node, None, None, f"{type(exc).__name__}: {exc}")
+    return MemoryPolicy(node, policy, int(limit) if limit is not None else None)
+
+
+async def read_memory_policies(client: RedisClient) -> list[MemoryPolicy]:
+    """Every master's policy (one entry for a single Redis). Never raises for Redis
+    failures: a master that refuses or fails has ``error`` set."""
+    if isinstance(client, RedisCluster):
+        try:
+            await client.initialize()
+            nodes = client.get_primaries()
+        except REDIS_FAILURES as exc:
+            return [MemoryPolicy("", None, None, f"{type(exc).__name__}: {exc}")]
+        return list(await asyncio.gather(*(_read_one(n.name, n) for n in nodes)))
+    return [await _read_one("", client)]
+
+
+def log_policy(found: MemoryPolicy) -> None:
+    where = {"node": found.node} if found.node else {}
+    if found.error is not None:
+        _log.info("redis_memory_policy_unknown", error=found.error, **where)
+        return
+    text = found.consequence
+    if text is None:
+        _log.info("redis_memory_policy", policy=found.policy, maxmemory=found.maxmemory, **where)
+        return
+    _log.warning(
+        "redis_memory_policy",
+        policy=found.policy,
+        maxmemory=found.maxmemory,
+        consequence=text,
+        **where,
+    )
+
+
+async def log_memory_policies(client: RedisClient, seconds: float) -> list[MemoryPolicy]:
+    """Read and log every master's policy, bounded by ``seconds`` (start-up must not
+    wait on a sick Redis: then nothing is logged but one info line)."""
+    try:
+        found = await asyncio.wait_for(read_memory_policies(client), seconds)
+    except TimeoutError:
+        _log.info("redis_memory_policy_unknown", error="timeout")
+        return []
+    for policy in found:
+        log_policy(policy)
+    return found
