@@ -88,17 +88,23 @@ class Writes:
             await self._drop(uncacheable)
         if not writes:
             return
+        keys = [key for key, _, _ in settled]
+        # On a single node the backplane append rides in the SETs' MULTI/EXEC: one round
+        # trip instead of two, and it still lands after them. If the stream refused it
+        # (the SETs landed), ``_announce`` retries it the usual way (pub/sub fallback).
+        announcement = self._rt.invalidator.queue_announcement(keys)
         try:
-            await replicas.write_many(self._rt.store, writes)
+            refused = await replicas.write_many(self._rt.store, writes, announcement)
         except L2Unavailable as exc:
             if not refused_for_memory(exc):
                 raise
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
             policy.stats.not_cached += len(settled)
-            await self._drop([key for key, _, _ in settled])
+            await self._drop(keys)
             return
-        await self._announce([key for key, _, _ in settled])
+        if announcement is None or refused is not None:
+            await self._announce(keys)
         for key, value, soft_expiry in settled:
             self._settle(key, value, soft_expiry, read_seq, versions)
 
