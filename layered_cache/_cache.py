@@ -23,6 +23,7 @@ from layered_cache._backplane import BackplaneStatus
 from layered_cache._batch import LoadMany
 from layered_cache._coherence import Coherence
 from layered_cache._config import Config
+from layered_cache._hits import HitPath
 from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import Invalidator, ReplicaCountMismatch
 from layered_cache._keys import hot_report_name
@@ -51,7 +52,7 @@ class RedisStatus(msgspec.Struct, frozen=True):
     node_breakers: dict[str, str]  # Redis Cluster: one breaker per master, by "host:port"
 
 
-class LayeredCache:
+class LayeredCache(HitPath):
     """Async multi-layer cache. Use as ``async with LayeredCache.from_config(cfg) as c``."""
 
     def __init__(
@@ -173,51 +174,6 @@ class LayeredCache:
         return self.namespace(namespace).key(fields)
 
     # -- reads and writes --------------------------------------------------------------
-
-    # get_or_load and get repeat the namespace's L1-hit path (``Namespace.get_or_load``)
-    # in their own coroutine, and await the namespace only past it: an L1 hit then costs
-    # one coroutine and no further call but the key build, as a hand-written cache-aside
-    # wrapper does (bench/l1_hit.py measures both against one; each frame is ~10 %).
-
-    async def get_or_load(
-        self,
-        namespace: str,
-        fields: Mapping[str, object],
-        loader: Callable[[], Awaitable[T]],
-        tags: TagsOf | None = None,
-    ) -> T:
-        """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide).
-        Returns what L2 decodes to: declare the namespace's value type (``value_types``
-        or a ``cached`` function's annotation) so that is the loader's type. ``tags``
-        (a ``tags = true`` namespace): the value's tags, a list or a function of the
-        loaded value; ``invalidate_tag`` of any of them kills the entry."""
-        ns = self._namespaces.get(namespace) or self.namespace(namespace)
-        key = ns._build(fields)
-        entries = ns._l1_entries
-        if entries is not None and tags is None:
-            try:
-                value = entries[key]
-            except KeyError:
-                pass
-            else:
-                ns._stats.l1_hit += 1
-                return value  # type: ignore[no-any-return]
-        return await ns._get_or_load(key, loader, tags)
-
-    async def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
-        """The cached value or None; never loads. Stale values count as absent."""
-        ns = self._namespaces.get(namespace) or self.namespace(namespace)
-        key = ns._build(fields)
-        entries = ns._l1_entries
-        if entries is not None:
-            try:
-                value = entries[key]
-            except KeyError:
-                pass
-            else:
-                ns._stats.l1_hit += 1
-                return value
-        return await ns._get(key)
 
     async def get_many(
         self, namespace: str, fields_list: Sequence[Mapping[str, object]]

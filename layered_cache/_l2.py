@@ -29,7 +29,7 @@ Atomicity notes (why the Lua scripts exist):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -315,9 +315,7 @@ class L2Store:
         """Compare-and-delete; False means the lease was revoked or taken over."""
         return bool(await self.guard(self._release(keys=[lease], args=[token]), lease))
 
-    async def write_many(
-        self, writes: Sequence[Write], then: Callable[[Any], object] | None = None
-    ) -> Exception | None:
+    async def write_many(self, writes: Sequence[Write], then: Any = None) -> list[Any]:
         """Each ``(names, delete_first, data, ttl_ms)``: DEL ``delete_first``, then SET
         ``names`` to ``data``, all in one pipeline. In a cluster redis-py splits it per
         node; commands to one node keep their order, so a DEL of a key's lease (same
@@ -328,26 +326,18 @@ class L2Store:
         or the base key could end with one writer's value and the replicas with the
         other's. A cluster can't make names of several slots atomic; there the
         replicas of concurrent writers may disagree until their TTL (docs/hotkeys.md).
-
-        ``then`` queues one more command after the writes (a set()'s backplane XADD):
-        if only that one fails, its error is returned, not raised - the writes landed."""
+        ``then(pipe)`` queues one more command (set()'s XADD); then errors are returned."""
         if not writes:
-            return None
+            return []
         pipe = self.client.pipeline(transaction=not self.cluster)
         for names, delete_first, data, ttl_ms in writes:
             for name in delete_first:
                 pipe.delete(name)  # single-key DELs: never one command across slots
             for name in names:
                 pipe.set(name, data, px=ttl_ms)
-        if then is None:
-            await self.guard(pipe.execute())
-            return None
-        then(pipe)
-        results = await self.guard(pipe.execute(raise_on_error=False))
-        failed = [r for r in results[:-1] if isinstance(r, Exception)]
-        if failed:
-            raise L2Unavailable(f"{type(failed[0]).__name__}: {failed[0]}")
-        return results[-1] if isinstance(results[-1], Exception) else None
+        if then is not None:
+            then(pipe)
+        return list(await self.guard(pipe.execute(raise_on_error=then is None)))
 
     async def delete(self, names: Sequence[str]) -> int:
         """Delete names in one round trip per node. Cross-slot names are never sent as

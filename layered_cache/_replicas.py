@@ -78,7 +78,7 @@ def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:
 
 async def write_many(
     store: L2Store, writes: Sequence[Write], then: Callable[[Any], object] | None = None
-) -> Exception | None:
+) -> list[Any]:
     """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``)."""
     revoking = [outdated[0] for _, outdated, _, _ in writes if len(outdated) > 1]
     if store.cluster and revoking:

@@ -89,12 +89,8 @@ class Writes:
         if not writes:
             return
         keys = [key for key, _, _ in settled]
-        # On a single node the backplane append rides in the SETs' MULTI/EXEC: one round
-        # trip instead of two, and it still lands after them. If the stream refused it
-        # (the SETs landed), ``_announce`` retries it the usual way (pub/sub fallback).
-        announcement = self._rt.invalidator.queue_announcement(keys)
         try:
-            refused = await replicas.write_many(self._rt.store, writes, announcement)
+            unannounced = await self._write(writes, keys)
         except L2Unavailable as exc:
             if not refused_for_memory(exc):
                 raise
@@ -103,10 +99,25 @@ class Writes:
             policy.stats.not_cached += len(settled)
             await self._drop(keys)
             return
-        if announcement is None or refused is not None:
+        if unannounced:
             await self._announce(keys)
         for key, value, soft_expiry in settled:
             self._settle(key, value, soft_expiry, read_seq, versions)
+
+    async def _write(self, writes: list[Write], keys: list[str]) -> bool:
+        """Write L2; on a single node the backplane append rides in the SETs' MULTI/EXEC
+        (one round trip instead of two, and it still lands after them). Returns whether
+        ``keys`` are still to be announced: no append was queued (a cluster: the
+        stream's slot is not the keys'), or the stream refused it (the SETs landed;
+        ``_announce`` retries, falling back to pub/sub)."""
+        announcement = self._rt.invalidator.queue_announcement(keys)
+        replies = await replicas.write_many(self._rt.store, writes, announcement)
+        if announcement is None:
+            return True
+        failed = [reply for reply in replies[:-1] if isinstance(reply, Exception)]
+        if failed:
+            raise L2Unavailable(f"{type(failed[0]).__name__}: {failed[0]}")
+        return isinstance(replies[-1], Exception)
 
     async def _drop(self, keys: list[str]) -> None:
         try:
