@@ -39,7 +39,10 @@ class HitPath:
         or a ``cached`` function's annotation) so that is the loader's type. ``tags``
         (a ``tags = true`` namespace): the value's tags, a list or a function of the
         loaded value; ``invalidate_tag`` of any of them kills the entry."""
-        ns = self._namespaces.get(namespace) or self.namespace(namespace)
+        try:  # a subscript, not .get(): a method call is ~5 % of a hit
+            ns = self._namespaces[namespace]
+        except KeyError:
+            ns = self.namespace(namespace)  # raises, naming the configured ones
         key = ns._build(fields)
         entries = ns._l1_entries
         if entries is not None and tags is None:
@@ -54,7 +57,10 @@ class HitPath:
 
     async def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
         """The cached value or None; never loads. Stale values count as absent."""
-        ns = self._namespaces.get(namespace) or self.namespace(namespace)
+        try:  # a subscript, not .get(): a method call is ~5 % of a hit
+            ns = self._namespaces[namespace]
+        except KeyError:
+            ns = self.namespace(namespace)  # raises, naming the configured ones
         key = ns._build(fields)
         entries = ns._l1_entries
         if entries is not None:
