@@ -19,6 +19,7 @@ from bench.report import Section, headline_table, merge, write_all
 SCENARIOS = [
     "l1_hit",
     "l2_hit",
+    "sets",
     "memory",
     "l2_memory",
     "stampede_local",

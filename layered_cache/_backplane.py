@@ -70,18 +70,24 @@ class BackplanePublisher:
     async def publish(self, keys: Sequence[str], tags: Mapping[str, str] | None = None) -> bytes:
         """Raises redis errors: the caller decides (the daemon retries, the facade reports).
         ``tags``: new versions of invalidated tags (``_tags``)."""
+        task = asyncio.current_task()
+        requested = task.cancelling() if task is not None else 0
+        entry_id: Any = await self.queue(self.client, keys, tags)
+        resurface_cancel(task, requested)
+        return entry_id.encode() if isinstance(entry_id, str) else bytes(entry_id)
+
+
+    def queue(
+        self, target: Any, keys: Sequence[str], tags: Mapping[str, str] | None = None
+    ) -> Any:
+        """The XADD of one entry on ``target``: the client (``publish``), or a pipeline
+        that sends it after other commands (a single-node ``set()``, ``_writes``)."""
         fields: dict[Any, Any] = {"keys": msgspec.msgpack.encode(list(keys))}
         if tags:
             fields["tags"] = msgspec.msgpack.encode(dict(tags))
         if self.origin:
             fields["origin"] = self.origin
-        task = asyncio.current_task()
-        requested = task.cancelling() if task is not None else 0
-        entry_id: Any = await self.client.xadd(
-            self.stream, fields, maxlen=self._maxlen, approximate=True
-        )
-        resurface_cancel(task, requested)
-        return entry_id.encode() if isinstance(entry_id, str) else bytes(entry_id)
+        return target.xadd(self.stream, fields, maxlen=self._maxlen, approximate=True)
 
 
 class BackplaneListener:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import msgspec
@@ -23,6 +23,7 @@ from layered_cache._backplane import BackplaneStatus
 from layered_cache._batch import LoadMany
 from layered_cache._coherence import Coherence
 from layered_cache._config import Config
+from layered_cache._hits import HitPath
 from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import Invalidator, ReplicaCountMismatch
 from layered_cache._keys import hot_report_name
@@ -51,7 +52,7 @@ class RedisStatus(msgspec.Struct, frozen=True):
     node_breakers: dict[str, str]  # Redis Cluster: one breaker per master, by "host:port"
 
 
-class LayeredCache:
+class LayeredCache(HitPath):
     """Async multi-layer cache. Use as ``async with LayeredCache.from_config(cfg) as c``."""
 
     def __init__(
@@ -173,30 +174,6 @@ class LayeredCache:
         return self.namespace(namespace).key(fields)
 
     # -- reads and writes --------------------------------------------------------------
-
-    # get_or_load and get hand out the namespace's coroutine instead of awaiting it in
-    # one of their own: one coroutine level less on the L1-hit path, where it is a
-    # measurable share of the cost. (An unknown namespace raises at the call, before
-    # any await: the same for ``await cache.get_or_load(...)``.)
-
-    def get_or_load(
-        self,
-        namespace: str,
-        fields: Mapping[str, object],
-        loader: Callable[[], Awaitable[T]],
-        tags: TagsOf | None = None,
-    ) -> Coroutine[Any, Any, T]:
-        """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide).
-        Returns what L2 decodes to: declare the namespace's value type (``value_types``
-        or a ``cached`` function's annotation) so that is the loader's type. ``tags``
-        (a ``tags = true`` namespace): the value's tags, a list or a function of the
-        loaded value; ``invalidate_tag`` of any of them kills the entry."""
-        ns = self._namespaces.get(namespace) or self.namespace(namespace)
-        return ns.get_or_load(fields, loader, tags)
-
-    def get(self, namespace: str, fields: Mapping[str, object]) -> Coroutine[Any, Any, Any]:
-        """The cached value or None; never loads. Stale values count as absent."""
-        return self.namespace(namespace).get(fields)
 
     async def get_many(
         self, namespace: str, fields_list: Sequence[Mapping[str, object]]

@@ -23,7 +23,7 @@ one wins) and refuse to start when theirs differs (``check_replica_counts``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._backplane import BackplanePublisher
@@ -125,6 +125,16 @@ class Invalidator:
         if self._backplane is None or not versions:
             return False
         return await self._announce([], versions)
+
+    def queue_announcement(self, keys: Sequence[str]) -> Callable[[Any], object] | None:
+        """On a single node: what queues the stream append of ``keys`` on a pipeline, so
+        ``set()`` sends it in the MULTI/EXEC of its SETs (one round trip, and still
+        after them). None in a cluster (the stream's slot is not the keys') or without
+        a backplane: ``announce`` afterwards, as ``invalidate`` does."""
+        backplane = self._backplane
+        if backplane is None or self._l2.cluster or not keys:
+            return None
+        return lambda pipe: backplane.queue(pipe, keys)
 
     async def announce(self, keys: Sequence[str]) -> bool:
         """Tell every instance to drop ``keys`` from L1. Returns whether it went over

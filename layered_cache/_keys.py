@@ -56,6 +56,9 @@ _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENCODED_VALUE = re.compile(r"(?:[A-Za-z0-9_.@/=+\-]|%3A)+")
 _ABSENT = object()
 _SAFE_DESCRIPTION = "letters, digits and _ . : @ / = + -"
+# Validated field values remembered per template (see KeyTemplate.build); when full the
+# memo is emptied and refills with whatever is hot now: bounded, and O(1) per call.
+_MEMO_SIZE = 2048
 
 
 def validate_prefix(prefix: str) -> str:
@@ -149,10 +152,11 @@ class KeyTemplate:
     """A compiled ``book:{id}`` template: fills fields into a validated key name.
 
     Compiled once per namespace; ``build`` is on every request's path, so it does a
-    dict lookup per field, a type check, and a regex only for string values.
+    dict lookup per field, a type check, and a regex only for a string value it has not
+    validated recently (``_memo``).
     """
 
-    __slots__ = ("_literals", "_single", "fields", "namespace", "prefix", "template")
+    __slots__ = ("_literals", "_memo", "_single", "fields", "namespace", "prefix", "template")
 
     def __init__(self, namespace: str, template: str, prefix: str = "") -> None:
         self.namespace = namespace
@@ -165,26 +169,48 @@ class KeyTemplate:
         self.fields: tuple[str, ...] = tuple(fields)
         # Most templates have one field (``book:{id}``): a dedicated path, no list/join.
         self._single = fields[0] if len(fields) == 1 else None
+        # Hot keys repeat, and a string value costs a regex to validate. One field: a
+        # valid int/str value -> its full key; several: a valid str value -> its text.
+        # Only values that passed validation are stored, so a bad value still raises;
+        # ints and strs never compare equal, so ``42`` and ``"42"`` can't be confused
+        # (each maps to the same key anyway), and the type is checked before the lookup
+        # (``True == 1``, ``42.0 == 42``: those must still be refused).
+        self._memo: dict[object, str] = {}
 
     def build(self, fields: Mapping[str, object]) -> str:
         """The full Redis name (prefix included) for these key fields."""
-        literals = self._literals
         single = self._single
         if single is not None:
             try:
-                value = fields.get(single, _ABSENT)
-            except AttributeError:
-                raise self._not_a_mapping(fields) from None
-            if type(value) is int:
+                value = fields[single]
+            except (LookupError, TypeError):  # absent, or not a mapping: the full path
+                return self._build_fields(fields)  # raises, saying which
+            kind = type(value)
+            if kind is int or kind is str:
+                # Subscripts, not ``.get``: this is the L1-hit path, and a method call
+                # costs more than the lookup itself (bench/l1_hit.py).
                 try:
-                    text = str(value)
-                except ValueError:  # past Python's int->str digit limit
-                    text = self._int_text(single, value)  # raises, naming the field
-                key = literals[0] + text + literals[1]
-                if len(key) <= MAX_KEY_LENGTH:
-                    return key
-        elif not isinstance(fields, Mapping):
+                    return self._memo[value]
+                except KeyError:
+                    return self._build_single(single, value)
+        return self._build_fields(fields)
+
+    def _build_single(self, single: str, value: object) -> str:
+        """A one-field key not in the memo: validated, then remembered."""
+        literals = self._literals
+        key = literals[0] + self._text(single, value) + literals[1]
+        if len(key) > MAX_KEY_LENGTH:
+            raise self._too_long(key)
+        memo = self._memo
+        if len(memo) >= _MEMO_SIZE:
+            memo.clear()
+        memo[value] = key
+        return key
+
+    def _build_fields(self, fields: Mapping[str, object]) -> str:
+        if not isinstance(fields, Mapping):
             raise self._not_a_mapping(fields)
+        literals = self._literals
         parts = [literals[0]]
         for index, name in enumerate(self.fields):
             try:
@@ -198,11 +224,14 @@ class KeyTemplate:
             parts.append(literals[index + 1])
         key = "".join(parts)
         if len(key) > MAX_KEY_LENGTH:
-            raise ValueError(
-                f"namespace {self.namespace!r}: key is {len(key)} characters, "
-                f"over the limit of {MAX_KEY_LENGTH}"
-            )
+            raise self._too_long(key)
         return key
+
+    def _too_long(self, key: str) -> ValueError:
+        return ValueError(
+            f"namespace {self.namespace!r}: key is {len(key)} characters, "
+            f"over the limit of {MAX_KEY_LENGTH}"
+        )
 
     def parse(self, name: str) -> dict[str, str] | None:
         """The field values (as text) ``name`` was built from, or None if no fields build
@@ -249,6 +278,15 @@ class KeyTemplate:
                 f"(limit {MAX_KEY_LENGTH} characters)"
             ) from None
 
+    def _remember(self, value: str, text: str) -> str:
+        """Several fields: remember a validated string value's text (see ``_memo``)."""
+        if self._single is None:
+            memo = self._memo
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            memo[value] = text
+        return text
+
     def _text(self, name: str, value: object) -> str:
         """One field as it appears in the name: ``:`` written ``%3A`` (see module doc)."""
         kind = type(value)
@@ -256,8 +294,11 @@ class KeyTemplate:
             return self._int_text(name, value)  # type: ignore[arg-type]
         if kind is str:
             text: str = value  # type: ignore[assignment]
+            known = self._memo.get(text) if self._single is None else None
+            if known is not None:
+                return known
             if len(text) <= MAX_KEY_LENGTH and _SAFE_VALUE.fullmatch(text):
-                return text.replace(":", "%3A") if ":" in text else text
+                return self._remember(text, text.replace(":", "%3A") if ":" in text else text)
             shown = text if len(text) <= 40 else text[:40] + "..."
             raise ValueError(
                 f"namespace {self.namespace!r}: field {name!r} = {shown!r} is not a safe "

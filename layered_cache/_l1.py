@@ -36,18 +36,19 @@ MISSING: Final = _Missing()
 _MAX_TOMBSTONES = 10_000
 
 
-def _ttu(_key: str, entry: tuple[Any, float], _now: float) -> float:
-    return entry[1]
-
-
 class L1Cache:
     """Thread-safe TLRU cache of decoded values; ``get`` returns ``MISSING`` on a miss."""
 
     def __init__(self, max_entries: int, timer: Callable[[], float] = time.monotonic) -> None:
         self._timer = timer
         self.max_entries = max_entries
-        self._entries: TLRUCache[str, tuple[Any, float]] = TLRUCache(
-            maxsize=max_entries, ttu=_ttu, timer=timer
+        # Entries hold the bare value: TLRUCache keeps each entry's expiry in its own
+        # record, and a (value, expiry) tuple beside it cost ~80 B per entry and an index
+        # per hit. ``put`` hands the expiry over in ``_expiry`` (under ``_lock``), which
+        # TLRUCache asks ``_ttu`` for while it stores the entry.
+        self._expiry = 0.0
+        self._entries: TLRUCache[str, Any] = TLRUCache(
+            maxsize=max_entries, ttu=self._ttu, timer=timer
         )
         # cachetools caches are not thread-safe: writes (and, without a GIL, reads) lock.
         self._lock = threading.Lock()
@@ -55,6 +56,15 @@ class L1Cache:
         self._seq = 0
         self._floor = 0
         self._tombstones: dict[str, int] = {}
+
+    def _ttu(self, _key: str, _value: Any, _now: float) -> float:
+        return self._expiry
+
+    def lock_free_entries(self) -> TLRUCache[str, Any] | None:
+        """The entries, for a caller that inlines ``get`` on the L1-hit path
+        (``Namespace.get_or_load``): ``entries[key]`` or ``KeyError``, no lock, as
+        ``get`` reads them. None on a free-threaded build, where every read locks."""
+        return None if self._free_threaded else self._entries
 
     def get(self, key: str) -> Any:
         """The value, or ``MISSING``.
@@ -74,7 +84,7 @@ class L1Cache:
 
     def _read(self, key: str) -> Any:
         try:
-            return self._entries[key][0]
+            return self._entries[key]
         except KeyError:
             return MISSING
 
@@ -89,7 +99,8 @@ class L1Cache:
         with self._lock:
             if read_seq is not None and self.invalidated_since(key, read_seq):
                 return False
-            self._entries[key] = (value, self._timer() + ttl)
+            self._expiry = self._timer() + ttl
+            self._entries[key] = value
         return True
 
     def invalidated_since(self, key: str, read_seq: int) -> bool:
@@ -137,6 +148,9 @@ class L1Cache:
             return len(self._entries)
 
     def remaining_ttl(self, key: str) -> float | None:
+        """For tests and debugging: reads the expiry TLRUCache keeps per entry (a private
+        record; keeping a copy of our own would cost every entry memory)."""
         with self._lock:
-            entry = self._entries.get(key)
-        return None if entry is None else entry[1] - self._timer()
+            records = getattr(self._entries, "_TLRUCache__items", {})
+            record = records.get(key) if key in self._entries else None
+            return None if record is None else float(record.expires) - self._timer()

@@ -230,7 +230,7 @@ class L2Store:
         """Compare-and-delete; False means the lease was revoked or taken over."""
         return bool(await self.guard(self._release(keys=[lease], args=[token]), lease))
 
-    async def write_many(self, writes: Sequence[Write]) -> None:
+    async def write_many(self, writes: Sequence[Write], then: Any = None) -> list[Any]:
         """Each ``(names, delete_first, data, ttl_ms)``: DEL ``delete_first``, then SET
         ``names`` to ``data``, all in one pipeline. In a cluster redis-py splits it per
         node; commands to one node keep their order, so a DEL of a key's lease (same
@@ -240,16 +240,19 @@ class L2Store:
         two concurrent set() calls of a hot key must not interleave their commands,
         or the base key could end with one writer's value and the replicas with the
         other's. A cluster can't make names of several slots atomic; there the
-        replicas of concurrent writers may disagree until their TTL (docs/hotkeys.md)."""
+        replicas of concurrent writers may disagree until their TTL (docs/hotkeys.md).
+        ``then(pipe)`` queues one more command (set()'s XADD); then errors are returned."""
         if not writes:
-            return
+            return []
         pipe = self.client.pipeline(transaction=not self.cluster)
         for names, delete_first, data, ttl_ms in writes:
             for name in delete_first:
                 pipe.delete(name)  # single-key DELs: never one command across slots
             for name in names:
                 pipe.set(name, data, px=ttl_ms)
-        await self.guard(pipe.execute())
+        if then is not None:
+            then(pipe)
+        return list(await self.guard(pipe.execute(raise_on_error=then is None)))
 
     async def delete(self, names: Sequence[str]) -> int:
         """Delete names in one round trip per node. Cross-slot names are never sent as

@@ -88,19 +88,36 @@ class Writes:
             await self._drop(uncacheable)
         if not writes:
             return
+        keys = [key for key, _, _ in settled]
         try:
-            await replicas.write_many(self._rt.store, writes)
+            unannounced = await self._write(writes, keys)
         except L2Unavailable as exc:
             if not refused_for_memory(exc):
                 raise
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
             policy.stats.not_cached += len(settled)
-            await self._drop([key for key, _, _ in settled])
+            await self._drop(keys)
             return
-        await self._announce([key for key, _, _ in settled])
+        if unannounced:
+            await self._announce(keys)
         for key, value, soft_expiry in settled:
             self._settle(key, value, soft_expiry, read_seq, versions)
+
+    async def _write(self, writes: list[Write], keys: list[str]) -> bool:
+        """Write L2; on a single node the backplane append rides in the SETs' MULTI/EXEC
+        (one round trip instead of two, and it still lands after them). Returns whether
+        ``keys`` are still to be announced: no append was queued (a cluster: the
+        stream's slot is not the keys'), or the stream refused it (the SETs landed;
+        ``_announce`` retries, falling back to pub/sub)."""
+        announcement = self._rt.invalidator.queue_announcement(keys)
+        replies = await replicas.write_many(self._rt.store, writes, announcement)
+        if announcement is None:
+            return True
+        failed = [reply for reply in replies[:-1] if isinstance(reply, Exception)]
+        if failed:
+            raise L2Unavailable(f"{type(failed[0]).__name__}: {failed[0]}")
+        return isinstance(replies[-1], Exception)
 
     async def _drop(self, keys: list[str]) -> None:
         try:

@@ -276,3 +276,39 @@ async def test_get_many_reads_a_hot_key_from_a_replica(redis_url: str, prefix: s
         replica_reads = stats["replica_reads"]
         assert isinstance(replica_reads, dict) and sum(replica_reads.values()) == 20
         assert stats["replica_miss"] == 0
+
+
+async def test_a_set_on_one_node_sends_its_backplane_entry_in_the_transaction_of_its_write(
+    redis_url: str, prefix: str
+) -> None:
+    """set() is one round trip on a single node: DEL lease, SET, then the backplane XADD,
+    in one MULTI/EXEC (still after the SET, so a reader that drops its copy on the entry
+    can only refill the new value). Observed with MONITOR on the real server."""
+    import threading
+
+    import redis as sync_redis
+
+    config = make_config(redis_url, prefix)
+    seen: list[tuple[str, str]] = []  # (client, command) in the server's order
+    ready, done = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        with sync_redis.Redis.from_url(redis_url).monitor() as monitor:
+            ready.set()
+            for event in monitor.listen():
+                client = f"{event.get('client_address')}:{event.get('client_port')}"
+                seen.append((client, str(event["command"]).split(" ")[0].upper()))
+                if done.is_set() and seen[-1][1] == "EXEC":
+                    return
+
+    async with LayeredCache.from_config(config) as cache:
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        assert await asyncio.to_thread(ready.wait, 10)
+        done.set()
+        await cache.set("book", {"id": 1}, "new")
+        await asyncio.to_thread(thread.join, 10)
+    exec_client = next(client for client, command in reversed(seen) if command == "EXEC")
+    ours = [command for client, command in seen if client == exec_client]
+    start = len(ours) - 1 - ours[::-1].index("MULTI")
+    assert ours[start:] == ["MULTI", "DEL", "SET", "XADD", "EXEC"]

@@ -104,6 +104,36 @@ def test_wrong_types_and_overlong_keys_are_rejected() -> None:
         KeyTemplate("book", "book:{id}").build({"id": 10 ** (MAX_KEY_LENGTH + 5)})
 
 
+def test_a_remembered_value_never_lets_an_equal_value_of_another_type_through() -> None:
+    """Validated values are remembered (the regex is skipped for hot keys); ``True == 1``
+    and ``42.0 == 42``, yet they are still refused once 1 and 42 were built."""
+    template = KeyTemplate("book", "book:{id}")
+    assert template.build({"id": 1}) == template.build({"id": 1}) == "book:1"
+    assert template.build({"id": 42}) == "book:42"
+    assert template.build({"id": "42"}) == "book:42"
+    with pytest.raises(ValueError, match="got bool"):
+        template.build({"id": True})
+    with pytest.raises(ValueError, match="got float"):
+        template.build({"id": 42.0})
+    pair = KeyTemplate("price", "price:{id}:{currency}")
+    assert pair.build({"id": "a:b", "currency": "EUR"}) == "price:a%3Ab:EUR"
+    assert pair.build({"id": "a:b", "currency": "EUR"}) == "price:a%3Ab:EUR"
+    with pytest.raises(ValueError, match="got bool"):
+        pair.build({"id": True, "currency": "EUR"})
+
+
+def test_bad_values_are_refused_however_many_good_ones_came_before() -> None:
+    """The memo of validated values is bounded (emptied when full) and holds only
+    values that passed: a bad value raises on its first and every later call."""
+    for template in (KeyTemplate("isbn", "isbn:{isbn}"), KeyTemplate("p", "p:{a}:{b}")):
+        for i in range(5_000):
+            template.build({name: f"978-0-{i}" for name in template.fields})
+        for _ in range(2):
+            with pytest.raises(ValueError, match="not a safe key value"):
+                template.build({name: "978 0" for name in template.fields})
+        assert len(template._memo) <= 2048
+
+
 @pytest.mark.parametrize(
     ("template", "problem"),
     [
