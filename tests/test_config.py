@@ -262,6 +262,9 @@ ROUTE = (
             "namespaces.book.http.no_store: no_store sends only 'no-store'",
         ),
         (BOOK + "http = { maxage = 5 }\n", "namespaces.book.http.maxage: unknown key"),
+        ('[purge]\nurls = ["varnish:6081"]\n', "purge.urls: must start with http:// or https://"),
+        ('[purge]\ntimeout = "0s"\n', "purge.timeout: must be > 0"),
+        ("[purge]\nretries = 11\n", "purge.retries: expected `int` <= 10"),
         # template errors that say what is wrong
         ('[namespaces.book]\nkey = "book:{id"\n', "namespaces.book.key: .* unclosed placeholder"),
         ('[namespaces.book]\nkey = "book:{}"\n', "namespaces.book.key: .* empty placeholder"),

@@ -33,7 +33,7 @@ PUBLIC_NAMES = [
 ]
 # Modules users import by name: the sync facade, HTTP caching (``asgi`` needs Starlette),
 # and the ones with optional extras.
-PUBLIC_MODULES = {"asgi", "cli", "daemon", "django", "http", "prometheus", "sync"}
+PUBLIC_MODULES = {"asgi", "cli", "daemon", "django", "http", "prometheus", "purge", "sync"}
 LAYERED_CACHE_METHODS = {
     "backplane_status",
     "cached",
@@ -51,6 +51,7 @@ LAYERED_CACHE_METHODS = {
     "invalidate_tag",
     "key",
     "namespace",
+    "purge_stats",
     "redis_status",
     "set",
     "set_many",

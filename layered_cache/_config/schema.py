@@ -39,6 +39,7 @@ __all__ = [
     "LoggingConfig",
     "MetricsConfig",
     "NamespaceConfig",
+    "PurgeConfig",
     "RedisConfig",
     "StaleConfig",
     "StampedeConfig",
@@ -158,6 +159,25 @@ class LoggingConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         if self.level.strip().lower() not in LOG_LEVELS:
             raise bad("level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.level!r}")
+
+
+class PurgeConfig(_Section, frozen=True):
+    """HTTP caches (Varnish) told to drop a key's or a tag's responses after every
+    invalidation, by the cache and by the daemon (docs/http.md). Empty ``urls``: off."""
+
+    urls: list[NonEmpty] = msgspec.field(default_factory=list)
+    timeout: Duration = Duration(2.0)
+    retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 3
+    queue: AtLeastOne = 10_000  # pending purges; beyond it they are dropped (counted)
+    # Each purge is sent again this much later (0 = never): an instance whose L1 was
+    # still dropping the old value may have refilled the gateway after the first one.
+    repeat_after: Duration = Duration(1.0)
+
+    def __post_init__(self) -> None:
+        positive(self, "timeout")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise bad("urls", f"must start with http:// or https://, got {redact_url(url)!r}")
 
 
 class MetricsConfig(_Section, frozen=True):
@@ -286,6 +306,7 @@ class Config(_Section, frozen=True):
     backplane: BackplaneConfig = BackplaneConfig()
     logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    purge: PurgeConfig = PurgeConfig()
     namespaces: dict[str, NamespaceConfig] = msgspec.field(default_factory=dict)
     events: list[EventRoute] = msgspec.field(default_factory=list)
     source: str = "<memory>"
