@@ -480,6 +480,7 @@ def _stats(svc: _Service) -> dict[str, Any]:
         "cache": svc.cache.stats(),
         "redis": msgspec.to_builtins(svc.cache.redis_status()),
         "hot_keys": svc.cache.hot_keys(),
+        "purge": msgspec.to_builtins(svc.cache.purge_stats()),  # HTTP caches, docs/http.md
         "db": {"kind": svc.db.kind, "queries": dict(svc.db.queries)},
     }
 
