@@ -33,6 +33,7 @@ SCENARIOS = [
     "tag_invalidation",
     "fill_bytes",
     "failover",
+    "http_gateway",
 ]
 
 
