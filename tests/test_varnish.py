@@ -189,3 +189,6 @@ async def test_a_price_change_event_through_the_daemon_purges_the_gateway(
         # Only the daemon purges here (the app's own purger is off).
         assert await eventually(lambda: _fresh(gw, _price(5)), timeout=20, interval=0.01)
         assert daemon.purges.stats.delivered >= 2 and daemon.purges.stats.failed == 0
+        metrics = daemon.metrics.render().decode()
+        assert 'layered_cache_daemon_http_purges_total{outcome="failed"} 0.0' in metrics
+        assert 'layered_cache_daemon_http_purges_total{outcome="delivered"}' in metrics

@@ -89,7 +89,6 @@ class Daemon:
         self.stats = DaemonStats()
         self.lag: dict[tuple[str, int], int] = {}  # per owned partition, from the last batch
         self.assignment: set[TopicPartition] = set()
-        self.metrics = DaemonMetrics(self.stats, lambda: (self.lag, len(self.assignment)))
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
         self._stopping = asyncio.Event()
@@ -102,6 +101,9 @@ class Daemon:
         self._deleter: Deleter | None = None
         # HTTP caches ([purge] urls): told in the background, never before the commit.
         self.purges = purges_for(config)
+        self.metrics = DaemonMetrics(
+            self.stats, lambda: (self.lag, len(self.assignment)), self.purges.stats
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
