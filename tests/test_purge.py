@@ -9,9 +9,11 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from layered_cache import LayeredCache, parse_config
 from layered_cache._purges import PurgeQueue
+from layered_cache.prometheus import register_cache, render_metrics
 from layered_cache.purge import VarnishPurger
 from tests.helpers import eventually
 from tests.servers import free_port
@@ -87,6 +89,12 @@ async def test_an_undeliverable_purge_is_retried_then_counted_as_failed(
         purger.fail = 1  # one failure, then the gateway is back: delivered on the retry
         await cache.invalidate("book", {"id": 2})
         assert await eventually(lambda: cache.purge_stats().delivered == 1, timeout=10)
+        registry = CollectorRegistry()
+        register_cache(cache, registry)
+        body = render_metrics(registry)[0].decode()
+        for outcome, value in (("failed", 1.0), ("delivered", 1.0), ("retries", 3.0)):
+            line = f'layered_cache_http_purges_total{{instance="{cache.instance_id}",'
+            assert f'{line}outcome="{outcome}"}} {value}' in body, body
 
 
 async def test_the_varnish_purger_to_a_gateway_that_is_down_fails_and_counts() -> None:
