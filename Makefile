@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # Load the service env written by deploy/local/services.sh into the recipe's shell.
 WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
 
-.PHONY: venv demo test test-valkey test-django django-tests test-stress explore bench lint soak services-up services-down ensure-redis clean
+.PHONY: venv demo test test-valkey test-django django-tests test-stress explore bench lint soak services-up services-down ensure-redis ensure-varnish clean
 
 venv: $(STAMP)
 
@@ -38,13 +38,17 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 ensure-redis:
 	deploy/local/ensure-redis.sh
 
+# Varnish for tests/test_varnish.py (the HTTP gateway); skipped there if this can't install it.
+ensure-varnish:
+	deploy/local/ensure-varnish.sh
+
 # make test also runs, against Valkey, the scenarios where a Redis-compatible server could
 # differ (Lua scripts, streams and XINFO, cluster slots, keyspace edge cases): about 30 s.
 # make test-valkey runs the whole suite against Valkey (docs/operations.md, "Valkey").
 VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py \
 	tests/test_invalidation_wins.py tests/test_cluster.py
 
-test: ensure-redis venv django-tests
+test: ensure-redis ensure-varnish venv django-tests
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	REDIS_SERVER=valkey $(BIN)/pytest -q -m "not kafka" $(VALKEY_SMOKE)
 

@@ -34,6 +34,7 @@ SCENARIOS = [
     "tag_invalidation",
     "fill_bytes",
     "failover",
+    "http_gateway",
 ]
 
 

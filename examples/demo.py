@@ -13,6 +13,8 @@ Part B - the bookstore service (examples/bookstore) with the invalidation daemon
   B4  GET /books?ids=...: many books in one call, one database query for the misses
   B5  stock (cache = false) is always live
   B6  the counters
+  B7  (where varnishd is installed) Varnish in front of the service: a gateway hit, a
+      304 for an unchanged book, a price change purged from the gateway at once
 
 Env: REDIS_URL (default redis://127.0.0.1:6379/0), KAFKA_BOOTSTRAP (optional: without
 it, B2 invalidates directly and the daemon is skipped). Every run uses its own key
@@ -39,6 +41,7 @@ import structlog
 
 from examples.bookstore.app import BookstoreSettings, create_app, load_bookstore_config, serve
 from examples.bookstore.db import SQLiteDatabase
+from examples.gateway_demo import gateway_step
 from layered_cache import Config, LayeredCache, parse_config
 
 RUN = uuid.uuid4().hex[:6]
@@ -425,6 +428,7 @@ async def part_b(redis_url: str, bootstrap: str | None) -> None:
         metrics = await a.get("/metrics")
         kind = metrics.headers.get("content-type", "").split(";")[0]
         print(f"  GET /metrics on A: {len(metrics.text.splitlines())} lines of {kind}")
+        await gateway_step(config, db, row, check, ms)  # skipped without varnishd
     await db.close()
 
 

@@ -30,6 +30,7 @@ from layered_cache._keys import hot_report_name
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
 from layered_cache._policy import compile_policy
+from layered_cache._purges import Purger, PurgeStats, purges_for
 from layered_cache._redisclock import redis_clock
 from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import LeaseWaiter
@@ -63,6 +64,7 @@ class LayeredCache(HitPath):
         value_types: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
         rand: Callable[[], float] = random.random,
+        purger: Purger | None = None,
     ) -> None:
         self.config = config
         self._parts = parts
@@ -79,6 +81,7 @@ class LayeredCache(HitPath):
             versions=TagVersions(parts.store, config.redis.prefix),
             prefix=config.redis.prefix,
             admission=asyncio.Semaphore(config.redis.max_connections),
+            purges=purges_for(config, purger),  # HTTP caches: docs/http.md
         )
         prefix = config.redis.prefix
         self._namespaces = {
@@ -106,10 +109,12 @@ class LayeredCache(HitPath):
         value_types: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
         rand: Callable[[], float] = random.random,
+        purger: Purger | None = None,
     ) -> LayeredCache:
         """The cache for ``config``, with Redis clients built from it (no I/O yet).
         ``value_types``: namespace -> the type its reads decode into."""
-        return cls(config, build_parts(config), value_types=value_types, clock=clock, rand=rand)
+        parts = build_parts(config)
+        return cls(config, parts, value_types=value_types, clock=clock, rand=rand, purger=purger)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -140,6 +145,7 @@ class LayeredCache(HitPath):
             self._hot_reporter.start()
 
     async def close(self) -> None:
+        await self._rt.purges.close()  # what is queued gets a second to go out
         await self._clock.stop()
         await self._rt.tasks.close()
         if self._backplane is not None:
@@ -262,12 +268,14 @@ class LayeredCache(HitPath):
             fallback_received=self._fallback.received if self._fallback is not None else 0,
         )
 
+    def purge_stats(self) -> PurgeStats:  # HTTP purges (``purger``, docs/http.md)
+        return self._rt.purges.stats
+
     def hot_keys(self) -> dict[str, dict[str, float]]:
         """Current hot keys per namespace with their measured L2 read rate (reads/s)."""
         return {ns.name: ns.hot_keys() for ns in self if ns.policy.hot is not None}
 
     @property
     def hooks(self) -> Hooks:
-        """Instrumentation hooks (``prometheus``, ``tracing``): observers of loads and
-        L2 reads, and a wrapper around every loader call."""
+        """Instrumentation (``prometheus``, ``tracing``): load/L2-read observers, load wrapper."""
         return self._rt.hooks

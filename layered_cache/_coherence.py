@@ -29,6 +29,8 @@ class Coherence:
             await self._rt.invalidator.invalidate([(key, ns.policy.replicas)])
         except REDIS_FAILURES as exc:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        finally:  # HTTP caches last, in the background: the data changed either way
+            self._rt.purges.submit([key])
         self.forget([key])  # again: a fill that read L2 before the delete may have landed
 
     async def invalidate_tag(self, tag: str) -> None:
@@ -40,6 +42,8 @@ class Coherence:
             await self._rt.invalidator.announce_tags({tag: version})
         except REDIS_FAILURES as exc:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self._rt.purges.submit(tags=[tag])
         self._forget_tag(tag)
 
     def forget(self, keys: list[str]) -> None:

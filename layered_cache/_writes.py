@@ -54,6 +54,8 @@ class Writes:
             # (connect, read) start on a loop that is free to serve them.
             await asyncio.sleep(0)
             await self._set_many(items, tags)
+        # HTTP caches drop their copies (background; key names built only with a purger).
+        self._rt.purges.submit(self._policy.template.build(fields) for fields, _ in items)
 
     async def _set_many(
         self, items: Sequence[tuple[Mapping[str, object], Any]], tags: Iterable[str] | None

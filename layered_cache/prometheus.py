@@ -200,10 +200,18 @@ class _Scrape:
             labels=["instance"],
         )
         self.backplane = _BackplaneFamilies()
+        self.purges = CounterMetricFamily(
+            f"{PREFIX}_http_purges",
+            "Keys and tags sent to HTTP caches ([purge], docs/http.md), by outcome",
+            labels=["instance", "outcome"],
+        )
 
     def add(self, cache: LayeredCache) -> None:
         stats = cache.stats()
         self._add_breakers(cache.instance_id, cache.redis_status())
+        purges = cache.purge_stats()
+        for outcome in ("submitted", "delivered", "retries", "failed", "dropped"):
+            self.purges.add_metric([cache.instance_id, outcome], float(getattr(purges, outcome)))
         backplane = cache.backplane_status()
         if backplane is not None:
             self.backplane.add(cache.instance_id, backplane)
@@ -284,6 +292,7 @@ class _Scrape:
         yield l1_gauge
         yield self.breaker
         yield self.transitions
+        yield self.purges
         yield from self.backplane.families()
 
 

@@ -32,6 +32,7 @@ l2 = { ttl = "10m", jitter = 0.1 }
 hot = { replicas = 8, threshold = "200/s" }
 stampede = { lease_ttl = "5s", reread_pause = ["50ms", "150ms"], max_wait = "3s", early_refresh_beta = 1.0 }
 stale = { max_age = "1m" }
+http = { s_maxage = "30s", max_age = "0s", stale_while_revalidate = "10s" }
 
 [namespaces.author]
 key = "author:{id}"
@@ -63,6 +64,9 @@ def test_the_design_example_loads_with_its_values(tmp_path: Path) -> None:
     assert isinstance(book.hot, HotConfig) and book.hot.threshold == 200.0
     assert book.stampede.reread_pause == [0.05, 0.15]
     assert book.stale.max_age == 60.0
+    assert book.http is not None and (book.http.s_maxage, book.http.max_age) == (30.0, 0.0)
+    assert book.http.stale_while_revalidate == 10.0 and not book.http.private
+    assert config.namespaces["author"].http is None
     assert config.namespaces["author"].l1 is False
     assert config.namespaces["stock"].cache is False
     assert config.events[0].invalidate[0].key == {"id": "book_id"}
@@ -246,6 +250,21 @@ ROUTE = (
             BOOK + 'hot = { keys = ["author:1"] }\n',
             "namespaces.book.hot.keys[0]: 'author:1' is not a",
         ),
+        # HTTP policies Cache-Control can't express, or that contradict themselves
+        (BOOK + 'http = { s_maxage = "1500ms" }\n', "namespaces.book.http.s_maxage: must be whole"),
+        (BOOK + 'http = { max_age = "-1s" }\n', "namespaces.book.http.max_age: expected a"),
+        (
+            BOOK + 'http = { private = true, s_maxage = "30s" }\n',
+            "namespaces.book.http.s_maxage: private responses are never stored",
+        ),
+        (
+            BOOK + 'http = { no_store = true, max_age = "5s" }\n',
+            "namespaces.book.http.no_store: no_store sends only 'no-store'",
+        ),
+        (BOOK + "http = { maxage = 5 }\n", "namespaces.book.http.maxage: unknown key"),
+        ('[purge]\nurls = ["varnish:6081"]\n', "purge.urls: must start with http:// or https://"),
+        ('[purge]\ntimeout = "0s"\n', "purge.timeout: must be > 0"),
+        ("[purge]\nretries = 11\n", "purge.retries: expected `int` <= 10"),
         # template errors that say what is wrong
         ('[namespaces.book]\nkey = "book:{id"\n', "namespaces.book.key: .* unclosed placeholder"),
         ('[namespaces.book]\nkey = "book:{}"\n', "namespaces.book.key: .* empty placeholder"),
@@ -310,3 +329,10 @@ def test_setting_retry_and_reread_pause_is_an_error(tmp_path: Path) -> None:
         f"{path}: namespaces.book.stampede.retry: is the deprecated name of "
         "stampede.reread_pause, which is also set; keep only reread_pause"
     )
+
+
+def test_an_http_policy_on_a_never_cached_namespace_is_a_warning(tmp_path: Path) -> None:
+    text = '[namespaces.stock]\nkey = "stock:{id}"\ncache = false\nhttp = { s_maxage = "30s" }\n'
+    with pytest.warns(ConfigWarning, match=r"namespaces\.stock\.http: ignored, .* no-store"):
+        config = load_config(write(tmp_path, text), env={})
+    assert len(config.warnings) == 1

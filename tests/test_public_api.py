@@ -31,8 +31,9 @@ PUBLIC_NAMES = [
     "parse_config",
     "redact_event",
 ]
-# Modules users import by name: the sync facade, and the three with optional extras.
-PUBLIC_MODULES = {"cli", "daemon", "django", "prometheus", "sync"}
+# Modules users import by name: the sync facade, HTTP caching (``asgi`` needs Starlette),
+# and the ones with optional extras.
+PUBLIC_MODULES = {"asgi", "cli", "daemon", "django", "http", "prometheus", "purge", "sync"}
 LAYERED_CACHE_METHODS = {
     "backplane_status",
     "cached",
@@ -50,6 +51,7 @@ LAYERED_CACHE_METHODS = {
     "invalidate_tag",
     "key",
     "namespace",
+    "purge_stats",
     "redis_status",
     "set",
     "set_many",

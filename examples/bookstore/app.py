@@ -1,7 +1,9 @@
 """The bookstore service (Starlette): layered_cache in front of an expensive join.
 
     GET  /books/{id}         book detail (book + author + price + review count), cached
-                             in namespace "book" (L1 -> L2 -> one DB query per key fleet-wide)
+                             in namespace "book" (L1 -> L2 -> one DB query per key fleet-wide),
+                             with Cache-Control from its http policy, an ETag, and a 304
+                             for a matching If-None-Match (layered_cache.asgi)
     GET  /books?ids=1,2,3    many books in the order asked, through get_or_load_many: L1,
                              one MGET, then one DB query for all the misses
     GET  /categories/{slug}  a category page listing books with their prices, cached in
@@ -46,6 +48,7 @@ from starlette.routing import Route
 from examples.bookstore.db import Database, open_database, parse_price
 from examples.bookstore.models import BookDetail, CategoryPage, PriceUpdate, StockUpdate
 from layered_cache import BookPriceChanged, Config, LayeredCache, encode_event, parse_config
+from layered_cache.asgi import CachedResponses
 
 # /metrics: the Prometheus exporter when the library ships one, else a JSON dump of
 # cache.stats(). Decided once, at import, so a scrape never pays for the check.
@@ -187,12 +190,17 @@ class _Service:
         # registers the return type, so L2 hits decode straight into BookDetail.
         @self.cache.cached("book")
         async def book_detail(id: int) -> BookDetail:
-            detail = await self.db.book_detail(id)
-            if detail is None:
-                raise BookNotFound(id)
-            return detail
+            return await self.load_book(id)
 
         self.book_detail = book_detail
+        self.responses = CachedResponses(self.cache)
+
+    async def load_book(self, book_id: int) -> BookDetail:
+        """The loader of namespace "book": the database join."""
+        detail = await self.db.book_detail(book_id)
+        if detail is None:
+            raise BookNotFound(book_id)
+        return detail
 
     async def books(self, ids: Sequence[int]) -> list[BookDetail]:
         """Many books, in the order of ``ids``: L1, then one MGET for the rest, then one
@@ -364,7 +372,11 @@ def _routes(svc: _Service) -> list[Route]:
     async def get_book(request: Request) -> Response:
         book_id: int = request.path_params["id"]
         try:
-            return _json(await svc.book_detail(book_id))
+            # Cache-Control from the namespace's http policy, an ETag, and a 304 from
+            # L1/L2 when the client (or the gateway) already has this version.
+            return await svc.responses.respond(
+                request, "book", {"id": book_id}, lambda: svc.load_book(book_id)
+            )
         except BookNotFound:
             return _error(404, f"no book {book_id}")
 
@@ -407,7 +419,11 @@ def _routes(svc: _Service) -> list[Route]:
         book_id: int = request.path_params["id"]
         # Namespace "stock" is cache = false: get_or_load calls the loader every time.
         stock = await svc.cache.get_or_load("stock", {"id": book_id}, lambda: svc.db.stock(book_id))
-        return _error(404, f"no book {book_id}") if stock is None else _json(stock)
+        if stock is None:
+            return _error(404, f"no book {book_id}")
+        reply = _json(stock)
+        reply.headers["Cache-Control"] = svc.responses.cache_control("stock")  # no-store
+        return reply
 
     async def put_stock(request: Request) -> Response:
         book_id: int = request.path_params["id"]
@@ -464,6 +480,7 @@ def _stats(svc: _Service) -> dict[str, Any]:
         "cache": svc.cache.stats(),
         "redis": msgspec.to_builtins(svc.cache.redis_status()),
         "hot_keys": svc.cache.hot_keys(),
+        "purge": msgspec.to_builtins(svc.cache.purge_stats()),  # HTTP caches, docs/http.md
         "db": {"kind": svc.db.kind, "queries": dict(svc.db.queries)},
     }
 

@@ -29,6 +29,7 @@ from layered_cache._config.schema import (
     LoggingConfig,
     MetricsConfig,
     NamespaceConfig,
+    PurgeConfig,
     RedisConfig,
 )
 from layered_cache._config.units import dec_hook
@@ -39,7 +40,7 @@ __all__ = ["convert", "load_config", "parse_config"]
 
 _Section_T = TypeVar("_Section_T", bound=msgspec.Struct)
 
-_TOP_LEVEL = {"redis", "kafka", "backplane", "logging", "metrics", "namespaces", "events"}
+_TOP_LEVEL = {"redis", "kafka", "backplane", "logging", "metrics", "purge", "namespaces", "events"}
 # Tables of the top level that are one struct each (namespaces and events are several).
 _SIMPLE: dict[str, type[msgspec.Struct]] = {
     "redis": RedisConfig,
@@ -47,6 +48,7 @@ _SIMPLE: dict[str, type[msgspec.Struct]] = {
     "backplane": BackplaneConfig,
     "logging": LoggingConfig,
     "metrics": MetricsConfig,
+    "purge": PurgeConfig,
 }
 
 

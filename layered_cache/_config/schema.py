@@ -31,6 +31,7 @@ __all__ = [
     "Config",
     "EventRoute",
     "HotConfig",
+    "HttpConfig",
     "InvalidateTarget",
     "KafkaConfig",
     "L1Config",
@@ -38,6 +39,7 @@ __all__ = [
     "LoggingConfig",
     "MetricsConfig",
     "NamespaceConfig",
+    "PurgeConfig",
     "RedisConfig",
     "StaleConfig",
     "StampedeConfig",
@@ -159,6 +161,25 @@ class LoggingConfig(_Section, frozen=True):
             raise bad("level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.level!r}")
 
 
+class PurgeConfig(_Section, frozen=True):
+    """HTTP caches (Varnish) told to drop a key's or a tag's responses after every
+    invalidation, by the cache and by the daemon (docs/http.md). Empty ``urls``: off."""
+
+    urls: list[NonEmpty] = msgspec.field(default_factory=list)
+    timeout: Duration = Duration(2.0)
+    retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 3
+    queue: AtLeastOne = 10_000  # pending purges; beyond it they are dropped (counted)
+    # Each purge is sent again this much later (0 = never): an instance whose L1 was
+    # still dropping the old value may have refilled the gateway after the first one.
+    repeat_after: Duration = Duration(1.0)
+
+    def __post_init__(self) -> None:
+        positive(self, "timeout")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise bad("urls", f"must start with http:// or https://, got {redact_url(url)!r}")
+
+
 class MetricsConfig(_Section, frozen=True):
     enabled: bool = True
 
@@ -228,6 +249,29 @@ class StaleConfig(_Section, frozen=True):
     max_age: Duration = Duration(0.0)
 
 
+class HttpConfig(_Section, frozen=True):
+    """Cache-Control of HTTP responses that serve one namespace's values (docs/http.md):
+    browsers keep them ``max_age``, shared caches (CDN, gateway) ``s_maxage``."""
+
+    max_age: Duration = Duration(0.0)
+    s_maxage: Duration | None = None
+    stale_while_revalidate: Duration | None = None
+    private: bool = False  # only the browser may store it (per-user data)
+    no_store: bool = False  # nobody may store it: the response says only "no-store"
+
+    def __post_init__(self) -> None:
+        # Cache-Control counts whole seconds (RFC 9111 delta-seconds): "1500ms" would
+        # have to be rounded one way or the other, so it is refused instead.
+        for name in ("max_age", "s_maxage", "stale_while_revalidate"):
+            value = getattr(self, name)
+            if value is not None and value != int(value):
+                raise bad(name, f"must be whole seconds (Cache-Control counts them): {value:g}s")
+        if self.private and self.s_maxage is not None:
+            raise bad("s_maxage", "private responses are never stored by shared caches; drop one")
+        if self.no_store and (self.s_maxage is not None or self.max_age or self.private):
+            raise bad("no_store", "no_store sends only 'no-store': drop the ages and private")
+
+
 class NamespaceConfig(_Section, frozen=True):
     key: str
     cache: bool = True
@@ -238,6 +282,7 @@ class NamespaceConfig(_Section, frozen=True):
     stale: StaleConfig = StaleConfig()
     max_value_bytes: AtLeastOne = 1_000_000
     tags: bool = False  # entries may carry tags (list pages, searches): docs/tags.md
+    http: HttpConfig | None = None  # Cache-Control/ETag of responses: docs/http.md
 
 
 class InvalidateTarget(_Section, frozen=True):
@@ -261,6 +306,7 @@ class Config(_Section, frozen=True):
     backplane: BackplaneConfig = BackplaneConfig()
     logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    purge: PurgeConfig = PurgeConfig()
     namespaces: dict[str, NamespaceConfig] = msgspec.field(default_factory=dict)
     events: list[EventRoute] = msgspec.field(default_factory=list)
     source: str = "<memory>"

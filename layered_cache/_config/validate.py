@@ -44,7 +44,8 @@ def check_cross_references(config: Config) -> list[str]:
     return [
         warning
         for name, ns in config.namespaces.items()
-        if (warning := _ttl_warning(source, name, ns))
+        for check in (_ttl_warning, _http_warning)
+        if (warning := check(source, name, ns))
     ]
 
 
@@ -109,6 +110,17 @@ def _ttl_warning(source: str, name: str, ns: NamespaceConfig) -> str | None:
         f"{source}: namespaces.{name}.l1.ttl: {l1.ttl:g}s is longer than l2.ttl "
         f"{l2.ttl:g}s; L1 entries never outlive the L2 soft expiry, so the L1 TTL is "
         "effectively the L2 TTL"
+    )
+
+
+def _http_warning(source: str, name: str, ns: NamespaceConfig) -> str | None:
+    """A namespace that is never cached answers with fresh data every time, so its
+    responses are always ``no-store``: an ``http`` policy on it would be ignored."""
+    if ns.cache or ns.http is None or ns.http.no_store:
+        return None
+    return (
+        f"{source}: namespaces.{name}.http: ignored, a namespace with cache = false is "
+        "always sent with Cache-Control: no-store"
     )
 
 

@@ -33,6 +33,7 @@ from aiokafka.structs import TopicPartition
 
 from layered_cache._config import Config
 from layered_cache._events import EventDecoder, unique_targets
+from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import dead_letter
@@ -88,7 +89,6 @@ class Daemon:
         self.stats = DaemonStats()
         self.lag: dict[tuple[str, int], int] = {}  # per owned partition, from the last batch
         self.assignment: set[TopicPartition] = set()
-        self.metrics = DaemonMetrics(self.stats, lambda: (self.lag, len(self.assignment)))
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
         self._stopping = asyncio.Event()
@@ -99,6 +99,11 @@ class Daemon:
         self.started = asyncio.Event()
         self.health: HealthServer | None = None
         self._deleter: Deleter | None = None
+        # HTTP caches ([purge] urls): told in the background, never before the commit.
+        self.purges = purges_for(config)
+        self.metrics = DaemonMetrics(
+            self.stats, lambda: (self.lag, len(self.assignment)), self.purges.stats
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -136,6 +141,7 @@ class Daemon:
         await self._deleter.check_memory_policy()  # logs what a full Redis will do
         if self._health_port >= 0:
             await self._start_health()
+        self.purges.start()
         return await self._retrier.connect(
             lambda: self._kafka.connect(_Rebalance(self)),
             self._kafka.disconnect,
@@ -156,6 +162,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         await self._kafka.disconnect()
+        await self.purges.close()
         if self.health is not None:
             await self.health.close()
         if self._deleter is not None:
@@ -178,6 +185,7 @@ class Daemon:
                 "invalidate", lambda: deleter.delete(keys, self.stats, batch.tags), DELETE_FAILURES
             ):
                 return  # stopping or partitions revoked: not committed, read again later
+            self.purges.submit((key for key, _ in keys), batch.tags)  # queued, never awaited
             pending = list(batch.poison)
             if pending and not await self._retrier.until_done(
                 "dead_letter",

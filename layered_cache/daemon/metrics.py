@@ -20,6 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from layered_cache._purges import PurgeStats
 from layered_cache.daemon.stats import BATCH_BUCKETS, DaemonStats
 
 __all__ = ["COUNTER_METRICS", "DaemonMetrics", "PartitionView"]
@@ -58,9 +59,12 @@ PartitionView = Callable[[], tuple[Mapping[tuple[str, int], int], int]]
 class DaemonMetrics(Collector):
     """``render()`` is the ``/metrics`` body; ``registry`` holds only this collector."""
 
-    def __init__(self, stats: DaemonStats, partitions: PartitionView) -> None:
+    def __init__(
+        self, stats: DaemonStats, partitions: PartitionView, purges: PurgeStats | None = None
+    ) -> None:
         self._stats = stats
         self._partitions = partitions
+        self._purges = purges or PurgeStats()  # HTTP caches ([purge]): docs/http.md
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -83,6 +87,15 @@ class DaemonMetrics(Collector):
             yield CounterMetricFamily(_PREFIX + name, doc, value=float(getattr(stats, field)))
         yield self._batch_seconds()
         yield from self._partition_gauges()
+        purges = CounterMetricFamily(
+            _PREFIX + "http_purges",
+            "Keys and tags sent to HTTP caches ([purge]), by outcome; failed and dropped "
+            "ones are bounded by s-maxage",
+            labels=["outcome"],
+        )
+        for outcome in ("submitted", "delivered", "retries", "failed", "dropped"):
+            purges.add_metric([outcome], float(getattr(self._purges, outcome)))
+        yield purges
 
     def _batch_seconds(self) -> HistogramMetricFamily:
         stats = self._stats

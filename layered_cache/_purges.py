@@ -1,0 +1,160 @@
+"""Purges of HTTP caches as background work: a bounded queue, one worker, bounded
+retries, counters.
+
+Why a queue and not an ``await`` in ``invalidate()``: the promise of ``invalidate()``
+and of the daemon's offset commit is about L2 and every L1, and must not wait on a
+gateway that may be slow or down. ``submit`` never blocks and never raises; the worker
+delivers in order, retries a failed purge with backoff, then logs and counts it. An
+undelivered purge costs freshness only up to the response's ``s-maxage``, which stays
+the bound (docs/http.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import msgspec
+import structlog
+
+from layered_cache._config import Config
+
+__all__ = ["PurgeQueue", "PurgeStats", "Purger", "purges_for"]
+
+_log = structlog.get_logger("layered_cache")
+
+
+class Purger(Protocol):
+    """Tells HTTP caches to drop responses: those of cache ``keys`` and those carrying
+    any of ``tags``. Raises on failure (the queue retries)."""
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None: ...
+
+
+class PurgeStats(msgspec.Struct):
+    submitted: int = 0  # keys + tags handed to the queue
+    delivered: int = 0  # keys + tags the purger accepted
+    retries: int = 0  # attempts after a failure
+    failed: int = 0  # keys + tags given up on after every retry (logged)
+    dropped: int = 0  # keys + tags refused by a full queue (logged)
+
+
+def purges_for(config: Config, purger: Purger | None = None) -> PurgeQueue:
+    """The queue for ``purger``, else for the Varnish instances in ``[purge] urls``,
+    else an idle one (``submit`` does nothing)."""
+    owned = purger is None and bool(config.purge.urls)
+    if owned:
+        from layered_cache.purge import VarnishPurger  # needs httpx: only when configured
+
+        purger = VarnishPurger(config.purge.urls, timeout=config.purge.timeout)
+    return PurgeQueue(
+        purger,
+        max_pending=config.purge.queue,
+        retries=config.purge.retries,
+        repeat_after=config.purge.repeat_after,
+        owned=owned,
+    )
+
+
+class PurgeQueue:
+    """One purger behind a bounded queue. ``start`` in a running loop, ``close`` to end.
+    Without a purger it is idle: ``submit`` costs one comparison."""
+
+    def __init__(
+        self,
+        purger: Purger | None,
+        *,
+        max_pending: int = 10_000,
+        retries: int = 3,
+        backoff: Sequence[float] = (0.1, 0.5, 2.0),
+        repeat_after: float = 0.0,
+        owned: bool = False,
+    ) -> None:
+        self.purger = purger
+        self._repeat_after = repeat_after
+        self._owned = owned  # built from the config: closed with the queue
+        self.stats = PurgeStats()
+        self._retries = retries
+        self._backoff = list(backoff) or [0.1]
+        self._queue: asyncio.Queue[tuple[list[str], list[str], bool]] = asyncio.Queue(max_pending)
+        self._worker: asyncio.Task[None] | None = None
+
+    def submit(self, keys: Iterable[str] = (), tags: Iterable[str] = ()) -> None:
+        """Queue a purge; never blocks, never raises (a full queue drops and counts)."""
+        if self.purger is None:
+            return
+        job = (list(keys), list(tags), False)
+        size = len(job[0]) + len(job[1])
+        if not size:
+            return
+        self.stats.submitted += size
+        self.start()  # in the caller's loop, at the first purge: no start() call needed
+        self._put(job, size)
+
+    def _put(self, job: tuple[list[str], list[str], bool], size: int) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            self.stats.dropped += size
+            keys, tags = job[0][:5], job[1][:5]
+            _log.warning("http_purge_dropped", reason="queue full", keys=keys, tags=tags)
+
+    def start(self) -> None:
+        if self.purger is not None and self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+
+    async def drain(self) -> None:
+        """Wait until every queued purge was delivered or given up on (tests, shutdown)."""
+        await self._queue.join()
+
+    async def close(self, grace: float = 1.0) -> None:
+        """Deliver what is queued for up to ``grace`` seconds, then stop."""
+        if self._worker is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._queue.join(), grace)
+        self._worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._worker
+        self._worker = None
+        aclose = getattr(self.purger, "aclose", None)
+        if self._owned and aclose is not None:
+            await aclose()
+
+    async def _run(self) -> None:
+        while True:
+            keys, tags, repeat = await self._queue.get()
+            try:
+                delivered = await self._deliver(keys, tags)
+            finally:
+                self._queue.task_done()
+            if delivered and not repeat and self._repeat_after > 0:
+                # Once more, later: another instance may still have served the old value
+                # from its L1 (the backplane is a few ms behind) to a gateway that refetched
+                # right after the first purge, and the gateway would keep it s-maxage long.
+                job, size = (keys, tags, True), len(keys) + len(tags)
+                asyncio.get_running_loop().call_later(self._repeat_after, self._put, job, size)
+
+    async def _deliver(self, keys: list[str], tags: list[str]) -> bool:
+        size = len(keys) + len(tags)
+        for attempt in range(self._retries + 1):
+            assert self.purger is not None  # no worker runs without one
+            try:
+                await self.purger.purge(keys, tags)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any purger failure: retried, then counted
+                if attempt == self._retries:
+                    self.stats.failed += size
+                    _log.warning(
+                        "http_purge_failed", keys=keys[:5], tags=tags[:5], error=repr(exc)
+                    )
+                    return False
+                self.stats.retries += 1
+                await asyncio.sleep(self._backoff[min(attempt, len(self._backoff) - 1)])
+            else:
+                self.stats.delivered += size
+                return True
+        return False  # not reached: the last attempt returns or raises

@@ -1,0 +1,88 @@
+"""Starlette / FastAPI responses for cached values: ``Cache-Control`` from the
+namespace's ``http`` policy, a strong ``ETag``, and ``304 Not Modified`` for a matching
+``If-None-Match`` (docs/http.md).
+
+Needs Starlette (FastAPI's responses are Starlette's); the rest of the library does not
+import this module, so it stays free of a web framework.
+
+    responses = CachedResponses(cache)
+
+    @app.get("/books/{id}")
+    async def get_book(id: int, request: Request) -> Response:
+        return await responses.respond(request, "book", {"id": id}, lambda: db.book(id))
+
+A hit in L1 or L2 never runs the loader; a 304 never renders the body. Each response
+names its cache key (``X-Cache-Key``) and tags (``X-Cache-Tags``), which the gateway
+stores with the object so a purge (``layered_cache.purge``) finds it; strip them in the
+gateway before they reach clients if they should not be seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from layered_cache._cache import LayeredCache
+from layered_cache._miss import TagsOf
+from layered_cache.http import ETags, cache_control, matches
+
+__all__ = ["KEY_HEADER", "TAGS_HEADER", "CachedResponses"]
+
+KEY_HEADER = "X-Cache-Key"
+TAGS_HEADER = "X-Cache-Tags"  # ",tag1,tag2,": commas at both ends so a ban regex can
+# match one whole tag as ",book:42," (docs/http.md)
+
+
+class CachedResponses:
+    """Builds the HTTP response for one cached value of a namespace."""
+
+    def __init__(
+        self,
+        cache: LayeredCache,
+        *,
+        render: Callable[[Any], bytes] = msgspec.json.encode,
+        media_type: str = "application/json",
+    ) -> None:
+        self._cache = cache
+        self._render = render
+        self._media_type = media_type
+        self._etags = ETags()
+        self._control = {name: cache_control(ns) for name, ns in cache.config.namespaces.items()}
+
+    def cache_control(self, namespace: str) -> str:
+        """The ``Cache-Control`` of ``namespace``'s responses (for hand-built ones)."""
+        return self._control[namespace]
+
+    async def respond(
+        self,
+        request: Request,
+        namespace: str,
+        fields: Mapping[str, object],
+        loader: Callable[[], Awaitable[Any]],
+        *,
+        tags: TagsOf | None = None,
+    ) -> Response:
+        """200 with the value (from L1, L2 or ``loader``), or 304 if the client's
+        ``If-None-Match`` names the current version. Loader errors propagate."""
+        if tags is not None and not callable(tags):
+            tags = list(tags)  # read twice: by the cache and for the header
+        value = await self._cache.get_or_load(namespace, fields, loader, tags=tags)
+        control = self._control[namespace]
+        if control == "no-store":  # live data: no validator, nobody keeps it
+            return self._body(value, {"Cache-Control": control})
+        key = self._cache.key(namespace, fields)
+        headers = {"Cache-Control": control, "ETag": self._etags.of(key, value), KEY_HEADER: key}
+        tag_list = tags(value) if callable(tags) else tags
+        if tag_list:
+            headers[TAGS_HEADER] = "," + ",".join(tag_list) + ","
+        if matches(request.headers.get("if-none-match"), headers["ETag"]):
+            # RFC 9110 15.4.5: a 304 carries the validators and caching headers a 200 would.
+            return Response(status_code=304, headers=headers)
+        return self._body(value, headers)
+
+    def _body(self, value: Any, headers: dict[str, str]) -> Response:
+        return Response(self._render(value), headers=headers, media_type=self._media_type)
