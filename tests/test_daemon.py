@@ -107,13 +107,20 @@ async def producer(bootstrap: str) -> AsyncIterator[AIOKafkaProducer]:
 
 
 async def committed(bootstrap: str, group: str, tps: Iterable[TopicPartition]) -> dict[int, int]:
-    """The group's committed offset per partition (0 when nothing was committed)."""
+    """The group's committed offset per partition (0 when nothing was committed).
+
+    Bounded: an aiokafka consumer's start (coordinator lookup) has no deadline of its
+    own, and under make test-stress one such call hung a whole suite run; a timeout here
+    is an ordinary failure (or, in ``committed_total``, a "not yet")."""
     c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-    await c.start()
     try:
-        return {tp.partition: (await c.committed(tp)) or 0 for tp in tps}
+        async with asyncio.timeout(20):
+            await c.start()
+            return {tp.partition: (await c.committed(tp)) or 0 for tp in tps}
     finally:
-        await c.stop()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await c.stop()
 
 
 async def seed(client: aioredis.Redis, keys: Iterable[str], replicas: int = 0) -> None:
@@ -370,7 +377,10 @@ async def test_redis_outage_delays_deletes_and_commits_never_run_ahead(
 async def committed_total(
     bootstrap: str, group: str, tps: list[TopicPartition], expected: int
 ) -> bool:
-    return sum((await committed(bootstrap, group, tps)).values()) >= expected
+    try:
+        return sum((await committed(bootstrap, group, tps)).values()) >= expected
+    except TimeoutError:
+        return False  # the broker was slow to answer: eventually() asks again
 
 
 async def test_two_daemons_share_partitions_and_a_rebalance_loses_nothing(
