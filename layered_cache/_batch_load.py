@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._batch_read import BatchReader
+from layered_cache._codec import Envelope
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
@@ -150,16 +151,30 @@ class BatchLoader:
             data = await self._batch.get_many([r.key for r in reads])
         except L2Unavailable:
             return {}
-        found: dict[str, Any] = {}
         now = self._rt.clock()
+        filled: list[tuple[Read, Envelope[Any]]] = []
         for read, value in zip(reads, data, strict=True):
             envelope = self._fills.recheck(value)
-            if envelope is not None and now < envelope.soft_expiry and self._fills.alive(envelope):
-                self._policy.stats.lease_wait_filled += 1
-                self._fills.fill_l1(
-                    read.key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags
-                )
-                found[read.key] = envelope.value
+            if envelope is not None and now < envelope.soft_expiry:
+                filled.append((read, envelope))
+        # A tagged copy counts only if its tags are current, judged as the MGET judged
+        # it (``BatchReader._alive``): the copy found here may be the very one the MGET
+        # refused as dead, not a fill that landed since.
+        tagged = [(read, envelope) for read, envelope in filled if envelope.tags is not None]
+        try:
+            verdicts = await self._fills.versions.valid_many([e.tags or {} for _, e in tagged])
+        except L2Unavailable:
+            verdicts = [False] * len(tagged)
+        dead = {read.key for (read, _), valid in zip(tagged, verdicts, strict=True) if not valid}
+        found: dict[str, Any] = {}
+        for read, envelope in filled:
+            if read.key in dead:
+                continue
+            self._policy.stats.lease_wait_filled += 1
+            self._fills.fill_l1(
+                read.key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags
+            )
+            found[read.key] = envelope.value
         await self._release(list(found), token)
         return found
 

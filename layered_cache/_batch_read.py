@@ -63,15 +63,12 @@ class BatchReader:
     ) -> dict[str, Envelope[Any] | None]:
         """Tagged entries whose tag was invalidated are dead (not even stale). Tags this
         instance hasn't seen are fetched first, all in one round trip."""
-        tagged = {k: e for k, e in decoded.items() if e is not None and e.tags is not None}
+        tagged = {k: e.tags for k, e in decoded.items() if e is not None and e.tags is not None}
         if not tagged:
             return decoded
-        versions = self._fills.versions
-        unknown = versions.unknown(t for e in tagged.values() for t in (e.tags or {}))
-        if unknown:
-            await versions.current(unknown)
-        for key, envelope in tagged.items():
-            if versions.known(envelope.tags or {}) is not True:
+        verdicts = await self._fills.versions.valid_many(list(tagged.values()))
+        for key, valid in zip(tagged, verdicts, strict=True):
+            if not valid:
                 decoded[key] = None
         return decoded
 

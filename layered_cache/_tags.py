@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._keys import loading_set_name, tag_version_name, validate_tag
@@ -101,6 +101,14 @@ class TagVersions:
         current = await self.current(tags)
         return all(current[tag] == version for tag, version in tags.items())
 
+    async def valid_many(self, entries: Sequence[Mapping[str, str]]) -> list[bool]:
+        """``valid`` for each of many entries, every unknown tag fetched in one round
+        trip (the batches)."""
+        if not entries:
+            return []
+        current = await self.current({tag for tags in entries for tag in tags})
+        return [all(current[tag] == version for tag, version in tags.items()) for tags in entries]
+
     async def _fetch(self, tags: list[str]) -> dict[str, str]:
         generation = self._generation
         pipe = self._store.client.pipeline(transaction=False)
@@ -117,7 +125,9 @@ class TagVersions:
         if len(self._versions) + len(fetched) > _LIMIT:
             self._versions.clear()
         for tag, version in fetched.items():
-            if generation >= self._floor and self._forgotten.get(tag, -1) < generation:
+            # Remembered unless an invalidation of the tag was applied after this fetch
+            # began (its reply may predate it); one applied before it began is in it.
+            if generation >= self._floor and self._forgotten.get(tag, -1) <= generation:
                 self._versions[tag] = version
         return fetched
 

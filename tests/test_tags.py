@@ -148,6 +148,64 @@ async def test_set_with_tags_and_batches_with_tags_die_with_the_tag(
         assert await cache.get_many("category", slugs) == [None, None, None]
 
 
+@pytest.mark.parametrize("where", ["here", "on_another_instance"])
+async def test_a_batch_read_through_after_invalidate_tag_loads_the_new_value(
+    redis_url: str, prefix: str, where: str
+) -> None:
+    """The batch's double-check under its lease (a fill may land between its MGET and
+    its SET NX) must judge a tagged entry as the MGET did: it found the dead copy that
+    the MGET had refused, and served it (the schedule explorer's CI find)."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    edition = 1
+
+    async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        return [_page(str(f["slug"]), [42], edition) for f in fields_list]
+
+    async with (
+        LayeredCache.from_config(config) as reader,
+        LayeredCache.from_config(config) as other,
+    ):
+        await _connected(reader, other)
+        await reader.set("category", {"slug": "a"}, _page("a", [42]), tags=["book:42"])
+        edition = 2
+        if where == "here":
+            await reader.invalidate_tag("book:42")
+        else:
+            before = reader._backplane.entries_seen if reader._backplane else 0
+            await other.invalidate_tag("book:42")
+            for _ in range(250):  # the backplane brings it
+                if reader._backplane is not None and reader._backplane.entries_seen > before:
+                    break
+                await asyncio.sleep(0.02)
+        for _ in range(2):  # the second read: from L1, refilled with the new edition
+            pages = await reader.get_or_load_many(
+                "category", [{"slug": "a"}], load_many, tags=_tags_of
+            )
+            assert pages[0]["edition"] == 2
+
+
+async def test_after_invalidate_tag_the_new_version_is_fetched_once_not_per_read(
+    redis_url: str, prefix: str
+) -> None:
+    """An instance forgets an invalidated tag and fetches its new version on the next
+    read; it must then remember it (a fetch that began after the invalidation is
+    current), not fetch it again on every read."""
+    config = make_config(redis_url, prefix, {"category": {**NAMESPACES["category"], "l1": False}})
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("category", {"slug": "a"}, _page("a", [42]), tags=["book:42"])
+        await cache.invalidate_tag("book:42")
+        await cache.set("category", {"slug": "a"}, _page("a", [42], 2), tags=["book:42"])
+        await cache.get("category", {"slug": "a"})  # learns the version
+        await admin.config_resetstat()
+        for _ in range(5):
+            assert (await cache.get("category", {"slug": "a"}))["edition"] == 2
+        stats = await admin.info("commandstats")
+    await admin.aclose()
+    # A version fetch is SET NX + GET of the tag's key; the reads are 5 GETs.
+    assert "cmdstat_set" not in stats, f"tag version fetched again: {stats}"
+
+
 async def test_a_fresh_instance_learns_tag_versions_without_reloading(
     redis_url: str, prefix: str
 ) -> None:
