@@ -13,9 +13,12 @@ instance must not return a version that ``w`` superseded. Precisely, a read on i
   writes of one key have no defined order; only a strictly earlier one is superseded);
 - ``w`` returned successfully before ``t`` (``invalidate``/``set`` returned, the daemon
   "committed"); a write that failed promises nothing;
-- ``w`` had reached ``I`` before ``t``: immediately if ``w`` ran on ``I`` or ``I`` has no
-  L1; otherwise once ``I``'s backplane listener had read an entry at or after ``w``'s
-  own entry (the documented bound for other instances is backplane delivery).
+- ``w`` had reached ``I`` before ``t``: immediately if ``w`` ran on ``I``, or if ``I`` has
+  no L1 and the read did not join a load already in flight in ``I`` (single-flight);
+  otherwise once ``I``'s backplane listener had read an entry at or after ``w``'s own
+  entry (the documented bound for other instances is backplane delivery). A joined load
+  is an in-process copy like L1: another instance's invalidation detaches it when the
+  backplane delivers it, not before (README, "Invalidation wins everywhere").
 
 A fallback value (the fail-safe served it because the read's own load failed or was
 still running, ``load_timeout``) is held to a stricter rule: an invalidated value is
@@ -51,6 +54,7 @@ class Read:
     ended: int
     version: int | None
     fallback: bool = False  # its own load failed or was still running: a stale fallback
+    joined: bool = False  # it joined a load in flight in its process (single-flight)
 
 
 @dataclass
@@ -74,10 +78,12 @@ class History:
         when = self.tick(f"{instance} backplane read up to {entry_id}")
         self.deliveries.setdefault(instance, []).append((when, entry_id))
 
-    def reached(self, write: Write, instance: str, before: int) -> bool:
+    def reached(self, write: Write, instance: str, before: int, joined: bool = False) -> bool:
         if not write.ok or write.ended is None or write.ended >= before:
             return False
-        if write.instance == instance or instance in self.instances_without_l1:
+        if write.instance == instance:
+            return True
+        if instance in self.instances_without_l1 and not joined:
             return True
         if write.entry_id is None:
             return False  # never announced: other instances were never told
@@ -100,7 +106,7 @@ class History:
                     write.key == read.key
                     and write.version > read.version
                     and source.ended < write.began
-                    and self.reached(write, read.instance, deadline)
+                    and self.reached(write, read.instance, deadline, read.joined)
                 ):
                     found.append(
                         f"{read.kind}@{read.instance} of {read.key} began at {read.began} "

@@ -32,6 +32,8 @@ import redis.asyncio.client as redis_client
 import redis.asyncio.cluster as redis_cluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from layered_cache._singleflight import SingleFlight
+
 __all__ = ["PROBE", "Probe", "Scheduler", "yield_points"]
 
 
@@ -98,6 +100,14 @@ class Probe:
 # The probe of the current task (None outside an exploration: the patch passes through).
 PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("explorer_probe", default=None)
 
+# The keys the current read joined another caller's in-process load for (single-flight):
+# the read operation sets a fresh set, the patched SingleFlight adds to it. A context
+# variable, not the task: a read under a client timeout runs in wait_for's own task,
+# which copies the context (and so shares this set).
+JOINED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "explorer_joined", default=None
+)
+
 
 # Replies after which the caller updates L1 (or returns from set()): the window where a
 # concurrent invalidation must still win.
@@ -136,6 +146,30 @@ def _wrap(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
     return yielding
 
 
+def _recording_do(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def do(self: Any, key: str, fn: Callable[[], Any]) -> tuple[Any, bool]:
+        result, shared = await original(self, key, fn)
+        joined = JOINED.get()
+        if shared and joined is not None:
+            joined.add(key)
+        return result, shared
+
+    return do
+
+
+def _recording_claim(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def claim(self: Any, keys: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        ours, theirs = original(self, keys)
+        joined = JOINED.get()
+        if joined is not None:
+            joined.update(theirs)  # a join that falls back to its own load counts too
+        return ours, theirs
+
+    return claim
+
+
 def _note(probe: Probe, text: str) -> None:
     if probe.trace is not None:
         probe.trace(text)
@@ -144,7 +178,9 @@ def _note(probe: Probe, text: str) -> None:
 @contextlib.contextmanager
 def yield_points() -> Iterator[None]:
     """Patch redis-py's async clients so every command is a yield point (and a possible
-    fault) for tasks running under a ``Probe``; restore them on exit."""
+    fault) for tasks running under a ``Probe``, and ``SingleFlight`` so that reads know
+    which keys they joined (``JOINED``); restore them on exit."""
+    flight_saved = [(attr, SingleFlight.__dict__[attr]) for attr in ("do", "claim")]
     targets = [
         (redis_client.Redis, "execute_command", "command"),
         (redis_client.Pipeline, "execute", "pipeline"),
@@ -155,7 +191,11 @@ def yield_points() -> Iterator[None]:
     try:
         for cls, attr, kind in targets:
             setattr(cls, attr, _wrap(cls.__dict__[attr], kind))
+        SingleFlight.do = _recording_do(SingleFlight.__dict__["do"])  # type: ignore[method-assign]
+        SingleFlight.claim = _recording_claim(SingleFlight.__dict__["claim"])  # type: ignore[method-assign]
         yield
     finally:
         for cls, attr, original in saved:
             setattr(cls, attr, original)
+        for attr, original in flight_saved:
+            setattr(SingleFlight, attr, original)

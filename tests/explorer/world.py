@@ -38,7 +38,7 @@ from layered_cache._keys import replica_names, tag_version_name
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._tags import invalidate_tags
 from tests.explorer.history import History, Read, Write
-from tests.explorer.scheduler import PROBE, Probe, Scheduler
+from tests.explorer.scheduler import JOINED, PROBE, Probe, Scheduler
 from tests.helpers import make_config
 
 __all__ = ["VARIANTS", "World", "run_schedule"]
@@ -337,6 +337,8 @@ class _Run:
         states: dict[str, list[str]] = {}
         fields_list = [self.keys[i] for i in indices]
         tags = self.tags_arg(op.key_id, batch)
+        joined: set[str] = set()
+        joined_token = JOINED.set(joined)
         read: Awaitable[Any]
         if op.kind == "get":
             read = cache.get("book", fields_list[0])
@@ -349,11 +351,14 @@ class _Run:
             read = cache.get_many("book", fields_list)
         else:
             read = cache.get_or_load_many("book", fields_list, self.load_many(who, states), tags)
-        if scheduler.rng.random() < 0.25:
-            # A client timeout: the request is cancelled wherever it is.
-            result = await asyncio.wait_for(read, scheduler.rng.uniform(0.001, 0.02))
-        else:
-            result = await read
+        try:
+            if scheduler.rng.random() < 0.25:
+                # A client timeout: the request is cancelled wherever it is.
+                result = await asyncio.wait_for(read, scheduler.rng.uniform(0.001, 0.02))
+            else:
+                result = await read
+        finally:
+            JOINED.reset(joined_token)
         values = list(result) if batch else [result]
         if len(values) != len(names):
             self.history.type_errors.append(f"{who} got {len(values)} values for {len(names)} keys")
@@ -388,7 +393,7 @@ class _Run:
         )
         for name, version, fallback in returned:
             self.history.reads.append(
-                Read(op.kind, name, op.instance, began, ended, version, fallback)
+                Read(op.kind, name, op.instance, began, ended, version, fallback, name in joined)
             )
 
     async def write(self, op: Op, cache: LayeredCache, who: str) -> None:
