@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from layered_cache._backoff import Backoff
 from layered_cache._clients import RedisClient, is_redis_failure, resurface_cancel
@@ -205,7 +205,15 @@ class BackplaneListener:
         newest: Any = await self._client.xrevrange(self._stream, count=1)
         if newest:
             return bytes(newest[0][0])
-        marker: Any = await self._client.xadd(self._stream, {"origin": self._origin or b"-"})
+        try:
+            marker: Any = await self._client.xadd(self._stream, {"origin": self._origin or b"-"})
+        except OutOfMemoryError:
+            # A Redis full under noeviction refuses even the marker (the first instances
+            # of a fleet on a full Redis): start before everything instead, so whatever
+            # entry creates the stream is read; meanwhile invalidations come over the
+            # pub/sub fallback (``_fallback``), which needs no memory.
+            _log.warning("backplane_stream_not_created_redis_full", stream=self._stream)
+            return b"0-0"
         return marker.encode() if isinstance(marker, str) else bytes(marker)
 
     async def _check_gap(self) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 from layered_cache._keys import loading_set_name, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._memory_policy import refused_for_memory
 
 __all__ = ["Loading", "TagVersions", "invalidate_tags", "take_loading"]
 
@@ -169,7 +170,15 @@ async def invalidate_tags(store: L2Store, prefix: str, tags: list[str]) -> dict[
     pipe = store.client.pipeline(transaction=False)
     for tag, version in versions.items():
         pipe.set(tag_version_name(prefix, tag), version)
-    await store.guard(pipe.execute())
+    try:
+        await store.guard(pipe.execute())
+    except L2Unavailable as exc:
+        if not refused_for_memory(exc):
+            raise
+        # A Redis full under noeviction refuses the new tokens. A DEL needs no memory,
+        # and a missing token is recreated at random by the next reader (see the module
+        # doc): every entry carrying the old one dies just the same.
+        await store.delete([tag_version_name(prefix, tag) for tag in versions])
     await take_loading(store, prefix)
     return versions
 

@@ -40,14 +40,22 @@ KNOWN_SEEDS: dict[int, str] = {}
 
 
 async def _explore(
-    url: str, prefix: str, schedules: int, variants: set[str], cluster: bool = False
+    url: str,
+    prefix: str,
+    schedules: int,
+    variants: set[str],
+    cluster: bool = False,
+    l2_may_lose: bool = False,
 ) -> list[Outcome]:
     """Seeds first..first+schedules-1, each in variant ``seed % len(VARIANTS)``; only
-    those in ``variants`` (and in ``EXPLORER_VARIANTS=tags,hot``, if set) run."""
+    those in ``variants`` (and in ``EXPLORER_VARIANTS=tags,hot``, if set) run.
+    ``l2_may_lose``: Redis evicts (tests/test_memory_pressure.py)."""
     only = set(filter(None, os.environ.get("EXPLORER_VARIANTS", "").split(",")))
     names = list(VARIANTS)
     wanted = {v for v in variants if not only or v in only}
     worlds = {v: await World.start(url, prefix, v, cluster) for v in names if v in wanted}
+    for world in worlds.values():
+        world.l2_may_lose = l2_may_lose
     failed: list[Outcome] = []
     counts: Counter[str] = Counter()
     points = faults = 0

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis.asyncio as redis
 import structlog
+from redis.exceptions import OutOfMemoryError
 
 from layered_cache import LayeredCache
 from layered_cache._l1 import MISSING
@@ -24,10 +25,13 @@ from layered_cache._memory_policy import consequence, read_memory_policies
 from layered_cache.cli import main
 from layered_cache.daemon.deletes import Deleter
 from layered_cache.daemon.stats import DaemonStats
+from tests.explorer.world import VARIANTS
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
+from tests.test_explorer import _explore, _report
 
 POLICIES = ["noeviction", "allkeys-lru", "allkeys-lfu", "volatile-lru", "volatile-ttl"]
+EXPLORER_SCHEDULES = 30  # per policy: 6 in each variant (the suite has 10 minutes)
 
 
 @contextlib.contextmanager
@@ -167,6 +171,63 @@ async def test_invalidate_on_a_full_noeviction_redis_reaches_the_other_l1(prefix
             assert status_a is not None and status_b is not None
             assert status_a.fallback_sent >= 1 and status_b.fallback_received >= 1
             assert a.redis_status().breaker == "closed"  # OOM is not a dead node
+
+
+async def test_instances_starting_on_a_full_redis_without_a_stream_still_hear_each_other(
+    prefix: str,
+) -> None:
+    """The first instances of a fleet meet a Redis already full under noeviction: the
+    listener's start marker (an XADD that creates the stream) is refused. It must still
+    connect, start from the beginning of the stream, and hear invalidations over the
+    pub/sub fallback meanwhile (it waited forever for the marker before)."""
+    with full_redis("noeviction") as server:
+        config = make_config(server.url, prefix)
+        async with (
+            kept_full(server.url),
+            LayeredCache.from_config(config) as a,
+            LayeredCache.from_config(config) as b,
+        ):
+            for cache in (a, b):
+                assert cache._backplane is not None
+                await asyncio.wait_for(cache._backplane.connected.wait(), 10)
+            assert await b.get_or_load("book", {"id": 1}, CountingLoader("old")) == "old"
+            await a.invalidate("book", {"id": 1})
+            l1 = b.namespace("book").policy.l1
+            assert l1 is not None
+            assert await eventually(lambda: l1.get(f"{prefix}book:1") is MISSING)
+
+
+async def test_invalidate_tag_on_a_full_noeviction_redis_kills_the_tagged_entries(
+    prefix: str,
+) -> None:
+    """A full Redis refuses the tag's new version (a SET): the tag is invalidated by
+    deleting its version instead (DEL needs no memory), so the entries die in L2 and in
+    every L1, and invalidate_tag() does not raise (it did, and the tag stayed alive)."""
+    category = {"key": "category:{slug}", "tags": True}
+    with full_redis("noeviction") as server:
+        config = make_config(server.url, prefix, {"category": category})
+        async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+            old = CountingLoader({"edition": 1})
+            for cache in (a, b):
+                await cache.get_or_load("category", {"slug": "scifi"}, old, tags=lambda _: ["b:1"])
+            admin = redis.Redis.from_url(server.url)
+            # Full to the byte, deterministically: every write that needs memory is
+            # refused from here on (a filler can't hold Redis that tight).
+            await admin.config_set("maxmemory", 1)
+            with pytest.raises(OutOfMemoryError):
+                await admin.set("probe", "x")
+            await a.invalidate_tag("b:1")
+            new = CountingLoader({"edition": 2})
+            for cache in (a, b):
+
+                async def fresh(c: LayeredCache = cache) -> bool:
+                    page = await c.get_or_load(
+                        "category", {"slug": "scifi"}, new, tags=lambda _: ["b:1"]
+                    )
+                    return bool(page["edition"] == 2)
+
+                assert await eventually(fresh)
+            await admin.aclose()
 
 
 async def test_in_a_cluster_a_refused_append_reaches_the_other_l1(
@@ -349,7 +410,6 @@ async def test_every_policy_kept_full_gives_no_errors_and_no_stale_reads(
             assert sum(sent) > 0  # the stream refused appends: pub/sub carried them
 
 
-
 async def test_the_daemon_whose_append_is_refused_reaches_every_l1(
     redis_url: str, prefix: str
 ) -> None:
@@ -373,3 +433,31 @@ async def test_the_daemon_whose_append_is_refused_reaches_every_l1(
     await deleter.close()
     await admin.aclose()
     assert stats.backplane_fallbacks == 1 and stats.names_deleted >= 1
+
+
+# -- the schedule explorer on a full Redis ------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_the_schedule_explorer_finds_no_superseded_read_on_a_full_redis(
+    policy: str, prefix: str
+) -> None:
+    """The explorer's interleavings (concurrent reads, batches, writes, tag and key
+    invalidations, daemon events, cancellations, injected faults; tests/test_explorer.py)
+    on a Redis kept full under each policy: every read is checked against the
+    explorer's rule (tests/explorer/history.py), and the layers must agree and recover
+    after each schedule (where Redis evicts, a key L2 lost while L1 still holds its
+    current value is not incoherence). Where Redis refused an append and pub/sub
+    carried it, the rule can't see the delivery: such writes are checked on their own
+    instance only (the workload test above checks the other one)."""
+    with full_redis(policy) as server:
+        async with kept_full(server.url):
+            failed = await _explore(
+                server.url,
+                prefix,
+                EXPLORER_SCHEDULES,
+                set(VARIANTS),
+                l2_may_lose=policy != "noeviction",
+            )
+    assert not failed, _report(failed)
