@@ -80,14 +80,35 @@ class BackplanePublisher:
     def queue(
         self, target: Any, keys: Sequence[str], tags: Mapping[str, str] | None = None
     ) -> Any:
-        """The XADD of one entry on ``target``: the client (``publish``), or a pipeline
-        that sends it after other commands (a single-node ``set()``, ``_writes``)."""
-        fields: dict[Any, Any] = {"keys": msgspec.msgpack.encode(list(keys))}
+        """The XADD of one entry on ``target``: the client (``publish``) or a pipeline."""
+        fields = self._fields(keys, tags)
+        return target.xadd(self.stream, fields, maxlen=self._maxlen, approximate=True)
+
+    def announcement(self, keys: Sequence[str]) -> Announcement:
+        """The entry for ``keys``, for a single-node ``set()`` to append in the same
+        atomic step as its SETs (``WRITE_SCRIPT``): one round trip, and still after them."""
+        pairs: list[bytes | str] = []
+        for field, value in self._fields(keys, None).items():
+            pairs += [field, value]
+        return Announcement(self.stream, self._maxlen, pairs)
+
+    def _fields(
+        self, keys: Sequence[str], tags: Mapping[str, str] | None
+    ) -> dict[str, bytes | str]:
+        fields: dict[str, bytes | str] = {"keys": msgspec.msgpack.encode(list(keys))}
         if tags:
             fields["tags"] = msgspec.msgpack.encode(dict(tags))
         if self.origin:
             fields["origin"] = self.origin
-        return target.xadd(self.stream, fields, maxlen=self._maxlen, approximate=True)
+        return fields
+
+
+class Announcement(msgspec.Struct, frozen=True):
+    """A backplane entry to append along with other writes (``L2Store.write_many``)."""
+
+    stream: str
+    maxlen: int
+    fields: list[bytes | str]  # flat field/value pairs, as XADD takes them
 
 
 class BackplaneListener:

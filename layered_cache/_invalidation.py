@@ -23,10 +23,10 @@ one wins) and refuse to start when theirs differs (``check_replica_counts``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from layered_cache._backplane import BackplanePublisher
+from layered_cache._backplane import Announcement, BackplanePublisher
 from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._config import Config
 from layered_cache._fallback import FallbackChannel, fallback_channel
@@ -126,15 +126,15 @@ class Invalidator:
             return False
         return await self._announce([], versions)
 
-    def queue_announcement(self, keys: Sequence[str]) -> Callable[[Any], object] | None:
-        """On a single node: what queues the stream append of ``keys`` on a pipeline, so
-        ``set()`` sends it in the MULTI/EXEC of its SETs (one round trip, and still
-        after them). None in a cluster (the stream's slot is not the keys') or without
-        a backplane: ``announce`` afterwards, as ``invalidate`` does."""
+    def announcement_with_writes(self, keys: Sequence[str]) -> Announcement | None:
+        """On a single node: the stream entry for ``keys``, which ``set()`` appends in
+        the same atomic step as its SETs (one round trip, and still after them). None
+        in a cluster (the stream's slot is not the keys') or without a backplane:
+        ``announce`` afterwards, as ``invalidate`` does."""
         backplane = self._backplane
         if backplane is None or self._l2.cluster or not keys:
             return None
-        return lambda pipe: backplane.queue(pipe, keys)
+        return backplane.announcement(keys)
 
     async def announce(self, keys: Sequence[str]) -> bool:
         """Tell every instance to drop ``keys`` from L1. Returns whether it went over

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
@@ -41,9 +41,14 @@ from layered_cache._scripts import (
     NOTIFY_INLINE_MAX,
     READ_UNDER_LEASE_SCRIPT,
     RELEASE_SCRIPT,
+    WRITE_SCRIPT,
     fill_args,
+    write_args,
 )
 from layered_cache._topology import RefreshingCluster
+
+if TYPE_CHECKING:
+    from layered_cache._backplane import Announcement
 
 __all__ = ["NOTIFY_INLINE_MAX", "L2Store", "L2Unavailable", "Write", "is_key_error"]
 
@@ -112,6 +117,7 @@ class L2Store:
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
         self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)
+        self._write = client.register_script(WRITE_SCRIPT)
         self.placement = ReplicaPlacement(client)
         # Cluster only: one overall deadline per operation (``bounded``). A single node's
         # socket timeout bounds each command already and nothing retries behind it.
@@ -230,29 +236,40 @@ class L2Store:
         """Compare-and-delete; False means the lease was revoked or taken over."""
         return bool(await self.guard(self._release(keys=[lease], args=[token]), lease))
 
-    async def write_many(self, writes: Sequence[Write], then: Any = None) -> list[Any]:
-        """Each ``(names, delete_first, data, ttl_ms)``: DEL ``delete_first``, then SET
-        ``names`` to ``data``, all in one pipeline. In a cluster redis-py splits it per
-        node; commands to one node keep their order, so a DEL of a key's lease (same
-        slot as the key) still runs before the SET of the key.
+    async def write_many(
+        self, writes: Sequence[Write], announcement: Announcement | None = None
+    ) -> bool:
+        """Each ``(names, delete_first, data, ttl_ms)``: SET ``names`` to ``data`` and DEL
+        ``delete_first`` (the leases the write revokes), then append ``announcement``
+        (set()'s backplane entry; single node only). Returns False if the stream refused
+        the append (the writes landed); raises if the writes failed.
 
-        On a single node the pipeline is a MULTI/EXEC transaction (same round trip):
-        two concurrent set() calls of a hot key must not interleave their commands,
-        or the base key could end with one writer's value and the replicas with the
-        other's. A cluster can't make names of several slots atomic; there the
-        replicas of concurrent writers may disagree until their TTL (docs/hotkeys.md).
-        ``then(pipe)`` queues one more command (set()'s XADD); then errors are returned."""
+        On a single node it is one atomic script (``WRITE_SCRIPT`` says why atomic, and
+        why the SETs come first). In a cluster it is a pipeline that redis-py splits per
+        node; commands to one node keep their order, so the DEL of a key's lease (same
+        slot as the key) runs before the SET of the key. A cluster can't make names of
+        several slots atomic; there the replicas of concurrent writers may disagree
+        until their TTL (docs/hotkeys.md)."""
         if not writes:
-            return []
-        pipe = self.client.pipeline(transaction=not self.cluster)
+            return True
+        if not self.cluster:
+            keys, args = write_args(
+                writes,
+                announcement.stream if announcement is not None else None,
+                announcement.maxlen if announcement is not None else 0,
+                announcement.fields if announcement is not None else (),
+            )
+            reply = await self.guard(self._write(keys=keys, args=args))
+            return bool(reply == 1)
+        assert announcement is None, "a cluster announces after the writes"
+        pipe = self.client.pipeline(transaction=False)
         for names, delete_first, data, ttl_ms in writes:
             for name in delete_first:
                 pipe.delete(name)  # single-key DELs: never one command across slots
             for name in names:
                 pipe.set(name, data, px=ttl_ms)
-        if then is not None:
-            then(pipe)
-        return list(await self.guard(pipe.execute(raise_on_error=then is None)))
+        await self.guard(pipe.execute())
+        return True
 
     async def delete(self, names: Sequence[str]) -> int:
         """Delete names in one round trip per node. Cross-slot names are never sent as

@@ -31,9 +31,9 @@ invalidator that knows fewer replicas than a writer leaves some behind.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from layered_cache._backplane import Announcement
 from layered_cache._keys import fill_channel, lease_name, replica_names
 from layered_cache._l2 import L2Store, Write
 from layered_cache._stampede import LeaseWaiter
@@ -77,15 +77,16 @@ def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:
 
 
 async def write_many(
-    store: L2Store, writes: Sequence[Write], then: Callable[[Any], object] | None = None
-) -> list[Any]:
-    """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``)."""
+    store: L2Store, writes: Sequence[Write], announcement: Announcement | None = None
+) -> bool:
+    """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``).
+    Returns False if the stream refused ``announcement`` (the writes landed)."""
     revoking = [outdated[0] for _, outdated, _, _ in writes if len(outdated) > 1]
     if store.cluster and revoking:
         # A cluster pipeline is not ordered across nodes: the base leases must be gone
         # before any replica lease is, so they go first, alone.
         await store.delete(revoking)
-    return await store.write_many(writes, then)
+    return await store.write_many(writes, announcement)
 
 
 async def fill(

@@ -16,16 +16,31 @@
   node of the shard (``bench/fill_bytes.py`` has the figures).
 - ``RELEASE``: compare-and-delete: a slow winner whose lease expired and was taken by
   someone else must not delete the new holder's lease.
+- ``WRITE`` (a single node only): ``set()``'s writes - the SETs of a key (and its
+  replicas), the DELs of the leases it revokes, and the backplane append - as one
+  step. Atomic like the MULTI/EXEC it replaces (two concurrent ``set()`` calls of a hot
+  key can't interleave, or the base key could end with one writer's value and the
+  replicas with the other's), at the cost of one command instead of five: the redis-py
+  transaction parsed a reply per queued command. The SETs come first: Redis checks
+  ``maxmemory`` at a script's first write only, so a full ``noeviction`` Redis refuses
+  the whole script (nothing written, as an aborted MULTI) rather than letting the
+  lease DELs through and refusing the SET. The append runs under ``pcall``: a stream
+  that refuses it (a WRONGTYPE name) leaves the SETs in place and the script returns
+  the error, so the caller announces another way (``_fallback``), as before.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "FILL_SCRIPT",
     "NOTIFY_INLINE_MAX",
     "READ_UNDER_LEASE_SCRIPT",
     "RELEASE_SCRIPT",
+    "WRITE_SCRIPT",
     "fill_args",
+    "write_args",
 ]
 
 # Fill notifications carry the envelope up to this size (bytes), else they are empty and
@@ -91,3 +106,57 @@ def fill_args(
     argument would make the script fail whenever a waiter is subscribed)."""
     flags = ["1" if release else "0", "1" if sharded else "0", inline_max]
     return [token, data, ttl_ms, channel, *flags]
+
+
+# KEYS: every write's names to SET, then every write's names to DEL, then the stream if
+# the write is announced. ARGV: the number of writes; per write the number of its SETs,
+# of its DELs, its data and its TTL (ms); then, if announced, the stream's MAXLEN and the
+# entry's field/value pairs. Returns 1, or the error the stream's XADD replied.
+WRITE_SCRIPT = """
+local writes = tonumber(ARGV[1])
+local k, a = 1, 2
+for _ = 1, writes do
+  local data, ttl = ARGV[a + 2], ARGV[a + 3]
+  for i = k, k + tonumber(ARGV[a]) - 1 do
+    redis.call('SET', KEYS[i], data, 'PX', ttl)
+  end
+  k = k + tonumber(ARGV[a])
+  a = a + 4
+end
+a = 2
+for _ = 1, writes do
+  for i = k, k + tonumber(ARGV[a + 1]) - 1 do
+    redis.call('DEL', KEYS[i])
+  end
+  k = k + tonumber(ARGV[a + 1])
+  a = a + 4
+end
+if KEYS[k] == nil then
+  return 1
+end
+local reply = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', ARGV[a], '*', unpack(ARGV, a + 1))
+if type(reply) == 'table' and reply.err then
+  return reply.err
+end
+return 1
+"""
+
+
+def write_args(
+    writes: Sequence[tuple[Sequence[str], Sequence[str], bytes, int]],
+    stream: str | None = None,
+    maxlen: int = 0,
+    fields: Sequence[bytes | str] = (),
+) -> tuple[list[str], list[bytes | str | int]]:
+    """(KEYS, ARGV) of ``WRITE_SCRIPT`` for ``(names, delete_first, data, ttl_ms)`` writes
+    and, if ``stream`` is given, the entry ``fields`` (flat field/value pairs) to append."""
+    keys: list[str] = [name for names, _, _, _ in writes for name in names]
+    keys += [name for _, deletes, _, _ in writes for name in deletes]
+    args: list[bytes | str | int] = [len(writes)]
+    for names, deletes, data, ttl_ms in writes:
+        args += [len(names), len(deletes), data, ttl_ms]
+    if stream is not None:
+        keys.append(stream)
+        args.append(maxlen)
+        args += fields
+    return keys, args

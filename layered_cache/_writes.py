@@ -4,7 +4,7 @@ A write revokes every fill in flight first (it may carry an older value): the ba
 lease, then each replica lease (``_replicas.set_plan``), in the same pipeline as the
 SETs. Then the keys are announced on the backplane, so other instances drop their L1
 copies, and only then does this instance's L1 take the new value. ``set_many`` is the
-same for many keys: one pipelined round trip (one MULTI/EXEC on a single node), one
+same for many keys: one round trip (one atomic script on a single node), one
 backplane append.
 """
 
@@ -107,19 +107,14 @@ class Writes:
             self._settle(key, value, soft_expiry, read_seq, versions)
 
     async def _write(self, writes: list[Write], keys: list[str]) -> bool:
-        """Write L2; on a single node the backplane append rides in the SETs' MULTI/EXEC
+        """Write L2; on a single node the backplane append rides in the SETs' script
         (one round trip instead of two, and it still lands after them). Returns whether
         ``keys`` are still to be announced: no append was queued (a cluster: the
         stream's slot is not the keys'), or the stream refused it (the SETs landed;
         ``_announce`` retries, falling back to pub/sub)."""
-        announcement = self._rt.invalidator.queue_announcement(keys)
-        replies = await replicas.write_many(self._rt.store, writes, announcement)
-        if announcement is None:
-            return True
-        failed = [reply for reply in replies[:-1] if isinstance(reply, Exception)]
-        if failed:
-            raise L2Unavailable(f"{type(failed[0]).__name__}: {failed[0]}")
-        return isinstance(replies[-1], Exception)
+        announcement = self._rt.invalidator.announcement_with_writes(keys)
+        appended = await replicas.write_many(self._rt.store, writes, announcement)
+        return announcement is None or not appended
 
     async def _drop(self, keys: list[str]) -> None:
         try:
