@@ -91,7 +91,7 @@ def bar_panels(
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)  # fmt: skip
         ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(["\n".join(textwrap.wrap(label, 18)) for label in labels], fontsize=8)
+        ax.set_xticklabels(["\n".join(textwrap.wrap(label, 14)) for label in labels], fontsize=8)
         ax.set_ylabel(ylabel)
     fig.suptitle(title)
     _note(fig, note)
