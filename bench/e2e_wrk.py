@@ -12,7 +12,9 @@ its own (one worker), in four configurations of namespace ``book`` (bench/e2e_ap
 - (c0) ``cache = false`` with no delay: SQLite's join alone, in its worker thread.
 
 All four servers run during the whole measurement (idle ones cost nothing), and the wrk
-runs are interleaved: repeat 1 of every configuration, then repeat 2, ...; medians.
+runs are interleaved: repeat 1 of every configuration, then repeat 2, ...; medians of
+requests/s, p99, and the server's CPU time per request (``/proc/PID/stat`` around each
+run: the figure a neighbour's burst disturbs least).
 
 Profile: the same app in this process (configuration (a), warm), called straight through
 ASGI (a scope, a ``receive`` and a ``send`` that keeps the status: no sockets, no HTTP
@@ -90,8 +92,8 @@ async def _wait_ready(proc: asyncio.subprocess.Process, base: str, timeout: floa
 
 
 @contextlib.asynccontextmanager
-async def _servers(redis_url: str) -> AsyncIterator[dict[str, str]]:
-    """One uvicorn process per configuration; yields label -> base URL."""
+async def _servers(redis_url: str) -> AsyncIterator[dict[str, tuple[str, int]]]:
+    """One uvicorn process per configuration; yields label -> (base URL, pid)."""
     from tests.servers import free_port
 
     procs: list[asyncio.subprocess.Process] = []
@@ -112,7 +114,10 @@ async def _servers(redis_url: str) -> AsyncIterator[dict[str, str]]:
             bases[label] = f"http://127.0.0.1:{port}"
         for proc, base in zip(procs, bases.values(), strict=True):
             await _wait_ready(proc, base)
-        yield bases
+        yield {
+            label: (base, proc.pid)
+            for (label, base), proc in zip(bases.items(), procs, strict=True)
+        }
     finally:
         for proc in procs:
             if proc.returncode is None:
@@ -158,23 +163,39 @@ def _counted(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU the process has used (all its threads: SQLite's worker too)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 async def _load(
     env: BenchEnv, seconds: int, repeats: int
-) -> tuple[dict[str, list[WrkResult]], dict[str, Any]]:
+) -> tuple[dict[str, list[WrkResult]], dict[str, list[float]], dict[str, Any]]:
+    """wrk runs, the server's CPU seconds per request of each run, and what it counted.
+
+    CPU per request is the steadier figure on a shared machine: a neighbour's burst
+    lowers the requests/s of a run, but the server's CPU time per request it answered
+    much less (a clock tick is 10 ms: over a run of seconds, well under 1 %)."""
     paths = [f"/books/{i}" for i in IDS]
     runs: dict[str, list[WrkResult]] = {label: [] for label in CONFIGS}
-    async with _servers(env.redis_url()) as bases:
-        for base in bases.values():
+    cpu: dict[str, list[float]] = {label: [] for label in CONFIGS}
+    async with _servers(env.redis_url()) as servers:
+        for base, _ in servers.values():
             await _warm(base, paths)
             await run_wrk(base, paths, 1, THREADS, CONNECTIONS)  # warm-up run, discarded
-        before = {label: await _stats(base) for label, base in bases.items()}
+        before = {label: await _stats(base) for label, (base, _) in servers.items()}
         for _ in range(repeats):
-            for label, base in bases.items():
-                runs[label].append(await run_wrk(base, paths, seconds, THREADS, CONNECTIONS))
+            for label, (base, pid) in servers.items():
+                used = _cpu_seconds(pid)
+                result = await run_wrk(base, paths, seconds, THREADS, CONNECTIONS)
+                cpu[label].append((_cpu_seconds(pid) - used) / max(1, result.requests))
+                runs[label].append(result)
         counted = {
-            label: _counted(before[label], await _stats(base)) for label, base in bases.items()
+            label: _counted(before[label], await _stats(base))
+            for label, (base, _) in servers.items()
         }
-    return runs, counted
+    return runs, cpu, counted
 
 
 # -- the in-process profile ------------------------------------------------------------
@@ -315,13 +336,14 @@ async def run(env: BenchEnv) -> Section:
         section.error = "wrk not installed (apt-get install wrk)"
         return section
     seconds, repeats = (2, 1) if env.quick else (3, 5)
-    runs, counted = await _load(env, seconds, repeats)
+    runs, cpu_runs, counted = await _load(env, seconds, repeats)
+    cpu = {label: median(values) for label, values in cpu_runs.items()}
     rps = {label: median([r.requests_per_s for r in rs]) for label, rs in runs.items()}
     p99 = {label: median([r.p99_s for r in rs]) for label, rs in runs.items()}
     p50 = {label: median([r.latency_s["50%"] for r in rs]) for label, rs in runs.items()}
     errors = {label: sum(r.non_2xx + r.socket_errors for r in rs) for label, rs in runs.items()}
-    section.columns = ["GET /books/{id}, 16 ids", "requests/s", "range", "x (c)", "p50", "p99", "p99 / (c)",
-                       "requests (wrk)",
+    section.columns = ["GET /books/{id}, 16 ids", "requests/s", "range", "x (c)", "p50", "p99",
+                       "x (c)", "server CPU / request", "x (c)", "requests (wrk)",
                        "L1 hits / L2 reads / joined a read / DB joins", "errors"]  # fmt: skip
     for label in CONFIGS:
         c = counted[label]
@@ -330,27 +352,17 @@ async def run(env: BenchEnv) -> Section:
             f"{min(r.requests_per_s for r in runs[label]):,.0f}-{max(r.requests_per_s for r in runs[label]):,.0f}",
             f"{rps[label] / rps[C]:.2f}x", _ms(p50[label]), _ms(p99[label]),
             f"{p99[label] / p99[C]:.2f}x",
+            fmt_us(cpu[label]),
+            f"{cpu[label] / cpu[C]:.2f}x",
             f"{sum(r.requests for r in runs[label]):,}",
             f"{c['l1_hit']:,} / {c['l2_hit']:,} / {c['coalesced']:,} / {c['db_book_detail']:,}",
             str(errors[label]),
         ])  # fmt: skip
-    section.rows.append(
-        [
-            "(a) vs (b)",
-            f"{rps[A] / rps[B]:.2f}x",
-            "",
-            "",
-            "",
-            f"{p99[A] / p99[B]:.2f}x",
-            "",
-            "",
-            "",
-            "",
-        ]
-    )
+    section.rows.append(["(a) vs (b)", f"{rps[A] / rps[B]:.2f}x", "", "", "", f"{p99[A] / p99[B]:.2f}x",
+                         "", f"{cpu[A] / cpu[B]:.2f}x", "", "", "", ""])  # fmt: skip
 
-    prof = await _profile(env, 2_000 if env.quick else 20_000, 3 if env.quick else 7)
-    served_share = prof["get_or_load_s"] * rps[A]
+    prof = await _profile(env, 2_000 if env.quick else 10_000, 3 if env.quick else 7)
+    served_share = prof["get_or_load_s"] / cpu[A]
     section.tables.append([
         ["L1-hit request, in process (ASGI called directly)", "per request", "share of the request"],
         [["whole request (Starlette routing, endpoint, CachedResponses, JSON body)",
@@ -361,8 +373,8 @@ async def run(env: BenchEnv) -> Section:
           f"{prof['profile_get_or_load_share']:.1%}"],
          ["every layered_cache frame under cProfile (own time, incl. ETag/headers)", "",
           f"{prof['profile_layered_cache_share']:.1%}"],
-         ["a served request at (a)'s rate (1 / req/s: uvicorn, h11, sockets, the app)",
-          fmt_us(1 / rps[A]), f"get_or_load {served_share:.1%}, the app {prof['request_s'] * rps[A]:.0%}"]],
+         ["a served request: the server's CPU per request under wrk, (a) (uvicorn, h11, the app)",
+          fmt_us(cpu[A]), f"get_or_load {served_share:.1%}, the app {prof['request_s'] / cpu[A]:.0%}"]],
     ])  # fmt: skip
     by_package = sorted(prof["profile_by_package_s"].items(), key=lambda kv: -kv[1])
     section.tables.append([
@@ -372,15 +384,15 @@ async def run(env: BenchEnv) -> Section:
     section.headline.append(Headline(
         "GET /books/{id} end to end (uvicorn 1 process, wrk -c64): L1 hit / L2 hit req/s",
         f"{rps[A]:,.0f} / {rps[B]:,.0f} req/s ({rps[A] / rps[C]:.2f}x / {rps[B] / rps[C]:.2f}x no cache); "
-        f"p99 {_ms(p99[A])} / {_ms(p99[B])}",
-        f"no cache (20 ms DB delay) {rps[C]:,.0f} req/s, p99 {_ms(p99[C])}; "
-        f"no delay {rps[C0]:,.0f} req/s, p99 {_ms(p99[C0])}",
+        f"p99 {_ms(p99[A])} / {_ms(p99[B])}; server CPU {fmt_us(cpu[A])} / {fmt_us(cpu[B])} per request",
+        f"no cache (20 ms DB delay) {rps[C]:,.0f} req/s, p99 {_ms(p99[C])}, CPU {fmt_us(cpu[C])}; "
+        f"no delay {rps[C0]:,.0f} req/s, p99 {_ms(p99[C0])}, CPU {fmt_us(cpu[C0])}",
         "-", "info",
     ))  # fmt: skip
     section.headline.append(Headline(
         "share of an L1-hit request spent in get_or_load",
         f"{prof['timed_share']:.1%} in process ({fmt_us(prof['get_or_load_s'])} of "
-        f"{fmt_us(prof['request_s'])}); ~{served_share:.1%} of a served request (1 / req/s)",
+        f"{fmt_us(prof['request_s'])}); {served_share:.1%} of a served one ({fmt_us(cpu[A])} server CPU)",
         f"cProfile: get_or_load {prof['profile_get_or_load_share']:.1%}, all layered_cache "
         f"{prof['profile_layered_cache_share']:.1%}",
         "-", "info",
@@ -411,16 +423,22 @@ async def run(env: BenchEnv) -> Section:
         f"({prof['profile_requests']:,} requests per batch at most); cProfile ran "
         f"{prof['profile_requests']:,} requests ({prof['profile_l1_hits']:,} L1 hits counted) "
         "and adds its own per-call overhead to every frame, which skews the shares: the "
-        "wall share is the figure, cProfile says where the rest goes. The served-request share multiplies "
-        "get_or_load's time by (a)'s requests/s: the time uvicorn + h11 + the app spend per "
-        "request on one core (1 / req/s overstates the server's own time while wrk and Redis "
-        "take the cores, so that share is a lower bound).",
+        "wall share is the figure, cProfile says where the rest goes. The served-request share "
+        "divides get_or_load's time by (a)'s server CPU per request.",
+        "Server CPU / request: the server process's user + system time (/proc/PID/stat, all "
+        "its threads, SQLite's worker included) over each wrk run, divided by the requests "
+        "wrk completed; median of the repeats. It is the steadier figure on a shared machine: "
+        "a neighbour's burst cuts a run's requests/s, much less the CPU each request took. "
+        "Redis's own CPU for (b) is not in it.",
     ]
     from bench.plots import bar_panels
 
     plot = bar_panels(
         {
             "requests/s (median)": {SHORT[label]: rps[label] for label in CONFIGS},
+            "server CPU per request, µs (median)": {
+                SHORT[label]: round(cpu[label] * 1e6, 1) for label in CONFIGS
+            },
             "p99 latency, ms (median)": {
                 SHORT[label]: round(p99[label] * 1000, 2) for label in CONFIGS
             },
@@ -432,7 +450,8 @@ async def run(env: BenchEnv) -> Section:
         "Redis share a 2-core machine.",
     )
     section.data = {
-        "requests_per_s": rps, "p99_s": p99, "p50_s": p50, "errors": errors, "counted": counted,
+        "requests_per_s": rps, "p99_s": p99, "server_cpu_per_request_s": cpu,
+        "server_cpu_runs_s": cpu_runs, "p50_s": p50, "errors": errors, "counted": counted,
         "runs": {label: [msgspec.to_builtins(r) for r in rs] for label, rs in runs.items()},
         "profile": prof,
         "plots": [plot],
