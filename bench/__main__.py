@@ -35,6 +35,7 @@ SCENARIOS = [
     "fill_bytes",
     "failover",
     "http_gateway",
+    "e2e_wrk",
 ]
 
 

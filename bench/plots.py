@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 
 from bench.report import RESULTS
 
-__all__ = ["bar_chart", "cdf", "expiry_histogram", "grouped_bars"]
+__all__ = ["bar_chart", "bar_panels", "cdf", "expiry_histogram", "grouped_bars"]
 
 
 def _save(fig: Any, name: str, tight: bool = True) -> str:
@@ -71,6 +71,29 @@ def bar_chart(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    _note(fig, note)
+    return _save(fig, name, tight=not note)
+
+
+def bar_panels(
+    panels: dict[str, dict[str, float]], title: str, name: str, note: str = ""
+) -> str:
+    """One bar chart per panel, side by side, same labels in each (e.g. requests/s and
+    p99 of the same configurations); ``panels``: y label -> {label: value}."""
+    fig, _ = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4.6 if note else 4))
+    for ax, (ylabel, values) in zip(fig.axes, panels.items(), strict=True):
+        labels = list(values)
+        bars = ax.bar(range(len(labels)), [values[k] for k in labels],
+                      color=[f"C{i}" for i in range(len(labels))])  # fmt: skip
+        for bar, label in zip(bars, labels, strict=True):
+            value = values[label]
+            ax.annotate(f"{value:,.0f}" if value >= 100 else f"{value:.3g}",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(["\n".join(textwrap.wrap(label, 14)) for label in labels], fontsize=8)
+        ax.set_ylabel(ylabel)
+    fig.suptitle(title)
     _note(fig, note)
     return _save(fig, name, tight=not note)
 

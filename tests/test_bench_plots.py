@@ -108,3 +108,16 @@ def test_the_1_process_stampede_plot_says_why_a_contender_is_missing(
     figures.clear()
     plot_loads(loads, {})  # nothing missing: no note
     assert _texts(figures[0]) == ""
+
+
+def test_bar_panels_draw_the_same_configurations_in_each_panel(figures: list[Any]) -> None:
+    plots.bar_panels(
+        {"requests/s": {"(a)": 2000.0, "(b)": 1000.0}, "p99, ms": {"(a)": 30.0, "(b)": 90.0}},
+        "t", "x.png", note="server and wrk share 2 cores",
+    )  # fmt: skip
+    [fig] = figures
+    rates, p99 = fig.axes
+    assert [t.get_text() for t in rates.get_xticklabels()] == ["(a)", "(b)"]
+    assert [bar.get_height() for bar in p99.patches] == [30.0, 90.0]
+    assert rates.get_ylabel() == "requests/s"
+    assert "2 cores" in _texts(fig)
