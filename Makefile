@@ -105,6 +105,7 @@ demo: ensure-redis $(DEMO_STAMP)
 	$(WITH_ENV) $(BIN)/python -m examples.demo
 
 bench: $(BENCH_STAMP) services-up
+	deploy/local/ensure-wrk.sh
 	$(WITH_ENV) $(BIN)/python -m bench
 
 clean:
