@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from layered_cache._backoff import Backoff
@@ -76,10 +77,7 @@ class BackplanePublisher:
         resurface_cancel(task, requested)
         return entry_id.encode() if isinstance(entry_id, str) else bytes(entry_id)
 
-
-    def queue(
-        self, target: Any, keys: Sequence[str], tags: Mapping[str, str] | None = None
-    ) -> Any:
+    def queue(self, target: Any, keys: Sequence[str], tags: Mapping[str, str] | None = None) -> Any:
         """The XADD of one entry on ``target``: the client (``publish``) or a pipeline."""
         fields = self._fields(keys, tags)
         return target.xadd(self.stream, fields, maxlen=self._maxlen, approximate=True)
@@ -205,6 +203,30 @@ class BackplaneListener:
                 check_gap = True
                 await asyncio.sleep(backoff.next_delay())
 
+    async def _xread(self, after: bytes) -> Any:
+        """One blocking XREAD. In a cluster it goes straight to the master that owns the
+        stream's slot: redis-py can't tell XREAD's key from its position in the command
+        (its keys move), so it asked the server with ``COMMAND GETKEYS`` before every
+        read, one extra round trip per read per instance (issue 20). After a failover
+        or resharding the node answers MOVED: redis-py refreshes its slot map, the read
+        fails like a dropped connection, and the next one asks the map again."""
+        if not isinstance(self._client, RedisCluster):
+            return await self._client.xread(
+                {self._stream: after}, count=self._batch, block=self._block_ms
+            )
+        node = self._client.get_node_from_key(self._stream)
+        return await self._client.execute_command(
+            "XREAD",
+            "COUNT",
+            self._batch,
+            "BLOCK",
+            self._block_ms,
+            "STREAMS",
+            self._stream,
+            after,
+            target_nodes=node,
+        )
+
     def _apply_tags(self, raw: bytes | None) -> None:
         if raw is None or self._on_tags is None:
             return
@@ -294,9 +316,7 @@ class BackplaneListener:
 
     async def _read_once(self) -> bool:
         assert self.last_id is not None
-        response: Any = await self._client.xread(
-            {self._stream: self.last_id}, count=self._batch, block=self._block_ms
-        )
+        response = await self._xread(self.last_id)
         if not response:
             self._lag = 0.0  # blocked and nothing came: caught up
             return False

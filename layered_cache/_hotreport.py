@@ -2,9 +2,16 @@
 
 Detection runs in each instance's memory (``hotkeys.py``), so a separate process (the
 ``layered-cache hotkeys`` CLI, an operator) can't see it. Every instance with detection
-on therefore writes its current hot keys, about once a second, to a hash of its own
+on therefore writes its current hot keys, about once a second, to a name of its own
 (``{prefix}layered_cache:hotkeys:{instance}``) that expires a few seconds after the
-instance stops writing; readers scan those hashes and add the rates up.
+instance stops writing; readers scan those names and add the rates up.
+
+What a report costs Redis matters because every instance of the fleet sends it: one
+``SET`` with an expiry per period (a msgpack map of ``namespace<TAB>key`` to reads/s,
+replaced whole, so no DEL first), and nothing at all while the instance has no hot key
+(the last report expires by itself; one DEL ends it early). It was a DEL every second
+per instance, hot key or not, plus HSET and PEXPIRE when there was one (issue 20).
+Readers also accept the hash of an older instance during a rolling upgrade.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
+import msgspec
 import structlog
 
 from layered_cache._clients import REDIS_FAILURES, RedisClient, is_redis_failure
@@ -42,6 +51,7 @@ class HotKeyReporter:
         self._snapshot = snapshot
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
+        self._reported = False  # whether our name may still hold a report
 
     def start(self) -> None:
         if self._task is None:
@@ -65,18 +75,18 @@ class HotKeyReporter:
             await asyncio.sleep(self._interval)
 
     async def report_once(self) -> None:
-        fields = {
-            f"{namespace}{_SEP}{key}": f"{rate:.1f}"
+        rates = {
+            f"{namespace}{_SEP}{key}": round(rate, 1)
             for namespace, keys in self._snapshot().items()
             for key, rate in keys.items()
         }
-        # One name, one slot: the pipeline is a single round trip even in a cluster.
-        pipe = self._client.pipeline(transaction=False)
-        pipe.delete(self._name)
-        if fields:
-            pipe.hset(self._name, mapping=fields)  # type: ignore[arg-type]
-            pipe.pexpire(self._name, int(self._interval * 3000))
-        await pipe.execute()
+        if rates:
+            report = msgspec.msgpack.encode(rates)
+            await self._client.set(self._name, report, px=int(self._interval * 3000))
+            self._reported = True
+        elif self._reported:
+            await self._client.delete(self._name)  # the last hot key cooled down
+            self._reported = False
 
 
 async def fleet_hot_keys(
@@ -86,10 +96,29 @@ async def fleet_hot_keys(
     result: dict[str, dict[str, dict[str, float]]] = {}
     pattern = hot_report_name(prefix, "*")
     async for name in client.scan_iter(match=pattern, count=500):
-        for field, rate in (await client.hgetall(name)).items():
-            text = field.decode() if isinstance(field, bytes) else str(field)
-            namespace, _, key = text.partition(_SEP)
+        for field, rate in (await _report(client, name)).items():
+            namespace, _, key = field.partition(_SEP)
             entry = result.setdefault(namespace, {}).setdefault(key, {"rate": 0.0, "instances": 0})
             entry["rate"] += float(rate)
             entry["instances"] += 1
     return result
+
+
+async def _report(client: RedisClient, name: Any) -> dict[str, float]:
+    """One instance's report: a msgpack map, or the hash an older instance wrote."""
+    kind = await client.type(name)
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    if kind == "hash":
+        raw = await client.hgetall(name)
+        return {_text(field): float(rate) for field, rate in raw.items()}
+    data: Any = await client.get(name) if kind == "string" else None
+    if not isinstance(data, bytes):
+        return {}  # expired meanwhile
+    try:
+        return msgspec.msgpack.decode(data, type=dict[str, float])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return {}  # not a report: skipped, the CLI shows the others
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
