@@ -2,13 +2,13 @@
 
 Two costs pull in opposite directions. The fleet needs a hot key's reads spread evenly
 over the masters (the point of replicas). One client, though, pays for talking to a
-different master on every read: each GET then goes to a node whose connection and
-server process were idle a moment ago, which cost one client ~28% of its GETs/s on the
-3-master bench cluster (bench/hotkey.py). So a client keeps one master (and one replica
-on it) for ``STICKY_READS`` reads of a key, then moves on to the next master in its
-rotation. Each client starts its rotation at a random master, so at any moment the
-fleet's clients sit on all masters; over every full rotation each client itself has
-read each master equally often, so the spread holds even for a fleet of one.
+different master on every read: each GET then goes to a node whose server process was
+idle a moment ago, which cost one client 10-20% of its GETs/s on the 3-master bench
+cluster (bench/hotkey.py). So a client keeps one master (and one replica on it) for a
+turn of at least ``STICKY_READS`` reads and ``STICKY_SECONDS`` seconds, then moves on to
+the next master of its rotation. Each client starts its rotation at a random master, so
+at any moment a fleet's clients sit on all masters, and each client spends its turns on
+every master in turn, so the spread holds over time even for a fleet of one.
 See ``ReplicaPlacement.pick``.
 """
 
@@ -25,7 +25,8 @@ from layered_cache._keys import replica_name
 
 __all__ = ["STICKY_READS", "ReplicaPlacement"]
 
-STICKY_READS = 64  # reads of one key that stay on one master before moving to the next
+STICKY_READS = 64  # a turn: at least this many reads of one key on one master ...
+STICKY_SECONDS = 0.25  # ... and at least this long (each move costs a cold first read)
 _PLAN_TTL = 30.0  # seconds a per-key replica placement plan is trusted
 _MAX_KEYS = 4096
 
@@ -33,7 +34,16 @@ _MAX_KEYS = 4096
 class _Choice:
     """One hot key's rotation: the replica read now and how many reads it has left."""
 
-    __slots__ = ("groups", "index", "left", "name", "plan_until", "position", "replicas")
+    __slots__ = (
+        "groups",
+        "index",
+        "left",
+        "name",
+        "plan_until",
+        "position",
+        "replicas",
+        "turn_until",
+    )
 
     def __init__(self, groups: list[list[int]], replicas: int, plan_until: float) -> None:
         self.groups = groups  # replica indexes grouped per master ([] = no slot map yet)
@@ -41,6 +51,7 @@ class _Choice:
         self.plan_until = plan_until
         self.position = random.randrange(len(groups)) if groups else 0  # random start
         self.left = 0
+        self.turn_until = 0.0
         self.index = 0
         self.name = ""
 
@@ -50,15 +61,18 @@ class ReplicaPlacement:
         self.client = client
         self._cluster = isinstance(client, RedisCluster)
         self._choices: dict[str, _Choice] = {}
-        # Reads per master before moving on; 1 moves on every read (the bench's "before").
+        # A turn on one master; sticky_reads = 1 and sticky_seconds = 0 move on every
+        # read (the bench's "before"), sticky_seconds = 0 alone counts reads only (tests).
         self.sticky_reads = STICKY_READS
+        self.sticky_seconds = STICKY_SECONDS
 
     def pick(self, key: str, replicas: int) -> tuple[int, str]:
         """(index, name) of the replica of ``key`` to read.
 
         Single node: uniform per read (every replica is on the same node anyway).
         Cluster: the master in turn in this client's rotation over the masters holding a
-        replica of ``key``, and a random replica on it, kept for ``sticky_reads`` reads.
+        replica of ``key``, and a random replica on it, kept for a turn (``sticky_reads``
+        reads and ``sticky_seconds``, whichever ends later).
         CRC16 places 8 names on 3 masters unevenly (4/2/2 is typical), so a uniform
         choice of name would leave one master with 50% of the key's reads; rotating per
         master gives each 1/3 whenever every master holds a replica (~88% of keys).
@@ -81,12 +95,17 @@ class ReplicaPlacement:
         choice = self._choices.get(key)
         if choice is not None:
             choice.left = 0
+            choice.turn_until = 0.0
 
     def _rotate(self, key: str, replicas: int, choice: _Choice | None) -> tuple[int, str]:
-        """Next master of ``key``'s rotation (a new plan when there is none, its replica
-        count changed, or it is older than ``_PLAN_TTL``): checked here, once per
+        """The turn goes on if it is younger than ``sticky_seconds``; else the next master
+        of ``key``'s rotation (a new plan when there is none, its replica count changed,
+        or it is older than ``_PLAN_TTL``). The clock is read here, once per
         ``sticky_reads`` reads, not on every read."""
         now = time.monotonic()
+        if choice is not None and choice.replicas == replicas and now < choice.turn_until:
+            choice.left = self.sticky_reads - 1
+            return choice.index, choice.name
         if choice is None or choice.replicas != replicas or choice.plan_until < now:
             if len(self._choices) >= _MAX_KEYS:
                 self._choices.clear()  # bounded: hot keys are few, cold ones age out here
@@ -104,6 +123,7 @@ class ReplicaPlacement:
             index = random.randrange(replicas)
         choice.index, choice.name = index, replica_name(key, index)
         choice.left = self.sticky_reads - 1
+        choice.turn_until = now + self.sticky_seconds
         return index, choice.name
 
     def _plan(self, key: str, replicas: int) -> list[list[int]]:

@@ -97,6 +97,7 @@ async def test_detected_hot_key_spreads_its_reads_evenly_over_the_masters(
     key = f"{prefix}book:{key_id}"
     loader = CountingLoader("v")
     async with LayeredCache.from_config(config) as cache:
+        cache._store.placement.sticky_seconds = 0.0
 
         async def promoted_with_replicas() -> bool:
             await cache.get_or_load("book", {"id": key_id}, loader)
@@ -106,8 +107,9 @@ async def test_detected_hot_key_spreads_its_reads_evenly_over_the_masters(
 
         assert await eventually(promoted_with_replicas, timeout=3.0, interval=0.005)
         before = [await _gets(node) for node in nodes]
-        # Sticky: one master for STICKY_READS reads, then the next one. Three rotations
-        # over the three masters give each the same share, whatever the start.
+        # Sticky: one master for a turn, then the next one. With turns counted in reads
+        # only (sticky_seconds = 0, set before the first turn), three rotations over
+        # the three masters give each the same share, whatever the start.
         reads = 3 * 3 * STICKY_READS
         for _ in range(reads):
             await cache.get_or_load("book", {"id": key_id}, loader)
@@ -121,7 +123,7 @@ async def test_a_client_reads_one_master_at_a_time_and_a_fleet_reads_them_all(
     redis_cluster: Cluster, prefix: str, nodes: list[redis.Redis]
 ) -> None:
     """Reading a different master on every read costs one client throughput, so a client
-    keeps one replica for STICKY_READS reads; clients start their rotations at random
+    keeps one replica for a turn (STICKY_READS reads, and STICKY_SECONDS); clients start their rotations at random
     masters, so a fleet's reads of the key still land on every master."""
     slots = await slot_owners(nodes[0])
     masters = {port for _, port in redis_cluster.nodes}
@@ -135,15 +137,20 @@ async def test_a_client_reads_one_master_at_a_time_and_a_fleet_reads_them_all(
     caches = [LayeredCache.from_config(config) for _ in range(12)]
     for cache in caches:
         await cache.start()
+    placement = caches[0]._store.placement
+    placement.sticky_seconds = 0.0  # turns of STICKY_READS reads, however fast
     try:
         await caches[0].get_or_load("book", {"id": key_id}, CountingLoader("v"))
-        placement = caches[0]._store.placement
         picks = [placement.pick(key, 8) for _ in range(3 * STICKY_READS)]
         rotation = [owner(slots, name) for _, name in picks[::STICKY_READS]]
         assert sorted(rotation) == sorted(masters), "one rotation visits every master"
         for turn in range(3):
             window = picks[turn * STICKY_READS : (turn + 1) * STICKY_READS]
             assert len(set(window)) == 1, "one replica for STICKY_READS reads"
+        # A turn also lasts sticky_seconds: a fast client doesn't move on every few ms.
+        placement.sticky_seconds = 3600.0
+        placement.move_on(key)  # end the current turn; the next one lasts an hour
+        assert len({placement.pick(key, 8) for _ in range(3 * STICKY_READS)}) == 1
         # A fleet: each instance's first read of the key goes where its rotation starts.
         before = [await _gets(node) for node in nodes]
         for cache in caches:
