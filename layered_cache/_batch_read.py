@@ -8,7 +8,6 @@ from typing import Any
 
 from layered_cache._codec import Envelope
 from layered_cache._fills import Fills
-from layered_cache._keys import replica_name
 from layered_cache._l1 import MISSING
 from layered_cache._l2batch import L2Batch
 from layered_cache._policy import Policy
@@ -49,8 +48,7 @@ class BatchReader:
         if policy.hot is not None and policy.replicas:
             for position, key in enumerate(keys):
                 if policy.hot.record(key):
-                    index = store.placement.pick(key, policy.replicas)
-                    names[position] = replica_name(key, index)
+                    index, names[position] = store.placement.pick(key, policy.replicas)
                     hot[key] = index
         data = dict(zip(keys, await self._batch.get_many(names), strict=True))
         if hot:
@@ -83,6 +81,9 @@ class BatchReader:
         if not empty:
             return
         stats.replica_miss += len(empty)
+        placement = self._rt.store.placement
+        for key in empty:
+            placement.move_on(key)
         for key, value in zip(empty, await self._batch.get_many(empty), strict=True):
             data[key] = value
             if value is not None:

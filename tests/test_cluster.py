@@ -18,6 +18,7 @@ from redis.crc import key_slot
 
 from layered_cache import Config, LayeredCache
 from layered_cache._keys import lease_name, replica_names
+from layered_cache._placement import STICKY_READS
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.test_hotkeys import run_invalidation_interleavings
 
@@ -96,6 +97,7 @@ async def test_detected_hot_key_spreads_its_reads_evenly_over_the_masters(
     key = f"{prefix}book:{key_id}"
     loader = CountingLoader("v")
     async with LayeredCache.from_config(config) as cache:
+        cache._store.placement.sticky_seconds = 0.0
 
         async def promoted_with_replicas() -> bool:
             await cache.get_or_load("book", {"id": key_id}, loader)
@@ -105,12 +107,82 @@ async def test_detected_hot_key_spreads_its_reads_evenly_over_the_masters(
 
         assert await eventually(promoted_with_replicas, timeout=3.0, interval=0.005)
         before = [await _gets(node) for node in nodes]
-        for _ in range(600):
+        # Sticky: one master for a turn, then the next one. With turns counted in reads
+        # only (sticky_seconds = 0, set before the first turn), three rotations over
+        # the three masters give each the same share, whatever the start.
+        reads = 3 * 3 * STICKY_READS
+        for _ in range(reads):
             await cache.get_or_load("book", {"id": key_id}, loader)
         served = [await _gets(node) - b for node, b in zip(nodes, before, strict=True)]
     shares = [n / sum(served) for n in served]
-    assert sum(served) >= 600 and max(shares) <= 0.45 and min(shares) >= 0.2, served
+    assert sum(served) >= reads and max(shares) <= 0.45 and min(shares) >= 0.2, served
     assert loader.calls == 1
+
+
+async def test_a_client_reads_one_master_at_a_time_and_a_fleet_reads_them_all(
+    redis_cluster: Cluster, prefix: str, nodes: list[redis.Redis]
+) -> None:
+    """Reading a different master on every read costs one client throughput, so a client
+    keeps one replica for a turn (STICKY_READS reads, and STICKY_SECONDS); clients start their rotations at random
+    masters, so a fleet's reads of the key still land on every master."""
+    slots = await slot_owners(nodes[0])
+    masters = {port for _, port in redis_cluster.nodes}
+    key_id = next(
+        i
+        for i in range(1000)
+        if {owner(slots, n) for n in replica_names(f"{prefix}book:{i}", 8)} == masters
+    )
+    key = f"{prefix}book:{key_id}"
+    config = cluster_config(redis_cluster, prefix, l1=False, keys=[f"book:{key_id}"])
+    caches = [LayeredCache.from_config(config) for _ in range(12)]
+    for cache in caches:
+        await cache.start()
+    placement = caches[0]._store.placement
+    placement.sticky_seconds = 0.0  # turns of STICKY_READS reads, however fast
+    try:
+        await caches[0].get_or_load("book", {"id": key_id}, CountingLoader("v"))
+        picks = [placement.pick(key, 8) for _ in range(3 * STICKY_READS)]
+        rotation = [owner(slots, name) for _, name in picks[::STICKY_READS]]
+        assert sorted(rotation) == sorted(masters), "one rotation visits every master"
+        for turn in range(3):
+            window = picks[turn * STICKY_READS : (turn + 1) * STICKY_READS]
+            assert len(set(window)) == 1, "one replica for STICKY_READS reads"
+        # A turn also lasts sticky_seconds: a fast client doesn't move on every few ms.
+        placement.sticky_seconds = 3600.0
+        placement.move_on(key)  # end the current turn; the next one lasts an hour
+        assert len({placement.pick(key, 8) for _ in range(3 * STICKY_READS)}) == 1
+        # A fleet: each instance's first read of the key goes where its rotation starts.
+        before = [await _gets(node) for node in nodes]
+        for cache in caches:
+            assert await cache.get("book", {"id": key_id}) == "v"
+        served = [await _gets(node) - b for node, b in zip(nodes, before, strict=True)]
+    finally:
+        for cache in caches:
+            await cache.close()
+    assert sum(served) == len(caches)
+    # 12 instances, each starting at a master drawn uniformly: all of them on the same
+    # master has probability 3 * (1/3)^12 ~ 6e-6.
+    assert sum(1 for n in served if n) >= 2, served
+
+
+async def test_a_missing_replica_is_read_from_the_base_key_and_the_client_moves_on(
+    redis_cluster: Cluster, prefix: str, nodes: list[redis.Redis]
+) -> None:
+    slots = await slot_owners(nodes[0])
+    config = cluster_config(redis_cluster, prefix, l1=False, keys=["book:3"])
+    key = f"{prefix}book:3"
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": 3}, CountingLoader("v"))
+        placement = cache._store.placement
+        _, sticky = placement.pick(key, 8)
+        await cache._store.delete([sticky])
+        misses = cache.stats()["book"]["replica_miss"]
+        assert await cache.get("book", {"id": 3}) == "v"  # from the base key
+        assert cache.stats()["book"]["replica_miss"] == misses + 1
+        _, after = placement.pick(key, 8)
+        masters = {owner(slots, name) for name in replica_names(key, 8)}
+        if len(masters) > 1:
+            assert owner(slots, after) != owner(slots, sticky), "moved to the next master"
 
 
 async def _gets(node: redis.Redis) -> int:
