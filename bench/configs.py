@@ -17,6 +17,7 @@ def make_config(
     cluster: bool = False,
     backplane: bool = True,
     timeout: str = "1s",
+    connect_timeout: str = "1s",
     **sections: Any,
 ) -> Config:
     raw: dict[str, Any] = {
@@ -25,7 +26,7 @@ def make_config(
             "prefix": prefix,
             "cluster": cluster,
             "timeout": timeout,
-            "connect_timeout": "1s",
+            "connect_timeout": connect_timeout,
             "max_connections": 256,
         },
         "backplane": {"enabled": backplane},

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -56,6 +57,10 @@ async def test_the_jitter_scenario_plots_seconds_after_its_warm_up(
 
     monkeypatch.setattr(jitter, "KEYS", 300)
     monkeypatch.setattr(jitter, "expiry_histogram", histogram)
+    # Patient timeouts: the warm-up's burst of set() calls opens its connections at
+    # once, which takes over a second on a machine kept busy (make test-stress).
+    patient = functools.partial(jitter.make_config, timeout="10s", connect_timeout="10s")
+    monkeypatch.setattr(jitter, "make_config", patient)
 
     class Env:
         def redis_url(self) -> str:
