@@ -31,7 +31,8 @@ invalidator that knows fewer replicas than a writer leaves some behind.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from layered_cache._keys import fill_channel, lease_name, replica_names
@@ -40,6 +41,7 @@ from layered_cache._stampede import LeaseWaiter
 
 __all__ = [
     "copy_to_replicas",
+    "delete_name_phases",
     "delete_phases",
     "fill",
     "replica_leases",
@@ -57,6 +59,43 @@ def delete_phases(key: str, count: int) -> tuple[list[str], list[str]]:
     """Invalidation's (phase 1: base key and lease, phase 2: replicas and their leases)."""
     shards = replica_names(key, count)
     return [key, lease_name(key)], [name for shard in shards for name in (shard, lease_name(shard))]
+
+
+def delete_name_phases(
+    targets: Iterable[tuple[str, int]],
+) -> tuple[list[str], list[bytes], list[bytes]]:
+    """``delete_phases`` of many ``(key, replica count)`` at once: (the keys, phase 1,
+    phase 2), the names as UTF-8 bytes (what redis-py sends for a str).
+
+    The daemon deletes 18 names per event (8 replicas): built as str, each name was
+    encoded again by redis-py on every send, and building them through ``lease_name`` /
+    ``replica_names`` cost more than the DEL itself (bench/daemon_floor.py). Here each
+    key is encoded once and every name is one bytes concatenation with a suffix
+    computed once per replica count. Within a phase the order of names does not matter
+    (one DEL per slot, each atomic); between phases it does, and is kept."""
+    keys: list[str] = []
+    phase1: list[bytes] = []
+    phase2: list[bytes] = []
+    for key, count in targets:
+        keys.append(key)
+        name = key.encode()
+        braced = b"{" + name
+        phase1 += (name, braced + b"}:lease")
+        if count:
+            shards, leases = _replica_suffixes(count)
+            phase2 += [name + suffix for suffix in shards]
+            phase2 += [braced + suffix for suffix in leases]
+    return keys, phase1, phase2
+
+
+@functools.cache
+def _replica_suffixes(count: int) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """What ``replica_names`` and their ``lease_name`` add to a key (after its ``{``)."""
+    shards = replica_names("", count)  # "#0", "#1", ...
+    return (
+        tuple(shard.encode() for shard in shards),
+        tuple(lease_name(shard)[1:].encode() for shard in shards),  # "#0}:lease", ...
+    )
 
 
 def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:
