@@ -109,8 +109,8 @@ class _CompiledTarget(msgspec.Struct, frozen=True):
 
 
 # A type routed only to one-field keys read from top-level event fields ("book:{id}" from
-# "book_id"), per key: (event field, template field, template, replica count).
-_Plan = tuple[tuple[str, str, KeyTemplate, int], ...]
+# "book_id"), per key: (event field, template, replica count).
+_Plan = tuple[tuple[str, KeyTemplate, int], ...]
 
 
 class _CompiledTag(msgspec.Struct, frozen=True):
@@ -354,7 +354,7 @@ def _plan(compiled: Sequence[_CompiledTarget | _CompiledTag]) -> _Plan | None:
         template = target.namespace.template
         if len(path) != 1 or template.fields != (template_field,):
             return None
-        plan.append((path[0], template_field, template, target.namespace.replicas))
+        plan.append((path[0], template, target.namespace.replicas))
     return tuple(plan)
 
 
@@ -363,13 +363,13 @@ def _planned_keys(plan: _Plan, event: dict[str, Any]) -> list[tuple[str, int]] |
     absent field, a value neither int nor str - bool included - or one the template
     refuses): ``decode`` then finds the reason."""
     found = []
-    for event_field, template_field, template, replicas in plan:
-        value = event.get(event_field)
+    for event_field, template, replicas in plan:
+        value: Any = event.get(event_field)
         kind = type(value)
         if kind is not int and kind is not str:
             return None
         try:
-            found.append((template.build({template_field: value}), replicas))
+            found.append((template.build_value(value), replicas))
         except (KeyError, ValueError):
             return None
     return found
