@@ -69,7 +69,7 @@ def delete_name_phases(
 
     The daemon deletes 18 names per event (8 replicas): built as str, each name was
     encoded again by redis-py on every send, and building them through ``lease_name`` /
-    ``replica_names`` cost more than the DEL itself (bench/daemon_floor.py). Here each
+    ``replica_names`` cost half as much as the DEL itself (bench/daemon_floor.py). Here each
     key is encoded once and every name is one bytes concatenation with a suffix
     computed once per replica count. Within a phase the order of names does not matter
     (one DEL per slot, each atomic); between phases it does, and is kept."""
