@@ -67,35 +67,62 @@ def delete_name_phases(
     """``delete_phases`` of many ``(key, replica count)`` at once: (the keys, phase 1,
     phase 2), the names as UTF-8 bytes (what redis-py sends for a str).
 
-    The daemon deletes 18 names per event (8 replicas): built as str, each name was
-    encoded again by redis-py on every send, and building them through ``lease_name`` /
-    ``replica_names`` cost half as much as the DEL itself (bench/daemon_floor.py). Here each
-    key is encoded once and every name is one bytes concatenation with a suffix
-    computed once per replica count. Within a phase the order of names does not matter
-    (one DEL per slot, each atomic); between phases it does, and is kept."""
+    The daemon deletes 18 names per event (8 replicas): built as str through
+    ``lease_name`` / ``replica_names``, then encoded again by redis-py on every send,
+    they cost half as much as the DEL itself (bench/daemon_floor.py). Here each key is
+    encoded once and its names are one ``bytes.join`` (the key between pieces computed
+    once per replica count, ``_joined``), NUL-separated; one ``split`` per batch makes
+    them names. No valid key holds a NUL (``_keys``); if one ever did, the count of
+    names would be off, and they are built one by one instead. Within a phase the
+    order of names does not matter (one DEL per slot, each atomic); between phases it
+    does, and is kept."""
+    targets = list(targets)  # a generator too: the fallback reads them again
     keys: list[str] = []
-    phase1: list[bytes] = []
-    phase2: list[bytes] = []
+    bases: list[bytes] = []
+    replicas: list[bytes] = []
+    expected = 0
+    base_pieces = _joined(0)
     for key, count in targets:
         keys.append(key)
         name = key.encode()
-        braced = b"{" + name
-        phase1 += (name, braced + b"}:lease")
+        bases.append(name.join(base_pieces))
         if count:
-            shards, leases = _replica_suffixes(count)
-            phase2 += [name + suffix for suffix in shards]
-            phase2 += [braced + suffix for suffix in leases]
+            replicas.append(name.join(_joined(count)))
+            expected += 2 * count
+    phase1 = _SEPARATOR.join(bases).split(_SEPARATOR) if bases else []
+    phase2 = _SEPARATOR.join(replicas).split(_SEPARATOR) if replicas else []
+    if len(phase1) != 2 * len(keys) or len(phase2) != expected:
+        return _names_one_by_one(targets)
     return keys, phase1, phase2
 
 
+_SEPARATOR = b"\0"
+_KEY_MARK = "\x01"  # stands for the key while the pieces are computed
+
+
 @functools.cache
-def _replica_suffixes(count: int) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-    """What ``replica_names`` and their ``lease_name`` add to a key (after its ``{``)."""
-    shards = replica_names("", count)  # "#0", "#1", ...
-    return (
-        tuple(shard.encode() for shard in shards),
-        tuple(lease_name(shard)[1:].encode() for shard in shards),  # "#0}:lease", ...
-    )
+def _joined(count: int) -> tuple[bytes, ...]:
+    """``key.join(_joined(n))`` = a key's names NUL-separated: with n = 0 its phase 1
+    (the key, its lease), else its phase 2 (each of n replicas, then that replica's
+    lease), built from ``lease_name`` and ``replica_names`` themselves."""
+    if count:
+        names = [n for shard in replica_names(_KEY_MARK, count) for n in (shard, lease_name(shard))]
+    else:
+        names = [_KEY_MARK, lease_name(_KEY_MARK)]
+    text = _SEPARATOR.decode().join(names)
+    return tuple(piece.encode() for piece in text.split(_KEY_MARK))
+
+
+def _names_one_by_one(
+    targets: list[tuple[str, int]],
+) -> tuple[list[str], list[bytes], list[bytes]]:
+    phase1: list[bytes] = []
+    phase2: list[bytes] = []
+    for key, count in targets:
+        bases, replicas = delete_phases(key, count)
+        phase1 += [name.encode() for name in bases]
+        phase2 += [name.encode() for name in replicas]
+    return [key for key, _ in targets], phase1, phase2
 
 
 def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:

@@ -258,3 +258,8 @@ def test_the_daemons_bytes_names_are_the_invalidation_phases() -> None:
     assert sorted(phase1) == sorted(name.encode() for name in want1)
     assert sorted(phase2) == sorted(name.encode() for name in want2)
     assert len(phase2) == len(want2) == 2 * (8 + 3)
+    # A NUL (no valid key holds one) must not shift names: built one by one then.
+    odd = [("p:a\0b", 2), ("p:c", 1)]
+    _, phase1, phase2 = delete_name_phases(iter(odd))
+    assert phase1 == [name.encode() for key, n in odd for name in delete_phases(key, n)[0]]
+    assert phase2 == [name.encode() for key, n in odd for name in delete_phases(key, n)[1]]
