@@ -5,8 +5,7 @@ or not this process thinks the key is hot: another instance may have), the lease
 in-flight fill that read the database before this invalidation can no longer write: its
 compare-and-write sees a missing lease) and each replica's own lease ``{key#i}:lease``.
 Only then are the keys appended to the backplane stream: an instance that drops its L1
-copy on that message can only refill from the new L2 state (on a single node the XADD
-rides in the DEL's round trip, behind it on the same connection). If the stream refuses
+copy on that message can only refill from the new L2 state. If the stream refuses
 the append (a full Redis under noeviction answers OOM to XADD but not to DEL or
 PUBLISH), the announcement goes over its pub/sub fallback channel (``_fallback``).
 
@@ -109,19 +108,8 @@ class Invalidator:
         keys, phase1, phase2 = delete_name_phases(targets)
         if not keys:
             return 0
-        announcement = self.queue_announcement(keys)
-        if announcement is None:  # a cluster, or no backplane
-            deleted = await self._l2.delete_in_order([phase1, phase2] if phase2 else [phase1])
-            await self.announce(keys)
-            return deleted
-        # A single node: both phases in one DEL (atomic, so ordered) and the XADD behind
-        # it in the same round trip. If the stream refused the append (OOM under
-        # noeviction), the names are gone all the same: ``announce`` retries it and
-        # falls back to pub/sub.
-        phase1 += phase2
-        deleted, refused = await self._l2.delete_then(phase1, announcement)
-        if refused:
-            await self.announce(keys)
+        deleted = await self._l2.delete_in_order([phase1, phase2] if phase2 else [phase1])
+        await self.announce(keys)
         return deleted
 
     async def announce_tags(self, versions: Mapping[str, str]) -> bool:

@@ -275,27 +275,6 @@ class L2Store:
         results = await self.guard(pipe.execute())
         return sum(int(result) for result in results)
 
-    async def delete_then(self, names: Sequence[str | bytes], then: Any) -> tuple[int, bool]:
-        """Single node: DEL ``names`` and, in the same round trip, the command
-        ``then(pipe)`` queues after it (the backplane XADD). Not a transaction: one
-        connection runs the commands in order, so it still lands after the names are
-        gone. Returns (names that existed, whether ``then``'s command failed - the
-        caller decides); a failed DEL raises ``L2Unavailable``."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.delete(*names)
-        then(pipe)
-        replies = await self.guard(pipe.execute(raise_on_error=False))
-        failed = replies[0]
-        if isinstance(failed, Exception):
-            # An error reply, which ``guard`` did not see: LOADING, READONLY... are the
-            # node's failures, as they would have been raised by a lone DEL.
-            if is_key_error(failed):
-                self.key_errors += 1
-            else:
-                self.breakers.for_name(None).failure(failed)
-            raise L2Unavailable(f"{type(failed).__name__}: {failed}") from failed
-        return int(failed), isinstance(replies[-1], Exception)
-
     async def delete_in_order(self, groups: Sequence[Sequence[str | bytes]]) -> int:
         """Delete ``groups`` one after another: every name of a group is gone from every
         node before any name of the next group is deleted.
