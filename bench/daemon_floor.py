@@ -66,9 +66,8 @@ def _config(redis_url: str, prefix: str, bootstrap: str, topic: str) -> Any:
 
 
 def _names(prefix: str, book_id: int) -> list[bytes]:
-    """The daemon's names for one key, built here independently of the library (the
-    daemon round checks it deleted the same ones: ``names_deleted`` is not used, the
-    backplane carries the keys and ``_check_names`` compares)."""
+    """The daemon's names for one key, built here independently of the library;
+    ``_check_names`` makes sure the daemon's ``Deleter`` removes exactly these."""
     key = f"{prefix}book:{book_id}"
     names = [key, "{" + key + "}:lease"]
     for i in range(REPLICAS):
