@@ -28,6 +28,7 @@ SCENARIOS = [
     "xfetch_sim",
     "hotkey",
     "invalidation",
+    "daemon_floor",
     "batch",
     "batch_cluster",
     "tags",

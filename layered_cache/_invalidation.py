@@ -33,7 +33,7 @@ from layered_cache._fallback import FallbackChannel, fallback_channel
 from layered_cache._keys import replica_record_name
 from layered_cache._l2 import L2Store
 from layered_cache._policy import compile_policy
-from layered_cache._replicas import delete_phases
+from layered_cache._replicas import delete_name_phases
 
 __all__ = [
     "Invalidator",
@@ -105,14 +105,7 @@ class Invalidator:
         Raises ``L2Unavailable`` or a Redis error when Redis fails: the caller retries
         (nothing is reported done before the keys are gone).
         """
-        keys: list[str] = []
-        phase1: list[str] = []  # base keys and their leases
-        phase2: list[str] = []  # replicas and their leases, strictly after (replicas.py)
-        for key, count in targets:
-            keys.append(key)
-            bases, replica_names = delete_phases(key, count)
-            phase1.extend(bases)
-            phase2.extend(replica_names)
+        keys, phase1, phase2 = delete_name_phases(targets)
         if not keys:
             return 0
         deleted = await self._l2.delete_in_order([phase1, phase2] if phase2 else [phase1])

@@ -195,6 +195,28 @@ class KeyTemplate:
                     return self._build_single(single, value)
         return self._build_fields(fields)
 
+    def build_value(self, value: int | str) -> str:
+        """``build({field: value})`` of a one-field template, raising as it does.
+
+        For the daemon, where nearly every key is new (an event per changed row): an
+        int is formatted directly, past the memo - its text needs no regex, and
+        remembering it would only churn the memo; a str goes through ``build``."""
+        single = self._single
+        if single is None:
+            raise TypeError(f"namespace {self.namespace!r}: template {self.template!r} has "
+                            "several fields")
+        if type(value) is not int:
+            return self.build({single: value})
+        literals = self._literals
+        try:
+            text = str(value)
+        except ValueError:
+            text = self._int_text(single, value)  # raises, naming namespace and field
+        key = literals[0] + text + literals[1]
+        if len(key) > MAX_KEY_LENGTH:
+            raise self._too_long(key)
+        return key
+
     def _build_single(self, single: str, value: object) -> str:
         """A one-field key not in the memo: validated, then remembered."""
         literals = self._literals

@@ -31,7 +31,8 @@ invalidator that knows fewer replicas than a writer leaves some behind.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterable, Sequence
 
 from layered_cache._backplane import Announcement
 from layered_cache._keys import fill_channel, lease_name, replica_names
@@ -40,6 +41,7 @@ from layered_cache._stampede import LeaseWaiter
 
 __all__ = [
     "copy_to_replicas",
+    "delete_name_phases",
     "delete_phases",
     "fill",
     "replica_leases",
@@ -57,6 +59,70 @@ def delete_phases(key: str, count: int) -> tuple[list[str], list[str]]:
     """Invalidation's (phase 1: base key and lease, phase 2: replicas and their leases)."""
     shards = replica_names(key, count)
     return [key, lease_name(key)], [name for shard in shards for name in (shard, lease_name(shard))]
+
+
+def delete_name_phases(
+    targets: Iterable[tuple[str, int]],
+) -> tuple[list[str], list[bytes], list[bytes]]:
+    """``delete_phases`` of many ``(key, replica count)`` at once: (the keys, phase 1,
+    phase 2), the names as UTF-8 bytes (what redis-py sends for a str).
+
+    The daemon deletes 18 names per event (8 replicas): built as str through
+    ``lease_name`` / ``replica_names``, then encoded again by redis-py on every send,
+    they cost half as much as the DEL itself (bench/daemon_floor.py). Here each key is
+    encoded once and its names are one ``bytes.join`` (the key between pieces computed
+    once per replica count, ``_joined``), NUL-separated; one ``split`` per batch makes
+    them names. No valid key holds a NUL (``_keys``); if one ever did, the count of
+    names would be off, and they are built one by one instead. Within a phase the
+    order of names does not matter (one DEL per slot, each atomic); between phases it
+    does, and is kept."""
+    targets = list(targets)  # a generator too: the fallback reads them again
+    keys: list[str] = []
+    bases: list[bytes] = []
+    replicas: list[bytes] = []
+    expected = 0
+    base_pieces = _joined(0)
+    for key, count in targets:
+        keys.append(key)
+        name = key.encode()
+        bases.append(name.join(base_pieces))
+        if count:
+            replicas.append(name.join(_joined(count)))
+            expected += 2 * count
+    phase1 = _SEPARATOR.join(bases).split(_SEPARATOR) if bases else []
+    phase2 = _SEPARATOR.join(replicas).split(_SEPARATOR) if replicas else []
+    if len(phase1) != 2 * len(keys) or len(phase2) != expected:
+        return _names_one_by_one(targets)
+    return keys, phase1, phase2
+
+
+_SEPARATOR = b"\0"
+_KEY_MARK = "\x01"  # stands for the key while the pieces are computed
+
+
+@functools.cache
+def _joined(count: int) -> tuple[bytes, ...]:
+    """``key.join(_joined(n))`` = a key's names NUL-separated: with n = 0 its phase 1
+    (the key, its lease), else its phase 2 (each of n replicas, then that replica's
+    lease), built from ``lease_name`` and ``replica_names`` themselves."""
+    if count:
+        names = [n for shard in replica_names(_KEY_MARK, count) for n in (shard, lease_name(shard))]
+    else:
+        names = [_KEY_MARK, lease_name(_KEY_MARK)]
+    text = _SEPARATOR.decode().join(names)
+    return tuple(piece.encode() for piece in text.split(_KEY_MARK))
+
+
+def _names_one_by_one(
+    targets: list[tuple[str, int]],
+) -> tuple[list[str], list[bytes], list[bytes]]:
+    phase1: list[bytes] = []
+    phase2: list[bytes] = []
+    for key, count in targets:
+        bases, replicas = delete_phases(key, count)
+        phase1 += [name.encode() for name in bases]
+        phase2 += [name.encode() for name in replicas]
+    return [key for key, _ in targets], phase1, phase2
 
 
 def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:

@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from layered_cache import ConfigError, parse_config
 from layered_cache._config import Config
@@ -16,7 +18,6 @@ from layered_cache._events import (
     PoisonEvent,
     Target,
     encode_event,
-    unique_targets,
 )
 from layered_cache._policy import compile_policy
 
@@ -87,39 +88,39 @@ def test_unrouted_fields_are_not_checked() -> None:
     assert decoder.decode(b'{"type":"BookPriceChanged","book_id":"isbn-1","extra":[1]}').targets
 
 
-@pytest.mark.parametrize(
-    ("data", "reason"),
-    [
-        (None, "empty message"),
-        (b"", "not JSON"),
-        (b"\xff\xfe", "not JSON"),
-        (b'{"type": "BookPriceChanged", "book_id": 1', "not JSON"),
-        (b"[1, 2]", "not a JSON object but list"),
-        (b'"hello"', "not a JSON object but str"),
-        (b'{"book_id": 1}', "missing or non-string 'type'"),
-        (b'{"type": 5}', "missing or non-string 'type'"),
-        (b'{"type": "AuthorRenamed"}', "unknown event type 'AuthorRenamed'"),
-        (b'{"type": "BookPriceChanged"}', "missing field 'book_id'"),
-        (b'{"type": "BookPriceChanged", "book_id": 1.5}', "must be an int or str, got float"),
-        (b'{"type": "BookPriceChanged", "book_id": true}', "must be an int or str, got bool"),
-        (b'{"type": "BookPriceChanged", "book_id": null}', "must be an int or str, got NoneType"),
-        (b'{"type": "BookPriceChanged", "book_id": {"a": 1}}', "got dict"),
-        (b'{"type": "BookPriceChanged", "book_id": "a b"}', "not a safe key value"),
-        (b'{"type": "BookPriceChanged", "book_id": "{x}"}', "not a safe key value"),
-        (b'{"type": "BookPriceChanged", "book_id": "a#1"}', "not a safe key value"),
-        (b'{"type": "BookPriceChanged", "book_id": ""}', "not a safe key value"),
-        (b'{"type": "CacheInvalidate", "namespace": "nope", "keys": []}', "unknown namespace"),
-        (b'{"type": "CacheInvalidate", "namespace": "book"}', "missing required field"),
-        (
-            b'{"type": "CacheInvalidate", "namespace": "book", "keys": [{"idx": 1}]}',
-            "missing key field 'id'",
-        ),
-        (
-            b'{"type": "CacheInvalidate", "namespace": "book", "keys": [{"id": 1.0}]}',
-            "CacheInvalidate",
-        ),
-    ],
-)
+POISON: list[tuple[bytes | None, str]] = [
+    (None, "empty message"),
+    (b"", "not JSON"),
+    (b"\xff\xfe", "not JSON"),
+    (b'{"type": "BookPriceChanged", "book_id": 1', "not JSON"),
+    (b"[1, 2]", "not a JSON object but list"),
+    (b'"hello"', "not a JSON object but str"),
+    (b'{"book_id": 1}', "missing or non-string 'type'"),
+    (b'{"type": 5}', "missing or non-string 'type'"),
+    (b'{"type": "AuthorRenamed"}', "unknown event type 'AuthorRenamed'"),
+    (b'{"type": "BookPriceChanged"}', "missing field 'book_id'"),
+    (b'{"type": "BookPriceChanged", "book_id": 1.5}', "must be an int or str, got float"),
+    (b'{"type": "BookPriceChanged", "book_id": true}', "must be an int or str, got bool"),
+    (b'{"type": "BookPriceChanged", "book_id": null}', "must be an int or str, got NoneType"),
+    (b'{"type": "BookPriceChanged", "book_id": {"a": 1}}', "got dict"),
+    (b'{"type": "BookPriceChanged", "book_id": "a b"}', "not a safe key value"),
+    (b'{"type": "BookPriceChanged", "book_id": "{x}"}', "not a safe key value"),
+    (b'{"type": "BookPriceChanged", "book_id": "a#1"}', "not a safe key value"),
+    (b'{"type": "BookPriceChanged", "book_id": ""}', "not a safe key value"),
+    (b'{"type": "CacheInvalidate", "namespace": "nope", "keys": []}', "unknown namespace"),
+    (b'{"type": "CacheInvalidate", "namespace": "book"}', "missing required field"),
+    (
+        b'{"type": "CacheInvalidate", "namespace": "book", "keys": [{"idx": 1}]}',
+        "missing key field 'id'",
+    ),
+    (
+        b'{"type": "CacheInvalidate", "namespace": "book", "keys": [{"id": 1.0}]}',
+        "CacheInvalidate",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "reason"), POISON)
 def test_poison_events_are_rejected_with_a_reason(data: bytes | None, reason: str) -> None:
     assert reason in poison_reason(EventDecoder(config()), data)
 
@@ -141,8 +142,94 @@ def test_routing_cache_invalidate_or_one_type_twice_is_refused_at_load() -> None
 
 
 def test_a_batch_invalidates_each_key_once() -> None:
-    targets = [Target("book", "b:1", 8), Target("book", "b:2", 8), Target("book", "b:1", 8)]
-    assert unique_targets(targets) == [("b:1", 8), ("b:2", 8)]
+    decoder = EventDecoder(config())
+    keys: dict[str, int] = {}
+    for book in (1, 2, 1):
+        decoder.collect(b'{"type":"BookPriceChanged","book_id":%d}' % book, keys, [])
+    assert list(keys.items()) == [("env:book:1", 8), ("env:book:2", 8)]
+
+
+ROUTES = [
+    {"type": "BookPriceChanged", "invalidate": [{"namespace": "book", "key": {"id": "book_id"}}]},
+    {
+        "type": "BookMoved",  # not a plain route: nested field, two-field template
+        "invalidate": [
+            {"namespace": "book", "key": {"id": "book.id"}},
+            {"namespace": "shelf", "key": {"store": "store", "id": "to_shelf"}},
+        ],
+    },
+    {
+        "type": "AuthorRenamed",  # plain, two keys
+        "invalidate": [
+            {"namespace": "author", "key": {"id": "author_id"}},
+            {"namespace": "book", "key": {"id": "book_id"}},
+        ],
+    },
+    {"type": "Tagged", "invalidate": [{"tag": "author:{author_id}"}]},
+]
+MESSAGES = [
+    b'{"type":"BookPriceChanged","book_id":42,"old_price":"1","new_price":"2"}',
+    b'{"type":"BookPriceChanged","book_id":"isbn-1"}',
+    b'{"type":"BookPriceChanged","book_id":"a:b"}',
+    b'{"type":"BookMoved","book":{"id":7},"store":"berlin","to_shelf":3}',
+    b'{"type":"BookMoved","book":{"id":7},"store":"berlin"}',
+    b'{"type":"AuthorRenamed","author_id":1,"book_id":2}',
+    b'{"type":"AuthorRenamed","author_id":1,"book_id":true}',
+    b'{"type":"Tagged","author_id":5}',
+    b'{"type":"CacheInvalidate","namespace":"author","keys":[{"id":1},{"id":"x"}]}',
+    b'{"type":"BookPriceChanged","book_id":' + b"9" * 5000 + b"}",
+    b'{"type":"BookPriceChanged","book_id":' + b"9" * 30 + b"}",
+    b'{"type":"BookPriceChanged","book_id":"' + b"x" * 600 + b'"}',
+    b'{"type":["BookPriceChanged"],"book_id":1}',
+    b"[" * 2000,
+    *(data for data, _ in POISON if data is not None),
+]
+
+
+def _decode_into(decoder: EventDecoder, data: bytes) -> tuple[object, ...]:
+    try:
+        decoded = decoder.decode(data)
+    except PoisonEvent as exc:
+        return ("poison", exc.reason, exc.event_type)
+    keys: dict[str, int] = {}
+    for target in decoded.targets:
+        keys.setdefault(target.key, target.replicas)
+    return (decoded.event_type, keys, decoded.tags)
+
+
+def _collect_into(decoder: EventDecoder, data: bytes) -> tuple[object, ...]:
+    keys: dict[str, int] = {"env:earlier": 1}  # a batch's earlier key
+    tags: list[str] = ["earlier"]
+    try:
+        event_type = decoder.collect(data, keys, tags)
+    except PoisonEvent as exc:
+        assert keys == {"env:earlier": 1} and tags == ["earlier"], "poison added something"
+        return ("poison", exc.reason, exc.event_type)
+    del keys["env:earlier"]
+    return (event_type, keys, tags[1:])
+
+
+@pytest.mark.parametrize("data", MESSAGES)
+def test_the_daemons_collect_agrees_with_decode(data: bytes) -> None:
+    """``collect`` (the daemon's path, with its shortcut for plain routes) turns every
+    message into the same keys, tags and type as ``decode``, or the same poison."""
+    decoder = EventDecoder(config(ROUTES))
+    assert _collect_into(decoder, data) == _decode_into(decoder, data)
+
+
+@given(
+    st.one_of(
+        st.integers(), st.text(max_size=40), st.booleans(), st.none(), st.floats(),
+        st.lists(st.integers(), max_size=2),
+    ),
+    st.sampled_from(["BookPriceChanged", "AuthorRenamed", "Tagged", "BookMoved", "Other"]),
+)
+def test_collect_agrees_with_decode_for_any_key_value(value: Any, event_type: str) -> None:
+    decoder = EventDecoder(config(ROUTES))
+    data = msgspec.json.encode(
+        {"type": event_type, "book_id": value, "author_id": value, "book": {"id": value}}
+    )
+    assert _collect_into(decoder, data) == _decode_into(decoder, data)
 
 
 def test_typed_event_round_trips_for_producers() -> None:

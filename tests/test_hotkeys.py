@@ -13,6 +13,7 @@ import redis.asyncio as redis
 from layered_cache import LayeredCache
 from layered_cache._hotkeys import HotKeyDetector
 from layered_cache._keys import replica_names
+from layered_cache._replicas import delete_name_phases, delete_phases
 from tests.helpers import CountingLoader, eventually, make_config
 
 # chi-square critical value, 7 degrees of freedom (8 replicas), p = 0.0001
@@ -244,3 +245,21 @@ async def _count_existing(admin: redis.Redis, names: Sequence[str], want: int) -
 def chi_square(counts: Sequence[int]) -> float:
     expected = sum(counts) / len(counts)
     return sum((c - expected) ** 2 / expected for c in counts)
+
+
+def test_the_daemons_bytes_names_are_the_invalidation_phases() -> None:
+    """``delete_name_phases`` (bytes, many keys at once) names exactly what
+    ``delete_phases`` does, phase by phase: base and lease first, replicas after."""
+    targets = [("p:book:42", 8), ("p:shelf:a%3Ab:1", 3), ("p:author:1", 0)]
+    keys, phase1, phase2 = delete_name_phases(targets)
+    assert keys == [key for key, _ in targets]
+    want1 = [name for key, n in targets for name in delete_phases(key, n)[0]]
+    want2 = [name for key, n in targets for name in delete_phases(key, n)[1]]
+    assert sorted(phase1) == sorted(name.encode() for name in want1)
+    assert sorted(phase2) == sorted(name.encode() for name in want2)
+    assert len(phase2) == len(want2) == 2 * (8 + 3)
+    # A NUL (no valid key holds one) must not shift names: built one by one then.
+    odd = [("p:a\0b", 2), ("p:c", 1)]
+    _, phase1, phase2 = delete_name_phases(iter(odd))
+    assert phase1 == [name.encode() for key, n in odd for name in delete_phases(key, n)[0]]
+    assert phase2 == [name.encode() for key, n in odd for name in delete_phases(key, n)[1]]

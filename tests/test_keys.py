@@ -3,6 +3,9 @@ and the one-name-per-value property (docs/keys.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -354,6 +357,27 @@ def test_any_value_builds_a_safe_key_or_raises(value: object) -> None:
     assert len(key) <= MAX_KEY_LENGTH
     assert not any(ch in key for ch in "{}# \t\r\n")
     assert ":" not in key[len("book:") :]
+
+
+def _built(build: Callable[[Any], str], value: object) -> str:
+    try:
+        return build(value)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+
+
+@given(st.one_of(st.text(max_size=600), st.integers(min_value=-(10**600), max_value=10**600)))
+def test_build_value_builds_what_build_does_or_raises_the_same(value: int | str) -> None:
+    """The daemon's ``build_value`` (an int past the memo) is ``build`` of one field."""
+    template = KeyTemplate("book", "book:{id}", "p:")
+    assert _built(template.build_value, value) == _built(
+        lambda v: template.build({"id": v}), value
+    )
+
+
+def test_build_value_needs_a_one_field_template() -> None:
+    with pytest.raises(TypeError, match="several fields"):
+        KeyTemplate("shelf", "shelf:{store}:{id}").build_value(1)
 
 
 def test_a_backplane_stream_outside_the_reserved_segment_is_refused() -> None:

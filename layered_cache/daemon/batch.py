@@ -15,7 +15,7 @@ import msgspec
 import structlog
 from aiokafka.structs import TopicPartition
 
-from layered_cache._events import EventDecoder, PoisonEvent, Target
+from layered_cache._events import EventDecoder, PoisonEvent
 from layered_cache.daemon.dlq import Poison, cap_text
 from layered_cache.daemon.stats import DaemonStats
 
@@ -25,7 +25,7 @@ _log = structlog.get_logger("layered_cache.daemon")
 
 
 class Batch(msgspec.Struct):
-    targets: list[Target]
+    keys: dict[str, int]  # key -> replica count, each key once, in the order first seen
     poison: list[Poison]
     tombstones: int
     types: dict[str, int]
@@ -40,25 +40,25 @@ def decode_batch(
     highwater: Callable[[TopicPartition], int | None],
 ) -> Batch:
     """Decode ``records``; ``highwater`` is the consumer's, for the lag gauge."""
-    batch = Batch([], [], 0, {}, {}, {})
+    batch = Batch({}, [], 0, {}, {}, {})
     types: Tally[str] = Tally()
+    collect, keys, tags = decoder.collect, batch.keys, batch.tags
     for tp, messages in records.items():
         for message in messages:
-            if message.value is None:
+            value = message.value
+            if value is None:
                 # A tombstone (compacted topics write them to delete a key): it carries
                 # no event, so there is nothing to invalidate or to set aside.
                 batch.tombstones += 1
                 continue
             try:
-                event = decoder.decode(message.value)
+                event_type = collect(value, keys, tags)
             except PoisonEvent as exc:
                 batch.poison.append(_poison(tp, message, exc.reason, exc.event_type))
             except Exception as exc:  # the decoder is total; this is the last net
                 batch.poison.append(_poison(tp, message, f"{type(exc).__name__} while decoding"))
             else:
-                types[event.event_type] += 1
-                batch.targets.extend(event.targets)
-                batch.tags.extend(event.tags)
+                types[event_type] += 1
         if messages:
             batch.offsets[tp] = messages[-1].offset + 1
             high = highwater(tp)

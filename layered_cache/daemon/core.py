@@ -32,7 +32,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
 from layered_cache._config import Config
-from layered_cache._events import EventDecoder, unique_targets
+from layered_cache._events import EventDecoder
 from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
@@ -179,7 +179,7 @@ class Daemon:
         self._retrier.abandon = False
         try:
             batch = decode_batch(self.decoder, records, consumer.highwater)
-            keys = unique_targets(batch.targets)
+            keys = list(batch.keys.items())
             # Invalidate before the DLQ: valid events' latency does not wait on Kafka.
             if not await self._retrier.until_done(
                 "invalidate", lambda: deleter.delete(keys, self.stats, batch.tags), DELETE_FAILURES
