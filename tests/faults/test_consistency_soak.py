@@ -145,9 +145,17 @@ async def test_no_read_is_staler_than_the_promise(
         async with LayeredCache.from_config(config) as one, LayeredCache.from_config(config) as two:
             instances = (one, two)
             stop_at = time.monotonic() + seconds
+            # The workload lasts ``seconds`` and at least until it has done enough to judge
+            # (a starved machine does fewer reads per second), within 5x that.
+            give_up_at = time.monotonic() + 5 * seconds
+
+            def running() -> bool:
+                now = time.monotonic()
+                enough = counts["reads"] > 1000 and counts["writes"] > 100
+                return now < give_up_at and (now < stop_at or not enough)
 
             async def writer() -> None:
-                while time.monotonic() < stop_at:
+                while running():
                     key = random.randrange(KEYS)
                     database.write(key)
                     counts["writes"] += 1
@@ -157,7 +165,7 @@ async def test_no_read_is_staler_than_the_promise(
                     await asyncio.sleep(random.uniform(0.005, 0.03))
 
             async def reader(instance: LayeredCache) -> None:
-                while time.monotonic() < stop_at:
+                while running():
                     if random.random() < 0.3:  # a list page: every book on it is checked
                         shelf = random.randrange(SHELVES)
                         versions = await instance.get_or_load(

@@ -15,7 +15,7 @@ import pytest
 from redis.crc import key_slot
 
 from layered_cache import L2Unavailable, LayeredCache
-from tests.helpers import eventually, make_config
+from tests.helpers import Starvation, eventually, make_config
 from tests.servers import RedisClusterServers, RedisServer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -29,11 +29,29 @@ BOUND = TIMEOUT + 1.0
 
 @dataclass
 class Observed:
-    worst_get: float = 0.0
+    worst_get: float = 0.0  # wall latency, less the starvation that overlapped it
     worst_invalidate: float = 0.0
+    raw_worst: float = 0.0  # wall latency as measured
     reads: int = 0
     loads: dict[str, int] = field(default_factory=lambda: {"healthy": 0, "dead": 0})
     errors: list[BaseException] = field(default_factory=list)
+    slow: list[tuple[str, float, float]] = field(default_factory=list)  # judged at the end
+
+    def timed(self, kind: str, started: float) -> None:
+        ended = time.perf_counter()
+        self.raw_worst = max(self.raw_worst, ended - started)
+        if ended - started > TIMEOUT:  # only slow calls are worth the starvation sum
+            self.slow.append((kind, started, ended))
+
+    def judge(self, starvation: Starvation) -> None:
+        """The bound is the library's: a call's latency counts without the time the OS
+        did not run this process (make test-stress keeps both cores busy)."""
+        for kind, started, ended in self.slow:
+            latency = ended - started - starvation.within(started, ended)
+            if kind == "get":
+                self.worst_get = max(self.worst_get, latency)
+            else:
+                self.worst_invalidate = max(self.worst_invalidate, latency)
 
 
 def _cluster(full_coverage: bool) -> RedisClusterServers:
@@ -119,7 +137,7 @@ async def test_failover_keeps_every_call_within_the_timeout_and_healthy_keys_in_
                         assert await cache.get_or_load("book", {"id": i}, load(i)) == "v"
                     except BaseException as exc:  # every failure counts
                         seen.errors.append(exc)
-                    seen.worst_get = max(seen.worst_get, time.perf_counter() - started)
+                    seen.timed("get", started)
                     seen.reads += 1
                     await asyncio.sleep(0.005)
 
@@ -130,24 +148,28 @@ async def test_failover_keeps_every_call_within_the_timeout_and_healthy_keys_in_
                     # L2Unavailable while the key's master is down is the documented outcome.
                     with contextlib.suppress(L2Unavailable):
                         await cache.invalidate("book", {"id": KEYS + random.randrange(KEYS)})
-                    seen.worst_invalidate = max(
-                        seen.worst_invalidate, time.perf_counter() - started
-                    )
+                    seen.timed("invalidate", started)
                     await asyncio.sleep(0.05)
 
-            tasks = [asyncio.create_task(reader()) for _ in range(20)]
-            tasks.append(asyncio.create_task(invalidator()))
-            await asyncio.sleep(0.5)
-            counting["on"] = True
-            dead.kill()
-            killed = time.monotonic()
-            # Through the failover (node timeout 2 s, then the replica's election) and
-            # 2 s past the client learning the new master.
-            assert await eventually(lambda: _promoted(cache, dead_name), timeout=60, interval=0.5)
-            await asyncio.sleep(max(2.0, 6.0 - (time.monotonic() - killed)))
-            stop.set()
-            await asyncio.gather(*tasks)
-    print(f"\n{seen}")
+            with Starvation() as starvation:
+                tasks = [asyncio.create_task(reader()) for _ in range(20)]
+                tasks.append(asyncio.create_task(invalidator()))
+                await asyncio.sleep(0.5)
+                counting["on"] = True
+                dead.kill()
+                killed = time.monotonic()
+                # Through the failover (node timeout 2 s, then the replica's election) and
+                # 2 s past the client learning the new master.
+                assert await eventually(
+                    lambda: _promoted(cache, dead_name), timeout=60, interval=0.5
+                )
+                await asyncio.sleep(max(2.0, 6.0 - (time.monotonic() - killed)))
+                stop.set()
+                await asyncio.gather(*tasks)
+            seen.judge(starvation)
+    print(f"\n{seen.reads} reads; worst get {seen.worst_get:.3f} s, invalidate "
+          f"{seen.worst_invalidate:.3f} s without starvation; raw worst {seen.raw_worst:.3f} s; "
+          f"starved {starvation.total:.2f} s")
     assert seen.errors == []
     assert seen.reads > 500
     assert seen.worst_get <= BOUND
@@ -179,9 +201,17 @@ async def test_a_dead_masters_breaker_is_dropped_once_the_slot_map_loses_it(pref
                 return dead_name not in breakers and set(breakers.values()) == {"closed"}
 
             assert await eventually(recovered, timeout=60, interval=0.3)
-            # The promoted replica serves the dead master's keys from L2 again.
-            hits = cache.stats()["book"]["l2_hit"]
-            for i in doomed:
+            # The promoted replica holds the dead master's keys and serves them from L2
+            # (a read that times out on a starved machine falls back to the loader: the
+            # next one is counted).
+            client = cache._store.client
+            assert all([await client.exists(cache.key("book", {"id": i})) for i in doomed])
+
+            async def from_l2(i: int) -> bool:
+                hits = cache.stats()["book"]["l2_hit"]
                 await cache.get_or_load("book", {"id": i}, _constant)
-            assert cache.stats()["book"]["l2_hit"] - hits >= len(doomed) - 5
+                return bool(cache.stats()["book"]["l2_hit"] > hits)
+
+            for i in doomed:
+                assert await eventually(lambda i=i: from_l2(i), timeout=10)
             assert len(cache.redis_status().node_breakers) == 3
