@@ -31,7 +31,7 @@ from tests.servers import RedisServer
 from tests.test_explorer import _explore, _report
 
 POLICIES = ["noeviction", "allkeys-lru", "allkeys-lfu", "volatile-lru", "volatile-ttl"]
-EXPLORER_SCHEDULES = 30  # per policy: 6 in each variant (the suite has 10 minutes)
+EXPLORER_SCHEDULES = 20  # per policy: 4 in each variant (the suite has 10 minutes)
 
 
 @contextlib.contextmanager
