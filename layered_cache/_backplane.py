@@ -18,11 +18,10 @@ from typing import Any
 
 import msgspec
 import structlog
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from layered_cache._backoff import Backoff
-from layered_cache._clients import RedisClient, is_redis_failure, resurface_cancel
+from layered_cache._clients import RedisClient, is_cluster, is_redis_failure, resurface_cancel
 
 __all__ = ["BackplaneListener", "BackplanePublisher", "BackplaneStatus", "parse_id"]
 
@@ -210,7 +209,7 @@ class BackplaneListener:
         read, one extra round trip per read per instance (issue 20). After a failover
         or resharding the node answers MOVED: redis-py refreshes its slot map, the read
         fails like a dropped connection, and the next one asks the map again."""
-        if not isinstance(self._client, RedisCluster):
+        if not is_cluster(self._client):
             return await self._client.xread(
                 {self._stream: after}, count=self._batch, block=self._block_ms
             )

@@ -8,7 +8,7 @@ cluster, and the exception tuple every layer catches to fall back instead of cra
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -24,6 +24,7 @@ from layered_cache._topology import RefreshingCluster
 __all__ = [
     "REDIS_FAILURES",
     "RedisClient",
+    "is_cluster",
     "is_redis_failure",
     "make_client",
     "make_node_client",
@@ -33,6 +34,12 @@ __all__ = [
 ]
 
 RedisClient = redis.Redis | RedisCluster
+
+
+def is_cluster(client: RedisClient) -> TypeGuard[RedisCluster]:
+    """Whether ``client`` is a Redis Cluster client (modules other than this one and the
+    store don't import redis-py's client classes)."""
+    return isinstance(client, RedisCluster)
 
 # Everything that means "Redis could not answer": RedisClusterException is not a
 # RedisError (e.g. "cannot be connected" while the cluster client re-discovers nodes).
