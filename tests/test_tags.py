@@ -17,6 +17,7 @@ from layered_cache import LayeredCache
 from layered_cache._config import EventRoute
 from layered_cache._keys import tag_version_name
 from tests.helpers import CountingLoader, eventually, make_config
+from tests.servers import RedisServer
 
 NAMESPACES = {
     "book": {"key": "book:{id}"},
@@ -33,9 +34,17 @@ def _tags_of(page: Mapping[str, Any]) -> list[str]:
 
 
 # Not the operation's: the test's own INFO, the instance's clock sync (TIME every 30 s),
-# and what redis-py sends on a new connection (HELLO, CLIENT SETINFO) when a slow
-# machine makes the pool open one more: each can land in the measured window.
-_NOT_COUNTED = ("cmdstat_info", "cmdstat_time", "cmdstat_hello", "cmdstat_client")
+# its memory-policy check (CONFIG GET), and what redis-py sends on a new connection
+# (HELLO, CLIENT SETINFO, PING) when a slow machine makes the pool open one more: each
+# can land in the measured window.
+_NOT_COUNTED = (
+    "cmdstat_info",
+    "cmdstat_time",
+    "cmdstat_config",
+    "cmdstat_hello",
+    "cmdstat_client",
+    "cmdstat_ping",
+)
 
 
 async def _total_commands(admin: redis.Redis) -> int:
@@ -82,8 +91,15 @@ async def test_invalidate_tag_kills_every_tagged_entry_in_l2_and_every_instances
 
 @pytest.mark.parametrize("entries", [1, 1000])
 async def test_invalidate_tag_costs_the_same_round_trips_for_1_and_1000_entries(
-    redis_url: str, prefix: str, entries: int
+    prefix: str, entries: int
 ) -> None:
+    # A server of its own: on the suite's shared one, work another test left running
+    # (a background release, a late fill) can land in the counted window (CI saw 10).
+    with RedisServer() as server:
+        await _count_invalidate_tag(server.url, prefix, entries)
+
+
+async def _count_invalidate_tag(redis_url: str, prefix: str, entries: int) -> None:
     config = make_config(redis_url, prefix, NAMESPACES, backplane={"enabled": False})
     admin = redis.Redis.from_url(redis_url)
     async with LayeredCache.from_config(config) as cache:
