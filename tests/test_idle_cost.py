@@ -13,7 +13,7 @@ from layered_cache import LayeredCache
 from layered_cache._hotreport import HotKeyReporter, fleet_hot_keys
 from layered_cache._keys import hot_report_name
 from tests.helpers import make_config
-from tests.servers import RedisServer
+from tests.servers import RedisClusterServers, RedisServer
 
 # Hot-key detection on: its fleet report used to cost every instance a DEL per second.
 HOT = {"book": {"key": "book:{id}", "hot": {"replicas": 4, "threshold": "100/s"}}}
@@ -51,10 +51,16 @@ async def test_an_idle_instance_sends_redis_about_one_command_a_second(prefix: s
 
 
 async def test_an_idle_instance_on_a_cluster_reads_the_stream_from_its_master_only(
-    redis_cluster: Any, prefix: str
+    prefix: str,
 ) -> None:
     """No ``COMMAND GETKEYS`` before each XREAD (redis-py asked the server where XREAD's
-    key is, every time), and the reads go to the master that owns the stream."""
+    key is, every time), and the reads go to the master that owns the stream. A cluster
+    of its own: on the suite's shared one, listeners other tests left behind read too."""
+    with RedisClusterServers(3) as cluster:
+        await _idle_on_cluster(cluster, prefix)
+
+
+async def _idle_on_cluster(redis_cluster: RedisClusterServers, prefix: str) -> None:
     config = make_config(redis_cluster.url, prefix, HOT, redis={"cluster": True, "timeout": "1s"})
     admins = [redis.Redis(host=host, port=port) for host, port in redis_cluster.nodes]
     async with LayeredCache.from_config(config) as cache:
