@@ -111,3 +111,8 @@ class Starvation:
     @property
     def total(self) -> float:
         return sum(e - s for s, e in list(self._stalls))
+
+    @property
+    def stalls(self) -> list[tuple[float, float]]:
+        """Each stall as (start, end), time.perf_counter."""
+        return list(self._stalls)

@@ -25,6 +25,12 @@ TIMEOUT = 0.2  # redis.timeout
 # The bound is the timeout plus one breaker decision; the margin is for a busy machine
 # (2 shared cores). Before the fix a failover stalled calls for 2-4 s.
 BOUND = TIMEOUT + 1.0
+# A healthy key's load is the OS's doing, not the failover's, when the process was starved
+# just before it: one stall past the timeout fails every read in flight, the healthy
+# master's breaker opens after 3 of them and sends its reads to the loader for its
+# `reset` (1 s, redis.breaker's default). A stall shorter than this cannot time a read out.
+STALL = TIMEOUT / 4
+STALL_SHADOW = 1.0 + TIMEOUT + 0.5  # breaker reset + the read that failed + a margin
 
 
 @dataclass
@@ -34,6 +40,8 @@ class Observed:
     raw_worst: float = 0.0  # wall latency as measured
     reads: int = 0
     loads: dict[str, int] = field(default_factory=lambda: {"healthy": 0, "dead": 0})
+    healthy_loads_at: list[float] = field(default_factory=list)  # perf_counter
+    healthy_excused: int = 0  # loads in a starvation stall's shadow
     errors: list[BaseException] = field(default_factory=list)
     slow: list[tuple[str, float, float]] = field(default_factory=list)  # judged at the end
 
@@ -52,6 +60,10 @@ class Observed:
                 self.worst_get = max(self.worst_get, latency)
             else:
                 self.worst_invalidate = max(self.worst_invalidate, latency)
+        stalls = [(s, e) for s, e in starvation.stalls if e - s >= STALL]
+        self.healthy_excused = sum(
+            any(s <= at <= e + STALL_SHADOW for s, e in stalls) for at in self.healthy_loads_at
+        )
 
 
 def _cluster(full_coverage: bool) -> RedisClusterServers:
@@ -120,6 +132,8 @@ async def test_failover_keeps_every_call_within_the_timeout_and_healthy_keys_in_
                 async def loader() -> str:
                     if counting["on"]:
                         seen.loads["dead" if i in on_dead else "healthy"] += 1
+                        if i not in on_dead:
+                            seen.healthy_loads_at.append(time.perf_counter())
                     return "v"
 
                 return loader
@@ -169,7 +183,8 @@ async def test_failover_keeps_every_call_within_the_timeout_and_healthy_keys_in_
             seen.judge(starvation)
     print(f"\n{seen.reads} reads; worst get {seen.worst_get:.3f} s, invalidate "
           f"{seen.worst_invalidate:.3f} s without starvation; raw worst {seen.raw_worst:.3f} s; "
-          f"starved {starvation.total:.2f} s")
+          f"starved {starvation.total:.2f} s; healthy loads {seen.loads['healthy']} "
+          f"({seen.healthy_excused} after a stall)")
     assert seen.errors == []
     assert seen.reads > 500
     assert seen.worst_get <= BOUND
@@ -178,7 +193,8 @@ async def test_failover_keeps_every_call_within_the_timeout_and_healthy_keys_in_
         # Only with `cluster-require-full-coverage no` (docs/operations.md): with Redis's
         # default every node answers CLUSTERDOWN between the FAIL verdict and the
         # promotion, and those reads go to the database (the bound above still holds).
-        assert seen.loads["healthy"] <= 10
+        # Loads right after the OS stalled this process are the stall's (see STALL).
+        assert seen.loads["healthy"] - seen.healthy_excused <= 10
 
 
 async def test_a_dead_masters_breaker_is_dropped_once_the_slot_map_loses_it(prefix: str) -> None:
