@@ -21,7 +21,7 @@ from layered_cache import ConfigError, LayeredCache
 from layered_cache._config import Config
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
-from tests.helpers import eventually, make_config
+from tests.helpers import eventually, make_config, start_relay
 from tests.servers import RedisServer
 
 BLOCK = "200ms"
@@ -35,13 +35,9 @@ def stream_of(config: Config) -> str:
 async def running_relay(
     config: Config, *, port: int = 0, keep: int = 10_000, upstream: str | None = None
 ) -> AsyncIterator[tuple[Relay, str]]:
-    stream = stream_of(config)
-    block = config.backplane.block
-    relay = Relay(Upstream(config.redis, stream, block, url=upstream), stream, block=block, keep=keep)
-    host, bound = await relay.start("127.0.0.1", port)
+    relay, url = await start_relay(config, port, upstream=upstream, keep=keep)
     try:
-        assert await eventually(lambda: relay.status().following, timeout=10)
-        yield relay, f"redis://{host}:{bound}"
+        yield relay, url
     finally:
         await relay.close()
 
@@ -136,14 +132,6 @@ async def test_the_relay_answers_every_read_as_redis_would(
             assert relay.status().replies_from_memory > 0
     finally:
         await direct.aclose()
-
-
-async def start_relay(config: Config, port: int = 0) -> tuple[Relay, str]:
-    stream, block = stream_of(config), config.backplane.block
-    relay = Relay(Upstream(config.redis, stream, block), stream, block=block)
-    host, bound = await relay.start("127.0.0.1", port)
-    assert await eventually(lambda: relay.status().following, timeout=10)
-    return relay, f"redis://{host}:{bound}"
 
 
 def disconnected(cache: LayeredCache) -> bool:
