@@ -1,0 +1,327 @@
+"""The fan-out cost model: what N backplane readers cost the stream's server, fitted on
+``bench.fanout``'s measurements and checked on points the fit did not see.
+
+Reads: a blocking XREAD loop reads once per entry while entries come further apart than
+a read's round trip, and once per ``block`` seconds when none come:
+
+    X (XREAD calls/s) = N x E            (E > 0; below saturation)
+                      = N / block        (E = 0)
+
+Bytes out: every read that returns an entry sends the reply header (the stream's name)
+and the entry; an idle read sends the 5-byte nil array:
+
+    B = N x E x (header + entry bytes)  +  N / block x 5
+
+Server CPU (cores; 1.0 = one core, all of a single-threaded Redis's command processing):
+
+    CPU = d + w x E + a x X + c x B
+
+d: the idle server (cron), w: one XADD, a: one XREAD (parse, block, wake, reply, write),
+c: one byte written. The same formula gives the cost of a relay (its own constants,
+fitted on relay points; X and B are then its readers' reads and bytes), and the Redis
+node's cost with R relays is the formula at N = R.
+
+Latency (delivery p50 / p99, ms): an entry wakes the N readers one after the other, so
+the q-th percentile reader waits for about q x N replies before its own:
+
+    p_q = l_q + s_q x N
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CpuModel", "Fit", "fit_all", "report"]
+
+BLOCK_S = 1.0
+NIL_BYTES = 5  # "*-1\r\n": a read that timed out
+FIT_MAX_N = 100  # fit on N <= 100; every larger N validates (an extrapolation in N)
+SMALL_CPU = 0.02  # below 2 % of a core the error is stated in points, not percent
+
+
+def header_bytes(stream: str) -> int:
+    """The XREAD reply around one stream's entries: ``*1 *2 $len stream *n``."""
+    return len(b"*1\r\n*2\r\n") + len(b"$%d\r\n\r\n" % len(stream)) + len(stream) + len(b"*1\r\n")
+
+
+def reads_per_s(n: float, e: float) -> float:
+    return n * e if e > 0 else n / BLOCK_S
+
+
+def bytes_per_s(n: float, e: float, entry: float, header: float) -> float:
+    return n * e * (entry + header) if e > 0 else n / BLOCK_S * NIL_BYTES
+
+
+@dataclass
+class CpuModel:
+    """CPU = d + w E + a X + c B, in cores."""
+
+    d: float = 0.0
+    w: float = 0.0
+    a: float = 0.0
+    c: float = 0.0
+
+    def cpu(self, e: float, x: float, b: float) -> float:
+        return self.d + self.w * e + self.a * x + self.c * b
+
+    def at(self, n: float, e: float, entry: float, header: float) -> float:
+        """Predicted CPU for N readers at E entries/s of ``entry`` bytes."""
+        return self.cpu(e, reads_per_s(n, e), bytes_per_s(n, e, entry, header))
+
+    def saturation_n(self, e: float, entry: float, header: float) -> float:
+        """The N at which this model reaches one core."""
+        per_reader = self.at(1, e, entry, header) - self.at(0, e, entry, header)
+        return (1.0 - self.at(0, e, entry, header)) / per_reader
+
+    def describe(self) -> str:
+        return (f"d = {self.d * 100:.2f} % of a core, w = {self.w * 1e6:.1f} µs per XADD, "
+                f"a = {self.a * 1e6:.2f} µs per XREAD, c = {self.c * 1e9:.2f} ns per byte")  # fmt: skip
+
+
+def fit_cpu(rows: Sequence[tuple[float, float, float, float]]) -> CpuModel:
+    """Least squares on relative error over (E, X, B, cpu) rows; a term that comes out
+    negative is dropped (set to 0) and the rest refitted."""
+    active = [0, 1, 2, 3]
+    features = np.array([[1.0, e, x, b] for e, x, b, _ in rows])
+    target = np.array([y for *_, y in rows])
+    weight = 1.0 / np.maximum(target, SMALL_CPU)
+    while True:
+        solution, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], target * weight,
+                                       rcond=None)  # fmt: skip
+        if all(v >= 0 for v in solution) or len(active) == 1:
+            break
+        active = [i for i, v in zip(active, solution, strict=True) if v >= 0]
+    coefficients = [0.0] * 4
+    for i, v in zip(active, solution, strict=True):
+        coefficients[i] = max(0.0, float(v))
+    return CpuModel(*coefficients)
+
+
+@dataclass
+class LatencyModel:
+    """p_q = l + s x N (ms), one per percentile."""
+
+    l50: float = 0.0
+    s50: float = 0.0
+    l99: float = 0.0
+    s99: float = 0.0
+
+    def p50(self, n: float) -> float:
+        return self.l50 + self.s50 * n
+
+    def p99(self, n: float) -> float:
+        return self.l99 + self.s99 * n
+
+
+def _line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Intercept and slope, least squares on relative error."""
+    x, y = np.array(xs, dtype=float), np.array(ys, dtype=float)
+    weight = 1.0 / np.maximum(y, 1e-3)
+    matrix = np.stack([np.ones_like(x), x], axis=1) * weight[:, None]
+    (intercept, slope), *_ = np.linalg.lstsq(matrix, y * weight, rcond=None)
+    return float(intercept), float(slope)
+
+
+def fit_latency(points: Sequence[Any]) -> LatencyModel:
+    """Against the readers each server (Redis, or a leaf relay) fans out to."""
+    busy = [p for p in points if p.e > 0 and not math.isnan(p.p50_ms)]
+    if not busy:
+        return LatencyModel()
+    fan_out = [_latency_n(p) for p in busy]
+    l50, s50 = _line_fit(fan_out, [p.p50_ms for p in busy])
+    l99, s99 = _line_fit(fan_out, [p.p99_ms for p in busy])
+    return LatencyModel(l50, s50, l99, s99)
+
+
+@dataclass
+class Fit:
+    """The fitted models and the error they state (from the validation points)."""
+
+    redis: CpuModel
+    latency: LatencyModel
+    header: float
+    relay: CpuModel | None = None
+    relay_latency: LatencyModel | None = None
+    fit_points: list[Any] = field(default_factory=list)
+    check_points: list[Any] = field(default_factory=list)
+
+    def predict_redis(self, p: Any) -> float:
+        """The Redis node's CPU at point ``p``, whichever mode."""
+        upstream = p.n if p.mode == "direct" else _upstream_readers(p)
+        return self.redis.at(upstream, p.e, p.entry_bytes, self.header)
+
+    def predict_relay(self, p: Any) -> float | None:
+        """CPU of one leaf relay (N / R readers) at point ``p``."""
+        if self.relay is None or p.mode == "direct":
+            return None
+        return self.relay.at(p.n / p.relays, p.e, p.entry_bytes, self.header)
+
+
+def _upstream_readers(p: Any) -> int:
+    """Readers of the Redis node itself: the relays (the top level, in a tree)."""
+    return p.relays if p.mode == "relay" else max(1, round(math.sqrt(p.relays)))
+
+
+def _cpu_rows(points: Sequence[Any]) -> list[tuple[float, float, float, float]]:
+    return [(p.xadd_per_s, p.xread_per_s, p.redis_bytes_out_per_s, p.redis_cpu) for p in points]
+
+
+def _relay_rows(points: Sequence[Any], header: float) -> list[tuple[float, float, float, float]]:
+    """Per leaf relay: its readers' reads and bytes, its CPU (the mean of the leaves)."""
+    rows = []
+    for p in points:
+        leaves = p.relay_cpu[-p.relays :]
+        readers = p.n / p.relays
+        reads = p.reader_reads_per_s / p.relays
+        sent = bytes_per_s(readers, p.xadd_per_s, p.entry_bytes, header)
+        rows.append((p.xadd_per_s, reads, sent, sum(leaves) / len(leaves)))
+    return rows
+
+
+def fit_all(points: Sequence[Any], stream: str) -> Fit:
+    header = float(header_bytes(stream))
+    direct = [p for p in points if p.mode == "direct"]
+    fit_points = [p for p in direct if p.n <= FIT_MAX_N]
+    check = [p for p in direct if p.n > FIT_MAX_N]
+    fit = Fit(fit_cpu(_cpu_rows(fit_points)), fit_latency(fit_points), header,
+              fit_points=fit_points, check_points=check)  # fmt: skip
+    relayed = [p for p in points if p.mode == "relay" and p.relay_cpu]
+    if relayed:
+        fit.relay = fit_cpu(_relay_rows(relayed, header))
+        fit.relay_latency = fit_latency(relayed)
+    return fit
+
+
+# -- error and tables -------------------------------------------------------------------
+
+
+def error(predicted: float, measured: float) -> tuple[float, bool]:
+    """(error, in_points): relative, or in points of a core when the measurement is small."""
+    if measured < SMALL_CPU:
+        return (predicted - measured) * 100, True
+    return (predicted - measured) / measured * 100, False
+
+
+def stated_error(fit: Fit) -> tuple[float, float]:
+    """Largest |relative error| (%) over validation points >= 2 % of a core, and the
+    largest absolute error (points of a core) below that."""
+    relative, absolute = [0.0], [0.0]
+    for p in fit.check_points:
+        value, in_points = error(fit.predict_redis(p), p.redis_cpu)
+        (absolute if in_points else relative).append(abs(value))
+    return max(relative), max(absolute)
+
+
+def _fmt_err(predicted: float, measured: float) -> str:
+    value, in_points = error(predicted, measured)
+    return f"{value:+.2f} pt" if in_points else f"{value:+.0f} %"
+
+
+def measured_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[list[str]]]:
+    columns = ["mode", "N", "R", "E/s", "k", "XREAD/s", "MB/s out", "Redis CPU", "model",
+               "error", "relay CPU (leaf)", "model ", "p50 ms", "model  ", "p99 ms", "model   ",
+               "readers' CPU", "set"]  # fmt: skip
+    rows = []
+    for p in points:
+        latency = fit.latency if p.mode == "direct" else fit.relay_latency
+        relay = fit.predict_relay(p)
+        leaves = p.relay_cpu[-p.relays :] if p.relays else []
+        predicted = fit.predict_redis(p)
+        rows.append([
+            p.mode, str(p.n), str(p.relays or "-"), f"{p.e:g}", str(p.k), f"{p.xread_per_s:,.0f}",
+            f"{p.redis_bytes_out_per_s / 1e6:.2f}", f"{p.redis_cpu * 100:.1f} %",
+            f"{predicted * 100:.1f} %", _fmt_err(predicted, p.redis_cpu),
+            f"{sum(leaves) / len(leaves) * 100:.1f} %" if leaves else "-",
+            f"{relay * 100:.1f} %" if relay is not None else "-",
+            _ms(p.p50_ms), _ms(latency.p50(_latency_n(p))) if latency and p.e else "-",
+            _ms(p.p99_ms), _ms(latency.p99(_latency_n(p))) if latency and p.e else "-",
+            f"{p.reader_cpu * 100:.0f} %",
+            "fit" if p in fit.fit_points else "check" if p in fit.check_points else "-",
+        ])  # fmt: skip
+    return columns, rows
+
+
+def _latency_n(p: Any) -> float:
+    return p.n if p.mode == "direct" else p.n / p.relays
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
+
+
+EXTRAPOLATE_N = (1_000, 10_000)
+EXTRAPOLATE_E = (10.0, 100.0, 1_000.0)
+
+
+def extrapolation(fit: Fit, entry: float, relays_per: int = 50) -> tuple[list[str], list[list[str]]]:
+    """Predicted per-node CPU and bytes/s at 1,000 and 10,000 readers (k = 1 entries),
+    today and with one relay per ``relays_per`` instances."""
+    columns = ["N", "E/s", "Redis CPU today", "bytes/s out today", "p99 today",
+               f"Redis CPU, R = N/{relays_per} relays", f"each relay ({relays_per} readers)"]  # fmt: skip
+    rows = []
+    for n in EXTRAPOLATE_N:
+        for e in EXTRAPOLATE_E:
+            today = fit.redis.at(n, e, entry, fit.header)
+            relays = n // relays_per
+            relay = fit.relay.at(relays_per, e, entry, fit.header) if fit.relay else None
+            rows.append([
+                f"{n:,}", f"{e:,.0f}", _cores(today),
+                _rate_bytes(bytes_per_s(n, e, entry, fit.header)),
+                f"{fit.latency.p99(n):,.0f} ms",
+                _cores(fit.redis.at(relays, e, entry, fit.header)),
+                _cores(relay) if relay is not None else "pending",
+            ])  # fmt: skip
+    return columns, rows
+
+
+def _cores(value: float) -> str:
+    if value >= 1.0:
+        return f"{value:.1f} cores (saturated)"
+    return f"{value * 100:.1f} %"
+
+
+def _rate_bytes(value: float) -> str:
+    for unit, size in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B/s"
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def summary(fit: Fit, entry: float) -> list[str]:
+    relative, absolute = stated_error(fit)
+    lines = [
+        f"Redis: {fit.redis.describe()}",
+        f"validation ({len(fit.check_points)} points, N > {FIT_MAX_N}): within +-{relative:.0f} % "
+        f"(points >= {SMALL_CPU * 100:.0f} % of a core), +-{absolute:.2f} points below",
+        f"latency: p50 = {fit.latency.l50:.2f} + {fit.latency.s50 * 1000:.2f} µs x N ms, "
+        f"p99 = {fit.latency.l99:.2f} + {fit.latency.s99 * 1000:.2f} µs x N ms",
+        f"one core at: N = {fit.redis.saturation_n(10, entry, fit.header):,.0f} (E = 10), "
+        f"{fit.redis.saturation_n(100, entry, fit.header):,.0f} (E = 100), "
+        f"{fit.redis.saturation_n(1000, entry, fit.header):,.0f} (E = 1,000), "
+        f"{fit.redis.saturation_n(0, entry, fit.header):,.0f} (idle)",
+    ]
+    if fit.relay is not None:
+        lines.append(f"relay: {fit.relay.describe()}")
+    return lines
+
+
+def report(points: Sequence[Any], stream: str = "bench-fanout-000000:layered_cache:invalidations",
+           plot: Callable[[Fit], str] | None = None) -> str:  # fmt: skip
+    """The model fitted on ``points``: constants, error, tables (markdown)."""
+    fit = fit_all(points, stream)
+    entry = next((p.entry_bytes for p in points if p.k == 1), 120.0)
+    out = summary(fit, entry)
+    out += ["", _table(*measured_table(points, fit)), "", _table(*extrapolation(fit, entry))]
+    if plot is not None:
+        out += ["", f"plot: {plot(fit)}"]
+    return "\n".join(out)
