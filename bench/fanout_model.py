@@ -246,6 +246,38 @@ def measured_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[lis
     return columns, rows
 
 
+def docs_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[list[str]]]:
+    """The operations guide's table: measured / model per point, k = 1 and idle."""
+    columns = ["design", "N", "E/s", "Redis CPU", "relay CPU (each leaf)", "p50 ms", "p99 ms",
+               "readers' CPU"]  # fmt: skip
+    rows = []
+    for p in points:
+        if p.k != 1:
+            continue
+        latency = fit.latency if p.mode == "direct" else fit.relay_latency
+        relay = fit.predict_relay(p)
+        leaves = p.relay_cpu[-p.relays :] if p.relays else []
+        design = {"direct": "today", "relay": f"{p.relays} relay(s)",
+                  "tree": f"tree, {p.relays} leaves"}.get(p.mode, p.mode)  # fmt: skip
+        checked = " (check)" if p in fit.check_points else ""
+        rows.append([
+            design, f"{p.n}{checked}", f"{p.e:g}",
+            f"{p.redis_cpu * 100:.1f} / {fit.predict_redis(p) * 100:.1f} %",
+            (f"{sum(leaves) / len(leaves) * 100:.1f} / "
+             + (f"{relay * 100:.1f} %" if relay is not None else "-")) if leaves else "-",
+            _pair(p.p50_ms, latency.p50(_latency_n(p)) if latency and p.e else None),
+            _pair(p.p99_ms, latency.p99(_latency_n(p)) if latency and p.e else None),
+            f"{p.reader_cpu * 100:.0f} %",
+        ])  # fmt: skip
+    return columns, rows
+
+
+def _pair(measured: float, model: float | None) -> str:
+    if math.isnan(measured):
+        return "-"
+    return f"{measured:.2f} / {model:.2f}" if model is not None else f"{measured:.2f}"
+
+
 def _latency_n(p: Any) -> float:
     return p.n if p.mode == "direct" else p.n / p.relays
 
@@ -321,6 +353,7 @@ def report(points: Sequence[Any], stream: str = "bench-fanout-000000:layered_cac
     fit = fit_all(points, stream)
     entry = next((p.entry_bytes for p in points if p.k == 1), 120.0)
     out = summary(fit, entry)
+    out += ["", "measured / model:", "", _table(*docs_table(points, fit))]
     out += ["", _table(*measured_table(points, fit)), "", _table(*extrapolation(fit, entry))]
     if plot is not None:
         out += ["", f"plot: {plot(fit)}"]
