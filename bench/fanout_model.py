@@ -41,6 +41,7 @@ __all__ = ["CpuModel", "Fit", "fit_all", "report"]
 BLOCK_S = 1.0
 NIL_BYTES = 5  # "*-1\r\n": a read that timed out
 FIT_MAX_N = 100  # fit on N <= 100; every larger N validates (an extrapolation in N)
+RELAY_FIT_MAX_READERS = 50  # relays: fit on <= 50 readers per relay, check above
 SMALL_CPU = 0.02  # below 2 % of a core the error is stated in points, not percent
 
 
@@ -140,7 +141,7 @@ def fit_latency(points: Sequence[Any]) -> LatencyModel:
 
 @dataclass
 class Fit:
-    """The fitted models and the error they state (from the validation points)."""
+    """The fitted models, and which points fitted them (the rest check them)."""
 
     redis: CpuModel
     latency: LatencyModel
@@ -151,9 +152,8 @@ class Fit:
     check_points: list[Any] = field(default_factory=list)
 
     def predict_redis(self, p: Any) -> float:
-        """The Redis node's CPU at point ``p``, whichever mode."""
-        upstream = p.n if p.mode == "direct" else _upstream_readers(p)
-        return self.redis.at(upstream, p.e, p.entry_bytes, self.header)
+        """The Redis node's CPU at point ``p``, whichever mode (never fitted on relays)."""
+        return self.redis.at(_upstream_readers(p), p.e, p.entry_bytes, self.header)
 
     def predict_relay(self, p: Any) -> float | None:
         """CPU of one leaf relay (N / R readers) at point ``p``."""
@@ -161,10 +161,29 @@ class Fit:
             return None
         return self.relay.at(p.n / p.relays, p.e, p.entry_bytes, self.header)
 
+    def predict_latency(self, p: Any) -> tuple[float, float] | None:
+        """(p50, p99) ms. Behind relays: the relay model at N / R readers; a tree adds the
+        top relay's hop (its fan-out to the leaves, and its own base latency)."""
+        if p.e <= 0:
+            return None
+        if p.mode == "direct":
+            return self.latency.p50(p.n), self.latency.p99(p.n)
+        model = self.relay_latency
+        if model is None:
+            return None
+        p50, p99 = model.p50(p.n / p.relays), model.p99(p.n / p.relays)
+        if p.mode == "tree":
+            hop = p.relays / _upstream_readers(p)
+            p50 += model.p50(hop) - self.latency.l50
+            p99 += model.p99(hop) - self.latency.l99
+        return p50, p99
+
 
 def _upstream_readers(p: Any) -> int:
-    """Readers of the Redis node itself: the relays (the top level, in a tree)."""
-    return p.relays if p.mode == "relay" else max(1, round(math.sqrt(p.relays)))
+    """Readers of the Redis node itself: the instances, the relays, or a tree's top level."""
+    if p.mode == "direct":
+        return int(p.n)
+    return int(p.relays) if p.mode == "relay" else max(1, round(math.sqrt(p.relays)))
 
 
 def _cpu_rows(points: Sequence[Any]) -> list[tuple[float, float, float, float]]:
@@ -184,17 +203,24 @@ def _relay_rows(points: Sequence[Any], header: float) -> list[tuple[float, float
 
 
 def fit_all(points: Sequence[Any], stream: str) -> Fit:
+    """Redis on direct points with N <= 100; relays on relay points with at most 50
+    readers per relay. Every other point checks the fit."""
     header = float(header_bytes(stream))
-    direct = [p for p in points if p.mode == "direct"]
-    fit_points = [p for p in direct if p.n <= FIT_MAX_N]
-    check = [p for p in direct if p.n > FIT_MAX_N]
-    fit = Fit(fit_cpu(_cpu_rows(fit_points)), fit_latency(fit_points), header,
-              fit_points=fit_points, check_points=check)  # fmt: skip
-    relayed = [p for p in points if p.mode == "relay" and p.relay_cpu]
+    fitting = [p for p in points if _fits(p)]
+    direct = [p for p in fitting if p.mode == "direct"]
+    fit = Fit(fit_cpu(_cpu_rows(direct)), fit_latency(direct), header, fit_points=fitting,
+              check_points=[p for p in points if not _fits(p)])  # fmt: skip
+    relayed = [p for p in fitting if p.mode == "relay" and p.relay_cpu]
     if relayed:
         fit.relay = fit_cpu(_relay_rows(relayed, header))
         fit.relay_latency = fit_latency(relayed)
     return fit
+
+
+def _fits(p: Any) -> bool:
+    if p.mode == "direct":
+        return bool(p.n <= FIT_MAX_N)
+    return bool(p.mode == "relay" and p.n / p.relays <= RELAY_FIT_MAX_READERS)
 
 
 # -- error and tables -------------------------------------------------------------------
@@ -207,14 +233,48 @@ def error(predicted: float, measured: float) -> tuple[float, bool]:
     return (predicted - measured) / measured * 100, False
 
 
-def stated_error(fit: Fit) -> tuple[float, float]:
-    """Largest |relative error| (%) over validation points >= 2 % of a core, and the
-    largest absolute error (points of a core) below that."""
-    relative, absolute = [0.0], [0.0]
+@dataclass
+class Errors:
+    """The largest errors over the check points: CPU relative (%) for points >= 2 % of
+    a core, absolute (points of a core) below; latency relative (%)."""
+
+    cpu_relative: float = 0.0
+    cpu_points: float = 0.0
+    p50: float = 0.0
+    p99: float = 0.0
+    count: int = 0
+
+    def add_cpu(self, predicted: float | None, measured: float) -> None:
+        if predicted is None:
+            return
+        value, in_points = error(predicted, measured)
+        if in_points:
+            self.cpu_points = max(self.cpu_points, abs(value))
+        else:
+            self.cpu_relative = max(self.cpu_relative, abs(value))
+
+    def describe(self) -> str:
+        return (f"{self.count} check points: CPU within +-{self.cpu_relative:.0f} % "
+                f"(points >= {SMALL_CPU * 100:.0f} % of a core) and +-{self.cpu_points:.2f} points "
+                f"of a core below; p50 within +-{self.p50:.0f} %, p99 within +-{self.p99:.0f} %")  # fmt: skip
+
+
+def stated_errors(fit: Fit, modes: Sequence[str]) -> Errors:
+    """The errors the model states, from the check points of ``modes``."""
+    errors = Errors()
     for p in fit.check_points:
-        value, in_points = error(fit.predict_redis(p), p.redis_cpu)
-        (absolute if in_points else relative).append(abs(value))
-    return max(relative), max(absolute)
+        if p.mode not in modes:
+            continue
+        errors.count += 1
+        errors.add_cpu(fit.predict_redis(p), p.redis_cpu)
+        if p.relay_cpu:
+            leaves = p.relay_cpu[-p.relays :]
+            errors.add_cpu(fit.predict_relay(p), sum(leaves) / len(leaves))
+        latency = fit.predict_latency(p)
+        if latency is not None and not math.isnan(p.p50_ms):
+            errors.p50 = max(errors.p50, abs(latency[0] / p.p50_ms - 1) * 100)
+            errors.p99 = max(errors.p99, abs(latency[1] / p.p99_ms - 1) * 100)
+    return errors
 
 
 def _fmt_err(predicted: float, measured: float) -> str:
@@ -228,7 +288,7 @@ def measured_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[lis
                "readers' CPU", "set"]  # fmt: skip
     rows = []
     for p in points:
-        latency = fit.latency if p.mode == "direct" else fit.relay_latency
+        latency = fit.predict_latency(p)
         relay = fit.predict_relay(p)
         leaves = p.relay_cpu[-p.relays :] if p.relays else []
         predicted = fit.predict_redis(p)
@@ -238,8 +298,8 @@ def measured_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[lis
             f"{predicted * 100:.1f} %", _fmt_err(predicted, p.redis_cpu),
             f"{sum(leaves) / len(leaves) * 100:.1f} %" if leaves else "-",
             f"{relay * 100:.1f} %" if relay is not None else "-",
-            _ms(p.p50_ms), _ms(latency.p50(_latency_n(p))) if latency and p.e else "-",
-            _ms(p.p99_ms), _ms(latency.p99(_latency_n(p))) if latency and p.e else "-",
+            _ms(p.p50_ms), _ms(latency[0]) if latency else "-",
+            _ms(p.p99_ms), _ms(latency[1]) if latency else "-",
             f"{p.reader_cpu * 100:.0f} %",
             "fit" if p in fit.fit_points else "check" if p in fit.check_points else "-",
         ])  # fmt: skip
@@ -254,7 +314,7 @@ def docs_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[list[st
     for p in points:
         if p.k != 1:
             continue
-        latency = fit.latency if p.mode == "direct" else fit.relay_latency
+        latency = fit.predict_latency(p)
         relay = fit.predict_relay(p)
         leaves = p.relay_cpu[-p.relays :] if p.relays else []
         design = {"direct": "today", "relay": f"{p.relays} relay(s)",
@@ -265,8 +325,8 @@ def docs_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[list[st
             f"{p.redis_cpu * 100:.1f} / {fit.predict_redis(p) * 100:.1f} %",
             (f"{sum(leaves) / len(leaves) * 100:.1f} / "
              + (f"{relay * 100:.1f} %" if relay is not None else "-")) if leaves else "-",
-            _pair(p.p50_ms, latency.p50(_latency_n(p)) if latency and p.e else None),
-            _pair(p.p99_ms, latency.p99(_latency_n(p)) if latency and p.e else None),
+            _pair(p.p50_ms, latency[0] if latency else None),
+            _pair(p.p99_ms, latency[1] if latency else None),
             f"{p.reader_cpu * 100:.0f} %",
         ])  # fmt: skip
     return columns, rows
@@ -279,7 +339,7 @@ def _pair(measured: float, model: float | None) -> str:
 
 
 def _latency_n(p: Any) -> float:
-    return p.n if p.mode == "direct" else p.n / p.relays
+    return float(p.n if p.mode == "direct" else p.n / p.relays)
 
 
 def _ms(value: float) -> str:
@@ -330,11 +390,9 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def summary(fit: Fit, entry: float) -> list[str]:
-    relative, absolute = stated_error(fit)
     lines = [
         f"Redis: {fit.redis.describe()}",
-        f"validation ({len(fit.check_points)} points, N > {FIT_MAX_N}): within +-{relative:.0f} % "
-        f"(points >= {SMALL_CPU * 100:.0f} % of a core), +-{absolute:.2f} points below",
+        f"today's design, {stated_errors(fit, ['direct']).describe()} (N > {FIT_MAX_N})",
         f"latency: p50 = {fit.latency.l50:.2f} + {fit.latency.s50 * 1000:.2f} µs x N ms, "
         f"p99 = {fit.latency.l99:.2f} + {fit.latency.s99 * 1000:.2f} µs x N ms",
         f"one core at: N = {fit.redis.saturation_n(10, entry, fit.header):,.0f} (E = 10), "
@@ -342,8 +400,15 @@ def summary(fit: Fit, entry: float) -> list[str]:
         f"{fit.redis.saturation_n(1000, entry, fit.header):,.0f} (E = 1,000), "
         f"{fit.redis.saturation_n(0, entry, fit.header):,.0f} (idle)",
     ]
-    if fit.relay is not None:
-        lines.append(f"relay: {fit.relay.describe()}")
+    if fit.relay is not None and fit.relay_latency is not None:
+        model = fit.relay_latency
+        lines += [
+            f"relay: {fit.relay.describe()}",
+            f"relays, {stated_errors(fit, ['relay', 'tree']).describe()} "
+            f"(> {RELAY_FIT_MAX_READERS} readers per relay, and trees)",
+            f"latency behind a relay: p50 = {model.l50:.2f} + {model.s50 * 1000:.2f} µs x N/R ms, "
+            f"p99 = {model.l99:.2f} + {model.s99 * 1000:.2f} µs x N/R ms",
+        ]
     return lines
 
 
