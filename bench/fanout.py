@@ -609,6 +609,38 @@ def _p99_panel(ax: Any, points: list[Point], fit: Any, ns: Any) -> None:
                 label=f"model, 1 relay per {RELAY_GROUP}")  # fmt: skip
 
 
+async def run(env: Any) -> Any:
+    """``make bench``'s scenario ``fanout``: a short direct run (N = 10, 100, 200; idle and
+    100 events/s; 3 s windows) against the model fitted on the last full run
+    (``fanout.json``; ``python -m bench.fanout`` makes it), which it does not overwrite."""
+    from bench.fanout_model import docs_table, fit_all
+    from bench.report import Headline, Section
+
+    started = time.perf_counter()
+    grid = Grid([10, 100, 200], [100.0], [1], 3.0, [], ["direct"])
+    points: list[Point] = []
+    await run_grid(env.own_redis(), grid, points)
+    reference = [p for p in load_points() if p.mode == "direct"] or points
+    fit = fit_all(reference, "bench-fanout-000000:" + STREAM)
+    columns, rows = docs_table(points, fit)
+    busiest = max(points, key=lambda p: p.redis_cpu)
+    predicted = fit.predict_redis(busiest)
+    section = Section("fanout", "Backplane fan-out: N readers on the stream's Redis", columns,
+                      rows, seconds=time.perf_counter() - started)  # fmt: skip
+    section.notes = [
+        "measured / model; the model is the one fitted by the last full run "
+        "(`python -m bench.fanout`, docs/operations.md \"Fan-out\")",
+        "readers: 50 per process, the library's XREAD loop each (bench/fanout_readers.py)",
+    ]
+    section.data = {"points": [asdict(p) for p in points]}
+    section.headline = [Headline(
+        f"fan-out: Redis CPU, N = {busiest.n} readers, {busiest.e:g} events/s",
+        f"{busiest.redis_cpu * 100:.1f} % of a core", f"model {predicted * 100:.1f} %",
+        "model within its stated error", "info",
+    )]  # fmt: skip
+    return section
+
+
 def _grid(args: argparse.Namespace) -> Grid:
     if args.quick:
         return Grid([10, 50], [100.0], [1], 2.0, [1, 2], args.modes)
