@@ -68,6 +68,12 @@ RELAY_MAX_DELIVERIES = 20_000
 WARMUP_S = 1.0
 DRAIN_S = 0.3  # after the window: let in-flight deliveries reach the readers
 JSON_PATH = RESULTS / "fanout.json"
+READERS_NOTE = (
+    "CPU in cores (1.0 = one core busy); rates per second over window_s; latencies in ms, "
+    "receive time minus the publisher's time.time() in the entry's t field; relay_cpu per "
+    "relay, a tree's top relays first; readers: asyncio.Protocol + minimal RESP2 parser, "
+    "50 per process (at most 10 processes)"
+)
 
 
 @dataclass
@@ -481,17 +487,33 @@ def _start_relays(relays: Relays, mode: str, count: int) -> list[tuple[str, int]
     return [relays.start(tops[i % len(tops)]) for i in range(count)]
 
 
-async def run_grid(server: RedisServer, grid: Grid, done: list[Point]) -> None:
-    """Every (mode, N, relays) setup once, every load on it; appends to ``done``."""
+async def run_grid(server: RedisServer, grid: Grid, done: list[Point],
+                   failures: list[str] | None = None) -> None:  # fmt: skip
+    """Every (mode, N, relays) setup once, every load on it; appends to ``done``. A
+    setup that fails (a relay that won't start) is recorded in ``failures`` and the
+    grid goes on; without ``failures`` it raises."""
     for mode in grid.modes:
         for n in grid.sizes(mode):
             for relays in grid.relay_counts if mode != "direct" else [0]:
-                with _setup(server, mode, n, relays) as setup:
-                    for e, k in grid.loads(mode, n):
-                        point = await measure(setup, e, k, grid.window)
-                        done.append(point)
-                        print(_line(point), flush=True)
-                    await setup.async_client.aclose()
+                try:
+                    await _run_setup(server, grid, mode, n, relays, done)
+                except Exception as exc:
+                    if failures is None:
+                        raise
+                    failures.append(f"{mode} N={n} R={relays}: {type(exc).__name__}: {exc}")
+                    print(f"FAILED {failures[-1]}", flush=True)
+
+
+async def _run_setup(server: RedisServer, grid: Grid, mode: str, n: int, relays: int,
+                     done: list[Point]) -> None:  # fmt: skip
+    with _setup(server, mode, n, relays) as setup:
+        try:
+            for e, k in grid.loads(mode, n):
+                point = await measure(setup, e, k, grid.window)
+                done.append(point)
+                print(_line(point), flush=True)
+        finally:
+            await setup.async_client.aclose()
 
 
 def _line(p: Point) -> str:
@@ -515,15 +537,17 @@ def load_points() -> list[Point]:
     return [Point(**{k: v for k, v in p.items() if k in known}) for p in raw.get("points", [])]
 
 
-def save(points: list[Point], keep_modes: bool) -> list[Point]:
-    """Write the JSON; ``keep_modes``: keep earlier points of modes this run did not measure."""
+def save(points: list[Point], failures: list[str], keep_modes: bool) -> list[Point]:
+    """Write the JSON; ``keep_modes``: keep earlier points of modes this run did not
+    measure (``--modes relay,tree`` adds relay points to a direct run's)."""
     from bench.env import machine_info
 
     if keep_modes:
         measured = {p.mode for p in points}
         points = [p for p in load_points() if p.mode not in measured] + points
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine_info(), "points": [asdict(p) for p in points]}
+    payload = {"machine": machine_info(), "readers": READERS_NOTE, "failures": failures,
+               "points": [asdict(p) for p in points]}  # fmt: skip
     JSON_PATH.write_text(json.dumps(payload, indent=1) + "\n")
     return points
 
@@ -672,12 +696,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.modes is None:
         args.modes = ["direct", "relay", "tree"] if relay_available() else ["direct"]
     points: list[Point] = []
+    failures: list[str] = []
     with RedisServer() as server:
         try:
-            asyncio.run(run_grid(server, _grid(args), points))
+            asyncio.run(run_grid(server, _grid(args), points, failures))
         finally:
             if points and not args.no_write:
-                points = save(points, keep_modes=True)
+                points = save(points, failures, keep_modes=True)
+    for failure in failures:
+        print(f"failed: {failure}")
     if points and not args.no_write:
         from bench.fanout_model import report
 
