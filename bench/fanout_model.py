@@ -208,8 +208,9 @@ def fit_all(points: Sequence[Any], stream: str) -> Fit:
     header = float(header_bytes(stream))
     fitting = [p for p in points if _fits(p)]
     direct = [p for p in fitting if p.mode == "direct"]
+    checking = [p for p in points if not _fits(p) and not batching(p)]
     fit = Fit(fit_cpu(_cpu_rows(direct)), fit_latency(direct), header, fit_points=fitting,
-              check_points=[p for p in points if not _fits(p)])  # fmt: skip
+              check_points=checking)  # fmt: skip
     relayed = [p for p in fitting if p.mode == "relay" and p.relay_cpu]
     if relayed:
         fit.relay = fit_cpu(_relay_rows(relayed, header))
@@ -217,7 +218,16 @@ def fit_all(points: Sequence[Any], stream: str) -> Fit:
     return fit
 
 
+def batching(p: Any) -> bool:
+    """Whether the readers got several entries per read (fewer than 90 % of N x E reads):
+    the server or the readers fell behind, and the model (one read per entry) does not
+    apply. Such points are shown, but neither fit nor check the model."""
+    return bool(p.e > 0 and p.reader_reads_per_s < 0.9 * p.n * p.xadd_per_s)
+
+
 def _fits(p: Any) -> bool:
+    if batching(p):
+        return False
     if p.mode == "direct":
         return bool(p.n <= FIT_MAX_N)
     return bool(p.mode == "relay" and p.n / p.relays <= RELAY_FIT_MAX_READERS)
@@ -301,7 +311,7 @@ def measured_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[lis
             _ms(p.p50_ms), _ms(latency[0]) if latency else "-",
             _ms(p.p99_ms), _ms(latency[1]) if latency else "-",
             f"{p.reader_cpu * 100:.0f} %",
-            "fit" if p in fit.fit_points else "check" if p in fit.check_points else "-",
+            "fit" if p in fit.fit_points else "check" if p in fit.check_points else "batching",
         ])  # fmt: skip
     return columns, rows
 
@@ -319,7 +329,7 @@ def docs_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[list[st
         leaves = p.relay_cpu[-p.relays :] if p.relays else []
         design = {"direct": "today", "relay": f"{p.relays} relay(s)",
                   "tree": f"tree, {p.relays} leaves"}.get(p.mode, p.mode)  # fmt: skip
-        checked = " (check)" if p in fit.check_points else ""
+        checked = " (check)" if p in fit.check_points else " (batching)" if batching(p) else ""
         rows.append([
             design, f"{p.n}{checked}", f"{p.e:g}",
             f"{p.redis_cpu * 100:.1f} / {fit.predict_redis(p) * 100:.1f} %",
