@@ -18,7 +18,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
-from layered_cache._config import Duration, RedisConfig
+from layered_cache._config import BackplaneConfig, Duration, RedisConfig
 from layered_cache._topology import RefreshingCluster
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "RedisClient",
     "is_cluster",
     "is_redis_failure",
+    "listener_connection",
     "make_client",
     "make_node_client",
     "raised_in_redis_py",
@@ -129,7 +130,9 @@ def _host_port(node: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_node_client(config: RedisConfig, node: str | None = None) -> redis.Redis:
+def make_node_client(
+    config: RedisConfig, node: str | None = None, protocol: int | None = None
+) -> redis.Redis:
     """A plain connection for pub/sub, to the URL's node or to ``node`` ("host:port",
     same scheme, credentials and TLS options). On a single node the fill notifications
     use the URL's node; in a cluster each master gets its own (sharded pub/sub stays
@@ -138,7 +141,10 @@ def make_node_client(config: RedisConfig, node: str | None = None) -> redis.Redi
     # command a waiter sends (SUBSCRIBE/UNSUBSCRIBE) on a hung Redis. The reader's
     # ``get_message(timeout=...)`` passes its own read timeout, which overrides it.
     url = config.url if node is None else _with_netloc(config.url, node)
-    return redis.Redis.from_url(url, **_client_kwargs(config))
+    kwargs = _client_kwargs(config)
+    if protocol is not None:
+        kwargs["protocol"] = protocol
+    return redis.Redis.from_url(url, **kwargs)
 
 
 def _with_netloc(url: str, node: str) -> str:
@@ -146,6 +152,22 @@ def _with_netloc(url: str, node: str) -> str:
     parts = urlsplit(url)
     userinfo, at, _ = parts.netloc.rpartition("@")
     return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{node}"))
+
+
+def listener_connection(config: RedisConfig, backplane: BackplaneConfig) -> RedisClient:
+    """The backplane listener's own client: a blocking XREAD holds a connection, and
+    needs a socket timeout longer than its block time. With ``backplane.relay`` it is a
+    plain connection to the relay (``_relay``), which serves XREAD whatever L2 is."""
+    config = with_timeout(config, backplane.block + 1.0)
+    if not backplane.relay:
+        return make_client(config)
+    return redis.Redis.from_url(
+        backplane.relay,
+        socket_timeout=config.timeout,
+        socket_connect_timeout=config.connect_timeout,
+        retry=Retry(NoBackoff(), 0),
+        protocol=2,  # the relay speaks RESP2 only (``_resp``)
+    )
 
 
 def with_timeout(config: RedisConfig, timeout: float) -> RedisConfig:

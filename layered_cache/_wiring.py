@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from layered_cache._backplane import BackplanePublisher
 from layered_cache._breaker import CircuitBreaker
-from layered_cache._clients import RedisClient, make_client, make_node_client, with_timeout
+from layered_cache._clients import RedisClient, listener_connection, make_client, make_node_client
 from layered_cache._config import Config
 from layered_cache._keys import backplane_stream_name
 from layered_cache._l2 import L2Store
@@ -60,7 +60,7 @@ def build_parts(config: Config) -> CacheParts:
         stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
         publisher = BackplanePublisher(client, stream, config.backplane.maxlen, instance_id)
         # Blocking XREAD needs a socket timeout longer than the block time.
-        listener_client = make_client(with_timeout(config.redis, config.backplane.block + 1.0))
+        listener_client = listener_connection(config.redis, config.backplane)
         fallback_client = make_node_client(config.redis)
     return CacheParts(
         instance_id=instance_id,

@@ -140,8 +140,14 @@ class BackplaneConfig(_Section, frozen=True):
     stream: str = "layered_cache:invalidations"
     maxlen: AtLeastOne = 100_000
     block: Duration = Duration(1.0)
+    # Read the stream through a relay (``layered-cache relay``, docs/operations.md,
+    # "Fan-out") at this redis:// URL instead of from Redis; "" reads it directly.
+    relay: str = ""
 
     def __post_init__(self) -> None:
+        if self.relay and not self.relay.startswith("redis://"):
+            # The relay listens on plain TCP, on the host or pod network (no TLS).
+            raise bad("relay", f"must be a redis:// URL, got {self.relay!r}")
         if not self.stream.startswith(RESERVED_SEGMENT) or len(self.stream) > 128:
             # Keys can never start with the reserved segment (docs/keys.md), so a stream
             # inside it can never be a cache key that set() would overwrite.

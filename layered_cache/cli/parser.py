@@ -18,6 +18,7 @@ from layered_cache.cli.doctor import cmd_doctor
 from layered_cache.cli.hotkeys import cmd_hotkeys
 from layered_cache.cli.inspect_key import cmd_inspect
 from layered_cache.cli.invalidate import cmd_invalidate
+from layered_cache.cli.relay import cmd_relay
 from layered_cache.cli.warm import cmd_warm
 
 __all__ = ["Handler", "build_parser"]
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(commands)
     _add_warm(commands)
     _add_daemon(commands)
+    _add_relay(commands)
     return parser
 
 
@@ -115,3 +117,19 @@ def _add_daemon(commands: _Commands) -> None:
     daemon.add_argument("--health-port", type=int, default=None,
                         help="override kafka.health_port (0 = ephemeral, -1 = off)")  # fmt: skip
     daemon.set_defaults(handler=cmd_daemon)
+
+
+def _add_relay(commands: _Commands) -> None:
+    relay = commands.add_parser(
+        "relay", help="run a backplane relay for the instances of a host (docs/operations.md)"
+    )
+    relay.add_argument("--config", required=True, metavar="FILE")
+    relay.add_argument("--listen", default="127.0.0.1:6390", metavar="HOST:PORT",
+                       help="where instances connect (port 0: any free one)")  # fmt: skip
+    relay.add_argument("--upstream", default=None, metavar="URL",
+                       help="follow another relay (redis://HOST:PORT), not Redis")  # fmt: skip
+    relay.add_argument("--keep", type=int, default=10_000, metavar="N",
+                       help="entries held in memory; older positions read Redis")  # fmt: skip
+    relay.add_argument("--status-every", type=float, default=60.0, metavar="SECONDS",
+                       help="log the relay's counters this often (60)")  # fmt: skip
+    relay.set_defaults(handler=cmd_relay)

@@ -36,6 +36,8 @@ from layered_cache._config import Config
 from layered_cache._invalidation import Invalidator
 from layered_cache._keys import replica_names, tag_version_name
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._relay import Relay
+from layered_cache._relay_upstream import Upstream
 from layered_cache._tags import invalidate_tags
 from tests.explorer.history import History, Read, Write
 from tests.explorer.scheduler import JOINED, PROBE, Probe, Scheduler
@@ -65,7 +67,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Every read-through and set() passes tags (key i: its own tag and one shared by
     # every key of the schedule); invalidate_tag and the daemon's tag route write.
     "tags": {"tags": True},
+    # Defaults, but both instances read the backplane through a relay (``_relay``) that
+    # runs under the probe too: its reads of Redis yield and fail like the instances'.
+    "relay": {},
 }
+RELAYED = {"relay"}
 _STAMPEDE = {"lease_ttl": "1s", "reread_pause": ["2ms", "10ms"], "max_wait": "300ms"}
 
 _KINDS = [
@@ -85,7 +91,9 @@ _READS = ("get_or_load", "get", "get_or_load_many", "get_many")
 _BATCHES = ("get_or_load_many", "get_many")
 
 
-def variant_config(url: str, prefix: str, variant: str, cluster: bool = False) -> Config:
+def variant_config(
+    url: str, prefix: str, variant: str, cluster: bool = False, relay: str = ""
+) -> Config:
     namespace: dict[str, Any] = {"key": "book:{id}", "stampede": dict(_STAMPEDE)}
     namespace.update(VARIANTS[variant])
     return make_config(
@@ -97,8 +105,19 @@ def variant_config(url: str, prefix: str, variant: str, cluster: bool = False) -
             "timeout": "500ms",
             "breaker": {"failures": 3, "reset": f"{int(BREAKER_RESET * 1000)}ms"},
         },
-        backplane={"block": "50ms"},
+        backplane={"block": "50ms", "relay": relay},
     )
+
+
+async def _start_relay(config: Config) -> tuple[Relay, str]:
+    stream, block = config.redis.prefix + config.backplane.stream, config.backplane.block
+    relay = Relay(Upstream(config.redis, stream, block), stream, block=block)
+    host, port = await relay.start("127.0.0.1", 0)
+    for _ in range(500):  # following: it knows its place in the stream
+        if relay.status().following:
+            break
+        await asyncio.sleep(0.01)
+    return relay, f"redis://{host}:{port}"
 
 
 @dataclass
@@ -112,6 +131,7 @@ class World:
     daemon: Invalidator | None = None
     daemon_store: L2Store | None = None
     _daemon_client: Any = None
+    relay: Relay | None = None
     # Redis may evict (a full Redis under an eviction policy): L2 may lose what L1 holds.
     l2_may_lose: bool = False
 
@@ -123,6 +143,11 @@ class World:
         # fills, refreshes) inherit the context, so their awaits are yield points too.
         token = PROBE.set(world.probe)
         try:
+            if variant in RELAYED:
+                world.relay, relay_url = await _start_relay(config)
+                world.config = config = variant_config(
+                    url, f"{prefix}{variant}:", variant, cluster, relay_url
+                )
             for name in ("A", "B"):
                 cache = LayeredCache.from_config(config)
                 await cache.start()
@@ -145,6 +170,8 @@ class World:
             await cache.close()
         if self._daemon_client is not None:
             await self._daemon_client.aclose()
+        if self.relay is not None:
+            await self.relay.close()
 
     def name_of(self, cache: LayeredCache) -> str:
         return next(name for name, other in self.instances.items() if other is cache)

@@ -10,20 +10,26 @@ SOAK_REPORT is set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from aiokafka import AIOKafkaProducer
 
 from consumers import Daemon
 from layered_cache import LayeredCache
+from layered_cache._config import Config
 from layered_cache._events import BookPriceChanged, encode_event
+from layered_cache._relay import Relay
+from layered_cache._relay_upstream import Upstream
 from tests.helpers import eventually, make_config
 from tests.servers import create_topic
 
@@ -97,12 +103,39 @@ def soak_config(redis_url: str, prefix: str, bootstrap: str, topic: str) -> Any:
     )
 
 
+@contextlib.asynccontextmanager
+async def fanned_out(config: Config, fanout: str) -> AsyncIterator[Config]:
+    """``config`` as is (every instance reads the stream), or with a relay in between
+    (``backplane.relay``, docs/operations.md "Fan-out")."""
+    if fanout == "direct":
+        yield config
+        return
+    stream = config.redis.prefix + config.backplane.stream
+    block = config.backplane.block
+    relay = Relay(Upstream(config.redis, stream, block), stream, block=block)
+    host, port = await relay.start()
+    try:
+        assert await eventually(lambda: relay.status().following, timeout=10)
+        backplane = msgspec.structs.replace(config.backplane, relay=f"redis://{host}:{port}")
+        yield msgspec.structs.replace(config, backplane=backplane)
+    finally:
+        await relay.close()
+
+
+@pytest.mark.parametrize("fanout", ["direct", "relay"])
 async def test_no_read_is_staler_than_the_promise(
-    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str, fanout: str
 ) -> None:
     seconds = float(os.environ.get("SOAK_SECONDS", "12"))
     await create_topic(kafka_bootstrap, unique_topic, partitions=4)
-    config = soak_config(redis_url, prefix, kafka_bootstrap, unique_topic)
+    base = soak_config(redis_url, prefix, kafka_bootstrap, unique_topic)
+    async with fanned_out(base, fanout) as config:
+        await _soak(config, seconds, fanout, kafka_bootstrap, unique_topic)
+
+
+async def _soak(
+    config: Config, seconds: float, fanout: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
     database = Database()
     counts = {"reads": 0, "writes": 0, "events": 0, "violations": 0, "loads": 0}
     worst = 0.0
@@ -218,9 +251,18 @@ async def test_no_read_is_staler_than_the_promise(
         daemon.stop()
         await asyncio.wait_for(daemon_task, 20)
 
-    report = {**counts, "seconds": seconds, "worst_staleness_s": round(worst, 3), "bound_s": BOUND}
+    report = {
+        **counts,
+        "fanout": fanout,
+        "seconds": seconds,
+        "worst_staleness_s": round(worst, 3),
+        "bound_s": BOUND,
+    }
     print("\nconsistency soak:", json.dumps(report))
-    if os.environ.get("SOAK_REPORT"):
-        Path(os.environ["SOAK_REPORT"]).write_text(json.dumps(report, indent=2) + "\n")
+    if os.environ.get("SOAK_REPORT"):  # soak.json (direct), soak-relay.json
+        path = Path(os.environ["SOAK_REPORT"])
+        if fanout != "direct":
+            path = path.with_name(f"{path.stem}-{fanout}{path.suffix}")
+        path.write_text(json.dumps(report, indent=2) + "\n")
     assert violations == [], violations[:10]
     assert counts["reads"] > 1000 and counts["writes"] > 100

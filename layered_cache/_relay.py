@@ -1,0 +1,345 @@
+"""The backplane relay: one reader of the stream per host, many instances behind it.
+
+Why: every instance follows the one backplane stream (``_backplane``), so the stream's
+master sends every entry once per instance and answers a read per instance per second
+when idle: its CPU grows with the fleet, and one master has one core
+(docs/operations.md, "Fan-out"). A relay follows the stream with one XREAD loop and
+serves the same XREAD, from memory, to the instances of its host or pod group: the
+master's load grows with the number of relays, not of instances. A relay can follow
+another relay (it serves the commands it sends), which makes a tree.
+
+Correctness stays the backplane's own. Instances keep their position (a stream ID) and
+their catch-up and gap rules; the relay answers "the entries after ID X" as Redis
+would, or not at all:
+
+- from memory only for an X at or after ``_Tail.start``: the relay has read every entry
+  after that point, in order, with nothing trimmed in between (after a full batch it
+  checks, as a listener does);
+- for an older X (an instance catching up after a disconnect), by forwarding the read
+  to Redis;
+- the listener's other commands (``XINFO STREAM`` for its gap check, ``XREVRANGE`` for
+  its start position, the start marker's ``XADD``) go to Redis as they are.
+
+When the relay loses Redis, or may have missed entries, it forgets what it holds and
+closes every instance's connection: each reconnects, checks for a gap against the
+stream itself and catches up, as after any disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import structlog
+from redis.exceptions import ResponseError
+
+from layered_cache._backoff import Backoff
+from layered_cache._backplane import BackplaneListener, parse_id
+from layered_cache._clients import is_redis_failure
+from layered_cache._relay_upstream import Upstream
+from layered_cache._resp import NIL_ARRAY, ProtocolError, encode, encode_error, read_command
+
+__all__ = ["Relay", "RelayStatus"]
+
+_log = structlog.get_logger("layered_cache.relay")
+
+# Commands forwarded to Redis as they are, when their key is the relay's stream.
+_FORWARDED = {b"XINFO", b"XREVRANGE", b"XRANGE", b"XADD"}
+_ACKNOWLEDGED = {b"CLIENT", b"SELECT"}  # redis-py's connection set-up
+
+
+class RelayStatus(msgspec.Struct, frozen=True):
+    """What ``Relay.status()`` reports (the CLI logs it)."""
+
+    following: bool  # holds a position in the stream upstream
+    last_id: str | None  # the newest entry read upstream
+    clients: int  # open client connections
+    entries_read: int  # entries read upstream
+    replies_from_memory: int  # XREADs answered without Redis
+    forwarded: int  # client commands sent on to Redis (catch-up reads, gap checks)
+    resets: int  # times the relay forgot its memory and closed every client
+
+
+class _Tail:
+    """The entries read upstream after ``start``, in order and with none missing, each
+    already encoded for the reply. The oldest are dropped past ``keep``: ``start`` then
+    moves to the last one dropped, and older positions are forwarded to Redis."""
+
+    def __init__(self, start: bytes, keep: int) -> None:
+        self.start = parse_id(start)
+        self.last = start
+        self._keep = keep
+        self._ids: list[tuple[int, int]] = []
+        self._encoded: list[bytes] = []
+
+    def add(self, entries: Sequence[Any]) -> None:
+        for entry in entries:
+            self.last = bytes(entry[0])
+            self._ids.append(parse_id(self.last))
+            self._encoded.append(encode(entry))
+        if len(self._ids) > 2 * self._keep:  # amortised: drop in chunks
+            dropped = len(self._ids) - self._keep
+            self.start = self._ids[dropped - 1]
+            del self._ids[:dropped], self._encoded[:dropped]
+
+    def after(self, position: tuple[int, int], count: int | None) -> list[bytes] | None:
+        """The encoded entries after ``position``; None if it is older than ``start``."""
+        if position < self.start:
+            return None
+        first = bisect.bisect_right(self._ids, position)
+        return self._encoded[first:] if count is None else self._encoded[first : first + count]
+
+
+class _Unavailable(Exception):
+    """The relay cannot answer as Redis would: the client's connection is closed."""
+
+
+class Relay:
+    """Follows ``stream`` upstream and serves XREAD on it to many clients.
+
+    ``keep``: entries held in memory. An instance behind by more catches up from Redis
+    through the relay (forwarded reads) instead of from memory."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        stream: str,
+        *,
+        block: float = 1.0,
+        batch: int = 1000,
+        keep: int = 10_000,
+    ) -> None:
+        self._upstream = upstream
+        self._stream = stream.encode()
+        self._block_ms = max(1, int(block * 1000))
+        self._batch = batch
+        self._keep = keep
+        self._tail: _Tail | None = None
+        self._arrived = asyncio.Event()  # replaced on every arrival: waiters hold the old
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self._entries_read = self._from_memory = self._forwarded = self._resets = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Listen on ``host:port`` (0: any free port) and start following; returns the
+        address listened on."""
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self._follower = asyncio.create_task(self._follow(), name="layered_cache._relay")
+        address = self._server.sockets[0].getsockname()
+        return str(address[0]), int(address[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
+        self._forget("closing")
+        await self._upstream.reset()
+
+    def status(self) -> RelayStatus:
+        tail = self._tail
+        return RelayStatus(
+            following=tail is not None,
+            last_id=tail.last.decode() if tail is not None else None,
+            clients=len(self._connections),
+            entries_read=self._entries_read,
+            replies_from_memory=self._from_memory,
+            forwarded=self._forwarded,
+            resets=self._resets,
+        )
+
+    # Following the stream upstream.
+
+    async def _follow(self) -> None:
+        backoff = Backoff(base=0.05, cap=2.0)
+        check_gap = False
+        while True:
+            try:
+                if self._tail is None:
+                    self._tail = _Tail(await self._newest_id(), self._keep)
+                    _log.info("relay_following", last_id=self._tail.last.decode())
+                    check_gap = False
+                elif check_gap:
+                    check_gap = False
+                    if await self._missed_entries(self._tail.last):
+                        self._forget("entries_missing")
+                        continue
+                backoff.reset()
+                check_gap = await self._read_once(self._tail)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not is_redis_failure(exc):
+                    raise  # a bug: fail loudly rather than loop
+                self._forget(f"upstream_{type(exc).__name__}")
+                await self._upstream.reset()
+                await asyncio.sleep(backoff.next_delay())
+
+    async def _newest_id(self) -> bytes:
+        """Start after the newest entry, or before everything if there is none yet
+        (whatever is appended first is then read)."""
+        newest = await self._upstream.execute("XREVRANGE", self._stream, "+", "-", "COUNT", 1)
+        return bytes(newest[0][0]) if newest else b"0-0"
+
+    async def _missed_entries(self, last: bytes) -> bool:
+        """The listener's own test (``BackplaneListener._missed_entries``): were entries
+        after ``last`` trimmed or deleted before we read them?"""
+        try:
+            flat = await self._upstream.execute("XINFO", "STREAM", self._stream)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return True
+            raise
+        info = dict(zip(flat[::2], flat[1::2], strict=True))
+        return BackplaneListener._missed_entries(info, parse_id(last))
+
+    async def _read_once(self, tail: _Tail) -> bool:
+        """One blocking XREAD upstream; True if the batch was full (we may be behind)."""
+        reply = await self._upstream.execute(
+            "XREAD", "COUNT", self._batch, "BLOCK", self._block_ms, "STREAMS", self._stream,
+            tail.last,
+        )
+        if not reply:
+            return False
+        entries = reply[0][1]
+        tail.add(entries)
+        self._entries_read += len(entries)
+        self._wake()
+        return len(entries) >= self._batch
+
+    def _wake(self) -> None:
+        arrived, self._arrived = self._arrived, asyncio.Event()
+        arrived.set()
+
+    def _forget(self, reason: str) -> None:
+        """Drop the memory and every client: each reconnects and checks for a gap
+        against the stream itself (``_backplane``), which the relay can't do for them."""
+        if self._tail is None and not self._connections:
+            return
+        if self._tail is not None:
+            self._resets += 1
+            _log.warning("relay_reset", reason=reason, last_id=self._tail.last.decode())
+        self._tail = None
+        self._wake()
+        for writer in list(self._connections):
+            writer.close()
+
+    # Serving clients.
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._tail is None:  # not following: nothing to answer from
+            writer.close()
+            return
+        self._connections.add(writer)
+        try:
+            while True:
+                command = await read_command(reader)
+                if command is None or command[0].upper() == b"QUIT":
+                    return
+                writer.write(await self._execute(command))
+                await writer.drain()
+        except ProtocolError as exc:
+            _log.warning("relay_bad_request", error=str(exc))
+            writer.write(encode_error(f"ERR protocol error: {exc}"))
+        except (_Unavailable, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+
+    async def _execute(self, command: list[bytes]) -> bytes:
+        name = command[0].upper()
+        if name == b"XREAD":
+            return await self._xread(command[1:])
+        if name == b"PING":
+            return b"+PONG\r\n"
+        if name == b"HELLO":
+            # redis-py 8 asks for RESP3 unless told protocol=2 (``listener_connection``
+            # does); Redis answers an unsupported version so, and the client says why.
+            if len(command) > 1 and command[1] != b"2":
+                return encode_error("NOPROTO the backplane relay speaks RESP2 (protocol=2)")
+            return encode([b"server", b"layered-cache-relay", b"proto", 2])
+        if name in _ACKNOWLEDGED:
+            return b"+OK\r\n"
+        if name in _FORWARDED and self._stream in command[1:3]:
+            return await self._forward(command)
+        return encode_error(
+            f"ERR the backplane relay serves XREAD on {self._stream.decode()!r} "
+            f"(and the listener's XINFO STREAM, XREVRANGE, XADD), not {name.decode()!r}"
+        )
+
+    async def _forward(self, command: Sequence[bytes]) -> bytes:
+        self._forwarded += 1
+        try:
+            return encode(await self._upstream.execute(*command))
+        except ResponseError as exc:
+            return encode_error(exc)
+        except Exception as exc:
+            if is_redis_failure(exc):
+                raise _Unavailable from exc
+            raise
+
+    async def _xread(self, arguments: list[bytes]) -> bytes:
+        try:
+            count, block_ms, after = self._xread_arguments(arguments)
+        except ValueError as exc:
+            return encode_error(f"ERR {exc}")
+        loop = asyncio.get_running_loop()
+        deadline = None if block_ms is None else loop.time() + (block_ms or 1e9) / 1000
+        position: tuple[int, int] | None = None
+        while True:
+            tail = self._tail
+            if tail is None:
+                raise _Unavailable
+            if position is None:
+                position = parse_id(tail.last) if after == b"$" else parse_id(after)
+            served = tail.after(position, count)
+            if served:
+                self._from_memory += 1
+                return self._entries_reply(served)
+            if served is None:  # older than memory: Redis answers (catch-up)
+                read = [b"XREAD", b"COUNT", b"%d" % (count or self._batch), b"STREAMS"]
+                reply = await self._forward([*read, self._stream, b"%d-%d" % position])
+                if reply != NIL_ARRAY:
+                    return reply
+            arrived = self._arrived
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is None or remaining <= 0:
+                return NIL_ARRAY
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arrived.wait(), remaining)
+
+    def _xread_arguments(self, arguments: list[bytes]) -> tuple[int | None, int | None, bytes]:
+        """``[COUNT n] [BLOCK ms] STREAMS <our stream> <id>``: count, block, id."""
+        count = block = None
+        upper = [argument.upper() for argument in arguments]
+        if b"STREAMS" not in upper:
+            raise ValueError("syntax error")
+        streams = upper.index(b"STREAMS")
+        options, rest = upper[:streams], arguments[streams + 1 :]
+        if len(rest) != 2 or rest[0] != self._stream:
+            raise ValueError(f"the relay serves one stream, {self._stream.decode()!r}")
+        for index in range(0, len(options) - 1, 2):
+            option, value = options[index], int(options[index + 1])
+            if option == b"COUNT" and value > 0:
+                count = value
+            elif option == b"BLOCK" and value >= 0:
+                block = value
+            else:
+                raise ValueError("syntax error")
+        if len(options) % 2:
+            raise ValueError("syntax error")
+        if rest[1] != b"$":
+            parse_id(rest[1])  # ValueError if it is not an ID
+        return count, block, rest[1]
+
+    def _entries_reply(self, entries: list[bytes]) -> bytes:
+        header = b"*1\r\n*2\r\n" + encode(self._stream) + b"*%d\r\n" % len(entries)
+        return header + b"".join(entries)

@@ -1,0 +1,72 @@
+"""The relay's connection upstream: to the master that holds the backplane stream, or to
+another relay (a tree of relays, ``_relay``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import ClusterDownError
+
+from layered_cache._clients import is_cluster, make_client, make_node_client, with_timeout
+from layered_cache._config import RedisConfig
+
+__all__ = ["Upstream"]
+
+
+class Upstream:
+    """The relay's connection to the master that holds the stream (or to another relay).
+
+    Replies are kept as the server sent them (RESP2, no redis-py response callback): the
+    relay writes them back to its clients, whose own redis-py parses them."""
+
+    def __init__(
+        self, config: RedisConfig, stream: str, block: float, url: str | None = None
+    ) -> None:
+        # A blocking XREAD needs a socket timeout longer than its block time.
+        self._config = with_timeout(config, block + 1.0)
+        self._stream = stream
+        self._url = url
+        self._client: redis.Redis | None = None
+
+    async def execute(self, *args: Any) -> Any:
+        if self._client is None:
+            self._client = await self._connect()
+        return await self._client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+    async def reset(self) -> None:
+        """Drop the connection; the next command finds the stream's master anew (it may
+        have failed over, or the slot moved)."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def _connect(self) -> redis.Redis:
+        if self._url is not None:
+            client = redis.Redis.from_url(
+                self._url,
+                socket_timeout=self._config.timeout,
+                socket_connect_timeout=self._config.connect_timeout,
+                protocol=2,
+            )
+        else:
+            client = make_node_client(self._config, await self._stream_master(), protocol=2)
+        client.response_callbacks.clear()
+        return client
+
+    async def _stream_master(self) -> str | None:
+        """In a cluster, the master that owns the stream's slot ("host:port")."""
+        if not self._config.cluster:
+            return None
+        cluster = make_client(self._config)
+        try:
+            assert is_cluster(cluster)
+            await cluster.initialize()
+            node = cluster.get_node_from_key(self._stream)
+            if node is None:  # the slot map had no master for it: retried by the caller
+                raise ClusterDownError(f"no master holds {self._stream!r}")
+            return str(node.name)
+        finally:
+            await cluster.aclose()

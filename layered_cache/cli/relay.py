@@ -1,0 +1,69 @@
+"""``layered-cache relay --config FILE [--listen HOST:PORT] [--upstream URL] [--keep N]``:
+run a backplane relay in the foreground (docs/operations.md, "Fan-out").
+
+Instances whose config says ``backplane.relay = "redis://HOST:PORT"`` read the
+backplane stream through it; the relay follows the stream on the config's Redis (or on
+another relay: ``--upstream``, for a tree). It runs until SIGTERM or SIGINT (exit 0),
+logging its counters every ``--status-every`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from typing import TextIO
+
+import msgspec
+import structlog
+
+from layered_cache._config import Config
+from layered_cache._keys import backplane_stream_name
+from layered_cache._relay import Relay
+from layered_cache._relay_upstream import Upstream
+from layered_cache.cli.common import CliError, load
+
+__all__ = ["cmd_relay"]
+
+_log = structlog.get_logger("layered_cache.relay")
+
+
+def cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
+    config = load(args.config)
+    host, port = _address(args.listen)
+    if args.keep < 1:
+        raise CliError(f"--keep must be at least 1, got {args.keep}")
+    return asyncio.run(_run(config, host, port, args, out))
+
+
+def _address(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise CliError(f"--listen must be HOST:PORT, got {listen!r}")
+    return host, int(port)
+
+
+async def _run(config: Config, host: str, port: int, args: argparse.Namespace, out: TextIO) -> int:
+    stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
+    block = config.backplane.block
+    upstream = Upstream(config.redis, stream, block, url=args.upstream)
+    relay = Relay(upstream, stream, block=block, keep=args.keep)
+    try:
+        bound_host, bound_port = await relay.start(host, port)
+    except OSError as exc:
+        raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    # One line on stdout for whoever started us (a test, a supervisor's log).
+    print(f"relay listening on {bound_host}:{bound_port}, following {stream}", file=out, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), args.status_every)
+            except TimeoutError:
+                _log.info("relay_status", **msgspec.structs.asdict(relay.status()))
+    finally:
+        await relay.close()
+    return 0

@@ -1,0 +1,357 @@
+"""The backplane relay (``layered-cache relay``): instances read the stream through it, and
+every backplane guarantee still holds - delivery, catch-up after a disconnect (of the
+instance, of the relay, of the relay from Redis), "a gap clears L1" - while Redis
+answers one reader per relay instead of one per instance."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+
+from layered_cache import ConfigError, LayeredCache
+from layered_cache._config import Config
+from layered_cache._relay import Relay
+from layered_cache._relay_upstream import Upstream
+from tests.helpers import eventually, make_config
+from tests.servers import RedisServer
+
+BLOCK = "200ms"
+
+
+def stream_of(config: Config) -> str:
+    return config.redis.prefix + config.backplane.stream
+
+
+@contextlib.asynccontextmanager
+async def running_relay(
+    config: Config, *, port: int = 0, keep: int = 10_000, upstream: str | None = None
+) -> AsyncIterator[tuple[Relay, str]]:
+    stream = stream_of(config)
+    block = config.backplane.block
+    relay = Relay(Upstream(config.redis, stream, block, url=upstream), stream, block=block, keep=keep)
+    host, bound = await relay.start("127.0.0.1", port)
+    try:
+        assert await eventually(lambda: relay.status().following, timeout=10)
+        yield relay, f"redis://{host}:{bound}"
+    finally:
+        await relay.close()
+
+
+def relayed(url: str, prefix: str, relay_url: str, **redis_section: Any) -> Config:
+    return make_config(
+        url, prefix, backplane={"block": BLOCK, "relay": relay_url}, redis=redis_section
+    )
+
+
+@contextlib.asynccontextmanager
+async def instances(config: Config, count: int) -> AsyncIterator[list[LayeredCache]]:
+    caches = [LayeredCache.from_config(config) for _ in range(count)]
+    try:
+        for cache in caches:
+            await cache.start()
+        yield caches
+    finally:
+        for cache in caches:
+            await cache.close()
+
+
+async def version(value: str) -> str:
+    return value
+
+
+async def l1_holds(cache: LayeredCache, book: int) -> bool:
+    """Whether ``cache`` serves book ``book`` from its L1 (a read that would otherwise
+    count as an L2 hit or a load)."""
+    before = cache.stats()["book"]["l1_hit"]
+    await cache.get_or_load("book", {"id": book}, lambda: version("reloaded"))
+    return cache.stats()["book"]["l1_hit"] == before + 1  # type: ignore[operator]
+
+
+async def xread_calls(server: RedisServer) -> int:
+    client = redis.Redis.from_url(server.url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
+async def test_20_instances_behind_a_relay_cost_redis_one_reader_and_all_hear_an_invalidation(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    async with (
+        running_relay(base) as (relay, relay_url),
+        instances(relayed(redis_server.url, prefix, relay_url), 20) as caches,
+    ):
+        for cache in caches:
+            assert await cache.get_or_load("book", {"id": 1}, lambda: version("v1")) == "v1"
+        before = await xread_calls(redis_server)
+        await asyncio.sleep(2.0)  # idle: every instance blocks on the relay, not on Redis
+        idle_reads = await xread_calls(redis_server) - before
+        await caches[0].invalidate("book", {"id": 1})
+        for cache in caches[1:]:
+            assert await eventually(lambda c=cache: c.stats()["book"]["backplane_l1_dropped"] == 1)
+            assert await cache.get_or_load("book", {"id": 1}, lambda: version("v2")) == "v2"
+        assert relay.status().replies_from_memory >= 19
+    # The relay's own XREAD (block 200 ms) is the only one: 20 instances reading Redis
+    # directly would be about 200 in 2 s.
+    assert idle_reads <= 15
+
+
+async def test_the_relay_answers_every_read_as_redis_would(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """From memory, past its memory (keep=5: older positions go to Redis), with COUNT,
+    from 0-0, from between two entries and from beyond the newest."""
+    config = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = stream_of(config)
+    direct = redis.Redis.from_url(redis_server.url, protocol=2)
+    try:
+        await direct.xadd(stream, {"origin": "-"})
+        async with running_relay(config, keep=5) as (relay, relay_url):
+            ids = [await direct.xadd(stream, {"keys": f"k{i}"}) for i in range(40)]
+            assert await eventually(lambda: relay.status().last_id == ids[-1].decode())
+            through = redis.Redis.from_url(relay_url, protocol=2)
+            try:
+                millis = int(ids[20].split(b"-")[0])
+                positions = [b"0-0", *ids, b"%d-%d" % (millis, 2**40), b"%d-0" % (millis + 10**9)]
+                for position in positions:
+                    for count in (None, 1, 3, 1000):
+                        expected = await direct.xread({stream: position}, count=count)
+                        got = await through.xread({stream: position}, count=count)
+                        assert got == expected, (position, count)
+            finally:
+                await through.aclose()
+            assert relay.status().forwarded > 0  # the old positions went to Redis
+            assert relay.status().replies_from_memory > 0
+    finally:
+        await direct.aclose()
+
+
+async def start_relay(config: Config, port: int = 0) -> tuple[Relay, str]:
+    stream, block = stream_of(config), config.backplane.block
+    relay = Relay(Upstream(config.redis, stream, block), stream, block=block)
+    host, bound = await relay.start("127.0.0.1", port)
+    assert await eventually(lambda: relay.status().following, timeout=10)
+    return relay, f"redis://{host}:{bound}"
+
+
+def disconnected(cache: LayeredCache) -> bool:
+    status = cache.backplane_status()
+    return status is not None and not status.connected
+
+
+async def test_an_instance_catches_up_through_a_restarted_relay_without_clearing_l1(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    relay, relay_url = await start_relay(base)
+    port = int(relay_url.rsplit(":", 1)[1])
+    async with (
+        LayeredCache.from_config(base) as writer,  # reads the stream directly
+        instances(relayed(redis_server.url, prefix, relay_url), 1) as [reader],
+    ):
+        for book in (1, 2):
+            await reader.get_or_load("book", {"id": book}, lambda: version("v1"))
+        await relay.close()  # the reader is cut off while the writer invalidates
+        assert await eventually(lambda: disconnected(reader))
+        await writer.invalidate("book", {"id": 1})
+        relay, _ = await start_relay(base, port)
+        try:
+            assert await eventually(lambda: reader.stats()["book"]["backplane_l1_dropped"] == 1)
+            assert await reader.get_or_load("book", {"id": 1}, lambda: version("v2")) == "v2"
+            assert await l1_holds(reader, 2)  # caught up: nothing else was dropped
+            status = reader.backplane_status()
+            assert status is not None and status.gaps == 0
+        finally:
+            await relay.close()
+
+
+async def test_a_position_trimmed_while_the_relay_was_away_clears_l1(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = stream_of(base)
+    direct = redis.Redis.from_url(redis_server.url, protocol=2)
+    relay, relay_url = await start_relay(base)
+    port = int(relay_url.rsplit(":", 1)[1])
+    async with instances(relayed(redis_server.url, prefix, relay_url), 1) as [reader]:
+        await reader.get_or_load("book", {"id": 2}, lambda: version("v1"))
+        await relay.close()
+        assert await eventually(lambda: disconnected(reader))
+        await direct.xadd(stream, {"keys": "x"})  # entries the reader never saw...
+        await direct.xtrim(stream, maxlen=0)  # ...trimmed away
+        relay, _ = await start_relay(base, port)
+        try:
+            assert await eventually(lambda: reader.backplane_status().gaps == 1)  # type: ignore[union-attr]
+            assert not await l1_holds(reader, 2)
+        finally:
+            await relay.close()
+    await direct.aclose()
+
+
+async def test_the_relay_losing_redis_loses_no_invalidation(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    admin = redis.Redis.from_url(redis_server.url)
+    async with (
+        running_relay(base) as (relay, relay_url),
+        LayeredCache.from_config(base) as writer,
+        instances(relayed(redis_server.url, prefix, relay_url), 3) as readers,
+    ):
+        for round_ in range(3):
+            for reader in readers:
+                await reader.get_or_load("book", {"id": round_}, lambda: version("v1"))
+            # Kill the relay's upstream connection (the only XREAD client on Redis)
+            # and invalidate at once, while the relay reconnects.
+            clients = await admin.client_list()
+            relay_connections = [c["id"] for c in clients if c["cmd"] == "xread"]
+            assert relay_connections
+            for client_id in relay_connections:
+                await admin.client_kill_filter(_id=client_id)
+            await writer.invalidate("book", {"id": round_})
+            for reader in readers:
+                assert await eventually(
+                    lambda r=reader, n=round_: r.stats()["book"]["backplane_l1_dropped"] == n + 1
+                )
+        assert relay.status().resets >= 1
+        for reader in readers:
+            assert reader.backplane_status().gaps == 0  # type: ignore[union-attr]
+    await admin.aclose()
+
+
+async def test_a_relay_can_follow_another_relay(redis_server: RedisServer, prefix: str) -> None:
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    async with (
+        running_relay(base) as (_, first),
+        running_relay(base, upstream=first) as (second_relay, second),
+        LayeredCache.from_config(base) as writer,
+        instances(relayed(redis_server.url, prefix, second), 2) as readers,
+    ):
+        for reader in readers:
+            await reader.get_or_load("book", {"id": 1}, lambda: version("v1"))
+        await writer.invalidate("book", {"id": 1})
+        for reader in readers:
+            assert await eventually(lambda r=reader: r.stats()["book"]["backplane_l1_dropped"] == 1)
+        assert second_relay.status().replies_from_memory > 0
+
+
+async def test_garbage_on_one_connection_leaves_the_relay_serving_the_others(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    async with (
+        running_relay(base) as (relay, relay_url),
+        LayeredCache.from_config(base) as writer,
+        instances(relayed(redis_server.url, prefix, relay_url), 1) as [reader],
+    ):
+        port = int(relay_url.rsplit(":", 1)[1])
+        replies = []
+        for garbage in (
+            b"hello\r\n",  # an inline command
+            b"*1\r\n$999999999\r\n",  # a huge argument announced
+            b"*100000\r\n",  # too many arguments
+            b"*1\r\n$3\r\nGETxx",  # no CRLF after the bulk string
+            b"\x00\xff" * 40000 + b"\r\n",  # one line longer than the read limit
+        ):
+            opened, sent = await asyncio.open_connection("127.0.0.1", port)
+            sent.write(garbage)
+            await sent.drain()
+            replies.append(await asyncio.wait_for(opened.read(), 5))  # then closed
+            sent.close()
+        assert all(reply.startswith(b"-ERR protocol error") for reply in replies), replies
+        through = redis.Redis.from_url(relay_url, protocol=2)
+        for bad_command in (("GET", "x"), ("XREAD", "STREAMS", "other", "0-0"),
+                            ("XREAD", "COUNT", "x", "STREAMS", stream_of(base), "0-0"),
+                            ("XREAD", "STREAMS", stream_of(base), "not-an-id"),
+                            ("XADD", "other-stream", "*", "a", "b")):  # fmt: skip
+            with pytest.raises(redis.ResponseError):
+                await through.execute_command(*bad_command)
+        assert await through.ping()
+        await through.aclose()
+        await reader.get_or_load("book", {"id": 1}, lambda: version("v1"))
+        await writer.invalidate("book", {"id": 1})
+        assert await eventually(lambda: reader.stats()["book"]["backplane_l1_dropped"] == 1)
+        assert relay.status().following and relay.status().resets == 0
+
+
+async def test_instances_on_a_cluster_read_through_a_relay(redis_cluster: Any, prefix: str) -> None:
+    cluster = {"cluster": True, "timeout": "1s"}
+    base = make_config(redis_cluster.url, prefix, backplane={"block": BLOCK}, redis=cluster)
+    async with (
+        running_relay(base) as (_, relay_url),
+        LayeredCache.from_config(base) as writer,
+        instances(relayed(redis_cluster.url, prefix, relay_url, **cluster), 2) as readers,
+    ):
+        for reader in readers:
+            await reader.get_or_load("book", {"id": 7}, lambda: version("v1"))
+        await writer.invalidate("book", {"id": 7})
+        for reader in readers:
+            assert await eventually(lambda r=reader: r.stats()["book"]["backplane_l1_dropped"] == 1)
+
+
+def test_a_relay_url_that_is_not_redis_is_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"backplane\.relay"):
+        make_config("redis://127.0.0.1:1/0", "p:", backplane={"relay": "rediss://relay:6390"})
+
+
+async def test_the_relay_command_serves_until_sigterm(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "app.toml"
+    path.write_text(
+        f'[redis]\nurl = "{redis_server.url}"\nprefix = "{prefix}"\n\n'
+        '[backplane]\nblock = "200ms"\n\n[namespaces.book]\nkey = "book:{id}"\n'
+    )
+    command = [sys.executable, "-m", "layered_cache", "relay", "--config", str(path),
+               "--listen", "127.0.0.1:0"]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        assert line.startswith("relay listening on 127.0.0.1:"), line
+        relay_url = "redis://" + line.split()[3].rstrip(",")
+        base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+        async with (
+            LayeredCache.from_config(base) as writer,
+            instances(relayed(redis_server.url, prefix, relay_url), 1) as [reader],
+        ):
+            await reader.get_or_load("book", {"id": 1}, lambda: version("v1"))
+            await writer.invalidate("book", {"id": 1})
+            assert await eventually(lambda: reader.stats()["book"]["backplane_l1_dropped"] == 1)
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 10) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_the_relay_command_on_a_taken_port_exits_2_with_one_line(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "app.toml"
+    path.write_text(f'[redis]\nurl = "{redis_server.url}"\nprefix = "{prefix}"\n')
+    taken = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = taken.sockets[0].getsockname()[1]
+    command = [sys.executable, "-m", "layered_cache", "relay", "--config", str(path),
+               "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    try:
+        process = await asyncio.create_subprocess_exec(*command, stderr=subprocess.PIPE)
+        _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        taken.close()
+    assert process.returncode == 2
+    lines = stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("layered-cache: error: cannot listen"), lines
