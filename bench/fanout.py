@@ -65,6 +65,7 @@ MAX_DELIVERIES = 50_000
 # Relays are Python too (asyncio streams): through them, less.
 RELAY_MAX_N = 200
 RELAY_MAX_DELIVERIES = 20_000
+TREE_MIN_N = 100
 WARMUP_S = 1.0
 DRAIN_S = 0.3  # after the window: let in-flight deliveries reach the readers
 JSON_PATH = RESULTS / "fanout.json"
@@ -429,8 +430,17 @@ class Grid:
     max_deliveries: float = MAX_DELIVERIES
     relay_max_n: int = RELAY_MAX_N
 
+    tree_relays: list[int] = field(default_factory=lambda: [4])
+
     def sizes(self, mode: str) -> list[int]:
-        return self.ns if mode == "direct" else [n for n in self.ns if n <= self.relay_max_n]
+        """N per mode; a tree of 4 leaves with 10 readers says little: 100 and up."""
+        if mode == "direct":
+            return self.ns
+        smallest = TREE_MIN_N if mode == "tree" else 0
+        return [n for n in self.ns if smallest <= n <= self.relay_max_n]
+
+    def relays(self, mode: str) -> list[int]:
+        return {"direct": [0], "relay": self.relay_counts}.get(mode, self.tree_relays)
 
     def budget(self, mode: str) -> float:
         return self.max_deliveries if mode == "direct" else RELAY_MAX_DELIVERIES
@@ -441,7 +451,7 @@ class Grid:
         yield 0.0, 1
         for e in self.rates:
             if n * e <= self.budget(mode):
-                for k in self.keys:
+                for k in self.keys if mode != "tree" else self.keys[:1]:
                     yield e, k
 
 
@@ -494,7 +504,7 @@ async def run_grid(server: RedisServer, grid: Grid, done: list[Point],
     grid goes on; without ``failures`` it raises."""
     for mode in grid.modes:
         for n in grid.sizes(mode):
-            for relays in grid.relay_counts if mode != "direct" else [0]:
+            for relays in grid.relays(mode):
                 try:
                     await _run_setup(server, grid, mode, n, relays, done)
                 except Exception as exc:
@@ -521,6 +531,7 @@ def _line(p: Point) -> str:
     return (f"{p.mode:6} N={p.n:4}{relays} E={p.e:5g} k={p.k:2}: redis {p.redis_cpu * 100:5.1f}% "
             f"out {p.redis_bytes_out_per_s / 1e6:6.2f} MB/s xread {p.xread_per_s:7.0f}/s "
             f"deliv {p.deliveries_per_s:7.0f}/{p.expected_deliveries_per_s:7.0f} "
+            f"in {p.reader_reads_per_s:7.0f} reads "
             f"p50 {p.p50_ms:6.2f} p99 {p.p99_ms:7.2f} ms readers {p.reader_cpu * 100:5.1f}% "
             f"relays {sum(p.relay_cpu) * 100:5.1f}% machine {p.machine_busy * 100:3.0f}%")  # fmt: skip
 
@@ -667,8 +678,9 @@ async def run(env: Any) -> Any:
 
 def _grid(args: argparse.Namespace) -> Grid:
     if args.quick:
-        return Grid([10, 50], [100.0], [1], 2.0, [1, 2], args.modes)
-    return Grid(args.n, args.e, args.k, args.window, args.relays, args.modes, args.max_deliveries)
+        return Grid([10, 100], [100.0], [1], 2.0, [1, 2], args.modes, tree_relays=[2])
+    return Grid(args.n, args.e, args.k, args.window, args.relays, args.modes, args.max_deliveries,
+                tree_relays=args.tree_relays)  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:
@@ -687,7 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=6.0, help="seconds per point")
     parser.add_argument("--max-deliveries", type=float, default=MAX_DELIVERIES,
                         help="skip points with more deliveries/s (N x E) than this")  # fmt: skip
-    parser.add_argument("--relays", type=_ints, default=[1, 2, 4], help="R in relay modes")
+    parser.add_argument("--relays", type=_ints, default=[1, 2, 4], help="R in relay mode")
+    parser.add_argument("--tree-relays", type=_ints, default=[4],
+                        help="leaf relays in tree mode (round(sqrt) of them on Redis)")  # fmt: skip
     parser.add_argument("--modes", type=lambda t: t.split(","), default=None,
                         help="direct,relay,tree (default: direct, plus relay and tree when "
                              "layered_cache/_relay.py exists)")  # fmt: skip
