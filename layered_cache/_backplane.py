@@ -21,7 +21,13 @@ import structlog
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from layered_cache._backoff import Backoff
-from layered_cache._clients import RedisClient, is_cluster, is_redis_failure, resurface_cancel
+from layered_cache._clients import (
+    RedisClient,
+    is_cluster,
+    is_redis_failure,
+    resurface_cancel,
+    stop_if_cancelled,
+)
 
 __all__ = ["BackplaneListener", "BackplanePublisher", "BackplaneStatus", "parse_id"]
 
@@ -178,6 +184,7 @@ class BackplaneListener:
         backoff = Backoff(base=_RECONNECT_BASE, cap=_RECONNECT_CAP)
         check_gap = False
         while True:
+            stop_if_cancelled()
             try:
                 if self.last_id is None:
                     self.last_id = await self._tail_id()

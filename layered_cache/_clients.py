@@ -31,6 +31,7 @@ __all__ = [
     "make_node_client",
     "raised_in_redis_py",
     "resurface_cancel",
+    "stop_if_cancelled",
     "with_timeout",
 ]
 
@@ -74,6 +75,18 @@ def resurface_cancel(task: asyncio.Task[Any] | None, requested_before: int) -> N
     ``asyncio.timeout`` blocks around us still work: they see this CancelledError as
     their own and turn it into TimeoutError."""
     if task is not None and task.cancelling() > requested_before:
+        raise asyncio.CancelledError
+
+
+def stop_if_cancelled() -> None:
+    """For background loops that retry Redis failures: raise the ``CancelledError`` of a
+    cancellation redis-py swallowed (``resurface_cancel``: a ``cancel()`` that lands as
+    a read completes is lost on Python 3.11). The loop would otherwise catch the next
+    failure and go on for ever: ``stop()`` gave up on it and ``asyncio.run`` hung at
+    exit, cancelling a task that never ends (seen in ``make test-stress``). The task
+    still counts the request (``Task.cancelling()``), so every iteration asks."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
         raise asyncio.CancelledError
 
 

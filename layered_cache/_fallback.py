@@ -25,7 +25,7 @@ import redis.asyncio as redis
 import structlog
 
 from layered_cache._backoff import Backoff
-from layered_cache._clients import RedisClient, is_redis_failure
+from layered_cache._clients import RedisClient, is_redis_failure, stop_if_cancelled
 
 __all__ = [
     "FallbackChannel",
@@ -120,6 +120,7 @@ class FallbackSubscriber:
     async def _run(self) -> None:
         backoff = Backoff(base=0.05, cap=2.0)
         while True:
+            stop_if_cancelled()
             pubsub = self._client.pubsub()
             try:
                 await pubsub.subscribe(self._channel)
@@ -138,6 +139,7 @@ class FallbackSubscriber:
 
     async def _read(self, pubsub: redis.client.PubSub, backoff: Backoff) -> None:
         while True:
+            stop_if_cancelled()
             message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
             if message is None:
                 continue

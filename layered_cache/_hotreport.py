@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from layered_cache._clients import REDIS_FAILURES, RedisClient, is_redis_failure
+from layered_cache._clients import REDIS_FAILURES, RedisClient, is_redis_failure, stop_if_cancelled
 from layered_cache._keys import hot_report_name
 
 __all__ = ["HotKeyReporter", "fleet_hot_keys"]
@@ -67,6 +67,7 @@ class HotKeyReporter:
 
     async def _run(self) -> None:
         while True:
+            stop_if_cancelled()
             try:
                 await self.report_once()
             except Exception as exc:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import structlog
 from redis.asyncio.cluster import RedisCluster
 
-from layered_cache._clients import RedisClient, is_redis_failure
+from layered_cache._clients import RedisClient, is_redis_failure, stop_if_cancelled
 from layered_cache._config import Config
 from layered_cache._keys import backplane_stream_name
 
@@ -187,6 +187,7 @@ class RedisClock:
 
     async def _run(self) -> None:
         while True:
+            stop_if_cancelled()
             await asyncio.sleep(self._refresh if self.synced else self._retry)
             await self.sample()
             self._log_synced()

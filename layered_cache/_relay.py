@@ -39,7 +39,7 @@ from redis.exceptions import ResponseError
 
 from layered_cache._backoff import Backoff
 from layered_cache._backplane import BackplaneListener, parse_id
-from layered_cache._clients import is_redis_failure
+from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, ProtocolError, encode, encode_error, read_command
 
@@ -161,6 +161,7 @@ class Relay:
         backoff = Backoff(base=0.05, cap=2.0)
         check_gap = False
         while True:
+            stop_if_cancelled()
             try:
                 if self._tail is None:
                     self._tail = _Tail(await self._newest_id(), self._keep)

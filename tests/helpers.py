@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from layered_cache import Config, LayeredCache, parse_config
+from layered_cache._relay import Relay
+from layered_cache._relay_upstream import Upstream
 
 
 def make_config(
@@ -116,3 +118,18 @@ class Starvation:
     def stalls(self) -> list[tuple[float, float]]:
         """Each stall as (start, end), time.perf_counter."""
         return list(self._stalls)
+
+
+async def start_relay(
+    config: Config, port: int = 0, *, upstream: str | None = None, keep: int = 10_000
+) -> tuple[Relay, str]:
+    """A backplane relay for ``config``'s stream, in this process, following (it knows its
+    place in the stream); returns it and the ``backplane.relay`` URL to give instances."""
+    stream = config.redis.prefix + config.backplane.stream
+    block = config.backplane.block
+    relay = Relay(Upstream(config.redis, stream, block, url=upstream), stream, block=block, keep=keep)
+    host, bound = await relay.start("127.0.0.1", port)
+    if not await eventually(lambda: relay.status().following, timeout=10):
+        await relay.close()
+        raise RuntimeError("the relay did not start following its stream in 10 s")
+    return relay, f"redis://{host}:{bound}"

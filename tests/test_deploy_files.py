@@ -247,7 +247,20 @@ def test_pdb_and_service_select_the_daemon_pods() -> None:
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert "minAvailable" in pdb["spec"] or "maxUnavailable" in pdb["spec"]
     for service in _k8s("Service"):
-        assert service["spec"]["selector"].items() <= labels.items()
+        if service["metadata"]["name"] != "layered-cache-relay":
+            assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_the_relay_service_reaches_the_relay_on_its_own_node() -> None:
+    (relay,) = [d for d in _k8s("DaemonSet") if d["metadata"]["name"] == "layered-cache-relay"]
+    (service,) = [s for s in _k8s("Service") if s["metadata"]["name"] == "layered-cache-relay"]
+    labels = relay["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    (container,) = relay["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["layered-cache", "relay"]
+    listen = container["args"][container["args"].index("--listen") + 1]
+    assert listen.endswith(":6390") and service["spec"]["ports"][0]["port"] == 6390
 
 
 # -- Dockerfile -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from layered_cache import ConfigError, LayeredCache
 from layered_cache._config import Config
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
-from tests.helpers import eventually, make_config
+from tests.helpers import eventually, make_config, start_relay
 from tests.servers import RedisServer
 
 BLOCK = "200ms"
@@ -35,13 +35,9 @@ def stream_of(config: Config) -> str:
 async def running_relay(
     config: Config, *, port: int = 0, keep: int = 10_000, upstream: str | None = None
 ) -> AsyncIterator[tuple[Relay, str]]:
-    stream = stream_of(config)
-    block = config.backplane.block
-    relay = Relay(Upstream(config.redis, stream, block, url=upstream), stream, block=block, keep=keep)
-    host, bound = await relay.start("127.0.0.1", port)
+    relay, url = await start_relay(config, port, upstream=upstream, keep=keep)
     try:
-        assert await eventually(lambda: relay.status().following, timeout=10)
-        yield relay, f"redis://{host}:{bound}"
+        yield relay, url
     finally:
         await relay.close()
 
@@ -136,14 +132,6 @@ async def test_the_relay_answers_every_read_as_redis_would(
             assert relay.status().replies_from_memory > 0
     finally:
         await direct.aclose()
-
-
-async def start_relay(config: Config, port: int = 0) -> tuple[Relay, str]:
-    stream, block = stream_of(config), config.backplane.block
-    relay = Relay(Upstream(config.redis, stream, block), stream, block=block)
-    host, bound = await relay.start("127.0.0.1", port)
-    assert await eventually(lambda: relay.status().following, timeout=10)
-    return relay, f"redis://{host}:{bound}"
 
 
 def disconnected(cache: LayeredCache) -> bool:
@@ -355,3 +343,45 @@ async def test_the_relay_command_on_a_taken_port_exits_2_with_one_line(
     assert process.returncode == 2
     lines = stderr.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("layered-cache: error: cannot listen"), lines
+
+
+async def test_a_relay_that_fell_behind_the_trimming_makes_its_instances_clear_l1(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The relay reads 2 entries at a time, slowly, while entries keep coming to a stream
+    trimmed to 5: after a full batch it checks, as a listener does, finds entries it
+    never read gone, and must not serve what follows as if nothing was missing; its
+    instances check for themselves and clear their L1."""
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = stream_of(base)
+    direct = redis.Redis.from_url(redis_server.url)
+    await direct.xadd(stream, {"origin": "-"})
+    upstream = Upstream(base.redis, stream, base.backplane.block)
+    execute = upstream.execute
+    slow = asyncio.Event()
+
+    async def slow_reads(*args: Any) -> Any:
+        """A relay slow to take each batch in (a starved process, a slow network)."""
+        reply = await execute(*args)
+        if args[0] == "XREAD" and slow.is_set():
+            await asyncio.sleep(0.3)
+        return reply
+
+    upstream.execute = slow_reads  # type: ignore[method-assign]
+    relay = Relay(upstream, stream, block=0.2, batch=2)
+    host, port = await relay.start()
+    try:
+        assert await eventually(lambda: relay.status().following)
+        config = relayed(redis_server.url, prefix, f"redis://{host}:{port}")
+        async with instances(config, 1) as [reader]:
+            await reader.get_or_load("book", {"id": 2}, lambda: version("v1"))
+            slow.set()
+            for i in range(40):  # 2 s of 20 entries a second: the relay reads ~7/s
+                await direct.xadd(stream, {"keys": f"x{i}"}, maxlen=5, approximate=False)
+                await asyncio.sleep(0.05)
+            assert await eventually(lambda: reader.backplane_status().gaps >= 1)  # type: ignore[union-attr]
+            assert relay.status().resets >= 1
+            assert not await l1_holds(reader, 2)
+    finally:
+        await relay.close()
+        await direct.aclose()

@@ -37,11 +37,10 @@ from layered_cache._invalidation import Invalidator
 from layered_cache._keys import replica_names, tag_version_name
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._relay import Relay
-from layered_cache._relay_upstream import Upstream
 from layered_cache._tags import invalidate_tags
 from tests.explorer.history import History, Read, Write
 from tests.explorer.scheduler import JOINED, PROBE, Probe, Scheduler
-from tests.helpers import make_config
+from tests.helpers import make_config, start_relay
 
 __all__ = ["VARIANTS", "World", "run_schedule"]
 
@@ -109,17 +108,6 @@ def variant_config(
     )
 
 
-async def _start_relay(config: Config) -> tuple[Relay, str]:
-    stream, block = config.redis.prefix + config.backplane.stream, config.backplane.block
-    relay = Relay(Upstream(config.redis, stream, block), stream, block=block)
-    host, port = await relay.start("127.0.0.1", 0)
-    for _ in range(500):  # following: it knows its place in the stream
-        if relay.status().following:
-            break
-        await asyncio.sleep(0.01)
-    return relay, f"redis://{host}:{port}"
-
-
 @dataclass
 class World:
     """Long-lived per variant: instances are reused across schedules (keys differ)."""
@@ -144,7 +132,7 @@ class World:
         token = PROBE.set(world.probe)
         try:
             if variant in RELAYED:
-                world.relay, relay_url = await _start_relay(config)
+                world.relay, relay_url = await start_relay(config)
                 world.config = config = variant_config(
                     url, f"{prefix}{variant}:", variant, cluster, relay_url
                 )

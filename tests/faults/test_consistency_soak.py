@@ -28,9 +28,7 @@ from consumers import Daemon
 from layered_cache import LayeredCache
 from layered_cache._config import Config
 from layered_cache._events import BookPriceChanged, encode_event
-from layered_cache._relay import Relay
-from layered_cache._relay_upstream import Upstream
-from tests.helpers import eventually, make_config
+from tests.helpers import eventually, make_config, start_relay
 from tests.servers import create_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.soak]
@@ -110,13 +108,9 @@ async def fanned_out(config: Config, fanout: str) -> AsyncIterator[Config]:
     if fanout == "direct":
         yield config
         return
-    stream = config.redis.prefix + config.backplane.stream
-    block = config.backplane.block
-    relay = Relay(Upstream(config.redis, stream, block), stream, block=block)
-    host, port = await relay.start()
+    relay, url = await start_relay(config)
     try:
-        assert await eventually(lambda: relay.status().following, timeout=10)
-        backplane = msgspec.structs.replace(config.backplane, relay=f"redis://{host}:{port}")
+        backplane = msgspec.structs.replace(config.backplane, relay=url)
         yield msgspec.structs.replace(config, backplane=backplane)
     finally:
         await relay.close()
