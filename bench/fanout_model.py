@@ -12,14 +12,20 @@ and the entry; an idle read sends the 5-byte nil array:
 
     B = N x E x (header + entry bytes)  +  N / block x 5
 
-Server CPU (cores; 1.0 = one core, all of a single-threaded Redis's command processing):
+Server CPU (cores; 1.0 = one core, all a single-threaded Redis can give). A read costs
+``a`` when the server is busy and ``a + u`` when it was asleep and must wake up for it
+(epoll_wait, a context switch, cold caches); a share 1 - CPU of the reads find it
+asleep, so a busier server is cheaper per read (measured: ~22 µs per read at 5 % of a
+core, ~13 µs at 63 %). With ``w`` per entry appended (Redis: the XADD and the wake-ups
+around it) or read upstream (a relay: its own XREAD through redis-py):
 
-    CPU = d + w x E + a x X + c x B
+    CPU = d + w x E + X x (a + u x (1 - CPU))
+        = (d + w x E + (a + u) x X) / (1 + u x X)
 
-d: the idle server (cron), w: one XADD, a: one XREAD (parse, block, wake, reply, write),
-c: one byte written. The same formula gives the cost of a relay (its own constants,
-fitted on relay points; X and B are then its readers' reads and bytes), and the Redis
-node's cost with R relays is the formula at N = R.
+Bytes do not appear: on loopback, 10 keys per entry cost Redis no more CPU than 1
+(measured), the reads do. The same formula with its own constants gives a relay's CPU
+(X: its readers' reads); the Redis node behind R relays is the formula at N = R. One
+core is reached at X = (1 - d - w x E) / a.
 
 Latency (delivery p50 / p99, ms): an entry wakes the N readers one after the other, so
 the q-th percentile reader waits for about q x N replies before its own:
@@ -30,6 +36,7 @@ the q-th percentile reader waits for about q x N replies before its own:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +47,11 @@ __all__ = ["CpuModel", "Fit", "fit_all", "report"]
 
 BLOCK_S = 1.0
 NIL_BYTES = 5  # "*-1\r\n": a read that timed out
-FIT_MAX_N = 100  # fit on N <= 100; every larger N validates (an extrapolation in N)
+FIT_MAX_N = 200  # fit on N <= 200; every larger N validates (an extrapolation in N)
 RELAY_FIT_MAX_READERS = 50  # relays: fit on <= 50 readers per relay, check above
 SMALL_CPU = 0.02  # below 2 % of a core the error is stated in points, not percent
+SATURATED = 0.9  # a server at 90 % of its core or more is past what the model describes
+MACHINE_BUSY = 0.8  # bench processes using 80 % of all cores: the machine is the limit
 
 
 def header_bytes(stream: str) -> int:
@@ -60,36 +69,39 @@ def bytes_per_s(n: float, e: float, entry: float, header: float) -> float:
 
 @dataclass
 class CpuModel:
-    """CPU = d + w E + a X + c B, in cores."""
+    """CPU = (d + w E + (a + u) X) / (1 + u X), in cores (module docstring)."""
 
     d: float = 0.0
     w: float = 0.0
     a: float = 0.0
-    c: float = 0.0
+    u: float = 0.0
 
-    def cpu(self, e: float, x: float, b: float) -> float:
-        return self.d + self.w * e + self.a * x + self.c * b
+    def cpu(self, e: float, x: float) -> float:
+        return (self.d + self.w * e + (self.a + self.u) * x) / (1 + self.u * x)
 
-    def at(self, n: float, e: float, entry: float, header: float) -> float:
-        """Predicted CPU for N readers at E entries/s of ``entry`` bytes."""
-        return self.cpu(e, reads_per_s(n, e), bytes_per_s(n, e, entry, header))
+    def at(self, n: float, e: float) -> float:
+        """Predicted CPU for N readers at E entries/s."""
+        return self.cpu(e, reads_per_s(n, e))
 
-    def saturation_n(self, e: float, entry: float, header: float) -> float:
-        """The N at which this model reaches one core."""
-        per_reader = self.at(1, e, entry, header) - self.at(0, e, entry, header)
-        return (1.0 - self.at(0, e, entry, header)) / per_reader
+    def saturation_n(self, e: float) -> float:
+        """The N at which this model reaches one core (inf if it never does)."""
+        if self.a <= 0:
+            return math.inf
+        reads = (1.0 - self.d - self.w * e) / self.a
+        return reads / e if e > 0 else reads * BLOCK_S
 
     def describe(self) -> str:
-        return (f"d = {self.d * 100:.2f} % of a core, w = {self.w * 1e6:.1f} µs per XADD, "
-                f"a = {self.a * 1e6:.2f} µs per XREAD, c = {self.c * 1e9:.2f} ns per byte")  # fmt: skip
+        return (f"d = {self.d * 100:.2f} % of a core, w = {self.w * 1e6:.0f} µs per entry, a = {self.a * 1e6:.1f} µs per XREAD served busy, a + u = "
+                f"{(self.a + self.u) * 1e6:.1f} µs per XREAD that wakes the server")  # fmt: skip
 
 
-def fit_cpu(rows: Sequence[tuple[float, float, float, float]]) -> CpuModel:
-    """Least squares on relative error over (E, X, B, cpu) rows; a term that comes out
-    negative is dropped (set to 0) and the rest refitted."""
-    active = [0, 1, 2, 3]
-    features = np.array([[1.0, e, x, b] for e, x, b, _ in rows])
-    target = np.array([y for *_, y in rows])
+def fit_cpu(rows: Sequence[tuple[float, float, float]], per_entry: bool) -> CpuModel:
+    """Least squares on relative error over (E, X, cpu) rows, of the linear form
+    CPU = d + w E + (a + u) X - u X CPU; ``per_entry``: fit w (else 0). A term that
+    comes out negative is dropped (0) and the rest refitted."""
+    target = np.array([cpu for *_, cpu in rows])
+    features = np.array([[1.0, e, x, -x * cpu] for e, x, cpu in rows])
+    active = [0, 1, 2, 3] if per_entry else [0, 2, 3]
     weight = 1.0 / np.maximum(target, SMALL_CPU)
     while True:
         solution, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], target * weight,
@@ -97,10 +109,9 @@ def fit_cpu(rows: Sequence[tuple[float, float, float, float]]) -> CpuModel:
         if all(v >= 0 for v in solution) or len(active) == 1:
             break
         active = [i for i, v in zip(active, solution, strict=True) if v >= 0]
-    coefficients = [0.0] * 4
-    for i, v in zip(active, solution, strict=True):
-        coefficients[i] = max(0.0, float(v))
-    return CpuModel(*coefficients)
+    d, w, a_plus_u, u = (max(0.0, float(solution[active.index(i)])) if i in active else 0.0
+                         for i in range(4))  # fmt: skip
+    return CpuModel(d, w, max(0.0, a_plus_u - u), u)
 
 
 @dataclass
@@ -153,13 +164,19 @@ class Fit:
 
     def predict_redis(self, p: Any) -> float:
         """The Redis node's CPU at point ``p``, whichever mode (never fitted on relays)."""
-        return self.redis.at(_upstream_readers(p), p.e, p.entry_bytes, self.header)
+        return self.redis.at(_upstream_readers(p), p.e)
 
     def predict_relay(self, p: Any) -> float | None:
         """CPU of one leaf relay (N / R readers) at point ``p``."""
         if self.relay is None or p.mode == "direct":
             return None
-        return self.relay.at(p.n / p.relays, p.e, p.entry_bytes, self.header)
+        return self.relay.at(p.n / p.relays, p.e)
+
+    def predict_top(self, p: Any) -> float | None:
+        """CPU of one top relay of a tree (its readers: the leaves)."""
+        if self.relay is None or p.mode != "tree":
+            return None
+        return self.relay.at(p.relays / _upstream_readers(p), p.e)
 
     def predict_latency(self, p: Any) -> tuple[float, float] | None:
         """(p50, p99) ms. Behind relays: the relay model at N / R readers; a tree adds the
@@ -186,36 +203,53 @@ def _upstream_readers(p: Any) -> int:
     return int(p.relays) if p.mode == "relay" else max(1, round(math.sqrt(p.relays)))
 
 
-def _cpu_rows(points: Sequence[Any]) -> list[tuple[float, float, float, float]]:
-    return [(p.xadd_per_s, p.xread_per_s, p.redis_bytes_out_per_s, p.redis_cpu) for p in points]
+def _cpu_rows(points: Sequence[Any]) -> list[tuple[float, float, float]]:
+    return [(p.xadd_per_s, p.xread_per_s, p.redis_cpu) for p in points]
 
 
-def _relay_rows(points: Sequence[Any], header: float) -> list[tuple[float, float, float, float]]:
-    """Per leaf relay: its readers' reads and bytes, its CPU (the mean of the leaves)."""
-    rows = []
-    for p in points:
-        leaves = p.relay_cpu[-p.relays :]
-        readers = p.n / p.relays
-        reads = p.reader_reads_per_s / p.relays
-        sent = bytes_per_s(readers, p.xadd_per_s, p.entry_bytes, header)
-        rows.append((p.xadd_per_s, reads, sent, sum(leaves) / len(leaves)))
-    return rows
+def leaf_cpu(p: Any) -> float:
+    """The mean CPU of a point's leaf relays (the relays the readers use)."""
+    leaves = p.relay_cpu[-p.relays :]
+    return float(sum(leaves) / len(leaves))
+
+
+def top_cpu(p: Any) -> float:
+    """The mean CPU of a tree's top relays (listed first)."""
+    tops = p.relay_cpu[: len(p.relay_cpu) - p.relays]
+    return float(sum(tops) / len(tops))
+
+
+def _relay_rows(points: Sequence[Any]) -> list[tuple[float, float, float]]:
+    """Per leaf relay: entries read upstream, its readers' reads, its CPU."""
+    return [(p.xadd_per_s, p.reader_reads_per_s / p.relays, leaf_cpu(p)) for p in points]
 
 
 def fit_all(points: Sequence[Any], stream: str) -> Fit:
-    """Redis on direct points with N <= 100; relays on relay points with at most 50
-    readers per relay. Every other point checks the fit."""
+    """Redis on direct points with N <= 200; relays on relay points with at most 50
+    readers per relay. Every other point checks the fit, except those past the model:
+    readers batching, or a server at 90 % of its core (``beyond``)."""
     header = float(header_bytes(stream))
     fitting = [p for p in points if _fits(p)]
     direct = [p for p in fitting if p.mode == "direct"]
-    checking = [p for p in points if not _fits(p) and not batching(p)]
-    fit = Fit(fit_cpu(_cpu_rows(direct)), fit_latency(direct), header, fit_points=fitting,
-              check_points=checking)  # fmt: skip
+    checking = [p for p in points if not _fits(p) and not beyond(p)]
+    # Redis behind relays (a few readers) is what shows its cost per XADD (w).
+    redis_rows = _cpu_rows([p for p in fitting if p.mode in ("direct", "relay")])
+    fit = Fit(fit_cpu(redis_rows, per_entry=True), fit_latency(direct), header,
+              fit_points=fitting, check_points=checking)  # fmt: skip
     relayed = [p for p in fitting if p.mode == "relay" and p.relay_cpu]
     if relayed:
-        fit.relay = fit_cpu(_relay_rows(relayed, header))
+        fit.relay = fit_cpu(_relay_rows(relayed), per_entry=True)
         fit.relay_latency = fit_latency(relayed)
     return fit
+
+
+def beyond(p: Any) -> bool:
+    """Past what the model describes, or what one machine can tell: the readers batch,
+    a server is saturated, or Redis, relays and readers together kept 80 % of the
+    machine's cores busy (they share them: latency is then the machine's queueing)."""
+    busy = p.redis_cpu + p.reader_cpu + sum(p.relay_cpu)
+    return (batching(p) or max([p.redis_cpu, *p.relay_cpu]) >= SATURATED
+            or busy >= MACHINE_BUSY * (os.cpu_count() or 2))  # fmt: skip
 
 
 def batching(p: Any) -> bool:
@@ -226,7 +260,7 @@ def batching(p: Any) -> bool:
 
 
 def _fits(p: Any) -> bool:
-    if batching(p):
+    if beyond(p):
         return False
     if p.mode == "direct":
         return bool(p.n <= FIT_MAX_N)
@@ -278,8 +312,9 @@ def stated_errors(fit: Fit, modes: Sequence[str]) -> Errors:
         errors.count += 1
         errors.add_cpu(fit.predict_redis(p), p.redis_cpu)
         if p.relay_cpu:
-            leaves = p.relay_cpu[-p.relays :]
-            errors.add_cpu(fit.predict_relay(p), sum(leaves) / len(leaves))
+            errors.add_cpu(fit.predict_relay(p), leaf_cpu(p))
+        if p.mode == "tree":
+            errors.add_cpu(fit.predict_top(p), top_cpu(p))
         latency = fit.predict_latency(p)
         if latency is not None and not math.isnan(p.p50_ms):
             errors.p50 = max(errors.p50, abs(latency[0] / p.p50_ms - 1) * 100)
@@ -311,7 +346,7 @@ def measured_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[lis
             _ms(p.p50_ms), _ms(latency[0]) if latency else "-",
             _ms(p.p99_ms), _ms(latency[1]) if latency else "-",
             f"{p.reader_cpu * 100:.0f} %",
-            "fit" if p in fit.fit_points else "check" if p in fit.check_points else "batching",
+            "fit" if p in fit.fit_points else "check" if p in fit.check_points else "beyond",
         ])  # fmt: skip
     return columns, rows
 
@@ -329,7 +364,7 @@ def docs_table(points: Sequence[Any], fit: Fit) -> tuple[list[str], list[list[st
         leaves = p.relay_cpu[-p.relays :] if p.relays else []
         design = {"direct": "today", "relay": f"{p.relays} relay(s)",
                   "tree": f"tree, {p.relays} leaves"}.get(p.mode, p.mode)  # fmt: skip
-        checked = " (check)" if p in fit.check_points else " (batching)" if batching(p) else ""
+        checked = " (check)" if p in fit.check_points else " (beyond)" if beyond(p) else ""
         rows.append([
             design, f"{p.n}{checked}", f"{p.e:g}",
             f"{p.redis_cpu * 100:.1f} / {fit.predict_redis(p) * 100:.1f} %",
@@ -368,23 +403,21 @@ def extrapolation(fit: Fit, entry: float, relays_per: int = 50) -> tuple[list[st
     rows = []
     for n in EXTRAPOLATE_N:
         for e in EXTRAPOLATE_E:
-            today = fit.redis.at(n, e, entry, fit.header)
+            today = fit.redis.at(n, e)
             relays = n // relays_per
-            relay = fit.relay.at(relays_per, e, entry, fit.header) if fit.relay else None
+            relay = fit.relay.at(relays_per, e) if fit.relay else None
             rows.append([
                 f"{n:,}", f"{e:,.0f}", _cores(today),
                 _rate_bytes(bytes_per_s(n, e, entry, fit.header)),
                 f"{fit.latency.p99(n):,.0f} ms",
-                _cores(fit.redis.at(relays, e, entry, fit.header)),
+                _cores(fit.redis.at(relays, e)),
                 _cores(relay) if relay is not None else "pending",
             ])  # fmt: skip
     return columns, rows
 
 
 def _cores(value: float) -> str:
-    if value >= 1.0:
-        return f"{value:.1f} cores (saturated)"
-    return f"{value * 100:.1f} %"
+    return "saturated" if value >= 1.0 else f"{value * 100:.1f} %"
 
 
 def _rate_bytes(value: float) -> str:
@@ -405,10 +438,10 @@ def summary(fit: Fit, entry: float) -> list[str]:
         f"today's design, {stated_errors(fit, ['direct']).describe()} (N > {FIT_MAX_N})",
         f"latency: p50 = {fit.latency.l50:.2f} + {fit.latency.s50 * 1000:.2f} µs x N ms, "
         f"p99 = {fit.latency.l99:.2f} + {fit.latency.s99 * 1000:.2f} µs x N ms",
-        f"one core at: N = {fit.redis.saturation_n(10, entry, fit.header):,.0f} (E = 10), "
-        f"{fit.redis.saturation_n(100, entry, fit.header):,.0f} (E = 100), "
-        f"{fit.redis.saturation_n(1000, entry, fit.header):,.0f} (E = 1,000), "
-        f"{fit.redis.saturation_n(0, entry, fit.header):,.0f} (idle)",
+        f"one core at: N = {fit.redis.saturation_n(10):,.0f} (E = 10), "
+        f"{fit.redis.saturation_n(100):,.0f} (E = 100), "
+        f"{fit.redis.saturation_n(1000):,.0f} (E = 1,000), "
+        f"{fit.redis.saturation_n(0):,.0f} (idle)",
     ]
     if fit.relay is not None and fit.relay_latency is not None:
         model = fit.relay_latency

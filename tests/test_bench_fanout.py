@@ -29,15 +29,15 @@ def test_a_reply_cut_anywhere_is_incomplete_until_its_last_byte() -> None:
 
 def test_the_fit_gives_back_the_constants_of_synthetic_data() -> None:
     pytest.importorskip("numpy")
-    from bench.fanout_model import CpuModel, bytes_per_s, fit_cpu, reads_per_s
+    from bench.fanout_model import CpuModel, fit_cpu, reads_per_s
 
-    truth = CpuModel(d=0.002, w=20e-6, a=9e-6, c=2e-9)
+    truth = CpuModel(d=0.003, w=100e-6, a=5e-6, u=15e-6)
     rows = []
-    for n in (10, 50, 100):
-        for e in (0.0, 10.0, 100.0):
-            for entry in (100.0, 300.0):
-                x, b = reads_per_s(n, e), bytes_per_s(n, e, entry, 60.0)
-                rows.append((e, x, b, truth.cpu(e, x, b)))
-    fitted = fit_cpu(rows)
-    for name in ("d", "w", "a", "c"):
+    for n in (1, 10, 50, 100, 200):
+        for e in (0.0, 10.0, 100.0, 250.0):
+            x = reads_per_s(n, e)
+            rows.append((e, x, truth.cpu(e, x)))
+    fitted = fit_cpu(rows, per_entry=True)
+    for name in ("d", "w", "a", "u"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert truth.cpu(0.0, (1 - truth.d) / truth.a) == pytest.approx(1.0)  # one core
