@@ -563,53 +563,67 @@ def save(points: list[Point], failures: list[str], keep_modes: bool) -> list[Poi
     return points
 
 
-PLOT_RATES = (10.0, 100.0, 1000.0)
+PLOT_RATES = (10.0, 100.0, 250.0, 1000.0)
 RELAY_GROUP = 50  # the plot's relay line: one relay per 50 instances
 
 
+def _upto_one_core(values: list[float]) -> list[float]:
+    """CPU in % of a core, cut where it reaches one core (the model ends there)."""
+    return [v * 100 if v < 1.0 else math.nan for v in values]
+
+
 def plot(points: list[Point], fit: Any) -> str:
-    """Measured points against the model's lines, extrapolated to 10,000 readers:
-    the Redis node's CPU, its bytes out, and delivery p99."""
+    """Measured points against the model's lines, extrapolated to 10,000 readers: the
+    Redis node's CPU, one relay's CPU, Redis's bytes out, and delivery p99."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from bench.fanout_model import bytes_per_s
+    from bench.fanout_model import bytes_per_s, leaf_cpu
 
     entry = next((p.entry_bytes for p in points if p.k == 1), 120.0)
-    ns = np.logspace(1, 4, 60)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
-    cpu_ax, bytes_ax, p99_ax = axes
+    ns = np.logspace(1, 4, 80)
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5.4))
+    cpu_ax, relay_ax, bytes_ax, p99_ax = axes
     for i, e in enumerate(PLOT_RATES):
         color = f"C{i}"
-        cpu_ax.plot(ns, [fit.redis.at(n, e, entry, fit.header) * 100 for n in ns], color=color,
+        cpu_ax.plot(ns, _upto_one_core([fit.redis.at(n, e) for n in ns]), color=color,
                     label=f"model, today, E = {e:g}/s")  # fmt: skip
-        cpu_ax.plot(ns, [fit.redis.at(max(1.0, n / RELAY_GROUP), e, entry, fit.header) * 100 for n in ns],
-                    color=color, ls="--", label=f"model, 1 relay per {RELAY_GROUP}, E = {e:g}/s")  # fmt: skip
+        cpu_ax.plot(ns, _upto_one_core([fit.redis.at(max(1.0, n / RELAY_GROUP), e) for n in ns]),
+                    color=color, ls="--", label=f"model, 1 relay per {RELAY_GROUP}")  # fmt: skip
+        if fit.relay is not None:
+            relay_ax.plot(ns, _upto_one_core([fit.relay.at(n, e) for n in ns]), color=color,
+                          label=f"model, E = {e:g}/s")  # fmt: skip
         bytes_ax.plot(ns, [bytes_per_s(n, e, entry, fit.header) for n in ns], color=color,
                       label=f"model, E = {e:g}/s")  # fmt: skip
-    _scatter(cpu_ax, points, lambda p: p.redis_cpu * 100)
-    _scatter(bytes_ax, [p for p in points if p.mode == "direct"], lambda p: p.redis_bytes_out_per_s)
-    cpu_ax.axhline(100, color="black", lw=0.8)
-    cpu_ax.text(12, 115, "one core", fontsize=8)
+    _scatter(cpu_ax, points, lambda p: p.n, lambda p: p.redis_cpu * 100)
+    relayed = [p for p in points if p.mode != "direct"]
+    _scatter(relay_ax, relayed, lambda p: p.n / p.relays, lambda p: leaf_cpu(p) * 100)
+    _scatter(bytes_ax, [p for p in points if p.mode == "direct"], lambda p: p.n,
+             lambda p: p.redis_bytes_out_per_s)  # fmt: skip
+    for ax in (cpu_ax, relay_ax):
+        ax.axhline(100, color="black", lw=0.8)
+        ax.text(12, 110, "one core", fontsize=8)
     _p99_panel(p99_ax, points, fit, ns)
-    titles = ("Redis CPU (% of one core; k = 1 lines)", "Redis bytes out per second (k = 1 lines)",
-              "delivery p99 (ms)")  # fmt: skip
-    for ax, title in zip(axes, titles, strict=True):
+    titles = ("Redis CPU (% of one core)", "one relay's CPU (% of one core)",
+              "Redis bytes out per second", "delivery p99 (ms)")  # fmt: skip
+    xlabels = ("instances N", "instances per relay", "instances N", "instances N")
+    for ax, title, xlabel in zip(axes, titles, xlabels, strict=True):
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("readers (instances) N")
+        ax.set_xlabel(xlabel)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.suptitle("Backplane fan-out: measured (markers; hollow = validation, not fitted) vs model "
-                 "(lines), loopback, 2 shared cores", fontsize=11)  # fmt: skip
+    fig.suptitle("Backplane fan-out, k = 1 key per entry: measured (markers; hollow = check "
+                 "points, not fitted) vs model (lines, to one core); loopback, 2 shared cores",
+                 fontsize=11)  # fmt: skip
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "fanout.png"
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return str(path)
 
@@ -617,16 +631,18 @@ def plot(points: list[Point], fit: Any) -> str:
 _MARKERS = {"direct": "o", "relay": "s", "tree": "^"}
 
 
-def _scatter(ax: Any, points: list[Point], value: Any) -> None:
-    """Measured points at E > 0, coloured by E like the model lines (direct readers on
-    Redis as circles; relay squares, tree triangles); N <= 100 filled (fitted)."""
+def _scatter(ax: Any, points: list[Point], x: Any, y: Any) -> None:
+    """Measured points at E > 0 and k = 1, coloured by E like the model lines; direct
+    readers circles, relays squares, trees triangles; filled = fitted, hollow = check."""
+    from bench.fanout_model import fit_all
+
+    fitted = {id(p) for p in fit_all(points, STREAM).fit_points}
     for p in points:
         if p.e <= 0 or p.k != 1:
             continue
         color = f"C{PLOT_RATES.index(p.e)}" if p.e in PLOT_RATES else "gray"
-        filled = p.mode != "direct" or p.n <= 100
-        ax.scatter([p.n], [value(p)], marker=_MARKERS.get(p.mode, "x"), s=30,
-                   facecolors=color if filled else "none", edgecolors=color, zorder=3)  # fmt: skip
+        ax.scatter([x(p)], [y(p)], marker=_MARKERS.get(p.mode, "x"), s=30, zorder=3,
+                   facecolors=color if id(p) in fitted else "none", edgecolors=color)  # fmt: skip
     for mode, marker in _MARKERS.items():
         if any(p.mode == mode for p in points):
             ax.scatter([], [], marker=marker, color="gray", label=f"measured, {mode}")
