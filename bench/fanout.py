@@ -73,7 +73,8 @@ READERS_NOTE = (
     "CPU in cores (1.0 = one core busy); rates per second over window_s; latencies in ms, "
     "receive time minus the publisher's time.time() in the entry's t field; relay_cpu per "
     "relay, a tree's top relays first; readers: asyncio.Protocol + minimal RESP2 parser, "
-    "50 per process (at most 10 processes)"
+    "50 per process (at most 10 processes); machine_busy (from /proc/stat) disagreed with "
+    "the processes' own CPU on the VM it was measured on: not used"
 )
 
 
@@ -102,7 +103,7 @@ class Point:
     p99_ms: float = 0.0
     reader_cpu: float = 0.0
     relay_cpu: list[float] = field(default_factory=list)  # per relay, leaves last
-    machine_busy: float = 0.0  # share of all cores busy (1.0 = every core)
+    machine_busy: float = 0.0  # share of all cores busy, /proc/stat (unreliable on a VM)
     entry_bytes: float = 0.0  # mean RESP bytes of one delivered entry
     date: str = ""
 
@@ -533,7 +534,7 @@ def _line(p: Point) -> str:
             f"deliv {p.deliveries_per_s:7.0f}/{p.expected_deliveries_per_s:7.0f} "
             f"in {p.reader_reads_per_s:7.0f} reads "
             f"p50 {p.p50_ms:6.2f} p99 {p.p99_ms:7.2f} ms readers {p.reader_cpu * 100:5.1f}% "
-            f"relays {sum(p.relay_cpu) * 100:5.1f}% machine {p.machine_busy * 100:3.0f}%")  # fmt: skip
+            f"relays {sum(p.relay_cpu) * 100:5.1f}%")  # fmt: skip
 
 
 # -- results ----------------------------------------------------------------------------
@@ -553,12 +554,16 @@ def save(points: list[Point], failures: list[str], keep_modes: bool) -> list[Poi
     measure (``--modes relay,tree`` adds relay points to a direct run's)."""
     from bench.env import machine_info
 
+    measured = {p.mode for p in points}
+    payload: dict[str, Any] = {"machine": machine_info(), "readers": READERS_NOTE,
+                               "failures": failures}  # fmt: skip
     if keep_modes:
-        measured = {p.mode for p in points}
         points = [p for p in load_points() if p.mode not in measured] + points
+        if "direct" not in measured:  # a repeat of the direct grid stays with it
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                payload["repeat_direct"] = json.loads(JSON_PATH.read_text())["repeat_direct"]
+    payload["points"] = [asdict(p) for p in points]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine_info(), "readers": READERS_NOTE, "failures": failures,
-               "points": [asdict(p) for p in points]}  # fmt: skip
     JSON_PATH.write_text(json.dumps(payload, indent=1) + "\n")
     return points
 
