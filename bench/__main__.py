@@ -28,6 +28,7 @@ SCENARIOS = [
     "xfetch_sim",
     "hotkey",
     "invalidation",
+    "fanout",
     "daemon_floor",
     "batch",
     "batch_cluster",
