@@ -41,7 +41,7 @@ from layered_cache._backoff import Backoff
 from layered_cache._backplane import BackplaneListener, parse_id
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_upstream import Upstream
-from layered_cache._resp import NIL_ARRAY, ProtocolError, encode, encode_error, read_command
+from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
 
 __all__ = ["Relay", "RelayStatus"]
 
@@ -75,8 +75,12 @@ class _Tail:
         self._keep = keep
         self._ids: list[tuple[int, int]] = []
         self._encoded: list[bytes] = []
+        # Whole XREAD replies by (position, count), until the next arrival: the readers
+        # of a relay mostly wait at the same position, and all want the same bytes.
+        self.replies: dict[tuple[tuple[int, int], int | None], bytes] = {}
 
     def add(self, entries: Sequence[Any]) -> None:
+        self.replies.clear()
         for entry in entries:
             self.last = bytes(entry[0])
             self._ids.append(parse_id(self.last))
@@ -239,9 +243,10 @@ class Relay:
             writer.close()
             return
         self._connections.add(writer)
+        commands = CommandReader(reader)
         try:
             while True:
-                command = await read_command(reader)
+                command = await commands.next()
                 if command is None or command[0].upper() == b"QUIT":
                     return
                 writer.write(await self._execute(command))
@@ -301,10 +306,17 @@ class Relay:
                 raise _Unavailable
             if position is None:
                 position = parse_id(tail.last) if after == b"$" else parse_id(after)
+            reply = tail.replies.get((position, count))
+            if reply is not None:
+                self._from_memory += 1
+                return reply
             served = tail.after(position, count)
             if served:
                 self._from_memory += 1
-                return self._entries_reply(served)
+                if len(tail.replies) >= 1024:  # readers at many positions: keep it small
+                    tail.replies.clear()
+                reply = tail.replies[(position, count)] = self._entries_reply(served)
+                return reply
             if served is None:  # older than memory: Redis answers (catch-up)
                 read = [b"XREAD", b"COUNT", b"%d" % (count or self._batch), b"STREAMS"]
                 reply = await self._forward([*read, self._stream, b"%d-%d" % position])
@@ -314,8 +326,11 @@ class Relay:
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is None or remaining <= 0:
                 return NIL_ARRAY
+            # asyncio.timeout, not wait_for: wait_for runs the wait as a task of its own,
+            # per reader per delivery (Python 3.11), a third of the relay's CPU.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(arrived.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await arrived.wait()
 
     def _xread_arguments(self, arguments: list[bytes]) -> tuple[int | None, int | None, bytes]:
         """``[COUNT n] [BLOCK ms] STREAMS <our stream> <id>``: count, block, id."""

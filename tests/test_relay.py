@@ -21,6 +21,7 @@ from layered_cache import ConfigError, LayeredCache
 from layered_cache._config import Config
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
+from layered_cache._resp import parse_command
 from tests.helpers import eventually, make_config, start_relay
 from tests.servers import RedisServer
 
@@ -385,3 +386,31 @@ async def test_a_relay_that_fell_behind_the_trimming_makes_its_instances_clear_l
     finally:
         await relay.close()
         await direct.aclose()
+
+
+def test_a_command_split_anywhere_parses_the_same() -> None:
+    """However TCP cuts a command (every split point, and two commands in one read)."""
+    command = [b"XREAD", b"COUNT", b"1000", b"BLOCK", b"1000", b"STREAMS", b"s", b"0-0"]
+    wire = b"*%d\r\n" % len(command) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in command)
+    for cut in range(len(wire)):
+        assert parse_command(wire[:cut]) is None
+    assert parse_command(wire) == (command, len(wire))
+    assert parse_command(wire + wire) == (command, len(wire))
+
+
+async def test_a_client_sending_one_byte_at_a_time_is_served(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = stream_of(base).encode()
+    async with running_relay(base) as (_, relay_url):
+        port = int(relay_url.rsplit(":", 1)[1])
+        replies, sent = await asyncio.open_connection("127.0.0.1", port)
+        command = [b"XREAD", b"BLOCK", b"10", b"STREAMS", stream, b"$"]
+        wire = b"*6\r\n" + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in command)
+        for byte in wire:
+            sent.write(bytes([byte]))
+            await sent.drain()
+            await asyncio.sleep(0)
+        assert await asyncio.wait_for(replies.readline(), 5) == b"*-1\r\n"
+        sent.close()
