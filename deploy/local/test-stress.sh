@@ -27,7 +27,8 @@ for run in $(seq "$runs"); do
     else
         verdict=FAILED
     fi
-    summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' ".run/stress-$run.log" | tail -1 || true)
+    # The suite's summary, then the Valkey smoke run's.
+    summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' ".run/stress-$run.log" | paste -sd ';' || true)
     echo "run $run/$runs: $verdict in $(( $(date +%s) - start )) s: $summary"
 done
 echo "test-stress: $passed of $runs runs passed (logs: .run/stress-N.log)"
