@@ -294,7 +294,7 @@ class Relay:
 
     async def _xread(self, arguments: list[bytes]) -> bytes:
         try:
-            count, block_ms, after = self._xread_arguments(arguments)
+            count, block_ms, after = _xread_arguments(arguments, self._stream)
         except ValueError as exc:
             return encode_error(f"ERR {exc}")
         loop = asyncio.get_running_loop()
@@ -332,30 +332,33 @@ class Relay:
                 async with asyncio.timeout(remaining):
                     await arrived.wait()
 
-    def _xread_arguments(self, arguments: list[bytes]) -> tuple[int | None, int | None, bytes]:
-        """``[COUNT n] [BLOCK ms] STREAMS <our stream> <id>``: count, block, id."""
-        count = block = None
-        upper = [argument.upper() for argument in arguments]
-        if b"STREAMS" not in upper:
-            raise ValueError("syntax error")
-        streams = upper.index(b"STREAMS")
-        options, rest = upper[:streams], arguments[streams + 1 :]
-        if len(rest) != 2 or rest[0] != self._stream:
-            raise ValueError(f"the relay serves one stream, {self._stream.decode()!r}")
-        for index in range(0, len(options) - 1, 2):
-            option, value = options[index], int(options[index + 1])
-            if option == b"COUNT" and value > 0:
-                count = value
-            elif option == b"BLOCK" and value >= 0:
-                block = value
-            else:
-                raise ValueError("syntax error")
-        if len(options) % 2:
-            raise ValueError("syntax error")
-        if rest[1] != b"$":
-            parse_id(rest[1])  # ValueError if it is not an ID
-        return count, block, rest[1]
-
     def _entries_reply(self, entries: list[bytes]) -> bytes:
         header = b"*1\r\n*2\r\n" + encode(self._stream) + b"*%d\r\n" % len(entries)
         return header + b"".join(entries)
+
+
+def _xread_arguments(
+    arguments: list[bytes], stream: bytes
+) -> tuple[int | None, int | None, bytes]:
+    """``[COUNT n] [BLOCK ms] STREAMS <our stream> <id>``: count, block, id."""
+    count = block = None
+    upper = [argument.upper() for argument in arguments]
+    if b"STREAMS" not in upper:
+        raise ValueError("syntax error")
+    streams = upper.index(b"STREAMS")
+    options, rest = upper[:streams], arguments[streams + 1 :]
+    if len(rest) != 2 or rest[0] != stream:
+        raise ValueError(f"the relay serves one stream, {stream.decode()!r}")
+    for index in range(0, len(options) - 1, 2):
+        option, value = options[index], int(options[index + 1])
+        if option == b"COUNT" and value > 0:
+            count = value
+        elif option == b"BLOCK" and value >= 0:
+            block = value
+        else:
+            raise ValueError("syntax error")
+    if len(options) % 2:
+        raise ValueError("syntax error")
+    if rest[1] != b"$":
+        parse_id(rest[1])  # ValueError if it is not an ID
+    return count, block, rest[1]

@@ -554,9 +554,11 @@ async def test_sigkill_mid_stream_then_restart_loses_no_event(
             second.send_signal(signal.SIGTERM)  # graceful: finish, commit, leave, exit 0
             assert second.wait(timeout=20) == 0
     assert await left() == 0
+    # Every key deleted and every offset committed are the outcome. The logged counts are
+    # only reported: SIGKILL can take the first daemon's last log lines with it (a batch
+    # done and committed whose "batch_done" line was still buffered; CI saw 2,400 + 7,500).
     first_events = sum(e["events"] for e in logged(first_log, "batch_done"))
     second_events = sum(e["events"] for e in logged(second_log, "batch_done"))
-    assert first_events + second_events >= total
     assert logged(second_log, "daemon_stopped")
     print(
         f"killed with {remaining_at_kill} keys left; events logged {first_events} + "
