@@ -29,7 +29,13 @@ from layered_cache._clients import (
     stop_if_cancelled,
 )
 
-__all__ = ["BackplaneListener", "BackplanePublisher", "BackplaneStatus", "parse_id"]
+__all__ = [
+    "BackplaneListener",
+    "BackplanePublisher",
+    "BackplaneStatus",
+    "missed_entries",
+    "parse_id",
+]
 
 _log = structlog.get_logger("layered_cache.backplane")
 # Reconnect delays: from 50 ms, doubling up to 2 s (jittered, see layered_cache._backoff).
@@ -278,7 +284,7 @@ class BackplaneListener:
             # created it at start if nobody had.)
             self._gap("stream_missing")
             return
-        if self._missed_entries(info, parse_id(self.last_id)):
+        if missed_entries(info, parse_id(self.last_id)):
             self._gap("entries_missing")
 
     def _gap(self, reason: str) -> None:
@@ -286,39 +292,6 @@ class BackplaneListener:
         self.gaps += 1
         _log.warning("backplane_gap_clearing_l1", last_id=self.last_id.decode(), reason=reason)
         self._on_gap()
-
-    @staticmethod
-    def _missed_entries(info: Any, ours: tuple[int, int]) -> bool:
-        """Whether entries after ``ours`` may be gone. Conservative: clearing L1 costs
-        some reloads, missing an invalidation serves a stale value for a whole TTL.
-
-        ``max-deleted-entry-id`` only moves on XDEL; MAXLEN trimming leaves it at 0-0,
-        so trimming is detected by the first entry having moved past our position (then
-        the entry right after ours may have been trimmed too).
-        """
-
-        def field(name: str) -> Any:
-            return info.get(name, info.get(name.encode()))
-
-        deleted = field("max-deleted-entry-id")
-        if deleted is not None and parse_id(deleted) > ours:
-            return True  # an XDEL removed an entry we have not read
-        last = field("last-generated-id")
-        if last is not None and parse_id(last) < ours:
-            return True  # IDs went back: the stream was deleted and created anew
-        first = field("first-entry")
-        if not first:
-            # Empty (XTRIM MAXLEN 0, or every entry XDELed): anything added after our
-            # position is gone unread.
-            return last is not None and parse_id(last) > ours
-        if parse_id(first[0]) <= ours:
-            return False
-        if ours == (0, 0):
-            # We started before the stream existed: XREAD from 0-0 reads every entry
-            # still there; only entries trimmed before we read them are lost.
-            added, length = field("entries-added"), field("length")
-            return added is not None and length is not None and int(added) > int(length)
-        return True
 
     async def _read_once(self) -> bool:
         assert self.last_id is not None
@@ -346,3 +319,36 @@ class BackplaneListener:
             self.keys_applied += len(keys)
         self._lag = max(0.0, time.time() - parse_id(self.last_id)[0] / 1000)
         return len(entries) >= self._batch
+
+
+def missed_entries(info: Any, ours: tuple[int, int]) -> bool:
+    """Whether entries after ``ours`` may be gone. Conservative: clearing L1 costs
+    some reloads, missing an invalidation serves a stale value for a whole TTL.
+
+    ``max-deleted-entry-id`` only moves on XDEL; MAXLEN trimming leaves it at 0-0,
+    so trimming is detected by the first entry having moved past our position (then
+    the entry right after ours may have been trimmed too).
+    """
+
+    def field(name: str) -> Any:
+        return info.get(name, info.get(name.encode()))
+
+    deleted = field("max-deleted-entry-id")
+    if deleted is not None and parse_id(deleted) > ours:
+        return True  # an XDEL removed an entry we have not read
+    last = field("last-generated-id")
+    if last is not None and parse_id(last) < ours:
+        return True  # IDs went back: the stream was deleted and created anew
+    first = field("first-entry")
+    if not first:
+        # Empty (XTRIM MAXLEN 0, or every entry XDELed): anything added after our
+        # position is gone unread.
+        return last is not None and parse_id(last) > ours
+    if parse_id(first[0]) <= ours:
+        return False
+    if ours == (0, 0):
+        # We started before the stream existed: XREAD from 0-0 reads every entry
+        # still there; only entries trimmed before we read them are lost.
+        added, length = field("entries-added"), field("length")
+        return added is not None and length is not None and int(added) > int(length)
+    return True

@@ -30,6 +30,7 @@ __all__ = [
     "make_client",
     "make_node_client",
     "raised_in_redis_py",
+    "relay_client",
     "resurface_cancel",
     "stop_if_cancelled",
     "with_timeout",
@@ -174,12 +175,20 @@ def listener_connection(config: RedisConfig, backplane: BackplaneConfig) -> Redi
     config = with_timeout(config, backplane.block + 1.0)
     if not backplane.relay:
         return make_client(config)
+    return relay_client(backplane.relay, config)
+
+
+def relay_client(url: str, config: RedisConfig) -> redis.Redis:
+    """A connection to a backplane relay (an instance's listener, or a relay following
+    another): ``config``'s timeouts, no credentials or TLS (the relay has neither), no
+    retry (the callers reconnect with their own backoff), RESP2 (all the relay speaks,
+    ``_resp``)."""
     return redis.Redis.from_url(
-        backplane.relay,
+        url,
         socket_timeout=config.timeout,
         socket_connect_timeout=config.connect_timeout,
         retry=Retry(NoBackoff(), 0),
-        protocol=2,  # the relay speaks RESP2 only (``_resp``)
+        protocol=2,
     )
 
 

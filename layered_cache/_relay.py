@@ -38,7 +38,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from layered_cache._backoff import Backoff
-from layered_cache._backplane import BackplaneListener, parse_id
+from layered_cache._backplane import missed_entries, parse_id
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
@@ -194,7 +194,7 @@ class Relay:
         return bytes(newest[0][0]) if newest else b"0-0"
 
     async def _missed_entries(self, last: bytes) -> bool:
-        """The listener's own test (``BackplaneListener._missed_entries``): were entries
+        """The listener's own test (``_backplane.missed_entries``): were entries
         after ``last`` trimmed or deleted before we read them?"""
         try:
             flat = await self._upstream.execute("XINFO", "STREAM", self._stream)
@@ -203,7 +203,7 @@ class Relay:
                 return True
             raise
         info = dict(zip(flat[::2], flat[1::2], strict=True))
-        return BackplaneListener._missed_entries(info, parse_id(last))
+        return missed_entries(info, parse_id(last))
 
     async def _read_once(self, tail: _Tail) -> bool:
         """One blocking XREAD upstream; True if the batch was full (we may be behind)."""

@@ -9,7 +9,13 @@ from typing import Any
 import redis.asyncio as redis
 from redis.exceptions import ClusterDownError
 
-from layered_cache._clients import is_cluster, make_client, make_node_client, with_timeout
+from layered_cache._clients import (
+    is_cluster,
+    make_client,
+    make_node_client,
+    relay_client,
+    with_timeout,
+)
 from layered_cache._config import RedisConfig
 
 __all__ = ["Upstream"]
@@ -45,12 +51,7 @@ class Upstream:
 
     async def _connect(self) -> redis.Redis:
         if self._url is not None:
-            client = redis.Redis.from_url(
-                self._url,
-                socket_timeout=self._config.timeout,
-                socket_connect_timeout=self._config.connect_timeout,
-                protocol=2,
-            )
+            client = relay_client(self._url, self._config)
         else:
             client = make_node_client(self._config, await self._stream_master(), protocol=2)
         client.response_callbacks.clear()

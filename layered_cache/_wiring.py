@@ -59,7 +59,6 @@ def build_parts(config: Config) -> CacheParts:
     if config.backplane.enabled:
         stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
         publisher = BackplanePublisher(client, stream, config.backplane.maxlen, instance_id)
-        # Blocking XREAD needs a socket timeout longer than the block time.
         listener_client = listener_connection(config.redis, config.backplane)
         fallback_client = make_node_client(config.redis)
     return CacheParts(
