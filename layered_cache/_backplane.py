@@ -134,6 +134,7 @@ class BackplaneListener:
         batch: int = 1000,
         origin: str = "",
         on_tags: Callable[[dict[str, str]], None] | None = None,
+        coalesce: float = 0.0,
     ) -> None:
         self._client = client
         self._stream = stream
@@ -142,6 +143,7 @@ class BackplaneListener:
         self._on_tags = on_tags
         self._block_ms = max(1, int(block * 1000))
         self._batch = batch
+        self._coalesce = coalesce
         self._origin = origin.encode()
         self.last_id: bytes | None = None
         self.connected = asyncio.Event()
@@ -200,8 +202,14 @@ class BackplaneListener:
                 self.connected.set()
                 self._down_since = None
                 backoff.reset()
-                full = await self._read_once()
-                check_gap = full  # a full batch means we may be far behind
+                read = await self._read_once()
+                check_gap = read >= self._batch  # a full batch: we may be far behind
+                if 0 < read < self._batch and self._coalesce:
+                    # Let a burst gather before the next XREAD: a blocked XREAD returns
+                    # as soon as one entry lands, so a writer's own set() loop would
+                    # otherwise wake this reader (a reply to parse, a new XREAD to send)
+                    # once per set(), doubling the process's work per write (issue 17).
+                    await asyncio.sleep(self._coalesce)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -293,12 +301,13 @@ class BackplaneListener:
         _log.warning("backplane_gap_clearing_l1", last_id=self.last_id.decode(), reason=reason)
         self._on_gap()
 
-    async def _read_once(self) -> bool:
+    async def _read_once(self) -> int:
+        """One XREAD, its entries applied; returns how many entries it read."""
         assert self.last_id is not None
         response = await self._xread(self.last_id)
         if not response:
             self._lag = 0.0  # blocked and nothing came: caught up
-            return False
+            return 0
         entries = response[0][1]
         for entry_id, fields in entries:
             self.last_id = bytes(entry_id)
@@ -318,7 +327,7 @@ class BackplaneListener:
             self.entries_applied += 1
             self.keys_applied += len(keys)
         self._lag = max(0.0, time.time() - parse_id(self.last_id)[0] / 1000)
-        return len(entries) >= self._batch
+        return len(entries)
 
 
 def missed_entries(info: Any, ours: tuple[int, int]) -> bool:

@@ -13,7 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 from layered_cache._backplane import BackplaneListener
 from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._coherence import Coherence
-from layered_cache._config import RedisConfig
+from layered_cache._config import BackplaneConfig, RedisConfig
 from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscribed
 from layered_cache._invalidation import check_replica_counts
 from layered_cache._memory_policy import log_memory_policies
@@ -79,7 +79,7 @@ async def listening(
 
 
 def followers(
-    parts: CacheParts, coherence: Coherence, block: float
+    parts: CacheParts, coherence: Coherence, backplane: BackplaneConfig
 ) -> tuple[BackplaneListener | None, FallbackSubscriber | None]:
     """What keeps L1 coherent with the fleet: the backplane stream's reader and the
     fallback channel's subscriber (``_fallback``); both None with the backplane off."""
@@ -91,7 +91,8 @@ def followers(
         on_keys=coherence.apply_remote,
         on_gap=coherence.forget_all,
         on_tags=coherence.apply_tags,
-        block=block,
+        block=backplane.block,
+        coalesce=backplane.coalesce,
         origin=parts.instance_id,
     )
     fallback = FallbackSubscriber(

@@ -238,6 +238,8 @@ ROUTE = (
         ("[kafka]\nmax_batch = 0\n", "kafka.max_batch: expected `int` >= 1"),
         ("[redis]\nconnect_timeout = 0\n", "redis.connect_timeout: must be > 0"),
         ('[backplane]\nblock = "0s"\n', "backplane.block: must be > 0"),
+        ('[backplane]\ncoalesce = "200ms"\n', "backplane.coalesce: must be <= 100ms"),
+        ('[backplane]\ncoalesce = -1\n', "backplane.coalesce: expected a non-negative duration"),
         ('[logging]\nlevel = "loud"\n', "logging.level: must be one of debug, info"),
         ('[logging]\nformat = "xml"\n', "logging.format: invalid enum value 'xml'"),
         ('[kafka]\nsecurity_protocol = "TLS"\n', "kafka.security_protocol: invalid enum value"),

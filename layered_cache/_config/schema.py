@@ -133,6 +133,11 @@ class KafkaConfig(_Section, frozen=True):
             )
 
 
+# An invalidation waits at most ``coalesce`` more to reach L1: past this it stops being
+# a burst's batching and becomes staleness.
+_MAX_COALESCE = 0.1
+
+
 class BackplaneConfig(_Section, frozen=True):
     """The Redis Stream that carries invalidated keys to every instance's L1."""
 
@@ -140,6 +145,11 @@ class BackplaneConfig(_Section, frozen=True):
     stream: str = "layered_cache:invalidations"
     maxlen: AtLeastOne = 100_000
     block: Duration = Duration(1.0)
+    # After a read that returned entries, the listener waits this long before the next
+    # one, so a burst of writes (this instance's own set() calls too) wakes it once per
+    # interval instead of once per entry. Adds at most this to an invalidation's way to
+    # L1; 0 reads again at once.
+    coalesce: Duration = Duration(0.001)
     # Read the stream through a relay (``layered-cache relay``, docs/operations.md,
     # "Fan-out") at this redis:// URL instead of from Redis; "" reads it directly.
     relay: str = ""
@@ -155,6 +165,8 @@ class BackplaneConfig(_Section, frozen=True):
                 "stream", f"must start with the reserved {RESERVED_SEGMENT!r}, got {self.stream!r}"
             )
         positive(self, "block")  # XREAD BLOCK 0 blocks forever
+        if self.coalesce > _MAX_COALESCE:  # (a negative one is refused by Duration)
+            raise bad("coalesce", f"must be <= 100ms, got {self.coalesce:g}s")
 
 
 class LoggingConfig(_Section, frozen=True):
