@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (
@@ -27,6 +28,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from layered_cache import _direct as direct
 from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import (
     REDIS_FAILURES,
@@ -259,7 +261,8 @@ class L2Store:
                 announcement.maxlen if announcement is not None else 0,
                 announcement.fields if announcement is not None else (),
             )
-            reply = await self.guard(self._write(keys=keys, args=args))
+            assert isinstance(self.client, Redis)
+            reply = await self.guard(direct.evalsha(self.client, self._write, keys, args))
             return bool(reply == 1)
         assert announcement is None, "a cluster announces after the writes"
         pipe = self.client.pipeline(transaction=False)

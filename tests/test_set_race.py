@@ -29,6 +29,7 @@ import redis.asyncio.cluster as redis_cluster
 from redis.asyncio.cluster import RedisCluster
 
 from layered_cache import LayeredCache
+from layered_cache import _direct as direct
 from layered_cache._l1 import MISSING
 from layered_cache.sync import SyncLayeredCache
 from tests.helpers import CountingLoader, eventually, make_config
@@ -66,11 +67,12 @@ def shuffled_replies(seed: int) -> Iterator[None]:
         (redis_cluster.ClusterPipeline, "execute", True),
         (redis_client.Redis, "execute_command", False),
         (redis_cluster.RedisCluster, "execute_command", False),
+        (direct, "execute_command", False),  # set()'s write script on a single node
     ]
-    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in targets]
+    saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
     try:
         for cls, attr, pipeline in targets:
-            setattr(cls, attr, _delayed(cls.__dict__[attr], rng, pipeline))
+            setattr(cls, attr, _delayed(vars(cls)[attr], rng, pipeline))
         yield
     finally:
         for cls, attr, original in saved:

@@ -7,7 +7,8 @@ then a short real pause so that other tasks' replies arrive first) and whether t
 command fails (before it reaches Redis, or after Redis ran it and the reply was lost).
 
 Production code carries no hook, so the points cost nothing there: ``yield_points()``
-patches redis-py's client classes (``execute_command`` and the pipelines' ``execute``)
+patches redis-py's client classes (``execute_command`` and the pipelines' ``execute``),
+and ``layered_cache._direct.execute_command`` (the commands the library packs itself),
 for the duration of an exploration, and only tasks whose context holds a ``Probe`` are
 affected. The loaders of the explorer's world yield at their start and end themselves.
 
@@ -32,6 +33,7 @@ import redis.asyncio.client as redis_client
 import redis.asyncio.cluster as redis_cluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from layered_cache import _direct as direct
 from layered_cache._singleflight import SingleFlight
 
 __all__ = ["PROBE", "Probe", "Scheduler", "yield_points"]
@@ -186,11 +188,12 @@ def yield_points() -> Iterator[None]:
         (redis_client.Pipeline, "execute", "pipeline"),
         (redis_cluster.RedisCluster, "execute_command", "command"),
         (redis_cluster.ClusterPipeline, "execute", "pipeline"),
+        (direct, "execute_command", "command"),  # set()'s write script on a single node
     ]
-    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in targets]
+    saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
     try:
         for cls, attr, kind in targets:
-            setattr(cls, attr, _wrap(cls.__dict__[attr], kind))
+            setattr(cls, attr, _wrap(vars(cls)[attr], kind))
         SingleFlight.do = _recording_do(SingleFlight.__dict__["do"])  # type: ignore[method-assign]
         SingleFlight.claim = _recording_claim(SingleFlight.__dict__["claim"])  # type: ignore[method-assign]
         yield

@@ -1,0 +1,71 @@
+"""One command on a pooled connection of a single-node client, packed here rather than
+by redis-py: for the few commands whose arguments are many and of known types.
+
+Why: ``set()``'s write is one EVALSHA of ~16 arguments and ``set_many``'s of ~6 per
+item (``_scripts.write_args``). ``Redis.execute_command`` runs each argument through
+its generic encoder and wraps the call in retry, event and metrics machinery that this
+client doesn't use (it has no retries: ``_clients.make_client``). Packing bytes, str and
+int here and sending on the pooled connection cost ~40 µs less per ``set()`` and ~450 µs
+less per ``set_many`` of 100 on the bench machine (issue 17, docs/benchmarks.md).
+
+What stays redis-py's: the pool, connecting (AUTH, HELLO, health checks), the socket
+timeouts, the reply parser and its error classes (``OutOfMemoryError``,
+``NoScriptError``, ...), and dropping a connection whose reply was not read: its
+``send_packed_command`` and ``read_response`` disconnect on any exception (a timeout, a
+cancellation), so a late reply is never read as the next command's.
+
+Callers go through the module (``_direct.execute_command(client, ...)``), never a name
+imported from it: the schedule explorer and the race tests wrap it as they wrap
+redis-py's ``execute_command``, so these commands stay yield points and fault points.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+__all__ = ["evalsha", "execute_command", "pack_command"]
+
+
+def pack_command(args: tuple[bytes | str | int, ...]) -> list[bytes]:
+    """RESP2/3 request: an array of bulk strings. Values are not copied into one buffer
+    (the socket takes the list as it is)."""
+    chunks = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, int) and not isinstance(arg, bool):
+            data = b"%d" % arg
+        else:
+            kind = type(arg).__name__
+            raise TypeError(f"a command argument must be bytes, str or int, not {kind}")
+        chunks += (b"$%d\r\n" % len(data), data, b"\r\n")
+    return chunks
+
+
+async def execute_command(client: Redis, *args: bytes | str | int) -> Any:
+    """Send ``args`` and return the parsed reply; an error reply raises redis-py's
+    exception for it."""
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        await connection.send_packed_command(pack_command(args))
+        return await connection.read_response()
+    finally:
+        await pool.release(connection)
+
+
+async def evalsha(
+    client: Redis, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
+) -> Any:
+    """``script`` (registered on ``client``) by an EVALSHA packed here; on NOSCRIPT (a
+    Redis restarted, SCRIPT FLUSH) through redis-py's script object, which loads it."""
+    try:
+        return await execute_command(client, "EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return await script(keys=keys, args=args)

@@ -1,0 +1,115 @@
+"""``_direct``: commands the library packs itself (set()'s write script on a single
+node). Whatever redis-py's ``execute_command`` guaranteed must still hold: arguments
+arrive byte for byte, error replies raise redis-py's exceptions, and a command whose
+reply was not read - cancelled at any await, or timed out - never hands that late reply
+to the next command on the pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as redis
+from redis.exceptions import NoScriptError, ResponseError, TimeoutError
+
+from layered_cache import LayeredCache
+from layered_cache import _direct as direct
+from tests.helpers import make_config
+
+
+@pytest.fixture
+async def one_connection(redis_url: str) -> redis.Redis:
+    """A pool of one connection: a reply left unread on it would be read next."""
+    client = redis.Redis.from_url(redis_url, max_connections=1, socket_timeout=2.0)
+    yield client
+    await client.aclose()
+
+
+async def test_arguments_arrive_byte_for_byte(one_connection: redis.Redis, prefix: str) -> None:
+    key = f"{prefix}ключ:\r\n:1"
+    value = bytes(range(256)) + b"\r\n$3\r\n" + b"x" * 100_000
+    assert await direct.execute_command(one_connection, "SET", key, value, "PX", 60_000) == b"OK"
+    assert await one_connection.get(key) == value
+    assert await direct.execute_command(one_connection, "SET", key, -5) == b"OK"
+    assert await direct.execute_command(one_connection, "GET", key) == b"-5"
+    assert await direct.execute_command(one_connection, "SET", key, b"") == b"OK"
+    assert await one_connection.get(key) == b""
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, None, ["list"]])
+async def test_an_argument_of_another_type_is_refused_before_anything_is_sent(
+    one_connection: redis.Redis, prefix: str, bad: object
+) -> None:
+    with pytest.raises(TypeError, match="bytes, str or int"):
+        await direct.execute_command(one_connection, "SET", f"{prefix}k", bad)  # type: ignore[arg-type]
+    assert await direct.execute_command(one_connection, "PING") == b"PONG"
+
+
+async def test_error_replies_raise_redis_pys_exceptions(
+    one_connection: redis.Redis, prefix: str
+) -> None:
+    with pytest.raises(NoScriptError):
+        await direct.execute_command(one_connection, "EVALSHA", "0" * 40, 0)
+    await one_connection.lpush(f"{prefix}list", "x")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await direct.execute_command(one_connection, "INCR", f"{prefix}list")
+    assert await direct.execute_command(one_connection, "PING") == b"PONG"
+
+
+async def test_a_command_cancelled_at_every_await_never_leaks_its_reply_to_the_next(
+    redis_url: str, one_connection: redis.Redis, prefix: str
+) -> None:
+    """A BLPOP is cancelled after 0, 1, 2, ... loop turns (before it has a connection,
+    while it sends, while it waits); then an item is pushed. Were the connection
+    returned to the pool with the BLPOP still pending, the server would hand it the item
+    and the next GET would read that reply. Instead the connection is dropped: the item
+    stays in the list and every GET reads its own value. (A cancellation that lands
+    while redis-py connects surfaces as its TimeoutError: redis-py's own
+    ``execute_command`` does the same; the cache's calls resurface it, see
+    tests/test_cancellation.py.)"""
+    pusher = redis.Redis.from_url(redis_url)
+    key = f"{prefix}value"
+    await pusher.set(key, "mine")
+    for turns in range(12):
+        queue = f"{prefix}queue:{turns}"
+        task = asyncio.create_task(direct.execute_command(one_connection, "BLPOP", queue, 5))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises((asyncio.CancelledError, TimeoutError)):
+            await task
+        await pusher.rpush(queue, f"item {turns}")
+        assert await direct.execute_command(one_connection, "GET", key) == b"mine", turns
+        assert await pusher.llen(queue) == 1, f"the BLPOP cancelled after {turns} turns took it"
+    await pusher.aclose()
+
+
+async def test_a_timed_out_command_never_leaks_its_reply_to_the_next(
+    redis_url: str, prefix: str
+) -> None:
+    client = redis.Redis.from_url(redis_url, max_connections=1, socket_timeout=0.2)
+    pusher = redis.Redis.from_url(redis_url)
+    queue, key = f"{prefix}queue", f"{prefix}value"
+    await pusher.set(key, "mine")
+    with pytest.raises(TimeoutError):
+        await direct.execute_command(client, "BLPOP", queue, 2)
+    await pusher.rpush(queue, "item")
+    assert await direct.execute_command(client, "GET", key) == b"mine"
+    assert await pusher.llen(queue) == 1
+    await client.aclose()
+    await pusher.aclose()
+
+
+async def test_set_after_the_servers_scripts_were_flushed_loads_its_script_and_lands(
+    redis_url: str, prefix: str
+) -> None:
+    """A Redis restarted (or SCRIPT FLUSH) forgets the write script: set() loads it
+    through redis-py and writes, and a second instance reads the value."""
+    config = make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await a.set("book", {"id": 1}, "first")
+        admin = redis.Redis.from_url(redis_url)
+        await admin.script_flush()
+        await admin.aclose()
+        await a.set("book", {"id": 1}, "second")
+        assert await b.get("book", {"id": 1}) == "second"
