@@ -135,6 +135,7 @@ class BackplaneListener:
         origin: str = "",
         on_tags: Callable[[dict[str, str]], None] | None = None,
         coalesce: float = 0.0,
+        maxlen: int | None = None,
     ) -> None:
         self._client = client
         self._stream = stream
@@ -144,6 +145,15 @@ class BackplaneListener:
         self._block_ms = max(1, int(block * 1000))
         self._batch = batch
         self._coalesce = coalesce
+        # A read of this many entries may follow a trim past our position. ``MAXLEN ~``
+        # keeps at least ``maxlen`` entries, so a trim that removed entries after our
+        # position left at least ``maxlen`` after it, and XREAD returns them up to a
+        # batch: a shorter read proves nothing we had not read was trimmed. (A connected
+        # reader that stalled past ``maxlen`` entries gets fewer than a full batch: a
+        # check on full batches only missed that.) An operator's XTRIM below ``maxlen``
+        # or XDEL is seen after a disconnect or a long read only.
+        self._trim_visible = min(batch, maxlen) if maxlen is not None else batch
+        self._cleared_through = (0, 0)  # entries up to this one are covered by an L1 clear
         self._origin = origin.encode()
         self.last_id: bytes | None = None
         self.connected = asyncio.Event()
@@ -190,21 +200,25 @@ class BackplaneListener:
 
     async def _run(self) -> None:
         backoff = Backoff(base=_RECONNECT_BASE, cap=_RECONNECT_CAP)
-        check_gap = False
+        check_from: bytes | None = None  # a position whose successors may be trimmed
         while True:
             stop_if_cancelled()
             try:
                 if self.last_id is None:
                     self.last_id = await self._tail_id()
-                elif check_gap:
-                    await self._check_gap()
-                check_gap = False
+                elif check_from is not None:
+                    await self._check_gap(check_from)
+                check_from = None
                 self.connected.set()
                 self._down_since = None
                 backoff.reset()
+                before = self.last_id
                 read = await self._read_once()
-                check_gap = read >= self._batch  # a full batch: we may be far behind
-                if 0 < read < self._batch and self._coalesce:
+                if read >= self._trim_visible:
+                    # As many entries as a trim past ``before`` would have left: the
+                    # entries right after it may be gone (``_trim_visible`` says why).
+                    check_from = before
+                elif read and self._coalesce:
                     # Let a burst gather before the next XREAD: a blocked XREAD returns
                     # as soon as one entry lands, so a writer's own set() loop would
                     # otherwise wake this reader (a reply to parse, a new XREAD to send)
@@ -220,7 +234,7 @@ class BackplaneListener:
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                 self.connected.clear()
-                check_gap = True
+                check_from = check_from or self.last_id
                 await asyncio.sleep(backoff.next_delay())
 
     async def _xread(self, after: bytes) -> Any:
@@ -279,9 +293,8 @@ class BackplaneListener:
             return b"0-0"
         return marker.encode() if isinstance(marker, str) else bytes(marker)
 
-    async def _check_gap(self) -> None:
-        """After a disconnect or a full batch: were entries after our position trimmed?"""
-        assert self.last_id is not None
+    async def _check_gap(self, position: bytes) -> None:
+        """After a disconnect or a long read: were entries after ``position`` trimmed?"""
         try:
             info: Any = await self._client.xinfo_stream(self._stream)
         except RedisError as exc:
@@ -292,7 +305,11 @@ class BackplaneListener:
             # created it at start if nobody had.)
             self._gap("stream_missing")
             return
-        if missed_entries(info, parse_id(self.last_id)):
+        # Entries older than a clear are accounted for by it: the long read that follows
+        # a reconnect's clear starts from the old position again, and must not clear
+        # again for the same trimmed entries.
+        if missed_entries(info, max(parse_id(position), self._cleared_through)):
+            self._cleared_through = oldest_entry(info)
             self._gap("entries_missing")
 
     def _gap(self, reason: str) -> None:
@@ -328,6 +345,15 @@ class BackplaneListener:
             self.keys_applied += len(keys)
         self._lag = max(0.0, time.time() - parse_id(self.last_id)[0] / 1000)
         return len(entries)
+
+
+def oldest_entry(info: Any) -> tuple[int, int]:
+    """The ID of the stream's oldest entry (of the newest it ever had, when empty)."""
+    first = info.get("first-entry", info.get(b"first-entry"))
+    if first:
+        return parse_id(first[0])
+    last = info.get("last-generated-id", info.get(b"last-generated-id"))
+    return parse_id(last) if last is not None else (0, 0)
 
 
 def missed_entries(info: Any, ours: tuple[int, int]) -> bool:

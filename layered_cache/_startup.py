@@ -93,6 +93,7 @@ def followers(
         on_tags=coherence.apply_tags,
         block=backplane.block,
         coalesce=backplane.coalesce,
+        maxlen=backplane.maxlen,
         origin=parts.instance_id,
     )
     fallback = FallbackSubscriber(

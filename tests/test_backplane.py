@@ -146,6 +146,40 @@ async def test_instance_whose_position_was_trimmed_clears_its_l1(
         assert status is not None and status.gaps == 1
 
 
+async def test_a_connected_instance_that_fell_behind_past_maxlen_clears_its_l1(
+    redis_url: str, prefix: str
+) -> None:
+    """No disconnect this time: B's listener is only slow (a stalled loop, a GC pause),
+    and while it stands still the stream is trimmed past its position. Its next read
+    returns what is left - fewer entries than a full batch - with B's key's entry gone
+    among the trimmed. B can't tell from the entries; it must check the stream and clear
+    L1, not keep the stale copy for its TTL."""
+    async with two_instances(redis_url, prefix, maxlen=10) as (a, b, _proxy):
+        for book_id in [1, 2, 99]:
+            await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
+        listener = b._backplane
+        assert listener is not None
+        stalled, gate = listener._xread, asyncio.Event()
+
+        async def slow_xread(after: bytes) -> Any:
+            await gate.wait()
+            return await stalled(after)
+
+        listener._xread = slow_xread  # type: ignore[method-assign]
+        await a.invalidate("book", {"id": 1})  # ends the XREAD B was blocked in
+        assert await eventually(lambda: not in_l1(b, 1), timeout=5)
+        await a.invalidate("book", {"id": 2})  # B stands at the gate: not read yet
+        for book_id in range(1000, 1300):
+            await a.invalidate("book", {"id": book_id})  # keys B never held
+        length = await a._store.client.xlen(prefix + a.config.backplane.stream)
+        assert 10 <= length < 300, length
+        assert in_l1(b, 2) and b.backplane_status().connected  # type: ignore[union-attr]
+
+        gate.set()
+        assert await eventually(lambda: not any(in_l1(b, i) for i in (2, 99)), timeout=5)
+        assert b.backplane_status().gaps == 1  # type: ignore[union-attr]
+
+
 # -- what a person looks at: counters, connection state and lag ---------------------------
 
 
