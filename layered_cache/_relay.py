@@ -13,8 +13,8 @@ their catch-up and gap rules; the relay answers "the entries after ID X" as Redi
 would, or not at all:
 
 - from memory only for an X at or after ``_Tail.start``: the relay has read every entry
-  after that point, in order, with nothing trimmed in between (after a full batch it
-  checks, as a listener does);
+  after that point, in order, with nothing trimmed in between (after a read as long as
+  a trim past its position would leave, it checks, as a listener does);
 - for an older X (an instance catching up after a disconnect), by forwarding the read
   to Redis;
 - the listener's other commands (``XINFO STREAM`` for its gap check, ``XREVRANGE`` for
@@ -116,11 +116,15 @@ class Relay:
         block: float = 1.0,
         batch: int = 1000,
         keep: int = 10_000,
+        maxlen: int | None = None,
     ) -> None:
         self._upstream = upstream
         self._stream = stream.encode()
         self._block_ms = max(1, int(block * 1000))
         self._batch = batch
+        # A read this long may follow a trim past our position (``BackplaneListener``
+        # says why): ``maxlen`` is the stream's configured one.
+        self._trim_visible = min(batch, maxlen) if maxlen is not None else batch
         self._keep = keep
         self._tail: _Tail | None = None
         self._arrived = asyncio.Event()  # replaced on every arrival: waiters hold the old
@@ -163,21 +167,15 @@ class Relay:
 
     async def _follow(self) -> None:
         backoff = Backoff(base=0.05, cap=2.0)
-        check_gap = False
         while True:
             stop_if_cancelled()
             try:
                 if self._tail is None:
                     self._tail = _Tail(await self._newest_id(), self._keep)
                     _log.info("relay_following", last_id=self._tail.last.decode())
-                    check_gap = False
-                elif check_gap:
-                    check_gap = False
-                    if await self._missed_entries(self._tail.last):
-                        self._forget("entries_missing")
-                        continue
                 backoff.reset()
-                check_gap = await self._read_once(self._tail)
+                if not await self._read_once(self._tail):
+                    self._forget("entries_missing")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -206,18 +204,25 @@ class Relay:
         return missed_entries(info, parse_id(last))
 
     async def _read_once(self, tail: _Tail) -> bool:
-        """One blocking XREAD upstream; True if the batch was full (we may be behind)."""
+        """One blocking XREAD upstream, its entries added to ``tail`` and the waiting
+        clients woken; False, with nothing added, if entries before them may have been
+        trimmed unread. Checked before anything is served: a read this long may follow
+        a trim past our position (``BackplaneListener`` says why), and entries served
+        from memory must be all there is after the position a client asked for."""
+        before = tail.last
         reply = await self._upstream.execute(
             "XREAD", "COUNT", self._batch, "BLOCK", self._block_ms, "STREAMS", self._stream,
-            tail.last,
+            before,
         )
         if not reply:
-            return False
+            return True
         entries = reply[0][1]
+        if len(entries) >= self._trim_visible and await self._missed_entries(before):
+            return False
         tail.add(entries)
         self._entries_read += len(entries)
         self._wake()
-        return len(entries) >= self._batch
+        return True
 
     def _wake(self) -> None:
         arrived, self._arrived = self._arrived, asyncio.Event()

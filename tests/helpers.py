@@ -127,7 +127,13 @@ async def start_relay(
     place in the stream); returns it and the ``backplane.relay`` URL to give instances."""
     stream = config.redis.prefix + config.backplane.stream
     block = config.backplane.block
-    relay = Relay(Upstream(config.redis, stream, block, url=upstream), stream, block=block, keep=keep)
+    relay = Relay(
+        Upstream(config.redis, stream, block, url=upstream),
+        stream,
+        block=block,
+        keep=keep,
+        maxlen=config.backplane.maxlen,
+    )
     host, bound = await relay.start("127.0.0.1", port)
     if not await eventually(lambda: relay.status().following, timeout=10):
         await relay.close()

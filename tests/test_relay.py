@@ -388,6 +388,56 @@ async def test_a_relay_that_fell_behind_the_trimming_makes_its_instances_clear_l
         await direct.aclose()
 
 
+async def test_a_relay_that_stalled_while_the_stream_was_trimmed_past_it_resets(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The relay stands still (a starved process) while a writer invalidates book 2 and
+    then enough other keys that ``MAXLEN ~ 5`` trims book 2's entry away. Its next read
+    brings fewer than a full batch: a check on full batches only would serve what is
+    left as if nothing was missing, and the instance behind it would keep book 2's stale
+    copy. The relay checks after any read as long as a trim leaves, resets, and the
+    instance, reconnecting, finds the gap itself and clears its L1."""
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK, "maxlen": 5})
+    stream = stream_of(base)
+    upstream = Upstream(base.redis, stream, base.backplane.block)
+    execute, moving = upstream.execute, asyncio.Event()
+    moving.set()
+
+    async def stalling(*args: Any) -> Any:
+        if args[0] == "XREAD":
+            await moving.wait()
+        return await execute(*args)
+
+    upstream.execute = stalling  # type: ignore[method-assign]
+    relay = Relay(upstream, stream, block=0.2, maxlen=base.backplane.maxlen)
+    host, port = await relay.start()
+    try:
+        assert await eventually(lambda: relay.status().following)
+        config = relayed(redis_server.url, prefix, f"redis://{host}:{port}")
+        async with instances(config, 1) as [reader], LayeredCache.from_config(base) as writer:
+            await reader.get_or_load("book", {"id": 2}, lambda: version("v1"))
+            moving.clear()
+            await asyncio.sleep(0.5)  # the relay's blocked XREAD ends; the next one waits
+            await writer.invalidate("book", {"id": 2})
+            for book in range(1000, 1300):
+                await writer.invalidate("book", {"id": book})
+            assert await direct_length(redis_server.url, stream) < 300
+            moving.set()
+            assert await eventually(lambda: relay.status().resets >= 1)
+            assert await eventually(lambda: reader.backplane_status().gaps >= 1)  # type: ignore[union-attr]
+            assert not await l1_holds(reader, 2)
+    finally:
+        await relay.close()
+
+
+async def direct_length(url: str, stream: str) -> int:
+    client = redis.Redis.from_url(url)
+    try:
+        return int(await client.xlen(stream))
+    finally:
+        await client.aclose()
+
+
 def test_a_command_split_anywhere_parses_the_same() -> None:
     """However TCP cuts a command (every split point, and two commands in one read)."""
     command = [b"XREAD", b"COUNT", b"1000", b"BLOCK", b"1000", b"STREAMS", b"s", b"0-0"]

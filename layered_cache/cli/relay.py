@@ -47,7 +47,7 @@ async def _run(config: Config, host: str, port: int, args: argparse.Namespace, o
     stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
     block = config.backplane.block
     upstream = Upstream(config.redis, stream, block, url=args.upstream)
-    relay = Relay(upstream, stream, block=block, keep=args.keep)
+    relay = Relay(upstream, stream, block=block, keep=args.keep, maxlen=config.backplane.maxlen)
     try:
         bound_host, bound_port = await relay.start(host, port)
     except OSError as exc:
