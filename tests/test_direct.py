@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError, ResponseError, TimeoutError
 
 from layered_cache import LayeredCache
 from layered_cache import _direct as direct
-from tests.helpers import make_config
+from tests.helpers import eventually, make_config
 
 
 @pytest.fixture
@@ -78,6 +78,9 @@ async def test_a_command_cancelled_at_every_await_never_leaks_its_reply_to_the_n
         task.cancel()
         with pytest.raises((asyncio.CancelledError, TimeoutError)):
             await task
+        # The close reaches the server a moment later: a push before it would be taken
+        # by the BLPOP of a connection already dropped here (not the race under test).
+        assert await eventually(lambda: _blpop_gone(pusher), timeout=5), turns
         await pusher.rpush(queue, f"item {turns}")
         assert await direct.execute_command(one_connection, "GET", key) == b"mine", turns
         assert await pusher.llen(queue) == 1, f"the BLPOP cancelled after {turns} turns took it"
@@ -93,11 +96,18 @@ async def test_a_timed_out_command_never_leaks_its_reply_to_the_next(
     await pusher.set(key, "mine")
     with pytest.raises(TimeoutError):
         await direct.execute_command(client, "BLPOP", queue, 2)
+    assert await eventually(lambda: _blpop_gone(pusher), timeout=5)
     await pusher.rpush(queue, "item")
     assert await direct.execute_command(client, "GET", key) == b"mine"
     assert await pusher.llen(queue) == 1
     await client.aclose()
     await pusher.aclose()
+
+
+async def _blpop_gone(admin: redis.Redis) -> bool:
+    """No connection is blocked in a BLPOP (this file is the suite's only BLPOP user)."""
+    clients = await admin.client_list()
+    return not any(client.get("cmd") == "blpop" and "b" in client.get("flags", "") for client in clients)
 
 
 async def test_set_after_the_servers_scripts_were_flushed_loads_its_script_and_lands(
