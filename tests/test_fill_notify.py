@@ -12,6 +12,7 @@ cluster, where classic PUBLISH reached all 6 nodes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,7 +107,8 @@ async def _bytes_per_value_byte(
     value = "v" * VALUE_BYTES
     async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
         await a.get_or_load("book", {"id": -1}, CountingLoader(value))  # connections made
-        before = _written(cluster)
+        idle_rate = await _idle_bytes_per_second(cluster)
+        started, before = time.monotonic(), _written(cluster)
         for i in range(fills):
             if waiting:
                 loader = CountingLoader(value, delay=0.05)
@@ -117,7 +119,18 @@ async def _bytes_per_value_byte(
             else:
                 await a.get_or_load("book", {"id": i}, CountingLoader(value))
         await asyncio.sleep(0.5)  # the replication stream and bus messages go out
-        return (_written(cluster) - before) / (fills * VALUE_BYTES)
+        idle = idle_rate * (time.monotonic() - started)
+        return (_written(cluster) - before - idle) / (fills * VALUE_BYTES)
+
+
+async def _idle_bytes_per_second(cluster: RedisClusterServers) -> float:
+    """What the nodes write with no client traffic: the cluster bus's PINGs and PONGs
+    (about 2 KB each, several per node per second). The waiting fills take seconds (a
+    50 ms load each), and on a busy machine longer: uncounted, this background was
+    enough to push the ratio past its bound (5.34, seen on CI)."""
+    before, started = _written(cluster), time.monotonic()
+    await asyncio.sleep(1.0)
+    return (_written(cluster) - before) / (time.monotonic() - started)
 
 
 @pytest.mark.cluster
@@ -125,16 +138,17 @@ async def test_fills_nobody_waits_for_cost_about_their_value_on_3_masters_3_repl
     cluster_with_replicas: RedisClusterServers, prefix: str
 ) -> None:
     # Was 7.2x: the whole envelope PUBLISHed to all 6 nodes over the cluster bus, on
-    # top of the replication of the SET. Now: the SET to the replica, and nothing else.
+    # top of the replication of the SET. Now about 1.0x: the SET to the replica, and
+    # nothing else (the bus's own background traffic is not counted).
     ratio = await _bytes_per_value_byte(cluster_with_replicas, prefix, 300, waiting=False)
-    assert ratio < 3.0, f"{ratio:.2f} bytes written per byte of value"
+    assert ratio < 2.0, f"{ratio:.2f} bytes written per byte of value"
 
 
 @pytest.mark.cluster
 async def test_fills_with_a_waiter_stay_within_their_shard(
     cluster_with_replicas: RedisClusterServers, prefix: str
 ) -> None:
-    # Was 9.1x (the broadcast plus the waiter's copy); now about 3.2x: the replica's
+    # Was 9.1x (the broadcast plus the waiter's copy); now about 2.2x: the replica's
     # copy, the waiter's GET, a small SPUBLISH within the slot's shard.
     ratio = await _bytes_per_value_byte(cluster_with_replicas, prefix, 100, waiting=True)
-    assert ratio < 5.0, f"{ratio:.2f} bytes written per byte of value"
+    assert ratio < 3.5, f"{ratio:.2f} bytes written per byte of value"
