@@ -35,6 +35,7 @@ __all__ = [
     "BackplaneStatus",
     "missed_entries",
     "parse_id",
+    "trim_visible",
 ]
 
 _log = structlog.get_logger("layered_cache.backplane")
@@ -145,14 +146,7 @@ class BackplaneListener:
         self._block_ms = max(1, int(block * 1000))
         self._batch = batch
         self._coalesce = coalesce
-        # A read of this many entries may follow a trim past our position. ``MAXLEN ~``
-        # keeps at least ``maxlen`` entries, so a trim that removed entries after our
-        # position left at least ``maxlen`` after it, and XREAD returns them up to a
-        # batch: a shorter read proves nothing we had not read was trimmed. (A connected
-        # reader that stalled past ``maxlen`` entries gets fewer than a full batch: a
-        # check on full batches only missed that.) An operator's XTRIM below ``maxlen``
-        # or XDEL is seen after a disconnect or a long read only.
-        self._trim_visible = min(batch, maxlen) if maxlen is not None else batch
+        self._trim_visible = trim_visible(batch, maxlen)
         self._cleared_through = (0, 0)  # entries up to this one are covered by an L1 clear
         self._origin = origin.encode()
         self.last_id: bytes | None = None
@@ -216,7 +210,7 @@ class BackplaneListener:
                 read = await self._read_once()
                 if read >= self._trim_visible:
                     # As many entries as a trim past ``before`` would have left: the
-                    # entries right after it may be gone (``_trim_visible`` says why).
+                    # entries right after it may be gone (``trim_visible`` says why).
                     check_from = before
                 elif read and self._coalesce:
                     # Let a burst gather before the next XREAD: a blocked XREAD returns
@@ -347,12 +341,30 @@ class BackplaneListener:
         return len(entries)
 
 
+def trim_visible(batch: int, maxlen: int | None) -> int:
+    """How many entries one XREAD must return for a trim past the reader's position to
+    be possible, so that a shorter read needs no XINFO check.
+
+    ``MAXLEN ~`` keeps at least ``maxlen`` entries, so a trim that removed entries after
+    our position left at least ``maxlen`` after it, and XREAD returns them up to a
+    batch: a shorter read proves nothing we had not read was trimmed. (A connected
+    reader that stalled past ``maxlen`` entries gets fewer than a full batch: a check on
+    full batches only missed that.) An operator's XTRIM below ``maxlen`` or XDEL is
+    seen after a disconnect or a long read only."""
+    return min(batch, maxlen) if maxlen is not None else batch
+
+
+def _field(info: Any, name: str) -> Any:
+    """An XINFO STREAM field, whether the client decodes replies (str keys) or not."""
+    return info.get(name, info.get(name.encode()))
+
+
 def oldest_entry(info: Any) -> tuple[int, int]:
     """The ID of the stream's oldest entry (of the newest it ever had, when empty)."""
-    first = info.get("first-entry", info.get(b"first-entry"))
+    first = _field(info, "first-entry")
     if first:
         return parse_id(first[0])
-    last = info.get("last-generated-id", info.get(b"last-generated-id"))
+    last = _field(info, "last-generated-id")
     return parse_id(last) if last is not None else (0, 0)
 
 
@@ -364,17 +376,13 @@ def missed_entries(info: Any, ours: tuple[int, int]) -> bool:
     so trimming is detected by the first entry having moved past our position (then
     the entry right after ours may have been trimmed too).
     """
-
-    def field(name: str) -> Any:
-        return info.get(name, info.get(name.encode()))
-
-    deleted = field("max-deleted-entry-id")
+    deleted = _field(info, "max-deleted-entry-id")
     if deleted is not None and parse_id(deleted) > ours:
         return True  # an XDEL removed an entry we have not read
-    last = field("last-generated-id")
+    last = _field(info, "last-generated-id")
     if last is not None and parse_id(last) < ours:
         return True  # IDs went back: the stream was deleted and created anew
-    first = field("first-entry")
+    first = _field(info, "first-entry")
     if not first:
         # Empty (XTRIM MAXLEN 0, or every entry XDELed): anything added after our
         # position is gone unread.
@@ -384,6 +392,6 @@ def missed_entries(info: Any, ours: tuple[int, int]) -> bool:
     if ours == (0, 0):
         # We started before the stream existed: XREAD from 0-0 reads every entry
         # still there; only entries trimmed before we read them are lost.
-        added, length = field("entries-added"), field("length")
+        added, length = _field(info, "entries-added"), _field(info, "length")
         return added is not None and length is not None and int(added) > int(length)
     return True

@@ -38,7 +38,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from layered_cache._backoff import Backoff
-from layered_cache._backplane import missed_entries, parse_id
+from layered_cache._backplane import missed_entries, parse_id, trim_visible
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
@@ -122,9 +122,9 @@ class Relay:
         self._stream = stream.encode()
         self._block_ms = max(1, int(block * 1000))
         self._batch = batch
-        # A read this long may follow a trim past our position (``BackplaneListener``
-        # says why): ``maxlen`` is the stream's configured one.
-        self._trim_visible = min(batch, maxlen) if maxlen is not None else batch
+        # A read this long may follow a trim past our position: ``maxlen`` is the
+        # stream's configured one.
+        self._trim_visible = trim_visible(batch, maxlen)
         self._keep = keep
         self._tail: _Tail | None = None
         self._arrived = asyncio.Event()  # replaced on every arrival: waiters hold the old

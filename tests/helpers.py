@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from layered_cache import Config, LayeredCache, parse_config
+from layered_cache._l1 import MISSING
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
 
@@ -139,3 +140,10 @@ async def start_relay(
         await relay.close()
         raise RuntimeError("the relay did not start following its stream in 10 s")
     return relay, f"redis://{host}:{bound}"
+
+
+def in_l1(cache: LayeredCache, book_id: int) -> bool:
+    """Whether ``cache``'s L1 holds book ``book_id`` (namespace ``book``, ``book:{id}``)."""
+    l1 = cache.namespace("book").policy.l1
+    assert l1 is not None
+    return l1.get(cache.key("book", {"id": book_id})) is not MISSING

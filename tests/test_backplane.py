@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from layered_cache import LayeredCache
-from layered_cache._l1 import MISSING
-from tests.helpers import CountingLoader, eventually, make_config
+from tests.helpers import CountingLoader, eventually, in_l1, make_config
 
 
 class CuttableProxy:
@@ -93,12 +92,6 @@ async def two_instances(
             yield a, b, proxy
     finally:
         await proxy.close()
-
-
-def in_l1(cache: LayeredCache, book_id: int) -> bool:
-    l1 = cache.namespace("book").policy.l1
-    assert l1 is not None
-    return l1.get(cache.key("book", {"id": book_id})) is not MISSING
 
 
 async def cut_off(b: LayeredCache, proxy: CuttableProxy) -> None:

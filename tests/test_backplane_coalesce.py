@@ -16,8 +16,7 @@ from typing import Any
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
-from layered_cache._l1 import MISSING
-from tests.helpers import eventually, make_config
+from tests.helpers import eventually, in_l1, make_config
 from tests.servers import RedisServer
 
 BOOK = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
@@ -27,12 +26,6 @@ WRITES = 500
 async def _xreads(admin: Any) -> int:
     stats = await admin.info("commandstats")
     return int(stats.get("cmdstat_xread", {}).get("calls", 0))
-
-
-def in_l1(cache: LayeredCache, book_id: int) -> bool:
-    l1 = cache.namespace("book").policy.l1
-    assert l1 is not None
-    return l1.get(cache.key("book", {"id": book_id})) is not MISSING
 
 
 async def test_500_sets_in_a_row_wake_the_writers_listener_once_per_interval(
