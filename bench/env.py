@@ -111,6 +111,7 @@ def machine_info() -> dict[str, Any]:
             "layered_cache": layered_cache.__version__,
             "cachetools": _version("cachetools"),
             "redis-py": _version("redis"),
+            "hiredis": _version("hiredis"),  # redis-py parses replies with it if installed
             "msgspec": _version("msgspec"),
             "cashews": _version("cashews"),
             "aiocache": _version("aiocache"),

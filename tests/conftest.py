@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis.utils import HIREDIS_AVAILABLE
 
 from tests.servers import (
     REDIS_SERVER,
@@ -29,10 +30,19 @@ from tests.servers import (
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "soak: long-running load test (make soak)")
+    # make test's hiredis pass puts hiredis on PYTHONPATH; redis-py falls back to its
+    # pure-Python parser without a word if the import fails, and the pass would then
+    # test the parser the main pass already did.
+    if os.environ.get("REDIS_PARSER") == "hiredis" and not HIREDIS_AVAILABLE:
+        raise pytest.UsageError("REDIS_PARSER=hiredis, but redis-py can't import hiredis")
 
 
 def pytest_report_header() -> str:
-    return f"redis fixtures start: {REDIS_SERVER} (REDIS_SERVER=redis|valkey)"
+    parser = "hiredis" if HIREDIS_AVAILABLE else "redis-py's Python parser"
+    return (
+        f"redis fixtures start: {REDIS_SERVER} (REDIS_SERVER=redis|valkey); "
+        f"replies parsed by {parser}"
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
