@@ -84,9 +84,24 @@ def remember_url_secrets(url: object) -> None:
     for match in _QUERY_SECRET.finditer(run):
         value = run[match.end("key") : match.end()]
         remember_secret(value)  # to the end: the password may hold "&"
-        # What a query parser takes as the value; its pieces, not the other parameters'
-        # (``&ssl_cert_reqs=none`` must not turn every "none" into ***).
-        _remember_with_pieces(re.split(r"[&;#]", value, maxsplit=1)[0])
+        for piece in _query_password_pieces(value):
+            _remember_with_pieces(piece)
+
+
+def _query_password_pieces(value: str) -> list[str]:
+    """What a query parser takes as the password, then each fragment after it that no
+    parser takes for a parameter. ``?password=A&B?&ssl=false`` is read as the password
+    "A" and an empty parameter "B?", but the password written was "A&B?": printed whole
+    (a config dict, a log field), "B?" must not show beside the masked "A". A fragment
+    holding "=" is another parameter, and the password ends there: its pieces are not
+    secrets (``&ssl_cert_reqs=none`` must not turn every "none" into ***)."""
+    first, *rest = re.split(r"[&;#]", value)
+    pieces = [first]
+    for piece in rest:
+        if "=" in piece:
+            break
+        pieces.append(piece)
+    return pieces
 
 
 def _remember_with_pieces(secret: str) -> None:
