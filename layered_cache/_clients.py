@@ -8,11 +8,13 @@ cluster, and the exception tuple every layer catches to fall back instead of cra
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as redis
+from redis import __version__ as redis_py_version
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -22,8 +24,10 @@ from layered_cache._config import BackplaneConfig, Duration, RedisConfig
 from layered_cache._topology import RefreshingCluster
 
 __all__ = [
+    "MIN_REDIS_PY",
     "REDIS_FAILURES",
     "RedisClient",
+    "check_redis_py",
     "is_cluster",
     "is_redis_failure",
     "listener_connection",
@@ -115,6 +119,26 @@ def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
     return kwargs
 
 
+# pyproject.toml's floor, and the oldest redis-py make test runs (its smoke pass): the
+# asyncio client gained sharded pub/sub (PubSub.ssubscribe) and RedisCluster.publish in
+# 8.0, which a cluster's fill notifications and announcement fallback use.
+MIN_REDIS_PY = (8, 0)
+
+
+def check_redis_py(version: str) -> None:
+    """Refuse a redis-py older than ``MIN_REDIS_PY``. pip enforces the floor, but an
+    install that bypassed it (``--no-deps``, a vendored copy, a pinned lock file) would
+    otherwise fail later, mid-request, with errors that don't name the cause (an
+    AttributeError at a cluster waiter's first subscribe)."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < MIN_REDIS_PY:
+        wanted = ".".join(map(str, MIN_REDIS_PY))
+        raise RuntimeError(
+            f"layered_cache needs redis-py >= {wanted}, found {version}: "
+            f"pip install 'redis>={wanted}'"
+        )
+
+
 def make_client(config: RedisConfig) -> RedisClient:
     """A redis.asyncio client for the config: RedisCluster when ``cluster = true``.
 
@@ -125,6 +149,7 @@ def make_client(config: RedisConfig) -> RedisClient:
     seconds (issue 21). The cluster client still follows MOVED/ASK (that is routing,
     not a retry) and refreshes its slot map in the background (``_topology``).
     """
+    check_redis_py(redis_py_version)
     kwargs = _client_kwargs(config)
     if config.cluster:
         seeds = [ClusterNode(*_host_port(node)) for node in config.nodes]

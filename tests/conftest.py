@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis import __version__ as redis_py_version
 from redis.utils import HIREDIS_AVAILABLE
 
 from tests.servers import (
@@ -35,13 +36,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # test the parser the main pass already did.
     if os.environ.get("REDIS_PARSER") == "hiredis" and not HIREDIS_AVAILABLE:
         raise pytest.UsageError("REDIS_PARSER=hiredis, but redis-py can't import hiredis")
+    # Likewise the client pass's redis-py: PYTHONPATH must have put it first.
+    wanted = os.environ.get("REDIS_PY_VERSION")
+    if wanted and wanted != redis_py_version:
+        raise pytest.UsageError(f"REDIS_PY_VERSION={wanted}, but redis-py is {redis_py_version}")
 
 
 def pytest_report_header() -> str:
-    parser = "hiredis" if HIREDIS_AVAILABLE else "redis-py's Python parser"
+    parser = "hiredis" if HIREDIS_AVAILABLE else "its Python parser"
     return (
         f"redis fixtures start: {REDIS_SERVER} (REDIS_SERVER=redis|valkey); "
-        f"replies parsed by {parser}"
+        f"redis-py {redis_py_version}, replies parsed by {parser}"
     )
 
 
