@@ -238,3 +238,53 @@ async def test_a_fallback_is_not_served_once_an_invalidation_arrived_during_its_
         gate.set()
         # The read returns after a was told: an invalidated value is never a fallback.
         assert await reading == {"v": 2}
+
+
+async def test_an_early_refresh_still_loading_when_a_batch_returns_is_not_the_batchs_load(
+    redis_url: str, prefix: str
+) -> None:
+    """Found on a loaded machine (seed 20262188, ``stale`` variant): a batch answered a
+    key from L2 while set() of it ran; XFetch refreshed the key with the batch's loader
+    in the background, still loading when the batch returned, and the explorer took that
+    load for the batch's own: the L2 value looked like a fallback, held to the fallback
+    rule, and was reported as superseded. Not a library bug: the explorer now tells the
+    refresh's loads apart (``in_early_refresh``), and this pins that it can."""
+    from tests.explorer.scheduler import yield_points
+    from tests.explorer.world import in_early_refresh
+
+    stampede = {"early_refresh_beta": 100.0}
+    namespaces = {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "1s", "jitter": 0.0},
+                           "stampede": stampede}}
+    release = asyncio.Event()
+    refreshing: list[bool] = []
+
+    async def load_many(fields_list: list[dict[str, Any]]) -> list[Any]:
+        refreshing.append(in_early_refresh())
+        if refreshing[-1]:
+            await release.wait()  # the refresh: held until the batches have returned
+        else:
+            await asyncio.sleep(0.05)  # XFetch scales the refresh odds by the load time
+        return [{"id": fields["id"]} for fields in fields_list]
+
+    with yield_points():
+        await _refresh_while_batches_read(redis_url, prefix, namespaces, load_many, refreshing)
+    release.set()
+
+
+async def _refresh_while_batches_read(
+    redis_url: str, prefix: str, namespaces: dict[str, Any], load_many: Any, refreshing: list[bool]
+) -> None:
+    from layered_cache._batch_load import one_loader
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
+        # Filled by a single read: a batch fill records no load time (delta 0), and XFetch
+        # never refreshes such an entry early; a single get_or_load records it.
+        first = await cache.get_or_load("book", {"id": 1}, one_loader("book", {"id": 1}, load_many))
+        assert first == {"id": 1}
+        for _ in range(50):  # each L2 hit refreshes early with odds of about 4 in 5
+            got = await asyncio.wait_for(cache.get_or_load_many("book", [{"id": 1}], load_many), 2)
+            assert got == [{"id": 1}]
+            await asyncio.sleep(0.01)  # let a spawned refresh reach the loader
+            if True in refreshing:
+                break
+        assert refreshing[0] is False and True in refreshing, refreshing

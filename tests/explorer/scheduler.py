@@ -34,6 +34,7 @@ import redis.asyncio.cluster as redis_cluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from layered_cache import _direct as direct
+from layered_cache._refresh import Refresher
 from layered_cache._singleflight import SingleFlight
 
 __all__ = ["PROBE", "Probe", "Scheduler", "yield_points"]
@@ -110,6 +111,13 @@ JOINED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
     "explorer_joined", default=None
 )
 
+# True inside the library's XFetch refresh task (``Refresher._refresh``, patched below) and
+# the tasks it starts (they copy its context): the loads it runs are not the read's own,
+# though they call the read's loader (``world.in_early_refresh``).
+REFRESHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "explorer_refreshing", default=False
+)
+
 
 # Replies after which the caller updates L1 (or returns from set()): the window where a
 # concurrent invalidation must still win.
@@ -172,6 +180,15 @@ def _recording_claim(original: Callable[..., Any]) -> Callable[..., Any]:
     return claim
 
 
+def _marking_refresh(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def _refresh(self: Any, *args: Any, **kwargs: Any) -> Any:
+        REFRESHING.set(True)  # in the refresh task's own context: the read's is untouched
+        return await original(self, *args, **kwargs)
+
+    return _refresh
+
+
 def _note(probe: Probe, text: str) -> None:
     if probe.trace is not None:
         probe.trace(text)
@@ -181,8 +198,10 @@ def _note(probe: Probe, text: str) -> None:
 def yield_points() -> Iterator[None]:
     """Patch redis-py's async clients so every command is a yield point (and a possible
     fault) for tasks running under a ``Probe``, and ``SingleFlight`` so that reads know
-    which keys they joined (``JOINED``); restore them on exit."""
+    which keys they joined (``JOINED``), and ``Refresher`` so that loads know whether
+    they run for an early refresh (``REFRESHING``); restore them on exit."""
     flight_saved = [(attr, SingleFlight.__dict__[attr]) for attr in ("do", "claim")]
+    refresh_saved = Refresher.__dict__["_refresh"]
     targets = [
         (redis_client.Redis, "execute_command", "command"),
         (redis_client.Pipeline, "execute", "pipeline"),
@@ -196,8 +215,10 @@ def yield_points() -> Iterator[None]:
             setattr(cls, attr, _wrap(vars(cls)[attr], kind))
         SingleFlight.do = _recording_do(SingleFlight.__dict__["do"])  # type: ignore[method-assign]
         SingleFlight.claim = _recording_claim(SingleFlight.__dict__["claim"])  # type: ignore[method-assign]
+        Refresher._refresh = _marking_refresh(refresh_saved)  # type: ignore[method-assign]
         yield
     finally:
+        Refresher._refresh = refresh_saved  # type: ignore[method-assign]
         for cls, attr, original in saved:
             setattr(cls, attr, original)
         for attr, original in flight_saved:
