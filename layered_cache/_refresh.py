@@ -13,6 +13,7 @@ from typing import Any
 
 from layered_cache import _replicas as replicas
 from layered_cache._codec import Envelope
+from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._miss import MissPath, Read
@@ -24,8 +25,9 @@ __all__ = ["Refresher"]
 
 
 class Refresher:
-    def __init__(self, policy: Policy, miss: MissPath, runtime: Runtime) -> None:
+    def __init__(self, policy: Policy, fills: Fills, miss: MissPath, runtime: Runtime) -> None:
         self._policy = policy
+        self._fills = fills
         self._miss = miss
         self._rt = runtime
         self._refreshing: set[str] = set()  # keys with an XFetch refresh in flight here
@@ -57,6 +59,9 @@ class Refresher:
             token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl)
             if token is None:
                 return  # someone else is refreshing (or loading) it
+            if await self._refreshed_meanwhile(key, envelope):
+                await self._miss.release(key, token)
+                return
             policy.stats.early_refresh += 1
             seq = policy.l1.begin_read() if policy.l1 is not None else None
             read = Read(key, seq, envelope, request.tags_of)
@@ -66,6 +71,16 @@ class Refresher:
             policy.stats.redis_error += 1
         finally:
             self._refreshing.discard(key)
+
+    async def _refreshed_meanwhile(self, key: str, seen: Envelope[Any]) -> bool:
+        """Double-check under the lease, as a miss does (``MissPath._filled_meanwhile``):
+        the read that started us may have fetched the old value just before another
+        refresh, here or in another process, wrote the new one and released the lease.
+        Refreshing again would be a second recompute for one expiry (seen: a page read
+        every 10 ms refreshed a book twice, 0.2 s apart). A write since (a refresh, a
+        fill, a set()) has another ``written_at``; a key that is gone is refreshed."""
+        current = self._fills.recheck(await self._rt.store.get(key))
+        return current is not None and current.written_at != seen.written_at
 
     def copy_to_replicas(self, key: str) -> None:
         """Start copying the base value of a key found hot with empty replicas."""

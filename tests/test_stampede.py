@@ -357,3 +357,32 @@ async def test_fill_landing_between_a_miss_and_the_lease_causes_no_second_load(
         monkeypatch.setattr(cache._store, "get", first_read_misses)
         assert await cache.get_or_load("book", {"id": 8}, loader) == "filled by the winner"
     assert loader.calls == 0
+
+
+async def test_readers_of_two_instances_refresh_a_key_once_per_expiry(
+    redis_url: str, prefix: str
+) -> None:
+    """A reader whose GET went out just before another refresh's fill landed holds the
+    old value when that refresh releases the lease: its own refresh then won the lease
+    and recomputed again, 0.2 s after the first. Every refresh now re-reads the key
+    under its lease and stands down if a newer value is there. 20 readers on two
+    instances, the XFetch draw fixed: one refresh for the fleet."""
+    namespaces = {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "2s", "jitter": 0},
+                           "stampede": {"early_refresh_beta": 1.0}}}
+    config = make_config(redis_url, prefix, namespaces, redis={"timeout": "2s"})
+    loader = CountingLoader("v", delay=0.2)
+    async with (
+        LayeredCache.from_config(config, rand=lambda: 0.9) as a,
+        LayeredCache.from_config(config, rand=lambda: 0.9) as b,
+    ):
+        await a.get_or_load("book", {"id": 1}, loader)
+        end = time.monotonic() + 2.4  # past the refresh (~1.75 s), before the new one's
+
+        async def reader(cache: LayeredCache) -> None:
+            while time.monotonic() < end:
+                assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
+                await asyncio.sleep(0.002)
+
+        await asyncio.gather(*(reader(cache) for cache in (a, b) for _ in range(10)))
+        refreshes = a.stats()["book"]["early_refresh"] + b.stats()["book"]["early_refresh"]
+    assert (loader.calls, refreshes) == (2, 1)  # the cold load, one refresh
