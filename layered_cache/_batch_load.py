@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -131,6 +132,7 @@ class BatchLoader:
                 await self._release([r.key for r in todo], token)
                 found.update(await self._load_unleased(todo, fields_of, load_many))
                 return found
+        started = time.monotonic()
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in todo])
         except Exception as exc:
@@ -138,7 +140,9 @@ class BatchLoader:
             found.update(await self._stale_or_raise(todo, exc))
             return found
         else:
-            found.update(await self._fill_many(todo, values, token))
+            # The batch's load time is each entry's recompute time for XFetch: with 0
+            # (as before) an entry a batch filled was never refreshed early.
+            found.update(await self._fill_many(todo, values, token, time.monotonic() - started))
         finally:
             if self._policy.tags:
                 self._loading.leave(leases)
@@ -179,7 +183,7 @@ class BatchLoader:
         return found
 
     async def _fill_many(
-        self, reads: list[Read], values: Sequence[Any], token: str
+        self, reads: list[Read], values: Sequence[Any], token: str, delta: float
     ) -> dict[str, Any]:
         """Write every loaded value under its lease in one pipeline (hot keys with their
         replicas, through the replica protocol); L1 for those written."""
@@ -199,7 +203,7 @@ class BatchLoader:
                 hot.append((read, value))
                 continue
             soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
-            encoded = fills.encode(read.key, value, soft_expiry, 0.0, tagged)
+            encoded = fills.encode(read.key, value, soft_expiry, delta, tagged)
             if encoded is None:
                 found[read.key] = value
                 uncacheable.append(read.key)
@@ -219,7 +223,7 @@ class BatchLoader:
                 fills.fill_l1(read.key, value, soft_expiry, read.seq, tagged)
             else:
                 policy.stats.fill_revoked += 1
-        for (read, _), result in zip(hot, await self._fill_hot(hot, token), strict=True):
+        for (read, _), result in zip(hot, await self._fill_hot(hot, token, delta), strict=True):
             found[read.key] = result
         return found
 
@@ -235,12 +239,13 @@ class BatchLoader:
         current = await self._fills.versions.current(t for tags in names for t in tags)
         return [{tag: current[tag] for tag in tags} for tags in names]
 
-    async def _fill_hot(self, hot: list[tuple[Read, Any]], token: str) -> list[Any]:
+    async def _fill_hot(
+        self, hot: list[tuple[Read, Any]], token: str, delta: float
+    ) -> list[Any]:
         """Hot keys fill one by one through the replica protocol (reserve, check, write
         replicas): rare, and each spans several slots."""
-        return list(
-            await asyncio.gather(*(self._miss.fill(read, token, value, 0.0) for read, value in hot))
-        )
+        fills = (self._miss.fill(read, token, value, delta) for read, value in hot)
+        return list(await asyncio.gather(*fills))
 
     async def _stale_or_raise(self, reads: list[Read], exc: Exception) -> dict[str, Any]:
         """The load failed: serve stale where the fail-safe allows it for every key,

@@ -314,3 +314,34 @@ async def test_a_set_on_one_node_is_one_command_with_its_backplane_entry_after_i
     assert script[-3:] == ["SET", "DEL", "XADD"], seen
     sent = [command for client, command in seen if client != "lua" and command != "XREAD"]
     assert sent[-1:] == ["EVALSHA"], seen  # one command: the script
+
+
+async def test_keys_filled_by_a_batch_are_refreshed_early_like_single_reads(
+    redis_url: str, prefix: str
+) -> None:
+    """A batch fill used to record no recompute time (XFetch's delta 0): a page read
+    steadily never refreshed its books early, and every reader after the expiry missed.
+    The batch's load time is now each entry's delta (draw fixed as in test_stampede's
+    single-key scenario: a refresh starts within 0.46 s of the expiry)."""
+    namespaces = {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "2s", "jitter": 0},
+                           "stampede": {"early_refresh_beta": 1.0}}}
+    config = make_config(redis_url, prefix, namespaces, redis={"timeout": "2s"})
+    calls = 0
+
+    async def load_many(fields_list: Sequence[Mapping[str, Any]]) -> list[Any]:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.2)
+        return [f"v{fields['id']}" for fields in fields_list]
+
+    async with LayeredCache.from_config(config, rand=lambda: 0.9) as cache:
+        page = [{"id": 1}, {"id": 2}]
+        start = asyncio.get_running_loop().time()
+        assert await cache.get_or_load_many("book", page, load_many) == ["v1", "v2"]
+        while asyncio.get_running_loop().time() < start + 2.6:
+            assert await cache.get_or_load_many("book", page, load_many) == ["v1", "v2"]
+            await asyncio.sleep(0.01)
+        stats = cache.stats()["book"]
+    assert stats["early_refresh"] == 2  # each book once, before its expiry
+    assert stats["miss"] == 2  # the cold page only: nobody hit the expiry cliff
+    assert calls == 3  # the cold batch, then one refresh per book
