@@ -91,8 +91,7 @@ def _floor(entries: int, prefix: str) -> _Traced:
 
 async def _ours(entries: int, cache: LayeredCache) -> _Traced:
     with _Traced(entries) as traced:
-        # get_or_load, not set: set() on an L1-only namespace stores nothing (its TTL is
-        # capped by the L2 soft expiry, which is "now" when L2 is off; reported upstream).
+        # get_or_load: the read-through fill most entries come from.
         for i in range(entries):
             await cache.get_or_load("book", {"id": i}, functools.partial(_value, i))
             traced.mark(i)
