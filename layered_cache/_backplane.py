@@ -18,8 +18,10 @@ from typing import Any
 
 import msgspec
 import structlog
+from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError, RedisError
 
+from layered_cache import _direct as direct
 from layered_cache._backoff import Backoff
 from layered_cache._clients import (
     RedisClient,
@@ -28,14 +30,19 @@ from layered_cache._clients import (
     resurface_cancel,
     stop_if_cancelled,
 )
+from layered_cache._stream import (
+    Entry,
+    missed_entries,
+    oldest_entry,
+    parse_id,
+    trim_visible,
+    xread_entries,
+)
 
 __all__ = [
     "BackplaneListener",
     "BackplanePublisher",
     "BackplaneStatus",
-    "missed_entries",
-    "parse_id",
-    "trim_visible",
 ]
 
 _log = structlog.get_logger("layered_cache.backplane")
@@ -63,12 +70,6 @@ class BackplaneStatus(msgspec.Struct, frozen=True):
     # Redis under noeviction: ``_fallback``): sent by this instance, received from others.
     fallback_sent: int = 0
     fallback_received: int = 0
-
-
-def parse_id(entry_id: bytes | str) -> tuple[int, int]:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    millis, _, seq = text.partition("-")
-    return int(millis), int(seq or 0)
 
 
 class BackplanePublisher:
@@ -231,29 +232,31 @@ class BackplaneListener:
                 check_from = check_from or self.last_id
                 await asyncio.sleep(backoff.next_delay())
 
-    async def _xread(self, after: bytes) -> Any:
-        """One blocking XREAD. In a cluster it goes straight to the master that owns the
-        stream's slot: redis-py can't tell XREAD's key from its position in the command
-        (its keys move), so it asked the server with ``COMMAND GETKEYS`` before every
-        read, one extra round trip per read per instance (issue 20). After a failover
-        or resharding the node answers MOVED: redis-py refreshes its slot map, the read
-        fails like a dropped connection, and the next one asks the map again."""
-        if not is_cluster(self._client):
-            return await self._client.xread(
-                {self._stream: after}, count=self._batch, block=self._block_ms
+    async def _xread(self, after: bytes) -> list[Entry]:
+        """One blocking XREAD; its entries (none when the block timed out).
+
+        On a single node (or a relay) packed and parsed here (``_direct``): every
+        instance's listener wakes for the fleet's writes, and redis-py's ``xread()``
+        (its command machinery, then a reply callback building a dict per entry) cost
+        about 25-35 µs of the listener's 62-99 µs of CPU per entry in a quick
+        measurement on the bench machine (issue 17's notes, noisy). In a
+        cluster it goes straight to the master that owns the stream's slot: redis-py
+        can't tell XREAD's key from its position in the command (its keys move), so it
+        asked the server with ``COMMAND GETKEYS`` before every read, one extra round
+        trip per read per instance (issue 20). After a failover or resharding the node
+        answers MOVED: redis-py refreshes its slot map, the read fails like a dropped
+        connection, and the next one asks the map again."""
+        client = self._client
+        command = ("XREAD", "COUNT", self._batch, "BLOCK", self._block_ms, "STREAMS")
+        if is_cluster(client):
+            node = client.get_node_from_key(self._stream)
+            response = await client.execute_command(
+                *command, self._stream, after, target_nodes=node
             )
-        node = self._client.get_node_from_key(self._stream)
-        return await self._client.execute_command(
-            "XREAD",
-            "COUNT",
-            self._batch,
-            "BLOCK",
-            self._block_ms,
-            "STREAMS",
-            self._stream,
-            after,
-            target_nodes=node,
-        )
+            return list(response[0][1]) if response else []
+        assert isinstance(client, Redis)
+        reply = await direct.execute_command(client, *command, self._stream, after)
+        return xread_entries(reply)
 
     def _apply_tags(self, raw: bytes | None) -> None:
         if raw is None or self._on_tags is None:
@@ -315,11 +318,10 @@ class BackplaneListener:
     async def _read_once(self) -> int:
         """One XREAD, its entries applied; returns how many entries it read."""
         assert self.last_id is not None
-        response = await self._xread(self.last_id)
-        if not response:
+        entries = await self._xread(self.last_id)
+        if not entries:
             self._lag = 0.0  # blocked and nothing came: caught up
             return 0
-        entries = response[0][1]
         for entry_id, fields in entries:
             self.last_id = bytes(entry_id)
             self.entries_seen += 1
@@ -339,59 +341,3 @@ class BackplaneListener:
             self.keys_applied += len(keys)
         self._lag = max(0.0, time.time() - parse_id(self.last_id)[0] / 1000)
         return len(entries)
-
-
-def trim_visible(batch: int, maxlen: int | None) -> int:
-    """How many entries one XREAD must return for a trim past the reader's position to
-    be possible, so that a shorter read needs no XINFO check.
-
-    ``MAXLEN ~`` keeps at least ``maxlen`` entries, so a trim that removed entries after
-    our position left at least ``maxlen`` after it, and XREAD returns them up to a
-    batch: a shorter read proves nothing we had not read was trimmed. (A connected
-    reader that stalled past ``maxlen`` entries gets fewer than a full batch: a check on
-    full batches only missed that.) An operator's XTRIM below ``maxlen`` or XDEL is
-    seen after a disconnect or a long read only."""
-    return min(batch, maxlen) if maxlen is not None else batch
-
-
-def _field(info: Any, name: str) -> Any:
-    """An XINFO STREAM field, whether the client decodes replies (str keys) or not."""
-    return info.get(name, info.get(name.encode()))
-
-
-def oldest_entry(info: Any) -> tuple[int, int]:
-    """The ID of the stream's oldest entry (of the newest it ever had, when empty)."""
-    first = _field(info, "first-entry")
-    if first:
-        return parse_id(first[0])
-    last = _field(info, "last-generated-id")
-    return parse_id(last) if last is not None else (0, 0)
-
-
-def missed_entries(info: Any, ours: tuple[int, int]) -> bool:
-    """Whether entries after ``ours`` may be gone. Conservative: clearing L1 costs
-    some reloads, missing an invalidation serves a stale value for a whole TTL.
-
-    ``max-deleted-entry-id`` only moves on XDEL; MAXLEN trimming leaves it at 0-0,
-    so trimming is detected by the first entry having moved past our position (then
-    the entry right after ours may have been trimmed too).
-    """
-    deleted = _field(info, "max-deleted-entry-id")
-    if deleted is not None and parse_id(deleted) > ours:
-        return True  # an XDEL removed an entry we have not read
-    last = _field(info, "last-generated-id")
-    if last is not None and parse_id(last) < ours:
-        return True  # IDs went back: the stream was deleted and created anew
-    first = _field(info, "first-entry")
-    if not first:
-        # Empty (XTRIM MAXLEN 0, or every entry XDELed): anything added after our
-        # position is gone unread.
-        return last is not None and parse_id(last) > ours
-    if parse_id(first[0]) <= ours:
-        return False
-    if ours == (0, 0):
-        # We started before the stream existed: XREAD from 0-0 reads every entry
-        # still there; only entries trimmed before we read them are lost.
-        added, length = _field(info, "entries-added"), _field(info, "length")
-        return added is not None and length is not None and int(added) > int(length)
-    return True

@@ -38,10 +38,10 @@ import structlog
 from redis.exceptions import ResponseError
 
 from layered_cache._backoff import Backoff
-from layered_cache._backplane import missed_entries, parse_id, trim_visible
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
+from layered_cache._stream import missed_entries, parse_id, trim_visible
 
 __all__ = ["Relay", "RelayStatus"]
 
@@ -192,7 +192,7 @@ class Relay:
         return bytes(newest[0][0]) if newest else b"0-0"
 
     async def _missed_entries(self, last: bytes) -> bool:
-        """The listener's own test (``_backplane.missed_entries``): were entries
+        """The listener's own test (``_stream.missed_entries``): were entries
         after ``last`` trimmed or deleted before we read them?"""
         try:
             flat = await self._upstream.execute("XINFO", "STREAM", self._stream)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layered_cache import LayeredCache
-from layered_cache._backplane import BackplanePublisher, parse_id
+from layered_cache._backplane import BackplanePublisher
 from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import REDIS_FAILURES, make_client
 from layered_cache._config import Config
@@ -37,6 +37,7 @@ from layered_cache._invalidation import Invalidator
 from layered_cache._keys import replica_names, tag_version_name
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._relay import Relay
+from layered_cache._stream import parse_id
 from layered_cache._tags import invalidate_tags
 from tests.explorer.history import History, Read, Write
 from tests.explorer.scheduler import JOINED, PROBE, REFRESHING, Probe, Scheduler
@@ -491,9 +492,12 @@ class _Run:
         elif command == "XREAD" and result and task is not None:
             instance = self._listener_instance(task)
             if instance is not None:
-                entries = result[0][1]
-                if entries:
-                    self.history.delivered(instance, parse_id(entries[-1][0]))
+                # The raw reply on a single node (a map in RESP3, an array from a relay),
+                # redis-py's parsed one in a cluster: an entry's ID comes first in each.
+                streams = result.values() if isinstance(result, dict) else [e for _, e in result]
+                for entries in streams:
+                    if entries:
+                        self.history.delivered(instance, parse_id(entries[-1][0]))
 
     def _listener_instance(self, task: asyncio.Task[Any]) -> str | None:
         for name, cache in self.world.instances.items():
