@@ -18,13 +18,13 @@ from typing import Any
 
 import msgspec
 import structlog
-from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from layered_cache import _direct as direct
 from layered_cache._backoff import Backoff
 from layered_cache._clients import (
     RedisClient,
+    as_single_node,
     is_cluster,
     is_redis_failure,
     resurface_cancel,
@@ -254,8 +254,9 @@ class BackplaneListener:
                 *command, self._stream, after, target_nodes=node
             )
             return list(response[0][1]) if response else []
-        assert isinstance(client, Redis)
-        reply = await direct.execute_command(client, *command, self._stream, after)
+        reply = await direct.execute_command(
+            as_single_node(client), *command, self._stream, after
+        )
         return xread_entries(reply)
 
     def _apply_tags(self, raw: bytes | None) -> None:

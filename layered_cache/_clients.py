@@ -27,6 +27,7 @@ __all__ = [
     "MIN_REDIS_PY",
     "REDIS_FAILURES",
     "RedisClient",
+    "as_single_node",
     "check_redis_py",
     "is_cluster",
     "is_redis_failure",
@@ -41,6 +42,13 @@ __all__ = [
 ]
 
 RedisClient = redis.Redis | RedisCluster
+
+
+def as_single_node(client: RedisClient) -> redis.Redis:
+    """``client``, which the caller found is not a cluster client (``is_cluster``), typed
+    as what it is (a TypeGuard narrows only the positive branch)."""
+    assert not isinstance(client, RedisCluster)
+    return client
 
 
 def is_cluster(client: RedisClient) -> TypeGuard[RedisCluster]:
