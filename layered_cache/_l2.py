@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
-from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (
@@ -33,6 +32,7 @@ from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import (
     REDIS_FAILURES,
     RedisClient,
+    as_single_node,
     raised_in_redis_py,
     resurface_cancel,
 )
@@ -261,8 +261,8 @@ class L2Store:
                 announcement.maxlen if announcement is not None else 0,
                 announcement.fields if announcement is not None else (),
             )
-            assert isinstance(self.client, Redis)
-            reply = await self.guard(direct.evalsha(self.client, self._write, keys, args))
+            client = as_single_node(self.client)
+            reply = await self.guard(direct.evalsha(client, self._write, keys, args))
             return bool(reply == 1)
         assert announcement is None, "a cluster announces after the writes"
         pipe = self.client.pipeline(transaction=False)
