@@ -47,6 +47,10 @@ _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*(?::/{1,3}|/{2,3})"
 _USERINFO = re.compile(rf"(?<![A-Za-z0-9+.\-])(?P<scheme>{_SCHEME})(?P<userinfo>\S*)@")
 # A password parameter's value runs to the end of the run: it may contain "&" or "#".
 _QUERY_SECRET = re.compile(rf"(?i)(?P<key>[?&;](?:{_PASSWORD_PARAMS})=)\S*")
+# The same parameter in a URL the config holds: there the value runs to the end of the
+# URL, whitespace included (a query parser keeps "a b" whole), not only to the end of a
+# whitespace-free run as in text we never saw.
+_CONFIGURED_QUERY_SECRET = re.compile(rf"(?i)(?P<key>[?&;](?:{_PASSWORD_PARAMS})=).*")
 _PARAM_NAME = re.compile(rf"(?i){_PASSWORD_PARAMS}")
 _URL_DELIMITERS = re.compile(r"[/?#@:&;=\s]")
 _lock = threading.Lock()
@@ -81,7 +85,7 @@ def remember_url_secrets(url: object) -> None:
         # is printed whole (a config dict, a log field). Not the user part alone: a user
         # name like "cache" would turn that word into *** in every line.
         remember_secret(userinfo)
-    for match in _QUERY_SECRET.finditer(run):
+    for match in _CONFIGURED_QUERY_SECRET.finditer(run):
         value = run[match.end("key") : match.end()]
         remember_secret(value)  # to the end: the password may hold "&"
         for piece in _query_password_pieces(value):

@@ -386,3 +386,16 @@ def test_a_query_password_holding_an_ampersand_is_masked_whole_wherever_printed(
     remember_url_secrets("redis://h/0?password=hunter22&x9x9x9&ssl_cert_reqs=none")
     assert redact("x9x9x9 hunter22 none") == "*** *** none"
     forget_secrets()
+
+
+def test_a_query_password_holding_a_space_is_masked_whole_wherever_printed() -> None:
+    """Found by hypothesis: in ``unix:///redis.sock?password=777777@777777 777778:`` the
+    password runs past the space (a query parser keeps it), but only the run up to the
+    space was remembered, and ``config check`` showed "***@*** 777778:"."""
+    password = "777777@777777 777778:"
+    url = f"unix:///nonexistent/redis.sock?password={password}"
+    forget_secrets()
+    remember_url_secrets(url)
+    shown = redact(str({"password": password, "url": url}))
+    assert "777777" not in shown and "777778" not in shown, shown
+    forget_secrets()
