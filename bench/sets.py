@@ -9,12 +9,20 @@ socket timeout (1 s: redis-py then wraps every read in ``asyncio.wait_for``).
 Why: a ``set()`` also revokes the key's lease (a fill in flight must not land after it),
 announces the key on the backplane (every other instance drops its L1 copy) and fills
 this instance's L1; this measures what those guarantees cost on top of the write.
+
+Beside the wall time per call, each batch's process CPU per call (``time.process_time``)
+is reported as a ratio too: on a shared VM the wall ratio moves with the neighbours, the
+CPU ratio much less. A second cache with the same config but its backplane listener
+stopped (for comparison only: an instance must listen) shows what the writer's own
+listener costs: it wakes for the writer's own entries (at most once per
+``backplane.coalesce``) and parses them.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -29,49 +37,55 @@ from layered_cache import LayeredCache
 TARGET = 1.2
 BATCH = 100  # items per set_many call
 TTL_MS = 600_000
+UNHEARD = ", own listener stopped"
 
 
-def _floors(client: Redis, prefix: str, value: Any, tag: str) -> dict[str, Batch]:
+#: CPU seconds per call of each contender's batches, in the order they ran.
+CpuLog = dict[str, list[float]]
+
+
+def _timed(name: str, body: Callable[[], Awaitable[object]], cpu: CpuLog) -> Batch:
+    """A batch of ``body`` calls: wall seconds per call returned, CPU per call logged."""
+
+    async def batch(n: int) -> float:
+        cpu_start, start = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            await body()
+        wall = (time.perf_counter() - start) / n
+        cpu.setdefault(name, []).append((time.process_time() - cpu_start) / n)
+        return wall
+
+    return batch
+
+
+def _floors(client: Redis, prefix: str, value: Any, tag: str, cpu: CpuLog) -> dict[str, Batch]:
     encode = msgspec.msgpack.Encoder().encode
     counter = itertools.count()
 
-    async def single(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            await client.set(f"{prefix}raw:{next(counter)}", encode(value), px=TTL_MS)
-        return (time.perf_counter() - start) / n
+    async def single() -> None:
+        await client.set(f"{prefix}raw:{next(counter)}", encode(value), px=TTL_MS)
 
-    async def pipelined(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            pipe = client.pipeline(transaction=False)
-            for _ in range(BATCH):
-                pipe.set(f"{prefix}raw:{next(counter)}", encode(value), px=TTL_MS)
-            await pipe.execute()
-        return (time.perf_counter() - start) / n
+    async def pipelined() -> None:
+        pipe = client.pipeline(transaction=False)
+        for _ in range(BATCH):
+            pipe.set(f"{prefix}raw:{next(counter)}", encode(value), px=TTL_MS)
+        await pipe.execute()
 
-    return {
-        f"floor: SET PX + encode ({tag})": single,
-        f"floor: pipelined SET PX x{BATCH} + encode ({tag})": pipelined,
-    }
+    names = (f"floor: SET PX + encode ({tag})", f"floor: pipelined SET PX x{BATCH} + encode ({tag})")
+    return {names[0]: _timed(names[0], single, cpu), names[1]: _timed(names[1], pipelined, cpu)}
 
 
-def _ours(cache: LayeredCache, value: Any) -> dict[str, Batch]:
+def _ours(cache: LayeredCache, value: Any, cpu: CpuLog, label: str = "") -> dict[str, Batch]:
     counter = itertools.count()
 
-    async def single(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            await cache.set("book", {"id": next(counter)}, value)
-        return (time.perf_counter() - start) / n
+    async def single() -> None:
+        await cache.set("book", {"id": next(counter)}, value)
 
-    async def many(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            await cache.set_many("book", [({"id": next(counter)}, value) for _ in range(BATCH)])
-        return (time.perf_counter() - start) / n
+    async def many() -> None:
+        await cache.set_many("book", [({"id": next(counter)}, value) for _ in range(BATCH)])
 
-    return {"layered_cache set()": single, f"layered_cache set_many ({BATCH} items)": many}
+    names = (f"layered_cache set(){label}", f"layered_cache set_many ({BATCH} items){label}")
+    return {names[0]: _timed(names[0], single, cpu), names[1]: _timed(names[1], many, cpu)}
 
 
 async def run(env: BenchEnv) -> Section:
@@ -84,19 +98,27 @@ async def run(env: BenchEnv) -> Section:
     config = make_config(
         url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "10m", "max_entries": 10_000}}}
     )
+    deaf = make_config(
+        url, f"{prefix}deaf:", {"book": {"key": "book:{id}", "l1": {"ttl": "10m", "max_entries": 10_000}}}
+    )
     plain = Redis.from_url(url)
     timed = Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    cpu: CpuLog = {}
     try:
-        async with LayeredCache.from_config(config) as cache:
-            contenders = _floors(plain, prefix, value, "default client")
-            contenders.update(_floors(timed, prefix, value, "1 s socket timeout"))
-            contenders.update(_ours(cache, value))
+        async with LayeredCache.from_config(config) as cache, LayeredCache.from_config(deaf) as quiet:
+            await quiet._backplane.stop()  # type: ignore[union-attr]  # comparison only
+            contenders = _floors(plain, prefix, value, "default client", cpu)
+            contenders.update(_floors(timed, prefix, value, "1 s socket timeout", cpu))
+            contenders.update(_ours(cache, value, cpu))
+            contenders.update(_ours(quiet, value, cpu, UNHEARD))
             results = await interleaved(contenders, n, repeats)
     finally:
         await plain.aclose()
         await timed.aclose()
     medians = {name: median(values) for name, values in results.items()}
-    _report(section, results, medians)
+    # The calibration batches ran first: the last ``repeats`` are the measured ones.
+    cpu_medians = {name: median(values[-repeats:]) for name, values in cpu.items()}
+    _report(section, results, medians, cpu_medians)
     section.notes.append(
         f"{repeats} repeats, interleaved, each a batch of ~0.15 s (at most {n:,} calls); "
         "sequential awaits on one event loop; a fresh key per call; the cache has L1 and the "
@@ -105,29 +127,51 @@ async def run(env: BenchEnv) -> Section:
         "packed by layered_cache._direct; the listener pauses backplane.coalesce (1 ms) "
         "after a read that returned entries."
     )
-    section.data = {"median_s": medians, "repeats_s": results, "n": n}
+    section.notes.append(
+        f"'{UNHEARD.removeprefix(', ')}': a second cache, same config, its backplane listener "
+        "stopped after start (comparison only: an instance that doesn't listen keeps stale "
+        "L1 copies); its set() still appends to the stream. The gap to it is what the "
+        "writer's own listener costs per set(): woken by its own entries at most once per "
+        "coalesce interval, one XREAD and redis-py's parse of each entry."
+    )
+    section.data = {"median_s": medians, "repeats_s": results, "cpu_median_s": cpu_medians, "n": n}
     section.seconds = time.perf_counter() - started
     return section
 
 
+def _pairs() -> dict[str, str]:
+    """Each of our contenders -> its floor's name, ``{}`` standing for the client kind."""
+    single, many = "floor: SET PX + encode ({})", f"floor: pipelined SET PX x{BATCH} + encode ({{}})"
+    pairs = {}
+    for label in ("", UNHEARD):
+        pairs[f"layered_cache set(){label}"] = single
+        pairs[f"layered_cache set_many ({BATCH} items){label}"] = many
+    return pairs
+
+
 def _report(
-    section: Section, results: dict[str, list[float]], medians: dict[str, float]
+    section: Section,
+    results: dict[str, list[float]],
+    medians: dict[str, float],
+    cpu: dict[str, float],
 ) -> None:
-    pairs = {
-        "layered_cache set()": "floor: SET PX + encode ({})",
-        f"layered_cache set_many ({BATCH} items)": f"floor: pipelined SET PX x{BATCH} + encode ({{}})",
-    }
+    pairs = _pairs()
     section.columns = ["contender", "median per call", "ratio to floor (default client)",
-                       "ratio to floor (1 s timeout)", "min..max of repeats"]
+                       "ratio to floor (1 s timeout)", "CPU per call (ratio, default client)",
+                       "min..max of repeats"]
     for name, values in results.items():
         floor = pairs.get(name)
+        base = floor.format("default client") if floor else name
         section.rows.append([
             name, fmt_us(medians[name]),
-            fmt_ratio(medians[name], medians[floor.format("default client")]) if floor else "-",
+            fmt_ratio(medians[name], medians[base]) if floor else "-",
             fmt_ratio(medians[name], medians[floor.format("1 s socket timeout")]) if floor else "-",
+            f"{fmt_us(cpu[name])} ({fmt_ratio(cpu[name], cpu[base])})" if floor else fmt_us(cpu[name]),
             f"{fmt_us(min(values))} .. {fmt_us(max(values))}",
         ])
     for name, floor in pairs.items():
+        if name.endswith(UNHEARD):
+            continue
         base = medians[floor.format("default client")]
         same = medians[floor.format("1 s socket timeout")]
         ratio = medians[name] / base
@@ -136,7 +180,9 @@ def _report(
             Headline(
                 f"{what} (sequential, L1 + backplane on)",
                 f"{fmt_us(medians[name])} ({ratio:.2f}x floor; "
-                f"{medians[name] / same:.2f}x with the same socket timeout)",
+                f"{medians[name] / same:.2f}x with the same socket timeout; CPU "
+                f"{cpu[name] / cpu[floor.format('default client')]:.2f}x; own listener "
+                f"stopped {medians[name + UNHEARD] / base:.2f}x)",
                 f"{floor.format('default client').removeprefix('floor: ')} {fmt_us(base)}",
                 f"<= {TARGET}x floor",
                 "ok" if ratio <= TARGET else "MISSED",
