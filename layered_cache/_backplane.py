@@ -138,8 +138,13 @@ class BackplaneListener:
         on_tags: Callable[[dict[str, str]], None] | None = None,
         coalesce: float = 0.0,
         maxlen: int | None = None,
+        timeout: float = 1.5,
     ) -> None:
         self._client = client
+        # One command's deadline: the block time, plus ``timeout`` for a connect and the
+        # reply. The listener's client has no socket timeout on a single node or a relay
+        # (``_clients.listener_connection``): this is the only bound there.
+        self._deadline = block + timeout
         self._stream = stream
         self._on_keys = on_keys
         self._on_gap = on_gap
@@ -250,13 +255,15 @@ class BackplaneListener:
         command = ("XREAD", "COUNT", self._batch, "BLOCK", self._block_ms, "STREAMS")
         if is_cluster(client):
             node = client.get_node_from_key(self._stream)
-            response = await client.execute_command(
-                *command, self._stream, after, target_nodes=node
-            )
+            async with asyncio.timeout(self._deadline):
+                response = await client.execute_command(
+                    *command, self._stream, after, target_nodes=node
+                )
             return list(response[0][1]) if response else []
-        reply = await direct.execute_command(
-            as_single_node(client), *command, self._stream, after
-        )
+        async with asyncio.timeout(self._deadline):
+            reply = await direct.execute_command(
+                as_single_node(client), *command, self._stream, after
+            )
         return xread_entries(reply)
 
     def _apply_tags(self, raw: bytes | None) -> None:
@@ -277,11 +284,15 @@ class BackplaneListener:
         (readers skip it). From then on a missing stream means it was deleted - a gap -
         rather than "nothing was invalidated yet", so a fleet that never invalidates
         doesn't clear L1 after every blip."""
-        newest: Any = await self._client.xrevrange(self._stream, count=1)
+        async with asyncio.timeout(self._deadline):
+            newest: Any = await self._client.xrevrange(self._stream, count=1)
         if newest:
             return bytes(newest[0][0])
         try:
-            marker: Any = await self._client.xadd(self._stream, {"origin": self._origin or b"-"})
+            async with asyncio.timeout(self._deadline):
+                marker: Any = await self._client.xadd(
+                    self._stream, {"origin": self._origin or b"-"}
+                )
         except OutOfMemoryError:
             # A Redis full under noeviction refuses even the marker (the first instances
             # of a fleet on a full Redis): start before everything instead, so whatever
@@ -294,7 +305,8 @@ class BackplaneListener:
     async def _check_gap(self, position: bytes) -> None:
         """After a disconnect or a long read: were entries after ``position`` trimmed?"""
         try:
-            info: Any = await self._client.xinfo_stream(self._stream)
+            async with asyncio.timeout(self._deadline):
+                info: Any = await self._client.xinfo_stream(self._stream)
         except RedisError as exc:
             if "no such key" not in str(exc).lower():
                 raise

@@ -92,7 +92,7 @@ class LayeredCache(HitPath):
         for name, value_type in (value_types or {}).items():
             self.namespace(name)._declare_type(value_type, by="value_types")
         self._backplane, self._fallback = startup.followers(
-            parts, self._coherence, config.backplane
+            parts, self._coherence, config.backplane, config.redis
         )
         detecting = any(ns.policy.hot is not None and ns.policy.hot.threshold for ns in self)
         self._hot_reporter = (

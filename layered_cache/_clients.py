@@ -147,7 +147,7 @@ def check_redis_py(version: str) -> None:
         )
 
 
-def make_client(config: RedisConfig) -> RedisClient:
+def make_client(config: RedisConfig, *, caller_bounds_commands: bool = False) -> RedisClient:
     """A redis.asyncio client for the config: RedisCluster when ``cluster = true``.
 
     No client retries automatically: a retry would multiply the time a request waits
@@ -156,9 +156,16 @@ def make_client(config: RedisConfig) -> RedisClient:
     healthy masters too) on each attempt: a failover stalled every request for
     seconds (issue 21). The cluster client still follows MOVED/ASK (that is routing,
     not a retry) and refreshes its slot map in the background (``_topology``).
+
+    ``caller_bounds_commands``: no socket timeout, the caller puts a deadline on every
+    command it sends (single node only; ``listener_connection`` says why).
     """
     check_redis_py(redis_py_version)
     kwargs = _client_kwargs(config)
+    if caller_bounds_commands:
+        if config.cluster:
+            raise ValueError("a cluster client keeps its socket timeout")
+        kwargs["socket_timeout"] = None
     if config.cluster:
         seeds = [ClusterNode(*_host_port(node)) for node in config.nodes]
         return RefreshingCluster.from_url(
@@ -202,23 +209,33 @@ def _with_netloc(url: str, node: str) -> str:
 
 
 def listener_connection(config: RedisConfig, backplane: BackplaneConfig) -> RedisClient:
-    """The backplane listener's own client: a blocking XREAD holds a connection, and
-    needs a socket timeout longer than its block time. With ``backplane.relay`` it is a
-    plain connection to the relay (``_relay``), which serves XREAD whatever L2 is."""
-    config = with_timeout(config, backplane.block + 1.0)
-    if not backplane.relay:
-        return make_client(config)
-    return relay_client(backplane.relay, config)
+    """The backplane listener's own client: a blocking XREAD holds a connection. With
+    ``backplane.relay`` it is a plain connection to the relay (``_relay``), which serves
+    XREAD whatever L2 is.
+
+    On a single node or a relay, no socket timeout: the listener bounds each of its
+    commands itself (``asyncio.timeout``, ``BackplaneListener``). redis-py wraps every
+    send of a client that has a socket timeout in ``asyncio.wait_for``, a Task and three
+    more event-loop iterations per command (five instead of two), which every instance
+    pays on every wake of its listener (docs/benchmarks.md, "set()"). A cluster keeps one
+    longer than the block time: its background slot-map refreshes use the client too."""
+    if backplane.relay:
+        return relay_client(backplane.relay, config, caller_bounds_commands=True)
+    if config.cluster:
+        return make_client(with_timeout(config, backplane.block + 1.0))
+    return make_client(config, caller_bounds_commands=True)
 
 
-def relay_client(url: str, config: RedisConfig) -> redis.Redis:
+def relay_client(
+    url: str, config: RedisConfig, *, caller_bounds_commands: bool = False
+) -> redis.Redis:
     """A connection to a backplane relay (an instance's listener, or a relay following
-    another): ``config``'s timeouts, no credentials or TLS (the relay has neither), no
-    retry (the callers reconnect with their own backoff), RESP2 (all the relay speaks,
-    ``_resp``)."""
+    another): ``config``'s timeouts (no socket timeout with ``caller_bounds_commands``),
+    no credentials or TLS (the relay has neither), no retry (the callers reconnect with
+    their own backoff), RESP2 (all the relay speaks, ``_resp``)."""
     return redis.Redis.from_url(
         url,
-        socket_timeout=config.timeout,
+        socket_timeout=None if caller_bounds_commands else config.timeout,
         socket_connect_timeout=config.connect_timeout,
         retry=Retry(NoBackoff(), 0),
         protocol=2,

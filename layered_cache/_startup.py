@@ -79,10 +79,12 @@ async def listening(
 
 
 def followers(
-    parts: CacheParts, coherence: Coherence, backplane: BackplaneConfig
+    parts: CacheParts, coherence: Coherence, backplane: BackplaneConfig, redis: RedisConfig
 ) -> tuple[BackplaneListener | None, FallbackSubscriber | None]:
     """What keeps L1 coherent with the fleet: the backplane stream's reader and the
-    fallback channel's subscriber (``_fallback``); both None with the backplane off."""
+    fallback channel's subscriber (``_fallback``); both None with the backplane off.
+    A listener command may take its block time plus a connect plus a second: the bound
+    its client's socket timeouts used to give (``_clients.listener_connection``)."""
     if parts.listener_client is None or parts.stream is None or parts.fallback_client is None:
         return None, None
     listener = BackplaneListener(
@@ -95,6 +97,7 @@ def followers(
         coalesce=backplane.coalesce,
         maxlen=backplane.maxlen,
         origin=parts.instance_id,
+        timeout=redis.connect_timeout + 1.0,
     )
     fallback = FallbackSubscriber(
         parts.fallback_client,

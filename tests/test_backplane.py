@@ -14,6 +14,7 @@ from typing import Any
 
 from layered_cache import LayeredCache
 from tests.helpers import CountingLoader, eventually, in_l1, make_config
+from tests.servers import RedisServer
 
 
 class CuttableProxy:
@@ -253,3 +254,32 @@ async def test_a_cut_shows_as_disconnected_with_growing_lag_until_caught_up(
         assert await eventually(lambda: b.backplane_status().lag_seconds == 0, timeout=5)  # type: ignore[union-attr]
         status = b.backplane_status()
         assert status is not None and status.connected and status.entries_applied == 1
+
+
+async def test_listener_of_a_redis_that_stops_answering_gives_up_its_read_and_catches_up(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The listener's client has no socket timeout (``_clients.listener_connection``:
+    redis-py's per-send ``wait_for`` costs every instance three loop iterations per
+    wake); each command carries its own deadline instead: block + connect_timeout + 1 s.
+    A Redis that hangs (SIGSTOP: connections stay open, nothing answers) must cut the
+    blocked XREAD and the reconnect's handshake at that deadline, not hold them forever;
+    once it answers again the listener is back and hears the next invalidation."""
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+    config = make_config(redis_server.url, prefix, namespaces, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        assert b._backplane is not None
+        assert await eventually(b._backplane.connected.is_set)
+        await b.get_or_load("book", {"id": 1}, CountingLoader("v1"))
+        redis_server.pause()
+        try:
+            started = asyncio.get_running_loop().time()
+            # Deadline 0.2 + 0.2 + 1.0 s; a read that never ends would never get here.
+            assert await eventually(lambda: not b._backplane.connected.is_set(), timeout=6)  # type: ignore[union-attr]
+            assert asyncio.get_running_loop().time() - started < 5
+        finally:
+            redis_server.resume()
+        assert await eventually(b._backplane.connected.is_set, timeout=10)
+        assert in_l1(b, 1)
+        await a.invalidate("book", {"id": 1})
+        assert await eventually(lambda: not in_l1(b, 1), timeout=5)
