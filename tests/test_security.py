@@ -361,14 +361,22 @@ def test_redact_masks_shapes_and_known_secrets() -> None:
 def test_a_password_with_a_colon_in_a_userless_url_is_masked_whole_wherever_printed() -> None:
     """Found by hypothesis: ``redis://{pw}@host`` with a ``:`` in the password reads as
     user:password, and a log field holding the whole password showed its first piece."""
+    password = "v8XxzKv=kvV8ZQ87z:qKVxjX8,"
+    shown = _printed_whole(f"redis://{password}@127.0.0.1:6379/0", password)
+    assert "v8XxzKv" not in shown and "qKVxjX8" not in shown, shown
+
+
+def _printed_whole(url: str, password: str) -> str:
+    """A log line holding ``password`` and ``url`` as written, once the URL's secrets are
+    remembered as a config load remembers them."""
     from layered_cache._redact import forget_secrets, remember_url_secrets
 
-    password = "v8XxzKv=kvV8ZQ87z:qKVxjX8,"
     forget_secrets()
-    remember_url_secrets(f"redis://{password}@127.0.0.1:6379/0")
-    shown = redact(str({"password": password, "url": f"redis://{password}@127.0.0.1:6379/0"}))
-    assert "v8XxzKv" not in shown and "qKVxjX8" not in shown, shown
-    forget_secrets()
+    try:
+        remember_url_secrets(url)
+        return redact(str({"password": password, "url": url}))
+    finally:
+        forget_secrets()
 
 
 def test_a_query_password_holding_an_ampersand_is_masked_whole_wherever_printed() -> None:
@@ -377,11 +385,9 @@ def test_a_query_password_holding_an_ampersand_is_masked_whole_wherever_printed(
     "A&B?&ssl=false" (the run to its end), so a log field holding the password as
     written, "A&B?", showed "***&B?"."""
     password = "zZV9kVx~KKq8xQ9q&KKq8xQ9q?"
-    url = f"redis://127.0.0.1:6379/0?db=0&password={password}&ssl=false"
-    forget_secrets()
-    remember_url_secrets(url)
-    shown = redact(str({"password": password, "url": url}))
+    shown = _printed_whole(f"redis://127.0.0.1:6379/0?db=0&password={password}&ssl=false", password)
     assert "zZV9kVx" not in shown and "KKq8xQ9q" not in shown, shown
+    forget_secrets()
     # The parameter after the password is not a secret: its value still shows.
     remember_url_secrets("redis://h/0?password=hunter22&x9x9x9&ssl_cert_reqs=none")
     assert redact("x9x9x9 hunter22 none") == "*** *** none"
@@ -393,9 +399,5 @@ def test_a_query_password_holding_a_space_is_masked_whole_wherever_printed() -> 
     password runs past the space (a query parser keeps it), but only the run up to the
     space was remembered, and ``config check`` showed "***@*** 777778:"."""
     password = "777777@777777 777778:"
-    url = f"unix:///nonexistent/redis.sock?password={password}"
-    forget_secrets()
-    remember_url_secrets(url)
-    shown = redact(str({"password": password, "url": url}))
+    shown = _printed_whole(f"unix:///nonexistent/redis.sock?password={password}", password)
     assert "777777" not in shown and "777778" not in shown, shown
-    forget_secrets()
