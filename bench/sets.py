@@ -95,12 +95,9 @@ async def run(env: BenchEnv) -> Section:
     n, repeats = (300, 3) if env.quick else (2_000, 9)
     prefix = unique_prefix("sets")
     url = env.redis_url()
-    config = make_config(
-        url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "10m", "max_entries": 10_000}}}
-    )
-    deaf = make_config(
-        url, f"{prefix}deaf:", {"book": {"key": "book:{id}", "l1": {"ttl": "10m", "max_entries": 10_000}}}
-    )
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "10m", "max_entries": 10_000}}}
+    config = make_config(url, prefix, namespaces)
+    deaf = make_config(url, f"{prefix}deaf:", namespaces)
     plain = Redis.from_url(url)
     timed = Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
     cpu: CpuLog = {}

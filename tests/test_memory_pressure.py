@@ -83,10 +83,10 @@ async def kept_full(url: str) -> AsyncIterator[None]:
 
 async def over_the_limit(url: str, margin: int = 64 * 1024) -> None:
     """Redis (noeviction, kept full) over its limit by ``margin`` bytes at least: the
-    limit goes below what it holds. Full "to the byte" leaves it over by whatever the
-    last accepted write brought (0-50 KB), and a command that frees a few hundred bytes
-    (an invalidation's DEL) could bring it under before its XADD: the XADD then lands,
-    and a test that needs it refused fails about once in a few hundred runs."""
+    limit goes below what it holds. "Kept full" leaves it within bytes of the limit,
+    often just under (used - maxmemory over 12 fills: -256 .. +16 B in 10, +12 KB in
+    2), so an append that must be refused (an XADD after an invalidation's DEL freed a
+    few hundred bytes) sometimes landed."""
     client = redis.Redis.from_url(url)
     try:
         used = (await client.info("memory"))["used_memory"]
