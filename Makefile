@@ -19,22 +19,25 @@ WITH_ENV := set -a; . .run/redis.env; . .run/kafka.env; set +a;
 
 .PHONY: venv demo test test-valkey test-django django-tests test-stress explore bench lint soak services-up services-down ensure-redis ensure-varnish clean
 
+# Installs go through uv (deploy/local/install.sh says why), pip as the fallback.
+INSTALL := deploy/local/install.sh $(BIN)/python
+
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(INSTALL) -e '.[dev]'
 	touch $@
 
 # make demo installs only what the demo needs (the example, the daemon, the broker):
 # about 30 s and 100 MB on a fresh clone, instead of dev's test and lint tools (~500 MB).
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[demo]'
+	$(INSTALL) -e '.[demo]'
 	touch $@
 
 $(BENCH_STAMP): pyproject.toml $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(INSTALL) -e '.[dev,bench]'
 	touch $@
 
 ensure-redis:

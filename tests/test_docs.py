@@ -143,5 +143,5 @@ def test_make_demo_installs_the_demo_extra_not_dev_and_stops_what_it_started() -
     prerequisites = recipe.splitlines()[0].split()
     assert "$(DEMO_STAMP)" in prerequisites
     assert not {"venv", "services-up", "$(STAMP)"} & set(prerequisites)
-    assert "pip install -q -e '.[demo]'" in makefile.split("$(DEMO_STAMP):", 1)[1]
+    assert "$(INSTALL) -e '.[demo]'" in makefile.split("$(DEMO_STAMP):", 1)[1]
     assert "trap 'deploy/local/services.sh down" in recipe
