@@ -8,11 +8,12 @@ client doesn't use (it has no retries: ``_clients.make_client``). Packing bytes,
 int here and sending on the pooled connection cost ~40 µs less per ``set()`` and ~450 µs
 less per ``set_many`` of 100 on the bench machine (issue 17, docs/benchmarks.md).
 
-What stays redis-py's: the pool, connecting (AUTH, HELLO, health checks), the socket
-timeouts, the reply parser and its error classes (``OutOfMemoryError``,
+What stays redis-py's: the pool, connecting (AUTH, HELLO, health checks), the read's
+socket timeout, the reply parser and its error classes (``OutOfMemoryError``,
 ``NoScriptError``, ...), and dropping a connection whose reply was not read: its
 ``send_packed_command`` and ``read_response`` disconnect on any exception (a timeout, a
-cancellation), so a late reply is never read as the next command's.
+cancellation), so a late reply is never read as the next command's. The send's socket
+timeout becomes an ``asyncio.timeout`` (``_send`` says why).
 
 Callers go through the module (``_direct.execute_command(client, ...)``), never a name
 imported from it: the schedule explorer and the race tests wrap it as they wrap
@@ -21,9 +22,11 @@ redis-py's ``execute_command``, so these commands stay yield points and fault po
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -54,10 +57,35 @@ async def execute_command(client: Redis, *args: bytes | str | int) -> Any:
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
-        await connection.send_packed_command(pack_command(args))
+        await _send(connection, pack_command(args))
         return await connection.read_response()
     finally:
         await pool.release(connection)
+
+
+async def _send(connection: AbstractConnection, chunks: list[bytes]) -> None:
+    """redis-py's ``send_packed_command``, its socket timeout kept as an
+    ``asyncio.timeout`` around it instead of its ``asyncio.wait_for``.
+
+    Why: with a socket timeout set, redis-py runs every send in ``wait_for``, which on
+    Python 3.11 makes the send a Task of its own: three more event-loop iterations per
+    command (counted: 5 instead of 2 for a SET), each a round of syscalls, for a
+    write that almost never waits (the socket takes it at once; ``drain`` only waits
+    when Redis stops reading). With the timeout lifted for the call, redis-py sends on
+    its own no-timeout path (same error handling: any exception, the deadline's
+    cancellation included, disconnects the connection) and the deadline still holds.
+    The connection is ours alone between ``get_connection`` and ``release``, and the
+    read that follows uses the restored timeout."""
+    timeout = connection.socket_timeout
+    if not timeout:
+        await connection.send_packed_command(chunks)
+        return
+    connection.socket_timeout = None
+    try:
+        async with asyncio.timeout(timeout):
+            await connection.send_packed_command(chunks)
+    finally:
+        connection.socket_timeout = timeout
 
 
 async def evalsha(

@@ -15,6 +15,7 @@ from redis.exceptions import NoScriptError, ResponseError, TimeoutError
 from layered_cache import LayeredCache
 from layered_cache import _direct as direct
 from tests.helpers import eventually, make_config
+from tests.servers import RedisServer
 
 
 @pytest.fixture
@@ -102,6 +103,30 @@ async def test_a_timed_out_command_never_leaks_its_reply_to_the_next(
     assert await pusher.llen(queue) == 1
     await client.aclose()
     await pusher.aclose()
+
+
+async def test_a_send_into_a_redis_that_stopped_reading_ends_at_the_socket_timeout(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """``_direct`` sends without redis-py's per-send ``wait_for`` (``_send``), keeping
+    the socket timeout as a deadline of its own. A Redis that stops reading (SIGSTOP)
+    lets a large command fill the socket buffers, and then the write itself waits: it
+    must end at the timeout, drop the connection (half a command is on it), and leave
+    the pool fit for the next command once Redis is back."""
+    client = redis.Redis.from_url(redis_server.url, max_connections=1, socket_timeout=0.3)
+    key = f"{prefix}big"
+    assert await direct.execute_command(client, "PING") == b"PONG"  # connected
+    redis_server.pause()
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            await direct.execute_command(client, "SET", key, b"x" * 64_000_000)
+        assert asyncio.get_running_loop().time() - started < 3
+    finally:
+        redis_server.resume()
+    assert await direct.execute_command(client, "SET", key, b"small") == b"OK"
+    assert await direct.execute_command(client, "GET", key) == b"small"
+    await client.aclose()
 
 
 async def _blpop_gone(admin: redis.Redis) -> bool:
