@@ -186,7 +186,7 @@ class L2Store:
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
-                result = await self.bounded(self.client.get(name))
+                result = await self.bounded(self._get(name))
         except ResponseError as exc:
             if not is_key_error(exc):
                 breaker.failure(exc)
@@ -213,7 +213,16 @@ class L2Store:
             raise
         breaker.success()
         resurface_cancel(task, requested)
-        return result  # type: ignore[return-value]  # bytes: decode_responses is off
+        return result
+
+    def _get(self, name: str) -> Awaitable[bytes | None]:
+        """GET, packed by ``_direct`` on a single node: redis-py's per-send ``wait_for``
+        costs three event-loop iterations per command (``_direct._send``), as much CPU
+        as the GET itself on a VM where each iteration's syscalls are expensive. A
+        cluster routes through redis-py (MOVED/ASK, the slot map)."""
+        if self.cluster:
+            return self.client.get(name)  # type: ignore[return-value]  # bytes: decode_responses is off
+        return direct.execute_command(as_single_node(self.client), "GET", name)
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
         """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""

@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio.client as redis_client
 
 from layered_cache import LayeredCache
+from layered_cache import _direct as direct
 from layered_cache._l2 import L2Unavailable
 from tests.helpers import make_config
 
@@ -70,17 +71,25 @@ class Hold:
             await self.release.wait()
 
 
+def _held(send: Any, held: Hold) -> Any:
+    """``send`` (a command: its first argument is the client, then the command's
+    name and arguments) with ``held``'s points before and after it."""
+
+    async def command(client: Any, *args: Any, **kwargs: Any) -> Any:
+        name = str(args[0]).upper()
+        await held.point(name, args, "before")
+        result = await send(client, *args, **kwargs)
+        await held.point(name, args, "after")
+        return result
+
+    return command
+
+
 @pytest.fixture
 def hold() -> Iterator[Hold]:
     command, pipeline = redis_client.Redis.execute_command, redis_client.Pipeline.execute
+    packed = direct.execute_command  # GET and set()'s write on a single node
     held = Hold()
-
-    async def execute_command(self: Any, *args: Any, **kwargs: Any) -> Any:
-        name = str(args[0]).upper()
-        await held.point(name, args, "before")
-        result = await command(self, *args, **kwargs)
-        await held.point(name, args, "after")
-        return result
 
     async def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
         await held.point("PIPELINE", (), "before")
@@ -88,14 +97,16 @@ def hold() -> Iterator[Hold]:
         await held.point("PIPELINE", (), "after")
         return result
 
-    redis_client.Redis.execute_command = execute_command  # type: ignore[method-assign]
+    redis_client.Redis.execute_command = _held(command, held)  # type: ignore[method-assign]
     redis_client.Pipeline.execute = execute  # type: ignore[method-assign]
+    direct.execute_command = _held(packed, held)
     try:
         yield held
     finally:
         held.release.set()
         redis_client.Redis.execute_command = command  # type: ignore[method-assign]
         redis_client.Pipeline.execute = pipeline  # type: ignore[method-assign]
+        direct.execute_command = packed
 
 
 async def test_a_tag_version_fetched_before_an_invalidation_does_not_overwrite_the_newer_one(

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from layered_cache import LayeredCache
+from layered_cache import _direct as direct
 from tests.helpers import CountingLoader, make_config
 
 
@@ -26,24 +27,25 @@ def _raising_in_module(module: str) -> Any:
 
 
 async def test_an_attribute_error_inside_redis_py_is_a_redis_failure(
-    redis_url: str, prefix: str
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
     loader = CountingLoader("db")
     async with LayeredCache.from_config(config) as cache:
-        cache._store.client.get = _raising_in_module("redis.asyncio.cluster")  # type: ignore[method-assign]
+        # A single node's GET goes through _direct (redis-py's pool and connection).
+        monkeypatch.setattr(direct, "execute_command", _raising_in_module("redis.asyncio.connection"))
         assert await cache.get_or_load("book", {"id": 1}, loader) == "db"
         assert cache.stats()["book"]["redis_error"] == 1
         assert loader.calls == 1
 
 
 async def test_an_attribute_error_from_our_own_code_surfaces_as_the_bug_it_is(
-    redis_url: str, prefix: str
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
     loader = CountingLoader("db")
     async with LayeredCache.from_config(config) as cache:
-        cache._store.client.get = _raising_in_module("layered_cache._l2")  # type: ignore[method-assign]
+        monkeypatch.setattr(direct, "execute_command", _raising_in_module("layered_cache._l2"))
         with pytest.raises(AttributeError, match="writelines"):
             await cache.get_or_load("book", {"id": 1}, loader)
         assert cache.stats()["book"]["redis_error"] == 0

@@ -67,7 +67,7 @@ def shuffled_replies(seed: int) -> Iterator[None]:
         (redis_cluster.ClusterPipeline, "execute", True),
         (redis_client.Redis, "execute_command", False),
         (redis_cluster.RedisCluster, "execute_command", False),
-        (direct, "execute_command", False),  # set()'s write script on a single node
+        (direct, "execute_command", False),  # GET and set()'s write on a single node
     ]
     saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
     try:

@@ -207,7 +207,7 @@ def yield_points() -> Iterator[None]:
         (redis_client.Pipeline, "execute", "pipeline"),
         (redis_cluster.RedisCluster, "execute_command", "command"),
         (redis_cluster.ClusterPipeline, "execute", "pipeline"),
-        (direct, "execute_command", "command"),  # set()'s write script on a single node
+        (direct, "execute_command", "command"),  # GET and set()'s write on a single node
     ]
     saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
     try:
