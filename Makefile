@@ -84,7 +84,7 @@ $(CLIENT_PASS_DIR)/.installed: Makefile $(STAMP)
 
 test: ensure-redis ensure-varnish venv django-tests $(CLIENT_PASS_DIR)/.installed
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
-	REDIS_SERVER=valkey $(BIN)/pytest -q -m "not kafka" $(VALKEY_SMOKE)
+	REDIS_SERVER=valkey $(BIN)/pytest -q -m "not kafka" -n $(PYTEST_WORKERS) $(VALKEY_SMOKE)
 	REDIS_PARSER=hiredis REDIS_PY_VERSION=$(REDIS_PY_OLDEST) PYTHONPATH=$(CLIENT_PASS_DIR) \
 		$(BIN)/pytest -q -m "not kafka" -n $(PYTEST_WORKERS) $(CLIENT_SMOKE)
 	REDIS_PROTOCOL=2 $(BIN)/pytest -q -m "not kafka" -n $(PYTEST_WORKERS) $(RESP2_SMOKE)
