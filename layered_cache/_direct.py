@@ -75,9 +75,13 @@ async def _send(connection: AbstractConnection, chunks: list[bytes]) -> None:
     its own no-timeout path (same error handling: any exception, the deadline's
     cancellation included, disconnects the connection) and the deadline still holds.
     The connection is ours alone between ``get_connection`` and ``release``, and the
-    read that follows uses the restored timeout."""
+    read that follows uses the restored timeout. redis-py's pool connects a connection
+    before handing it out; one that is not connected anyway takes redis-py's own path:
+    a connect (bounded by ``connect_timeout``) and its handshake (HELLO, AUTH, each
+    read bounded by the socket timeout) need not fit in one socket timeout, and a TLS
+    connect to a distant Redis would not."""
     timeout = connection.socket_timeout
-    if not timeout:
+    if not timeout or not connection.is_connected:
         await connection.send_packed_command(chunks)
         return
     connection.socket_timeout = None

@@ -14,6 +14,7 @@ from redis.exceptions import NoScriptError, ResponseError, TimeoutError
 
 from layered_cache import LayeredCache
 from layered_cache import _direct as direct
+from tests.faults.proxy import ToxicProxy
 from tests.helpers import eventually, make_config
 from tests.servers import RedisServer
 
@@ -127,6 +128,29 @@ async def test_a_send_into_a_redis_that_stopped_reading_ends_at_the_socket_timeo
     assert await direct.execute_command(client, "SET", key, b"small") == b"OK"
     assert await direct.execute_command(client, "GET", key) == b"small"
     await client.aclose()
+
+
+async def test_a_new_connection_whose_handshake_outlasts_the_socket_timeout_still_connects(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The send's deadline is one socket timeout; a new connection's connect and
+    handshake stay redis-py's (connect timeout, then each handshake read bounded by the
+    socket timeout), never inside that deadline. Every reply 0.2 s late, socket timeout
+    0.3 s: each read fits, the RESP3 handshake (HELLO, then redis-py's CLIENT SETINFO:
+    ~0.8 s here) does not fit in one 0.3 s, and the first command on a new connection
+    must still succeed."""
+    proxy = await ToxicProxy(redis_server.host, redis_server.port).start()
+    proxy.mode, proxy.latency = "latency", 0.2
+    client = redis.Redis.from_url(
+        proxy.url, protocol=3, socket_timeout=0.3, socket_connect_timeout=2.0
+    )
+    try:
+        key = f"{prefix}slow"
+        assert await direct.execute_command(client, "SET", key, b"v") == b"OK"
+        assert await direct.execute_command(client, "GET", key) == b"v"
+    finally:
+        await client.aclose()
+        await proxy.stop()
 
 
 async def _blpop_gone(admin: redis.Redis) -> bool:
