@@ -1,5 +1,7 @@
 """One command on a pooled connection of a single-node client, packed here rather than
-by redis-py: for the few commands whose arguments are many and of known types.
+by redis-py: the commands of the request path (the L2 GET; the miss path's lease, fill
+and release; set()'s write; DEL) and the backplane listener's XREAD, whose arguments
+are of known types.
 
 Why: ``set()``'s write is one EVALSHA of ~16 arguments and ``set_many``'s of ~6 per
 item (``_scripts.write_args``). ``Redis.execute_command`` runs each argument through

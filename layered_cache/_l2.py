@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -33,6 +34,7 @@ from layered_cache._clients import (
     REDIS_FAILURES,
     RedisClient,
     as_single_node,
+    is_cluster,
     raised_in_redis_py,
     resurface_cancel,
 )
@@ -100,6 +102,25 @@ def _get(client: RedisClient, cluster: bool, name: str) -> Awaitable[bytes | Non
     if cluster:
         return client.get(name)  # type: ignore[return-value]  # bytes: decode_responses is off
     return direct.execute_command(as_single_node(client), "GET", name)
+
+
+def _set_nx(
+    client: RedisClient, cluster: bool, name: str, value: str, ttl_ms: int
+) -> Awaitable[Any]:
+    """SET NX PX, packed by ``_direct`` on a single node (why: ``_get``)."""
+    if cluster:
+        return client.set(name, value, nx=True, px=ttl_ms)
+    return direct.execute_command(as_single_node(client), "SET", name, value, "NX", "PX", ttl_ms)
+
+
+def _script(
+    client: RedisClient, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
+) -> Awaitable[Any]:
+    """One of our scripts: an EVALSHA packed by ``_direct`` on a single node (why:
+    ``_get``; NOSCRIPT loads it through redis-py), redis-py's script object in a cluster."""
+    if is_cluster(client):
+        return script(keys=keys, args=args)
+    return direct.evalsha(as_single_node(client), script, keys, args)
 
 
 class L2Unavailable(Exception):
@@ -227,7 +248,8 @@ class L2Store:
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
         """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""
-        return bool(await self.guard(self.client.set(lease, token, nx=True, px=ttl_ms), lease))
+        operation = _set_nx(self.client, self.cluster, lease, token, ttl_ms)
+        return bool(await self.guard(operation, lease))
 
     async def fill(
         self,
@@ -242,11 +264,11 @@ class L2Store:
         """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
         inline_max = self.notify_inline_max
         args = fill_args(token, data, ttl_ms, channel, release, self.cluster, inline_max)
-        return bool(await self.guard(self._fill(keys=[key, lease], args=args), key))
+        return bool(await self.guard(_script(self.client, self._fill, [key, lease], args), key))
 
     async def release(self, lease: str, token: str) -> bool:
         """Compare-and-delete; False means the lease was revoked or taken over."""
-        return bool(await self.guard(self._release(keys=[lease], args=[token]), lease))
+        return bool(await self.guard(_script(self.client, self._release, [lease], [token]), lease))
 
     async def write_many(
         self, writes: Sequence[Write], announcement: Announcement | None = None
@@ -291,7 +313,8 @@ class L2Store:
         if not names:
             return 0
         if not self.cluster:
-            return int(await self.guard(self.client.delete(*names)))
+            client = as_single_node(self.client)
+            return int(await self.guard(direct.execute_command(client, "DEL", *names)))
         # One DEL per slot: names sharing a slot (a key and its ``{key}:lease``) go in
         # one command, so they vanish in the same instant - a script checking the lease
         # can't run between the two deletes.
@@ -347,7 +370,8 @@ class L2Store:
     async def read_under_lease(self, key: str, lease: str, token: str) -> tuple[bytes, int] | None:
         """``(value, pttl_ms)`` of ``key`` if ``token`` still held ``lease`` (which this
         releases), else None. Both names share a slot: one atomic script."""
-        result = await self.guard(self._read_under_lease(keys=[key, lease], args=[token]), key)
+        script = self._read_under_lease
+        result = await self.guard(_script(self.client, script, [key, lease], [token]), key)
         if not result:
             return None
         data, pttl = result
