@@ -32,6 +32,8 @@ from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+from layered_cache._readyqueue import others_are_ready
+
 __all__ = ["evalsha", "execute_command", "pack_command"]
 
 
@@ -83,7 +85,9 @@ async def _send(connection: AbstractConnection, chunks: list[bytes]) -> None:
     read bounded by the socket timeout) need not fit in one socket timeout, and a TLS
     connect to a distant Redis would not."""
     timeout = connection.socket_timeout
-    if not timeout or not connection.is_connected:
+    if not timeout or not connection.is_connected or others_are_ready():
+        # A burst (``_readyqueue``): redis-py's ``wait_for`` yields before the send,
+        # so the read timeouts start once every queued call has run.
         await connection.send_packed_command(chunks)
         return
     connection.socket_timeout = None

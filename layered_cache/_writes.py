@@ -20,21 +20,10 @@ from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable, Write
 from layered_cache._memory_policy import refused_for_memory
 from layered_cache._policy import Policy
+from layered_cache._readyqueue import others_are_ready
 from layered_cache._runtime import Runtime
 
 __all__ = ["Writes"]
-
-
-def _others_are_ready() -> bool:
-    """Whether other callbacks wait in the event loop's ready queue: a burst (a
-    ``gather`` of many set() calls) queues every call's first step at once. A lone
-    set() finds the queue empty and skips the yield: one event-loop iteration of
-    three, each a round of syscalls (``epoll_wait`` among them) that cost ~15 % of a
-    set() on the bench VM. asyncio has no public way to ask; the default loop keeps
-    the queue in ``_ready`` (every CPython since 3.4). A loop without it (uvloop) is
-    taken as busy: there the yield stays unconditional."""
-    ready = getattr(asyncio.get_running_loop(), "_ready", None)
-    return ready is None or len(ready) > 0
 
 
 class Writes:
@@ -64,7 +53,7 @@ class Writes:
             # Once more to the back of the loop's queue: in a burst, every other call
             # parks at the admission first, so the timeouts of our Redis round trips
             # (connect, read) start on a loop that is free to serve them.
-            if _others_are_ready():
+            if others_are_ready():  # a burst: see _readyqueue
                 await asyncio.sleep(0)
             await self._set_many(items, tags)
         # HTTP caches drop their copies (background; key names built only with a purger).

@@ -7,6 +7,7 @@ to the next command on the pool."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis.asyncio as redis
@@ -154,6 +155,29 @@ async def test_a_new_connection_whose_handshake_outlasts_the_socket_timeout_stil
     finally:
         await client.aclose()
         await proxy.stop()
+
+
+@pytest.mark.parametrize("command", ["get", "invalidate"])
+async def test_a_command_sent_while_other_work_is_queued_waits_only_for_its_own_reply(
+    redis_url: str, prefix: str, command: str
+) -> None:
+    """A busy loop must not time out our commands: 0.3 s of other work already queued
+    when a GET (or an invalidation's DEL) is sent, and a 0.1 s Redis timeout. Sent at
+    once with its read timeout started, the command would find its deadline passed by
+    the time the loop read the reply (a ``gather`` of 100 invalidations timed out this
+    way on a slow CI machine); with work queued it sends as redis-py does, after that
+    work ran (``_readyqueue``). Outcome: the value is read and no Redis error counted."""
+    config = make_config(redis_url, prefix, redis={"timeout": "100ms"})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v1")
+        cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        asyncio.get_running_loop().call_soon(time.sleep, 0.3)  # the queued work
+        if command == "get":
+            assert await cache.get("book", {"id": 1}) == "v1"
+        else:
+            await cache.invalidate("book", {"id": 1})
+        assert cache.stats()["book"]["redis_error"] == 0
+        assert cache.redis_status().breaker == "closed"
 
 
 async def _blpop_gone(admin: redis.Redis) -> bool:
