@@ -34,7 +34,6 @@ from layered_cache._clients import (
     REDIS_FAILURES,
     RedisClient,
     as_single_node,
-    is_cluster,
     raised_in_redis_py,
     resurface_cancel,
 )
@@ -94,33 +93,32 @@ async def _within(operation: Awaitable[T], seconds: float) -> T:
         return await operation
 
 
-def _get(client: RedisClient, cluster: bool, name: str) -> Awaitable[bytes | None]:
+def _get(store: L2Store, name: str) -> Awaitable[bytes | None]:
     """GET, packed by ``_direct`` on a single node: redis-py's per-send ``wait_for``
     costs a Task and three event-loop iterations per command (``_direct._send``),
     60-90 µs of CPU on the bench VM against ~170 µs for the whole GET without it. A
     cluster routes through redis-py (MOVED/ASK, the slot map)."""
-    if cluster:
-        return client.get(name)  # type: ignore[return-value]  # bytes: decode_responses is off
-    return direct.execute_command(as_single_node(client), "GET", name)
+    if store.cluster:
+        return store.client.get(name)  # type: ignore[return-value]  # bytes: decode_responses is off
+    return direct.execute_command(as_single_node(store.client), "GET", name)
 
 
-def _set_nx(
-    client: RedisClient, cluster: bool, name: str, value: str, ttl_ms: int
-) -> Awaitable[Any]:
+def _set_nx(store: L2Store, name: str, value: str, ttl_ms: int) -> Awaitable[Any]:
     """SET NX PX, packed by ``_direct`` on a single node (why: ``_get``)."""
-    if cluster:
-        return client.set(name, value, nx=True, px=ttl_ms)
-    return direct.execute_command(as_single_node(client), "SET", name, value, "NX", "PX", ttl_ms)
+    if store.cluster:
+        return store.client.set(name, value, nx=True, px=ttl_ms)
+    client = as_single_node(store.client)
+    return direct.execute_command(client, "SET", name, value, "NX", "PX", ttl_ms)
 
 
 def _script(
-    client: RedisClient, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
+    store: L2Store, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
 ) -> Awaitable[Any]:
     """One of our scripts: an EVALSHA packed by ``_direct`` on a single node (why:
     ``_get``; NOSCRIPT loads it through redis-py), redis-py's script object in a cluster."""
-    if is_cluster(client):
+    if store.cluster:
         return script(keys=keys, args=args)
-    return direct.evalsha(as_single_node(client), script, keys, args)
+    return direct.evalsha(as_single_node(store.client), script, keys, args)
 
 
 class L2Unavailable(Exception):
@@ -217,7 +215,7 @@ class L2Store:
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
-                result = await self.bounded(_get(self.client, self.cluster, name))
+                result = await self.bounded(_get(self, name))
         except ResponseError as exc:
             if not is_key_error(exc):
                 breaker.failure(exc)
@@ -248,8 +246,7 @@ class L2Store:
 
     async def acquire_lease(self, lease: str, token: str, ttl_ms: int) -> bool:
         """SET NX PX: the first caller gets the lease; it expires by itself if we crash."""
-        operation = _set_nx(self.client, self.cluster, lease, token, ttl_ms)
-        return bool(await self.guard(operation, lease))
+        return bool(await self.guard(_set_nx(self, lease, token, ttl_ms), lease))
 
     async def fill(
         self,
@@ -264,11 +261,11 @@ class L2Store:
         """Write ``key`` only while ``token`` holds ``lease`` (see FILL_SCRIPT)."""
         inline_max = self.notify_inline_max
         args = fill_args(token, data, ttl_ms, channel, release, self.cluster, inline_max)
-        return bool(await self.guard(_script(self.client, self._fill, [key, lease], args), key))
+        return bool(await self.guard(_script(self, self._fill, [key, lease], args), key))
 
     async def release(self, lease: str, token: str) -> bool:
         """Compare-and-delete; False means the lease was revoked or taken over."""
-        return bool(await self.guard(_script(self.client, self._release, [lease], [token]), lease))
+        return bool(await self.guard(_script(self, self._release, [lease], [token]), lease))
 
     async def write_many(
         self, writes: Sequence[Write], announcement: Announcement | None = None
@@ -371,7 +368,7 @@ class L2Store:
         """``(value, pttl_ms)`` of ``key`` if ``token`` still held ``lease`` (which this
         releases), else None. Both names share a slot: one atomic script."""
         script = self._read_under_lease
-        result = await self.guard(_script(self.client, script, [key, lease], [token]), key)
+        result = await self.guard(_script(self, script, [key, lease], [token]), key)
         if not result:
             return None
         data, pttl = result
