@@ -61,9 +61,10 @@ VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py
 # that pass only; the main pass keeps the venv's newest redis-py and its Python parser.
 REDIS_PY_OLDEST := 8.0.0
 CLIENT_PASS_DIR := .run/client-pass
-CLIENT_SMOKE := tests/test_direct.py tests/test_backplane.py tests/test_relay.py \
-	tests/test_cancellation.py tests/test_invalidation_wins.py tests/test_core.py \
-	tests/test_batch.py tests/test_fill_notify.py tests/test_set_race.py tests/test_cluster.py \
+CLIENT_SMOKE := tests/test_direct.py tests/test_held_connection.py tests/test_stream.py \
+	tests/test_backplane.py tests/test_relay.py tests/test_cancellation.py \
+	tests/test_invalidation_wins.py tests/test_core.py tests/test_batch.py \
+	tests/test_fill_notify.py tests/test_set_race.py tests/test_cluster.py \
 	tests/test_redis_py_version.py
 
 # And a RESP2 pass: every fixture server's URL asks for RESP2 (REDIS_PROTOCOL=2 adds

@@ -141,6 +141,8 @@ class BackplaneListener:
         timeout: float = 1.5,
     ) -> None:
         self._client = client
+        # A single node's (or a relay's) XREADs: one connection, held (``_direct``).
+        self._reads = None if is_cluster(client) else direct.HeldConnection(as_single_node(client))
         # One command's deadline: the block time, plus ``timeout`` for a connect and the
         # reply. The listener's client has no socket timeout on a single node or a relay
         # (``_clients.listener_connection``): this is the only bound there.
@@ -197,6 +199,9 @@ class BackplaneListener:
             await asyncio.wait({task}, timeout=1.0)
         if task.done() and not task.cancelled():
             task.exception()
+        if self._reads is not None:
+            with contextlib.suppress(Exception):
+                await self._reads.close()
 
     async def _run(self) -> None:
         backoff = Backoff(base=_RECONNECT_BASE, cap=_RECONNECT_CAP)
@@ -240,11 +245,12 @@ class BackplaneListener:
     async def _xread(self, after: bytes) -> list[Entry]:
         """One blocking XREAD; its entries (none when the block timed out).
 
-        On a single node (or a relay) packed and parsed here (``_direct``): every
-        instance's listener wakes for the fleet's writes, and redis-py's ``xread()``
-        (its command machinery, then a reply callback building a dict per entry) cost
-        about 25-35 µs of the listener's 62-99 µs of CPU per entry in a quick
-        measurement on the bench machine (issue 17's notes, noisy). In a
+        On a single node (or a relay) sent on a connection held for the listener and
+        parsed in one pass (``_direct.HeldConnection``): every instance's listener
+        wakes for the fleet's writes, and redis-py's ``xread()`` (its command
+        machinery, pool checkout, a parser that awaits each element, a reply callback
+        building a dict per entry) was most of the listener's CPU per entry on the
+        bench machine (docs/benchmarks.md, "set()"). In a
         cluster it goes straight to the master that owns the stream's slot: redis-py
         can't tell XREAD's key from its position in the command (its keys move), so it
         asked the server with ``COMMAND GETKEYS`` before every read, one extra round
@@ -260,10 +266,9 @@ class BackplaneListener:
                     *command, self._stream, after, target_nodes=node
                 )
             return list(response[0][1]) if response else []
+        assert self._reads is not None
         async with asyncio.timeout(self._deadline):
-            reply = await direct.execute_command(
-                as_single_node(client), *command, self._stream, after
-            )
+            reply = await self._reads.execute(*command, self._stream, after)
         return xread_entries(reply)
 
     def _apply_tags(self, raw: bytes | None) -> None:

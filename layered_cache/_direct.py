@@ -17,6 +17,10 @@ socket timeout, the reply parser and its error classes (``OutOfMemoryError``,
 cancellation), so a late reply is never read as the next command's. The send's socket
 timeout becomes an ``asyncio.timeout`` (``_send`` says why).
 
+``HeldConnection`` is the same for a caller that sends one command at a time for as long
+as it lives (the backplane listener's XREAD): it keeps its connection between commands
+and parses replies itself (``_replies``).
+
 Callers go through the module (``_direct.execute_command(client, ...)``), never a name
 imported from it: the schedule explorer and the race tests wrap it as they wrap
 redis-py's ``execute_command``, so these commands stay yield points and fault points.
@@ -30,11 +34,15 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from layered_cache._readyqueue import others_are_ready
+from layered_cache._replies import ReplyParser
 
-__all__ = ["evalsha", "execute_command", "pack_command"]
+__all__ = ["HeldConnection", "evalsha", "execute_command", "pack_command"]
+
+_READ_SIZE = 65536
 
 
 def pack_command(args: tuple[bytes | str | int, ...]) -> list[bytes]:
@@ -107,3 +115,65 @@ async def evalsha(
         return await execute_command(client, "EVALSHA", script.sha, len(keys), *keys, *args)
     except NoScriptError:
         return await script(keys=keys, args=args)
+
+
+class HeldConnection:
+    """A connection of ``client``'s pool held from one command to the next, for a caller
+    that sends one command at a time, on and on: the backplane listener, whose every
+    wake is one XREAD.
+
+    Why: the listener wakes for every burst of entries the fleet appends, and per wake
+    redis-py's pool checkout and return cost ~16-19 µs of CPU (redis-py 8: a lock,
+    counters, an event dispatch), and its parser ~19 µs per entry (``_replies`` says
+    why). Here the connection stays checked out and the reply is read from its socket
+    in as few reads as it arrived in, then parsed in one pass.
+
+    Any exception while a command is in flight (a deadline's cancellation included)
+    disconnects and returns the connection, as redis-py does: its unread reply must
+    never be read as the next command's. The next command checks out a fresh one. An
+    error reply raises redis-py's exception for it and keeps the connection (the reply
+    was read whole). Reading the socket uses the connection's ``_reader`` (redis-py's
+    asyncio ``StreamReader``, which its own parsers read too): pinned by
+    ``tests/test_held_connection.py``, which ``make test`` also runs on the oldest
+    redis-py it supports, with hiredis."""
+
+    def __init__(self, client: Redis) -> None:
+        self._client = client
+        self._connection: AbstractConnection | None = None
+        self._parser = ReplyParser()
+
+    async def execute(self, *args: bytes | str | int) -> Any:
+        connection = self._connection
+        if connection is None:
+            connection = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+            self._connection, self._parser = connection, ReplyParser()
+        try:
+            await _send(connection, pack_command(args))
+            reply = await self._read(connection)
+        except BaseException:
+            await self.close()
+            raise
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def _read(self, connection: AbstractConnection) -> Any:
+        parser = self._parser
+        while True:
+            done, reply = parser.reply()
+            if done:
+                return reply
+            reader = connection._reader
+            data = await reader.read(_READ_SIZE) if reader is not None else b""
+            if not data:
+                raise RedisConnectionError("Connection closed by server.")
+            parser.feed(data)
+
+    async def close(self) -> None:
+        """Disconnect the held connection (if any) and return it to the pool."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                await connection.disconnect(nowait=True)
+            finally:
+                await self._client.connection_pool.release(connection)

@@ -89,6 +89,7 @@ def _held(send: Any, held: Hold) -> Any:
 def hold() -> Iterator[Hold]:
     command, pipeline = redis_client.Redis.execute_command, redis_client.Pipeline.execute
     packed = direct.execute_command  # GET and set()'s write on a single node
+    listener_reads = direct.HeldConnection.execute  # the listener's XREAD (ditto)
     held = Hold()
 
     async def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -100,6 +101,7 @@ def hold() -> Iterator[Hold]:
     redis_client.Redis.execute_command = _held(command, held)  # type: ignore[method-assign]
     redis_client.Pipeline.execute = execute  # type: ignore[method-assign]
     direct.execute_command = _held(packed, held)
+    direct.HeldConnection.execute = _held(listener_reads, held)  # type: ignore[method-assign]
     try:
         yield held
     finally:
@@ -107,6 +109,7 @@ def hold() -> Iterator[Hold]:
         redis_client.Redis.execute_command = command  # type: ignore[method-assign]
         redis_client.Pipeline.execute = pipeline  # type: ignore[method-assign]
         direct.execute_command = packed
+        direct.HeldConnection.execute = listener_reads  # type: ignore[method-assign]
 
 
 async def test_a_tag_version_fetched_before_an_invalidation_does_not_overwrite_the_newer_one(

@@ -8,8 +8,8 @@ command fails (before it reaches Redis, or after Redis ran it and the reply was 
 
 Production code carries no hook, so the points cost nothing there: ``yield_points()``
 patches redis-py's client classes (``execute_command`` and the pipelines' ``execute``),
-and ``layered_cache._direct.execute_command`` (the commands the library packs itself),
-for the duration of an exploration, and only tasks whose context holds a ``Probe`` are
+and ``layered_cache._direct``'s ``execute_command`` and ``HeldConnection.execute`` (the
+commands the library packs itself), for the duration of an exploration, and only tasks whose context holds a ``Probe`` are
 affected. The loaders of the explorer's world yield at their start and end themselves.
 
 Determinism: a seed fixes the program (which operations, on which instance) and every
@@ -208,6 +208,7 @@ def yield_points() -> Iterator[None]:
         (redis_cluster.RedisCluster, "execute_command", "command"),
         (redis_cluster.ClusterPipeline, "execute", "pipeline"),
         (direct, "execute_command", "command"),  # GET and set()'s write on a single node
+        (direct.HeldConnection, "execute", "command"),  # the listener's XREAD (ditto)
     ]
     saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
     try:

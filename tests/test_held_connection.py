@@ -1,0 +1,169 @@
+"""``_direct.HeldConnection``: the backplane listener's connection, kept between its
+XREADs and read by ``_replies``. What redis-py's own command path guaranteed must still
+hold: replies read as redis-py reads them (both protocols, any size), an error reply
+raises redis-py's exception, a read cancelled at any await or cut off by its server
+never hands its late reply to the next command, and nothing stays connected after the
+cache closes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+
+from layered_cache import LayeredCache
+from layered_cache import _direct as direct
+from tests.helpers import eventually, make_config
+from tests.servers import RedisServer
+
+
+@pytest.fixture(params=[2, 3], ids=["resp2", "resp3"])
+async def client(redis_url: str, request: pytest.FixtureRequest) -> Any:
+    # As the listener's client (``_clients.listener_connection``): no retries (redis-py's
+    # default retry reconnects after a cancellation that landed in its connect) and no
+    # socket timeout (with one, a send queued behind other work runs in redis-py's
+    # ``wait_for``, which on Python 3.11 drops a cancellation that lands as it finishes).
+    client = redis.Redis.from_url(
+        redis_url, protocol=request.param, retry=Retry(NoBackoff(), 0), socket_timeout=None
+    )
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def held(client: redis.Redis) -> Any:
+    held = direct.HeldConnection(client)
+    yield held
+    await held.close()
+
+
+def _plain(value: Any) -> Any:
+    """A reply with sets as sorted lists (redis-py reads a RESP3 set as a Python set)."""
+    if isinstance(value, set):
+        return sorted(value)
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+async def test_replies_of_every_kind_read_as_redis_pys_parser_reads_them(
+    client: redis.Redis, held: direct.HeldConnection, prefix: str
+) -> None:
+    raw = redis.Redis(connection_pool=client.connection_pool)
+    raw.response_callbacks.clear()  # redis-py's parser output, no reshaping
+    await client.hset(f"{prefix}h", mapping={"a": "1", "b": "2"})
+    await client.sadd(f"{prefix}s", "x", "y")
+    await client.rpush(f"{prefix}l", "1", "2", "3")
+    await client.zadd(f"{prefix}z", {"m": 1.5, "n": 2})
+    await client.xadd(f"{prefix}x", {"keys": b"\x91\xa1k", "origin": b""})
+    commands: list[tuple[Any, ...]] = [
+        ("PING",),
+        ("SET", f"{prefix}k", b"\x00\r\n\xff"),
+        ("GET", f"{prefix}k"),
+        ("GET", f"{prefix}missing"),
+        ("INCRBY", f"{prefix}n", 0),  # each command runs twice: no changing ones
+        ("INCRBYFLOAT", f"{prefix}f", "0"),
+        ("HGETALL", f"{prefix}h"),
+        ("SMEMBERS", f"{prefix}s"),
+        ("LRANGE", f"{prefix}l", 0, -1),
+        ("ZRANGE", f"{prefix}z", 0, -1, "WITHSCORES"),
+        ("XRANGE", f"{prefix}x", "-", "+"),
+        ("XREAD", "COUNT", 10, "STREAMS", f"{prefix}x", "0-0"),
+        ("XREAD", "COUNT", 10, "BLOCK", 10, "STREAMS", f"{prefix}x", "$"),
+        ("EXISTS", f"{prefix}k", f"{prefix}missing"),
+    ]
+    for command in commands:
+        expected = await raw.execute_command(*command)
+        assert _plain(await held.execute(*command)) == _plain(expected), command
+
+
+async def test_a_large_xread_reply_arriving_in_many_reads_is_read_whole(
+    client: redis.Redis, held: direct.HeldConnection, prefix: str
+) -> None:
+    stream = f"{prefix}big"
+    for start in range(0, 300, 50):
+        pipe = client.pipeline(transaction=False)
+        for i in range(start, start + 50):
+            pipe.xadd(stream, {"keys": bytes([i % 256]) * 10_000, "origin": str(i)})
+        await pipe.execute()
+    reply = await held.execute("XREAD", "COUNT", 1000, "STREAMS", stream, "0-0")
+    entries = reply[stream.encode()] if isinstance(reply, dict) else reply[0][1]
+    assert [fields[3] for _, fields in entries] == [str(i).encode() for i in range(300)]
+    assert all(fields[1] == bytes([i % 256]) * 10_000 for i, (_, fields) in enumerate(entries))
+    assert await held.execute("PING") in (b"PONG", "PONG")
+
+
+async def test_an_error_reply_raises_and_the_connection_serves_the_next_command(
+    client: redis.Redis, held: direct.HeldConnection, prefix: str
+) -> None:
+    own = await held.execute("CLIENT", "ID")
+    with pytest.raises(NoScriptError):
+        await held.execute("EVALSHA", "0" * 40, 0)
+    await client.rpush(f"{prefix}list", "x")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await held.execute("XREAD", "STREAMS", f"{prefix}list", "0-0")
+    assert await held.execute("CLIENT", "ID") == own  # the same connection, still in step
+
+
+async def test_a_read_cancelled_at_every_await_never_leaks_its_reply_to_the_next(
+    client: redis.Redis, held: direct.HeldConnection, prefix: str
+) -> None:
+    """A blocking XREAD is cancelled after 0, 1, 2, ... loop turns (while it checks out
+    its connection, sends, waits), then an entry lands, which a still-pending XREAD on
+    the connection would answer. Were the connection kept, the next command would read
+    that reply; instead it is dropped and every GET reads its own value. (A
+    cancellation that lands while redis-py connects surfaces as its TimeoutError, as in
+    tests/test_direct.py; the listener asks its task whether it was cancelled.)"""
+    key, stream = f"{prefix}value", f"{prefix}stream"
+    await client.set(key, "mine")
+    for turns in range(12):
+        read = asyncio.create_task(held.execute("XREAD", "BLOCK", 5_000, "STREAMS", stream, "$"))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        read.cancel()
+        with pytest.raises((asyncio.CancelledError, TimeoutError)):
+            await read
+        await client.xadd(stream, {"turn": turns})
+        assert await held.execute("GET", key) == b"mine", turns
+
+
+async def test_a_connection_its_server_closed_fails_one_command_and_the_next_reconnects(
+    client: redis.Redis, held: direct.HeldConnection
+) -> None:
+    own = await held.execute("CLIENT", "ID")
+    await client.client_kill_filter(_id=own)
+    with pytest.raises(ConnectionError):
+        await held.execute("PING")
+    assert await held.execute("CLIENT", "ID") != own
+    assert await held.execute("PING") in (b"PONG", "PONG")
+
+
+async def test_a_closed_cache_leaves_no_connection_behind(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The listener's held connection goes back to the pool and is closed with it."""
+    admin = redis.Redis.from_url(redis_server.url)
+    alone = len(await admin.client_list())
+    config = make_config(redis_server.url, prefix)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v")  # the listener reads its entry
+        assert await eventually(lambda: _entries_seen(cache) >= 1)
+    assert await eventually(lambda: _count(admin, alone))
+    await admin.aclose()
+
+
+def _entries_seen(cache: LayeredCache) -> int:
+    listener = cache._backplane  # the outcome is not visible otherwise
+    assert listener is not None
+    return listener.entries_seen
+
+
+async def _count(admin: redis.Redis, expected: int) -> bool:
+    return len(await admin.client_list()) == expected
