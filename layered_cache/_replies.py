@@ -91,7 +91,7 @@ class ReplyParser:
             self._position = end + 2
             if kind not in _AGGREGATES:
                 return (_scalar(kind, line),)
-            count = _number(line)
+            count = _length(line)
             if count < 0:
                 return (None,)  # a RESP2 null array
             if count == 0:
@@ -103,7 +103,7 @@ class ReplyParser:
     def _string(self, kind: int, line: bytearray, end: int) -> tuple[Any] | None:
         """A bulk (``$``, null as ``$-1``) or verbatim (``=``) string; None if its
         bytes have not all arrived."""
-        size = _number(line)
+        size = _length(line)
         if size < 0:
             self._position = end + 2
             return (None,)
@@ -137,6 +137,14 @@ def _number(line: bytearray) -> int:
         return int(line)
     except ValueError:
         raise ProtocolError(f"bad length or integer in a reply: {bytes(line[:32])!r}") from None
+
+
+def _length(line: bytearray) -> int:
+    """An aggregate's or a bulk string's length; -1 is RESP2's null."""
+    length = _number(line)
+    if length < -1:
+        raise ProtocolError(f"negative length in a reply: {length}")
+    return length
 
 
 def _scalar(kind: int, line: bytearray) -> Any:

@@ -18,7 +18,9 @@ from redis.exceptions import ConnectionError, NoScriptError, ResponseError, Time
 
 from layered_cache import LayeredCache
 from layered_cache import _direct as direct
-from tests.helpers import eventually, make_config
+from layered_cache._l1 import MISSING
+from tests.faults.proxy import ToxicProxy
+from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
 
 
@@ -167,3 +169,45 @@ def _entries_seen(cache: LayeredCache) -> int:
 
 async def _count(admin: redis.Redis, expected: int) -> bool:
     return len(await admin.client_list()) == expected
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_a_poisoned_xread_reply_reconnects_the_listener_and_loses_no_invalidation(
+    redis_server: RedisServer, prefix: str, protocol: int
+) -> None:
+    """The reply carrying another instance's invalidation reaches the listener as
+    bytes that are no reply at all. The listener drops the connection, reconnects, reads
+    from its last position again and applies the entry: its L1 copy goes, without a
+    whole-L1 clear, and later entries keep coming."""
+    proxy = await ToxicProxy(redis_server.host, redis_server.port).start()
+    url = f"?protocol={protocol}"
+    backplane = {"block": "200ms"}
+    local_config = make_config(proxy.url + url, prefix, backplane=backplane)
+    remote_config = make_config(redis_server.url + url, prefix, backplane=backplane)
+    poisoned: list[bytes] = []
+
+    def poison_the_first_xread_reply(data: bytes) -> bytes:
+        if not poisoned and data.startswith((b"%1\r\n", b"*1\r\n*2\r\n")):
+            poisoned.append(data)
+            return b"?not a reply\r\n"
+        return data
+
+    try:
+        async with (
+            LayeredCache.from_config(local_config) as local,
+            LayeredCache.from_config(remote_config) as remote,
+        ):
+            l1 = local.namespace("book").policy.l1
+            assert l1 is not None
+            for book in (1, 2):
+                assert await local.get_or_load("book", {"id": book}, CountingLoader("old")) == "old"
+            proxy.rewrite = poison_the_first_xread_reply
+            await remote.set("book", {"id": 1}, "new")
+            assert await eventually(lambda: l1.get(f"{prefix}book:1") is MISSING, timeout=8)
+            assert poisoned, "the entry reached the listener unpoisoned"
+            await remote.set("book", {"id": 2}, "new")  # and the listener reads on
+            assert await eventually(lambda: l1.get(f"{prefix}book:2") is MISSING, timeout=8)
+            assert await local.get("book", {"id": 1}) == "new"
+            assert local.backplane_status().gaps == 0
+    finally:
+        await proxy.stop()

@@ -86,6 +86,8 @@ def test_an_out_of_band_push_before_the_reply_is_skipped() -> None:
         b"?what\r\n",  # no such type
         b"$abc\r\n",  # a length that is no number
         b"*x\r\n",
+        b"$-2\r\n",  # only -1 is a null
+        b"*-7\r\n",
         b":12a\r\n",
         b"$3\r\nabcXY",  # a bulk string not followed by CRLF
         b",nope\r\n",

@@ -5,12 +5,14 @@ Modes (switchable while connections are open):
 - ``latency``: delay every chunk from the server by ``latency`` seconds.
 - ``blackhole``: accept connections and swallow bytes, never answer (a hung server).
 - ``cut()``: close every open connection now (a network blip).
+- ``rewrite``: a function applied to every chunk from the server (poison a reply).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Literal
 
 Mode = Literal["pass", "latency", "blackhole"]
@@ -21,6 +23,7 @@ class ToxicProxy:
         self.upstream = (upstream_host, upstream_port)
         self.mode: Mode = "pass"
         self.latency = 0.0
+        self.rewrite: Callable[[bytes], bytes] | None = None
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -77,6 +80,8 @@ class ToxicProxy:
                     continue
                 if not upstream and self.mode == "latency" and self.latency:
                     await asyncio.sleep(self.latency)
+                if not upstream and self.rewrite is not None:
+                    data = self.rewrite(data)
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
