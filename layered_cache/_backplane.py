@@ -20,24 +20,15 @@ import msgspec
 import structlog
 from redis.exceptions import OutOfMemoryError, RedisError
 
-from layered_cache import _direct as direct
 from layered_cache._backoff import Backoff
 from layered_cache._clients import (
     RedisClient,
-    as_single_node,
-    is_cluster,
     is_redis_failure,
     resurface_cancel,
     stop_if_cancelled,
 )
-from layered_cache._stream import (
-    Entry,
-    missed_entries,
-    oldest_entry,
-    parse_id,
-    trim_visible,
-    xread_entries,
-)
+from layered_cache._stream import Entry, missed_entries, oldest_entry, parse_id, trim_visible
+from layered_cache._stream_link import StreamLink
 
 __all__ = [
     "BackplaneListener",
@@ -141,18 +132,13 @@ class BackplaneListener:
         timeout: float = 1.5,
     ) -> None:
         self._client = client
-        # A single node's (or a relay's) XREADs: one connection, held (``_direct``).
-        self._reads = None if is_cluster(client) else direct.HeldConnection(as_single_node(client))
-        # One command's deadline: the block time, plus ``timeout`` for a connect and the
-        # reply. The listener's client has no socket timeout on a single node or a relay
-        # (``_clients.listener_connection``): this is the only bound there.
-        self._deadline = block + timeout
+        # Every command on the stream, each within block + ``timeout`` (a connect and
+        # the reply): see ``StreamLink``.
+        self._link = StreamLink(client, stream, block, batch, block + timeout)
         self._stream = stream
         self._on_keys = on_keys
         self._on_gap = on_gap
         self._on_tags = on_tags
-        self._block_ms = max(1, int(block * 1000))
-        self._batch = batch
         self._coalesce = coalesce
         self._trim_visible = trim_visible(batch, maxlen)
         self._cleared_through = (0, 0)  # entries up to this one are covered by an L1 clear
@@ -199,9 +185,8 @@ class BackplaneListener:
             await asyncio.wait({task}, timeout=1.0)
         if task.done() and not task.cancelled():
             task.exception()
-        if self._reads is not None:
-            with contextlib.suppress(Exception):
-                await self._reads.close()
+        with contextlib.suppress(Exception):
+            await self._link.close()
 
     async def _run(self) -> None:
         backoff = Backoff(base=_RECONNECT_BASE, cap=_RECONNECT_CAP)
@@ -243,33 +228,9 @@ class BackplaneListener:
                 await asyncio.sleep(backoff.next_delay())
 
     async def _xread(self, after: bytes) -> list[Entry]:
-        """One blocking XREAD; its entries (none when the block timed out).
-
-        On a single node (or a relay) sent on a connection held for the listener and
-        parsed in one pass (``_direct.HeldConnection``): every instance's listener
-        wakes for the fleet's writes, and redis-py's ``xread()`` (its command
-        machinery, pool checkout, a parser that awaits each element, a reply callback
-        building a dict per entry) was most of the listener's CPU per entry on the
-        bench machine (docs/benchmarks.md, "set()"). In a
-        cluster it goes straight to the master that owns the stream's slot: redis-py
-        can't tell XREAD's key from its position in the command (its keys move), so it
-        asked the server with ``COMMAND GETKEYS`` before every read, one extra round
-        trip per read per instance (issue 20). After a failover or resharding the node
-        answers MOVED: redis-py refreshes its slot map, the read fails like a dropped
-        connection, and the next one asks the map again."""
-        client = self._client
-        command = ("XREAD", "COUNT", self._batch, "BLOCK", self._block_ms, "STREAMS")
-        if is_cluster(client):
-            node = client.get_node_from_key(self._stream)
-            async with asyncio.timeout(self._deadline):
-                response = await client.execute_command(
-                    *command, self._stream, after, target_nodes=node
-                )
-            return list(response[0][1]) if response else []
-        assert self._reads is not None
-        async with asyncio.timeout(self._deadline):
-            reply = await self._reads.execute(*command, self._stream, after)
-        return xread_entries(reply)
+        """One blocking XREAD (``StreamLink.xread``); a method of its own so that tests
+        can hold a read."""
+        return await self._link.xread(after)
 
     def _apply_tags(self, raw: bytes | None) -> None:
         if raw is None or self._on_tags is None:
@@ -289,15 +250,11 @@ class BackplaneListener:
         (readers skip it). From then on a missing stream means it was deleted - a gap -
         rather than "nothing was invalidated yet", so a fleet that never invalidates
         doesn't clear L1 after every blip."""
-        async with asyncio.timeout(self._deadline):
-            newest: Any = await self._client.xrevrange(self._stream, count=1)
-        if newest:
-            return bytes(newest[0][0])
+        newest = await self._link.newest_id()
+        if newest is not None:
+            return newest
         try:
-            async with asyncio.timeout(self._deadline):
-                marker: Any = await self._client.xadd(
-                    self._stream, {"origin": self._origin or b"-"}
-                )
+            return await self._link.add(self._origin or b"-")
         except OutOfMemoryError:
             # A Redis full under noeviction refuses even the marker (the first instances
             # of a fleet on a full Redis): start before everything instead, so whatever
@@ -305,13 +262,11 @@ class BackplaneListener:
             # pub/sub fallback (``_fallback``), which needs no memory.
             _log.warning("backplane_stream_not_created_redis_full", stream=self._stream)
             return b"0-0"
-        return marker.encode() if isinstance(marker, str) else bytes(marker)
 
     async def _check_gap(self, position: bytes) -> None:
         """After a disconnect or a long read: were entries after ``position`` trimmed?"""
         try:
-            async with asyncio.timeout(self._deadline):
-                info: Any = await self._client.xinfo_stream(self._stream)
+            info = await self._link.info()
         except RedisError as exc:
             if "no such key" not in str(exc).lower():
                 raise

@@ -1,7 +1,6 @@
 """One command on a pooled connection of a single-node client, packed here rather than
 by redis-py: the commands of the request path (the L2 GET; the miss path's lease, fill
-and release; set()'s write; DEL) and the backplane listener's XREAD, whose arguments
-are of known types.
+and release; set()'s write; DEL), whose arguments are of known types.
 
 Why: ``set()``'s write is one EVALSHA of ~16 arguments and ``set_many``'s of ~6 per
 item (``_scripts.write_args``). ``Redis.execute_command`` runs each argument through
@@ -18,8 +17,8 @@ cancellation), so a late reply is never read as the next command's. The send's s
 timeout becomes an ``asyncio.timeout`` (``_send`` says why).
 
 ``HeldConnection`` is the same for a caller that sends one command at a time for as long
-as it lives (the backplane listener's XREAD): it keeps its connection between commands
-and parses replies itself (``_replies``).
+as it lives (the backplane listener: ``_stream_link``): it keeps its connection between
+commands and parses replies itself (``_replies``).
 
 Callers go through the module (``_direct.execute_command(client, ...)``), never a name
 imported from it: the schedule explorer and the race tests wrap it as they wrap
@@ -120,7 +119,7 @@ async def evalsha(
 class HeldConnection:
     """A connection of ``client``'s pool held from one command to the next, for a caller
     that sends one command at a time, on and on: the backplane listener, whose every
-    wake is one XREAD.
+    wake is one XREAD (``_stream_link``).
 
     Why: the listener wakes for every burst of entries the fleet appends, and per wake
     redis-py's pool checkout and return cost ~16-19 µs of CPU (redis-py 8: a lock,

@@ -41,7 +41,7 @@ from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
-from layered_cache._stream import missed_entries, parse_id, trim_visible
+from layered_cache._stream import missed_entries, parse_id, stream_info, trim_visible
 
 __all__ = ["Relay", "RelayStatus"]
 
@@ -195,12 +195,11 @@ class Relay:
         """The listener's own test (``_stream.missed_entries``): were entries
         after ``last`` trimmed or deleted before we read them?"""
         try:
-            flat = await self._upstream.execute("XINFO", "STREAM", self._stream)
+            info = stream_info(await self._upstream.execute("XINFO", "STREAM", self._stream))
         except ResponseError as exc:
             if "no such key" in str(exc).lower():
                 return True
             raise
-        info = dict(zip(flat[::2], flat[1::2], strict=True))
         return missed_entries(info, parse_id(last))
 
     async def _read_once(self, tail: _Tail) -> bool:

@@ -15,6 +15,7 @@ __all__ = [
     "missed_entries",
     "oldest_entry",
     "parse_id",
+    "stream_info",
     "trim_visible",
     "xread_entries",
 ]
@@ -40,6 +41,15 @@ def xread_entries(reply: Any) -> list[Entry]:
         for entries in streams
         for entry_id, fields in entries
     ]
+
+
+def stream_info(reply: Any) -> dict[Any, Any]:
+    """XINFO STREAM's reply as a mapping: RESP3 sends a map, RESP2 (a relay, or
+    ``?protocol=2``) a flat [field, value, ...] array, and redis-py's ``xinfo_stream()``
+    has already made it a dict."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
 
 
 def trim_visible(batch: int, maxlen: int | None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -183,7 +184,8 @@ async def test_a_poisoned_xread_reply_reconnects_the_listener_and_loses_no_inval
     url = f"?protocol={protocol}"
     backplane = {"block": "200ms"}
     local_config = make_config(proxy.url + url, prefix, backplane=backplane)
-    remote_config = make_config(redis_server.url + url, prefix, backplane=backplane)
+    direct_url = redis_server.url.partition("?")[0] + url  # this test picks the protocol
+    remote_config = make_config(direct_url, prefix, backplane=backplane)
     poisoned: list[bytes] = []
 
     def poison_the_first_xread_reply(data: bytes) -> bytes:
@@ -211,3 +213,48 @@ async def test_a_poisoned_xread_reply_reconnects_the_listener_and_loses_no_inval
             assert local.backplane_status().gaps == 0
     finally:
         await proxy.stop()
+
+
+async def test_the_listener_keeps_one_connection_for_all_its_stream_commands(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Its start (XREVRANGE, XADD of the stream's first entry) and its gap checks (XINFO
+    STREAM: after a long read, with its XREAD connection still held, and after that
+    connection is killed) go over the connection its XREADs hold: no second connection
+    per instance sits idle in the listener's pool (a fleet's every instance keeps one
+    connection to the stream's node, not two)."""
+    admin = redis.Redis.from_url(redis_server.url)
+    config = make_config(redis_server.url, prefix, backplane={"block": "200ms", "maxlen": 5})
+    async with LayeredCache.from_config(config) as cache:
+        listener = cache._backplane  # the outcome is not visible otherwise
+        assert listener is not None
+        assert await eventually(lambda: _stream_commands_idle(admin))
+        # A read of 5 entries or more (maxlen): entries may have been trimmed before it.
+        stream = config.redis.prefix + config.backplane.stream
+        pipe = admin.pipeline(transaction=False)
+        for i in range(20):
+            pipe.xadd(stream, {"keys": msgspec.msgpack.encode([f"{prefix}book:{i}"])})
+        await pipe.execute()
+        assert await eventually(lambda: listener.entries_seen >= 20)
+        assert await eventually(lambda: _stream_commands_idle(admin))
+        killed = await _reading(admin)
+        await admin.client_kill_filter(_id=killed)
+        assert await eventually(lambda: _reading(admin, other_than=killed))  # reconnected
+        assert await eventually(lambda: _stream_commands_idle(admin))
+        assert listener.gaps == 0
+    await admin.aclose()
+
+
+async def _reading(admin: redis.Redis, other_than: str | None = None) -> str | None:
+    """The ID of a connection blocked in XREAD (other than ``other_than``)."""
+    for client in await admin.client_list():
+        if client.get("cmd") == "xread" and client["id"] != other_than:
+            return str(client["id"])
+    return None
+
+
+async def _stream_commands_idle(admin: redis.Redis) -> bool:
+    """One connection blocked in XREAD, none whose last command was one of the
+    listener's others."""
+    commands = [client.get("cmd") for client in await admin.client_list()]
+    return commands.count("xread") == 1 and not {"xrevrange", "xinfo|stream"} & set(commands)
