@@ -140,21 +140,33 @@ class HeldConnection:
         self._client = client
         self._connection: AbstractConnection | None = None
         self._parser = ReplyParser()
+        self._busy = False
 
     async def execute(self, *args: bytes | str | int) -> Any:
+        """Send ``args`` and return the reply. One command at a time: a second caller
+        while one is in flight would read the first one's reply, so it is refused."""
+        if self._busy:
+            raise RuntimeError("HeldConnection runs one command at a time")
+        self._busy = True
+        try:
+            reply = await self._round_trip(args)
+        finally:
+            self._busy = False
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def _round_trip(self, args: tuple[bytes | str | int, ...]) -> Any:
         connection = self._connection
         if connection is None:
             connection = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
             self._connection, self._parser = connection, ReplyParser()
         try:
             await _send(connection, pack_command(args))
-            reply = await self._read(connection)
+            return await self._read(connection)
         except BaseException:
             await self.close()
             raise
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
 
     async def _read(self, connection: AbstractConnection) -> Any:
         parser = self._parser

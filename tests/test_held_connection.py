@@ -115,6 +115,19 @@ async def test_an_error_reply_raises_and_the_connection_serves_the_next_command(
     assert await held.execute("CLIENT", "ID") == own  # the same connection, still in step
 
 
+async def test_a_second_command_while_one_is_in_flight_is_refused(
+    held: direct.HeldConnection, prefix: str
+) -> None:
+    """Two callers on one held connection would read each other's replies: the second
+    is refused at once and the first gets its own reply."""
+    blocked = asyncio.create_task(held.execute("XREAD", "BLOCK", 200, "STREAMS", f"{prefix}s", "$"))
+    await asyncio.sleep(0.05)
+    with pytest.raises(RuntimeError, match="one command at a time"):
+        await held.execute("PING")
+    assert await blocked is None
+    assert await held.execute("PING") in (b"PONG", "PONG")
+
+
 async def test_a_read_cancelled_at_every_await_never_leaks_its_reply_to_the_next(
     client: redis.Redis, held: direct.HeldConnection, prefix: str
 ) -> None:
