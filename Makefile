@@ -48,10 +48,12 @@ ensure-varnish:
 	deploy/local/ensure-varnish.sh
 
 # make test also runs, against Valkey, the scenarios where a Redis-compatible server could
-# differ (Lua scripts, streams and XINFO, cluster slots, keyspace edge cases): about 30 s.
+# differ (Lua scripts, streams and XINFO, the replies the listener parses itself, cluster
+# slots, keyspace edge cases): about 30 s.
 # make test-valkey runs the whole suite against Valkey (docs/operations.md, "Valkey").
 VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py \
-	tests/test_invalidation_wins.py tests/test_cluster.py
+	tests/test_held_connection.py tests/test_stream.py tests/test_invalidation_wins.py \
+	tests/test_cluster.py
 
 # make test ends with a second client pass: the scenarios that read replies off a
 # connection themselves (_direct, the backplane and relay readers), cancel mid-reply, or
