@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
-from layered_cache._keys import lease_name
+from layered_cache._keys import lease_name, replica_names
 from tests.helpers import make_config
 
 
@@ -345,3 +345,28 @@ async def test_keys_filled_by_a_batch_are_refreshed_early_like_single_reads(
     assert stats["early_refresh"] == 2  # each book once, before its expiry
     assert stats["miss"] == 2  # the cold page only: nobody hit the expiry cliff
     assert calls == 3  # the cold batch, then one refresh per book
+
+
+async def test_a_set_many_of_2500_keys_revokes_every_lease_and_replica_it_outdates(
+    redis_url: str, prefix: str
+) -> None:
+    """The write script deletes what a write outdates 1,000 names to a call: 2,500 keys
+    with 2 replicas each outdate 12,500 names (the lease, both replica leases, both
+    replicas), across 13 calls. Every one is gone and every key holds its new value."""
+    namespaces = {"book": {"key": "book:{id}", "l1": False, "hot": {"replicas": 2}}}
+    config = make_config(redis_url, prefix, namespaces)
+    admin = redis.Redis.from_url(redis_url)
+    keys = [f"{prefix}book:{i}" for i in range(2_500)]
+    outdated = [
+        name
+        for key in keys
+        for name in (lease_name(key), *map(lease_name, replica_names(key, 2)), *replica_names(key, 2))
+    ]  # what set() outdates for a key that is not hot here (_replicas.set_plan)
+    for start in range(0, len(outdated), 1_000):
+        await admin.mset({name: "in flight" for name in outdated[start : start + 1_000]})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set_many("book", [({"id": i}, f"v{i}") for i in range(2_500)])
+        assert await admin.exists(*outdated) == 0
+        assert await cache.get_many("book", _ids(2_500, start=0)) == [f"v{i}" for i in range(2_500)]
+    await admin.aclose()
+
