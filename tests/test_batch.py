@@ -14,6 +14,7 @@ import redis.asyncio as redis
 from layered_cache import LayeredCache
 from layered_cache._keys import lease_name, replica_names
 from tests.helpers import make_config
+from tests.servers import RedisServer
 
 
 class BatchLoader:
@@ -37,6 +38,8 @@ class BatchLoader:
 
 
 async def _commands(admin: redis.Redis, name: str) -> int:
+    """Calls of ``name`` the server has run (scripts' calls included): the tests that
+    count use a Redis of their own, since other tests run on the shared one meanwhile."""
     stats = await admin.info("commandstats")
     return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
 
@@ -45,9 +48,11 @@ def _ids(n: int, start: int = 1) -> list[dict[str, int]]:
     return [{"id": i} for i in range(start, start + n)]
 
 
-async def test_get_many_of_50_warm_keys_is_one_mget_in_order(redis_url: str, prefix: str) -> None:
-    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
-    admin = redis.Redis.from_url(redis_url)
+async def test_get_many_of_50_warm_keys_is_one_mget_in_order(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    config = make_config(redis_server.url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    admin = redis.Redis.from_url(redis_server.url)
     async with LayeredCache.from_config(config) as cache:
         await cache.set_many("book", [({"id": i}, f"v{i}") for i in range(1, 51)])
         mgets, gets = await _commands(admin, "mget"), await _commands(admin, "get")
@@ -59,9 +64,11 @@ async def test_get_many_of_50_warm_keys_is_one_mget_in_order(redis_url: str, pre
     await admin.aclose()
 
 
-async def test_get_many_answers_l1_hits_without_redis(redis_url: str, prefix: str) -> None:
-    admin = redis.Redis.from_url(redis_url)
-    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+async def test_get_many_answers_l1_hits_without_redis(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    admin = redis.Redis.from_url(redis_server.url)
+    async with LayeredCache.from_config(make_config(redis_server.url, prefix)) as cache:
         await cache.set_many("book", [({"id": i}, i) for i in range(1, 11)])
         mgets = await _commands(admin, "mget")
         assert await cache.get_many("book", _ids(10)) == list(range(1, 11))
@@ -181,10 +188,10 @@ async def test_a_batch_fill_that_loaded_before_an_invalidation_never_lands(
 
 
 async def test_set_many_is_one_round_trip_and_other_instances_drop_their_copies(
-    redis_url: str, prefix: str
+    redis_server: RedisServer, prefix: str
 ) -> None:
-    config = make_config(redis_url, prefix)
-    admin = redis.Redis.from_url(redis_url)
+    config = make_config(redis_server.url, prefix)
+    admin = redis.Redis.from_url(redis_server.url)
     async with (
         LayeredCache.from_config(config) as writer,
         LayeredCache.from_config(config) as reader,
