@@ -196,9 +196,11 @@ async def test_a_poisoned_xread_reply_reconnects_the_listener_and_loses_no_inval
     proxy = await ToxicProxy(redis_server.host, redis_server.port).start()
     url = f"?protocol={protocol}"
     backplane = {"block": "200ms"}
-    local_config = make_config(proxy.url + url, prefix, backplane=backplane)
+    # Long TTLs: only the backplane can drop the L1 copies within the test's waits.
+    book = {"book": {"key": "book:{id}", "l1": {"ttl": "1h"}, "l2": {"ttl": "1h"}}}
+    local_config = make_config(proxy.url + url, prefix, book, backplane=backplane)
     direct_url = redis_server.url.partition("?")[0] + url  # this test picks the protocol
-    remote_config = make_config(direct_url, prefix, backplane=backplane)
+    remote_config = make_config(direct_url, prefix, book, backplane=backplane)
     poisoned: list[bytes] = []
 
     def poison_the_first_xread_reply(data: bytes) -> bytes:
