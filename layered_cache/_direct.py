@@ -1,28 +1,28 @@
-"""One command on a pooled connection of a single-node client, packed here rather than
-by redis-py: the commands of the request path (the L2 GET; the miss path's lease, fill
-and release; set()'s write; DEL), whose arguments are of known types.
+"""Commands of a single-node client packed, sent and read here rather than by redis-py:
+the commands of the request path (the L2 GET; the miss path's lease, fill and release;
+set()'s write; DEL), whose arguments are of known types, and the backplane listener's.
 
 Why: ``set()``'s write is one EVALSHA of ~16 arguments and ``set_many``'s of ~6 per
 item (``_scripts.write_args``). ``Redis.execute_command`` runs each argument through
 its generic encoder and wraps the call in retry, event and metrics machinery that this
-client doesn't use (it has no retries: ``_clients.make_client``). Packing bytes, str and
-int here and sending on the pooled connection cost ~40 µs less per ``set()`` and ~450 µs
-less per ``set_many`` of 100 on the bench machine (issue 17, docs/benchmarks.md).
+client doesn't use (it has no retries: ``_clients.make_client``). Its pool's checkout
+and return cost ~12 µs per command (``DirectClient``), its per-send ``wait_for`` a Task
+and three event-loop iterations (``HeldConnection._within``), and its parser awaits the
+stream for every line of a reply (``_replies``). On the bench VM, all of that was about
+as much CPU as the rest of a ``set()`` (issue 17, docs/benchmarks.md).
 
-What stays redis-py's: the pool, connecting (AUTH, HELLO, health checks), the read's
-socket timeout, the reply parser and its error classes (``OutOfMemoryError``,
-``NoScriptError``, ...), and dropping a connection whose reply was not read: its
-``send_packed_command`` and ``read_response`` disconnect on any exception (a timeout, a
-cancellation), so a late reply is never read as the next command's. The send's socket
-timeout becomes an ``asyncio.timeout`` (``_send`` says why).
+``HeldConnection`` keeps one connection checked out of the pool between commands and
+parses its replies in one pass (``_replies``); ``DirectClient`` is a stack of them, one
+per command in flight at the busiest moment so far. What stays redis-py's: the pool,
+connecting (AUTH, HELLO, health checks), its error classes (``OutOfMemoryError``,
+``NoScriptError``, ...), and the rule that a connection whose reply was not read is
+dropped: any exception while a command is in flight (a timeout, a cancellation)
+disconnects it, so a late reply is never read as the next command's.
 
-``HeldConnection`` is the same for a caller that sends one command at a time for as long
-as it lives (the backplane listener: ``_stream_link``): it keeps its connection between
-commands and parses replies itself (``_replies``).
-
-Callers go through the module (``_direct.execute_command(client, ...)``), never a name
-imported from it: the schedule explorer and the race tests wrap it as they wrap
-redis-py's ``execute_command``, so these commands stay yield points and fault points.
+Callers go through the module (``_direct.execute_command(direct_client, ...)``), never
+a name imported from it: the schedule explorer and the race tests wrap it (and
+``HeldConnection.execute``) as they wrap redis-py's ``execute_command``, so these
+commands stay yield points and fault points.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._replies import ReplyParser
 
-__all__ = ["HeldConnection", "evalsha", "execute_command", "pack_command"]
+__all__ = ["DirectClient", "HeldConnection", "evalsha", "execute_command", "pack_command"]
 
 _READ_SIZE = 65536
 
@@ -62,56 +63,19 @@ def pack_command(args: tuple[bytes | str | int, ...]) -> list[bytes]:
     return chunks
 
 
-async def execute_command(client: Redis, *args: bytes | str | int) -> Any:
-    """Send ``args`` and return the parsed reply; an error reply raises redis-py's
-    exception for it."""
-    pool = client.connection_pool
-    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-    try:
-        await _send(connection, pack_command(args))
-        return await connection.read_response()
-    finally:
-        await pool.release(connection)
-
-
-async def _send(connection: AbstractConnection, chunks: list[bytes]) -> None:
-    """redis-py's ``send_packed_command``, its socket timeout kept as an
-    ``asyncio.timeout`` around it instead of its ``asyncio.wait_for``.
-
-    Why: with a socket timeout set, redis-py runs every send in ``wait_for``, which on
-    Python 3.11 makes the send a Task of its own: three more event-loop iterations per
-    command (counted: 5 instead of 2 for a SET), each a round of syscalls, for a
-    write that almost never waits (the socket takes it at once; ``drain`` only waits
-    when Redis stops reading). With the timeout lifted for the call, redis-py sends on
-    its own no-timeout path (same error handling: any exception, the deadline's
-    cancellation included, disconnects the connection) and the deadline still holds.
-    The connection is ours alone between ``get_connection`` and ``release``, and the
-    read that follows uses the restored timeout. redis-py's pool connects a connection
-    before handing it out; one that is not connected anyway takes redis-py's own path:
-    a connect (bounded by ``connect_timeout``) and its handshake (HELLO, AUTH, each
-    read bounded by the socket timeout) need not fit in one socket timeout, and a TLS
-    connect to a distant Redis would not."""
-    timeout = connection.socket_timeout
-    if not timeout or not connection.is_connected or others_are_ready():
-        # A burst (``_readyqueue``): redis-py's ``wait_for`` yields before the send,
-        # so the read timeouts start once every queued call has run.
-        await connection.send_packed_command(chunks)
-        return
-    connection.socket_timeout = None
-    try:
-        async with asyncio.timeout(timeout):
-            await connection.send_packed_command(chunks)
-    finally:
-        connection.socket_timeout = timeout
+async def execute_command(direct: DirectClient, *args: bytes | str | int) -> Any:
+    """Send ``args`` on one of ``direct``'s kept connections and return the parsed
+    reply; an error reply raises redis-py's exception for it."""
+    return await direct.execute(args)
 
 
 async def evalsha(
-    client: Redis, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
+    direct: DirectClient, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
 ) -> Any:
-    """``script`` (registered on ``client``) by an EVALSHA packed here; on NOSCRIPT (a
-    Redis restarted, SCRIPT FLUSH) through redis-py's script object, which loads it."""
+    """``script`` (registered on ``direct.client``) by an EVALSHA packed here; on NOSCRIPT
+    (a Redis restarted, SCRIPT FLUSH) through redis-py's script object, which loads it."""
     try:
-        return await execute_command(client, "EVALSHA", script.sha, len(keys), *keys, *args)
+        return await execute_command(direct, "EVALSHA", script.sha, len(keys), *keys, *args)
     except NoScriptError:
         return await script(keys=keys, args=args)
 
@@ -157,16 +121,59 @@ class HeldConnection:
         return reply
 
     async def _round_trip(self, args: tuple[bytes | str | int, ...]) -> Any:
-        connection = self._connection
-        if connection is None:
-            connection = await self._client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
-            self._connection, self._parser = connection, ReplyParser()
+        connection = await self._connected()
+        chunks = pack_command(args)
+        timeout = connection.socket_timeout
+        if timeout and others_are_ready():
+            # A burst (``_readyqueue``): the deadline starts once every queued call
+            # has run, as it did behind redis-py's per-send ``wait_for``.
+            await asyncio.sleep(0)
         try:
-            await _send(connection, pack_command(args))
-            return await self._read(connection)
+            if not timeout:
+                await connection.send_packed_command(chunks)
+                return await self._read(connection)
+            return await self._within(connection, chunks, timeout)
         except BaseException:
             await self.close()
             raise
+
+    async def _within(
+        self, connection: AbstractConnection, chunks: list[bytes], seconds: float
+    ) -> Any:
+        """Send and read under one deadline of one socket timeout.
+
+        Why one: redis-py bounds the send with ``asyncio.wait_for`` (on Python 3.11 a
+        Task of its own and three more event-loop iterations, for a write that almost
+        never waits: the socket takes it at once) and then the read with a timer of
+        its own. One ``asyncio.timeout`` around both is one timer per command; the
+        connection's timeout is lifted meanwhile, so redis-py's send takes its
+        no-timeout path (same error handling: any exception disconnects)."""
+        connection.socket_timeout = None
+        try:
+            async with asyncio.timeout(seconds):
+                await connection.send_packed_command(chunks)
+                return await self._read(connection)
+        except TimeoutError:
+            # Ours alone: an outer deadline or cancellation arrives as CancelledError.
+            raise RedisTimeoutError(f"Timeout after {seconds} s on a direct command") from None
+        finally:
+            connection.socket_timeout = seconds
+
+    async def _connected(self) -> AbstractConnection:
+        """The held connection, or one checked out of the pool (connected by redis-py,
+        its handshake outside our deadline) when there is none or the server closed
+        the held one while it sat idle (Redis restarted, ``timeout`` config, CLIENT
+        KILL): it would only fail the command."""
+        held = self._connection
+        if held is not None:
+            reader = held._reader
+            if reader is not None and not reader.at_eof():
+                return held
+            await self.close()
+        pool = self._client.connection_pool
+        connection: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        self._connection, self._parser = connection, ReplyParser()
+        return connection
 
     async def _read(self, connection: AbstractConnection) -> Any:
         parser = self._parser
@@ -188,3 +195,45 @@ class HeldConnection:
                 await connection.disconnect(nowait=True)
             finally:
                 await self._client.connection_pool.release(connection)
+
+    async def release(self) -> None:
+        """Return the held connection (if any) to the pool as it is: connected, with no
+        reply pending (only between commands)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await self._client.connection_pool.release(connection)
+
+
+class DirectClient:
+    """A single-node client's request-path commands (``execute_command``), each on a
+    connection this object keeps checked out of the client's pool between commands: a
+    stack of ``HeldConnection``, one per command in flight at the busiest moment so far.
+
+    Why keep them: redis-py 8's pool checkout and return cost ~12 µs of CPU per command
+    on the bench VM (a lock, four observability calls, an event dispatch, and a
+    zero-timeout read that checks the connection has no stray data), as much as the
+    whole of the cache's own work on an L2 hit. A kept connection is checked instead
+    for what that read would find: a server that closed it (``HeldConnection``). Its
+    replies are always read whole, or the connection is dropped, so no stray reply can
+    sit on it. The stack never exceeds the commands in flight at once, which
+    ``L2Store.slots`` bounds; ``close`` gives them back to the pool."""
+
+    def __init__(self, client: Redis) -> None:
+        self.client = client
+        self._idle: list[HeldConnection] = []
+
+    async def execute(self, args: tuple[bytes | str | int, ...]) -> Any:
+        idle = self._idle
+        held = idle.pop() if idle else HeldConnection(self.client)
+        try:
+            return await held.execute(*args)
+        finally:
+            # Even after a failure: a command that failed in flight dropped the
+            # connection, and the next command on this one checks out a new one.
+            idle.append(held)
+
+    async def close(self) -> None:
+        """Give every kept connection back to the pool (before the client closes)."""
+        idle, self._idle = self._idle, []
+        for held in idle:
+            await held.release()

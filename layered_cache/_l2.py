@@ -95,20 +95,21 @@ async def _within(operation: Awaitable[T], seconds: float) -> T:
 
 def _get(store: L2Store, name: str) -> Awaitable[bytes | None]:
     """GET, packed by ``_direct`` on a single node: redis-py's per-send ``wait_for``
-    costs a Task and three event-loop iterations per command (``_direct._send``),
+    costs a Task and three event-loop iterations per command (``_direct``),
     60-90 µs of CPU on the bench VM against ~170 µs for the whole GET without it. A
     cluster routes through redis-py (MOVED/ASK, the slot map)."""
     if store.cluster:
         return store.client.get(name)  # type: ignore[return-value]  # bytes: decode_responses is off
-    return direct.execute_command(as_single_node(store.client), "GET", name)
+    assert store.direct is not None
+    return direct.execute_command(store.direct, "GET", name)
 
 
 def _set_nx(store: L2Store, name: str, value: str, ttl_ms: int) -> Awaitable[Any]:
     """SET NX PX, packed by ``_direct`` on a single node (why: ``_get``)."""
     if store.cluster:
         return store.client.set(name, value, nx=True, px=ttl_ms)
-    client = as_single_node(store.client)
-    return direct.execute_command(client, "SET", name, value, "NX", "PX", ttl_ms)
+    assert store.direct is not None
+    return direct.execute_command(store.direct, "SET", name, value, "NX", "PX", ttl_ms)
 
 
 def _script(
@@ -118,7 +119,8 @@ def _script(
     ``_get``; NOSCRIPT loads it through redis-py), redis-py's script object in a cluster."""
     if store.cluster:
         return script(keys=keys, args=args)
-    return direct.evalsha(as_single_node(store.client), script, keys, args)
+    assert store.direct is not None
+    return direct.evalsha(store.direct, script, keys, args)
 
 
 class L2Unavailable(Exception):
@@ -144,6 +146,8 @@ class L2Store:
         self.node_breakers = self.breakers.by_node  # one per master (cluster), by host:port
         self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures
         self.cluster = isinstance(client, RedisCluster)
+        # Single node: the request path's commands, on connections kept between them.
+        self.direct = None if self.cluster else direct.DirectClient(as_single_node(client))
         self.notify_inline_max = NOTIFY_INLINE_MAX
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
@@ -290,8 +294,8 @@ class L2Store:
                 announcement.maxlen if announcement is not None else 0,
                 announcement.fields if announcement is not None else (),
             )
-            client = as_single_node(self.client)
-            reply = await self.guard(direct.evalsha(client, self._write, keys, args))
+            assert self.direct is not None
+            reply = await self.guard(direct.evalsha(self.direct, self._write, keys, args))
             return bool(reply == 1)
         assert announcement is None, "a cluster announces after the writes"
         pipe = self.client.pipeline(transaction=False)
@@ -310,8 +314,8 @@ class L2Store:
         if not names:
             return 0
         if not self.cluster:
-            client = as_single_node(self.client)
-            return int(await self.guard(direct.execute_command(client, "DEL", *names)))
+            assert self.direct is not None
+            return int(await self.guard(direct.execute_command(self.direct, "DEL", *names)))
         # One DEL per slot: names sharing a slot (a key and its ``{key}:lease``) go in
         # one command, so they vanish in the same instant - a script checking the lease
         # can't run between the two deletes.

@@ -1,9 +1,9 @@
 """Whether the event loop has other work queued right now.
 
 Why: two hot paths skip an event-loop iteration when the loop is otherwise idle - the
-yield after set()'s admission (``_writes``) and redis-py's per-send ``wait_for``
-(``_direct._send``) - but must keep it in a burst. In a ``gather`` of many calls every
-call's next step is already queued; a call that sends at once and starts its read
+yield after set()'s admission (``_writes``) and the one redis-py's per-send ``wait_for``
+took (``_direct.HeldConnection``) - but must keep it in a burst. In a ``gather`` of many
+calls every call's next step is already queued; a call that sends at once and starts its read
 timeout would then wait for all of them to run before the loop reads its reply, and a
 burst of our own making would time out its first commands. Each skipped iteration is a
 round of syscalls (``epoll_wait`` among them), ~15 % of a set() on the bench VM.

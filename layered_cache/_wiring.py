@@ -39,6 +39,8 @@ class CacheParts:
 
     async def close(self) -> None:
         await self.notifier.close()
+        if self.store.direct is not None:  # its kept connections go back to the pool
+            await self.store.direct.close()
         for client in (self.client, self.listener_client, self.fallback_client):
             if client is not None:
                 try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 import redis.asyncio as redis
@@ -21,27 +22,32 @@ from tests.servers import RedisServer
 
 
 @pytest.fixture
-async def one_connection(redis_url: str) -> redis.Redis:
-    """A pool of one connection: a reply left unread on it would be read next."""
+async def one_connection(redis_url: str) -> Any:
+    """One kept connection, from a pool of one: a reply left unread on it would be read
+    next."""
     client = redis.Redis.from_url(redis_url, max_connections=1, socket_timeout=2.0)
-    yield client
+    commands = direct.DirectClient(client)
+    yield commands
+    await commands.close()
     await client.aclose()
 
 
-async def test_arguments_arrive_byte_for_byte(one_connection: redis.Redis, prefix: str) -> None:
+async def test_arguments_arrive_byte_for_byte(
+    one_connection: direct.DirectClient, redis_client: redis.Redis, prefix: str
+) -> None:
     key = f"{prefix}ключ:\r\n:1"
     value = bytes(range(256)) + b"\r\n$3\r\n" + b"x" * 100_000
     assert await direct.execute_command(one_connection, "SET", key, value, "PX", 60_000) == b"OK"
-    assert await one_connection.get(key) == value
+    assert await redis_client.get(key) == value  # read by redis-py, on another connection
     assert await direct.execute_command(one_connection, "SET", key, -5) == b"OK"
     assert await direct.execute_command(one_connection, "GET", key) == b"-5"
     assert await direct.execute_command(one_connection, "SET", key, b"") == b"OK"
-    assert await one_connection.get(key) == b""
+    assert await redis_client.get(key) == b""
 
 
 @pytest.mark.parametrize("bad", [True, 1.5, None, ["list"]])
 async def test_an_argument_of_another_type_is_refused_before_anything_is_sent(
-    one_connection: redis.Redis, prefix: str, bad: object
+    one_connection: direct.DirectClient, prefix: str, bad: object
 ) -> None:
     with pytest.raises(TypeError, match="bytes, str or int"):
         await direct.execute_command(one_connection, "SET", f"{prefix}k", bad)  # type: ignore[arg-type]
@@ -49,18 +55,18 @@ async def test_an_argument_of_another_type_is_refused_before_anything_is_sent(
 
 
 async def test_error_replies_raise_redis_pys_exceptions(
-    one_connection: redis.Redis, prefix: str
+    one_connection: direct.DirectClient, redis_client: redis.Redis, prefix: str
 ) -> None:
     with pytest.raises(NoScriptError):
         await direct.execute_command(one_connection, "EVALSHA", "0" * 40, 0)
-    await one_connection.lpush(f"{prefix}list", "x")
+    await redis_client.lpush(f"{prefix}list", "x")
     with pytest.raises(ResponseError, match="WRONGTYPE"):
         await direct.execute_command(one_connection, "INCR", f"{prefix}list")
     assert await direct.execute_command(one_connection, "PING") == b"PONG"
 
 
 async def test_a_command_cancelled_at_every_await_never_leaks_its_reply_to_the_next(
-    redis_url: str, one_connection: redis.Redis, prefix: str
+    redis_url: str, one_connection: direct.DirectClient, prefix: str
 ) -> None:
     """A BLPOP is cancelled after 0, 1, 2, ... loop turns (before it has a connection,
     while it sends, while it waits); then an item is pushed. Were the connection
@@ -94,14 +100,15 @@ async def test_a_timed_out_command_never_leaks_its_reply_to_the_next(
     redis_url: str, prefix: str
 ) -> None:
     client = redis.Redis.from_url(redis_url, max_connections=1, socket_timeout=0.2)
+    commands = direct.DirectClient(client)
     pusher = redis.Redis.from_url(redis_url)
     queue, key = f"{prefix}queue", f"{prefix}value"
     await pusher.set(key, "mine")
     with pytest.raises(TimeoutError):
-        await direct.execute_command(client, "BLPOP", queue, 2)
+        await direct.execute_command(commands, "BLPOP", queue, 2)
     assert await eventually(lambda: _blpop_gone(pusher), timeout=5)
     await pusher.rpush(queue, "item")
-    assert await direct.execute_command(client, "GET", key) == b"mine"
+    assert await direct.execute_command(commands, "GET", key) == b"mine"
     assert await pusher.llen(queue) == 1
     await client.aclose()
     await pusher.aclose()
@@ -119,18 +126,19 @@ async def test_a_send_into_a_redis_that_stopped_reading_ends_at_the_socket_timeo
     still flushes what it buffered, so Redis may yet read the whole command - seen in
     one run, where it overwrote a later SET of the same key.)"""
     client = redis.Redis.from_url(redis_server.url, max_connections=1, socket_timeout=0.3)
-    assert await direct.execute_command(client, "PING") == b"PONG"  # connected
+    commands = direct.DirectClient(client)
+    assert await direct.execute_command(commands, "PING") == b"PONG"  # connected
     redis_server.pause()
     try:
         started = asyncio.get_running_loop().time()
         with pytest.raises((TimeoutError, asyncio.TimeoutError)):
-            await direct.execute_command(client, "SET", f"{prefix}big", b"x" * 64_000_000)
+            await direct.execute_command(commands, "SET", f"{prefix}big", b"x" * 64_000_000)
         assert asyncio.get_running_loop().time() - started < 3
     finally:
         redis_server.resume()
     key = f"{prefix}after"
-    assert await direct.execute_command(client, "SET", key, b"small") == b"OK"
-    assert await direct.execute_command(client, "GET", key) == b"small"
+    assert await direct.execute_command(commands, "SET", key, b"small") == b"OK"
+    assert await direct.execute_command(commands, "GET", key) == b"small"
     await client.aclose()
 
 
@@ -148,10 +156,11 @@ async def test_a_new_connection_whose_handshake_outlasts_the_socket_timeout_stil
     client = redis.Redis.from_url(
         proxy.url, protocol=3, socket_timeout=0.3, socket_connect_timeout=2.0
     )
+    commands = direct.DirectClient(client)
     try:
         key = f"{prefix}slow"
-        assert await direct.execute_command(client, "SET", key, b"v") == b"OK"
-        assert await direct.execute_command(client, "GET", key) == b"v"
+        assert await direct.execute_command(commands, "SET", key, b"v") == b"OK"
+        assert await direct.execute_command(commands, "GET", key) == b"v"
     finally:
         await client.aclose()
         await proxy.stop()
@@ -199,3 +208,29 @@ async def test_set_after_the_servers_scripts_were_flushed_loads_its_script_and_l
         await admin.aclose()
         await a.set("book", {"id": 1}, "second")
         assert await b.get("book", {"id": 1}) == "second"
+
+
+async def test_commands_in_sequence_share_one_kept_connection_and_a_burst_reuses_its_own(
+    redis_url: str,
+) -> None:
+    """``DirectClient`` keeps its connections out of redis-py's pool between commands:
+    commands in sequence run on one, a burst of 8 on at most 8, the next burst on the
+    same ones, and ``close`` gives them all back (the pool holds 8: redis-py's own
+    commands then use them again, where a connection not given back would make it
+    refuse the 8th)."""
+    client = redis.Redis.from_url(redis_url, max_connections=8, socket_timeout=2.0)
+    commands = direct.DirectClient(client)
+
+    async def burst() -> set[int]:
+        replies = [direct.execute_command(commands, "CLIENT", "ID") for _ in range(8)]
+        return set(await asyncio.gather(*replies))
+
+    in_sequence = {await direct.execute_command(commands, "CLIENT", "ID") for _ in range(20)}
+    assert len(in_sequence) == 1
+    first = await burst()
+    assert in_sequence <= first and len(first) == 8
+    assert await burst() <= first
+    await commands.close()
+    by_redis_py = [client.execute_command("CLIENT", "ID") for _ in range(8)]
+    assert set(await asyncio.gather(*by_redis_py)) <= first
+    await client.aclose()

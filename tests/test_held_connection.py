@@ -150,15 +150,35 @@ async def test_a_read_cancelled_at_every_await_never_leaks_its_reply_to_the_next
         assert await held.execute("GET", key) == b"mine", turns
 
 
-async def test_a_connection_its_server_closed_fails_one_command_and_the_next_reconnects(
-    client: redis.Redis, held: direct.HeldConnection
+async def test_a_connection_its_server_closed_in_flight_fails_one_command_and_the_next_reconnects(
+    client: redis.Redis, held: direct.HeldConnection, prefix: str
 ) -> None:
     own = await held.execute("CLIENT", "ID")
+    blocked = asyncio.create_task(held.execute("BLPOP", f"{prefix}never", 5))
+    assert await eventually(lambda: _blocked_in_blpop(client, own), timeout=5)
     await client.client_kill_filter(_id=own)
     with pytest.raises(ConnectionError):
-        await held.execute("PING")
+        await blocked
     assert await held.execute("CLIENT", "ID") != own
     assert await held.execute("PING") in (b"PONG", "PONG")
+
+
+async def test_a_connection_its_server_closed_while_idle_is_replaced_before_the_next_command(
+    client: redis.Redis, held: direct.HeldConnection
+) -> None:
+    """Killed between commands (Redis restarted, its ``timeout`` config, CLIENT KILL):
+    once the close has reached us, the next command runs on a new connection instead
+    of failing on the dead one (redis-py's pool checks the same before a checkout)."""
+    own = await held.execute("CLIENT", "ID")
+    await client.client_kill_filter(_id=own)
+    await asyncio.sleep(0.05)  # the server's close reaches this process
+    assert await held.execute("CLIENT", "ID") != own
+    assert await held.execute("PING") in (b"PONG", "PONG")
+
+
+async def _blocked_in_blpop(admin: redis.Redis, client_id: int) -> bool:
+    clients = await admin.client_list()
+    return any(int(c["id"]) == client_id and c.get("cmd") == "blpop" for c in clients)
 
 
 async def test_a_closed_cache_leaves_no_connection_behind(
