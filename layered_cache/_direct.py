@@ -70,7 +70,7 @@ def _other(arg: object) -> bytes:
     if isinstance(arg, bytes):
         return bytes(arg)
     if isinstance(arg, str):
-        return str(arg).encode()
+        return arg.encode()  # a (str, Enum) member: its value, not str()'s "Kind.NAME"
     if isinstance(arg, int) and not isinstance(arg, bool):
         return b"%d" % int(arg)
     kind = type(arg).__name__

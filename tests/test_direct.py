@@ -7,6 +7,7 @@ to the next command on the pool."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from typing import Any
 
@@ -43,6 +44,27 @@ async def test_arguments_arrive_byte_for_byte(
     assert await direct.execute_command(one_connection, "GET", key) == b"-5"
     assert await direct.execute_command(one_connection, "SET", key, b"") == b"OK"
     assert await redis_client.get(key) == b""
+
+
+class _Slug(str, enum.Enum):  # noqa: UP042  # the mixin users write; str() of it is "_Slug.ONE"
+    ONE = "slug"
+
+
+class _Shelf(enum.IntEnum):
+    TOP = 7
+
+
+async def test_subclasses_of_str_bytes_and_int_are_sent_as_their_values(
+    one_connection: direct.DirectClient, redis_client: redis.Redis, prefix: str
+) -> None:
+    assert await direct.execute_command(one_connection, "SET", _Slug.ONE, _Shelf.TOP) == b"OK"
+    assert await redis_client.get("slug") == b"7"
+    assert await direct.execute_command(one_connection, "APPEND", _Slug.ONE, _Raw(b"!")) == 2
+    assert await redis_client.getdel("slug") == b"7!"
+
+
+class _Raw(bytes):
+    pass
 
 
 @pytest.mark.parametrize("bad", [True, 1.5, None, ["list"]])
