@@ -51,7 +51,7 @@ ensure-varnish:
 # differ (Lua scripts, streams and XINFO, the replies the listener parses itself, cluster
 # slots, keyspace edge cases): about 30 s.
 # make test-valkey runs the whole suite against Valkey (docs/operations.md, "Valkey").
-VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py \
+VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py tests/test_direct.py \
 	tests/test_held_connection.py tests/test_stream.py tests/test_invalidation_wins.py \
 	tests/test_cluster.py
 
