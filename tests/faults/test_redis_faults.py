@@ -139,3 +139,34 @@ async def test_connection_cut_mid_stream_recovers_without_errors(
                 proxy.cut()
             assert await cache.get_or_load("book", {"id": i % 3}, loader) == "db"
         assert await eventually(lambda: cache.redis_status().breaker == "closed", timeout=3)
+
+
+async def test_a_redis_restarted_while_the_caches_connections_sat_idle_fails_no_request(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Redis restarts while the cache's connections sit idle: those the request path
+    keeps (``_direct``) and those in redis-py's pool (batches, invalidations). Once the
+    server's close has reached the process, every command runs on a new connection: no
+    request fails, no Redis error is counted and the breaker stays closed. (redis-py
+    8.1's pool skips its check of a pooled connection unless its maintenance
+    notifications are off: ``_clients``.)"""
+    config = make_config(redis_server.url, prefix, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+
+        async def burst(first: int) -> list[object]:
+            ids = range(first, first + 8)
+            reads = [cache.get_or_load("book", {"id": i}, CountingLoader(i)) for i in ids]
+            values = list(await asyncio.gather(*reads))
+            cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+            assert await cache.get_many("book", [{"id": i} for i in ids]) == list(ids)  # MGET
+            await asyncio.gather(*(cache.invalidate("book", {"id": i}) for i in ids[:4]))
+            return values
+
+        assert await burst(0) == list(range(8))  # connections kept, and pooled
+        redis_server.stop()
+        redis_server.start()
+        await asyncio.sleep(0.2)  # the closes reach this process
+        assert await burst(100) == list(range(100, 108))
+        assert await burst(200) == list(range(200, 208))
+        assert cache.stats()["book"]["redis_error"] == 0
+        assert cache.redis_status().breaker == "closed"
