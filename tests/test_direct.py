@@ -256,3 +256,30 @@ async def test_commands_in_sequence_share_one_kept_connection_and_a_burst_reuses
     by_redis_py = [client.execute_command("CLIENT", "ID") for _ in range(8)]
     assert set(await asyncio.gather(*by_redis_py)) <= first
     await client.aclose()
+
+
+async def test_a_request_paths_command_is_seen_once_by_a_wrapper_of_the_module(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The explorer and the race tests make every command a yield point and a fault
+    point by wrapping ``_direct.execute_command`` (the request path) and
+    ``HeldConnection.execute`` (the listener). A request-path command must pass through
+    exactly one of them, or it would be two yield points and two chances of a fault."""
+    seen: list[str] = []
+
+    def counting(original: Any, label: str) -> Any:
+        async def wrapper(*args: Any) -> Any:
+            seen.append(label)
+            return await original(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(direct, "execute_command", counting(direct.execute_command, "module"))
+    held = counting(direct.HeldConnection.execute, "held")
+    monkeypatch.setattr(direct.HeldConnection, "execute", held)
+    config = make_config(redis_url, prefix, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v")  # set()'s write script
+        cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        assert await cache.get("book", {"id": 1}) == "v"  # the L2 GET
+    assert seen == ["module", "module"]

@@ -89,7 +89,7 @@ def _held(send: Any, held: Hold) -> Any:
 def hold() -> Iterator[Hold]:
     command, pipeline = redis_client.Redis.execute_command, redis_client.Pipeline.execute
     packed = direct.execute_command  # GET and set()'s write on a single node
-    listener_reads = direct.HeldConnection.execute  # the listener's XREAD (ditto)
+    listener_reads = direct.HeldConnection.execute  # the listener's stream commands
     held = Hold()
 
     async def execute(self: Any, *args: Any, **kwargs: Any) -> Any:

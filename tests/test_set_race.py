@@ -68,7 +68,7 @@ def shuffled_replies(seed: int) -> Iterator[None]:
         (redis_client.Redis, "execute_command", False),
         (redis_cluster.RedisCluster, "execute_command", False),
         (direct, "execute_command", False),  # GET and set()'s write on a single node
-        (direct.HeldConnection, "execute", False),  # the listener's XREAD (ditto)
+        (direct.HeldConnection, "execute", False),  # the listener's stream commands
     ]
     saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
     try:

@@ -208,7 +208,7 @@ def yield_points() -> Iterator[None]:
         (redis_cluster.RedisCluster, "execute_command", "command"),
         (redis_cluster.ClusterPipeline, "execute", "pipeline"),
         (direct, "execute_command", "command"),  # GET and set()'s write on a single node
-        (direct.HeldConnection, "execute", "command"),  # the listener's XREAD (ditto)
+        (direct.HeldConnection, "execute", "command"),  # the listener's stream commands
     ]
     saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
     try:
