@@ -7,6 +7,7 @@ to the next command on the pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from typing import Any
@@ -283,3 +284,33 @@ async def test_a_request_paths_command_is_seen_once_by_a_wrapper_of_the_module(
         cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
         assert await cache.get("book", {"id": 1}) == "v"  # the L2 GET
     assert seen == ["module", "module"]
+
+
+async def test_reads_and_writes_cancelled_at_every_await_never_hand_one_key_the_value_of_another(
+    redis_url: str, prefix: str
+) -> None:
+    """The cache's L2 reads and writes, cancelled after 0, 1, 2, ... loop turns, on
+    connections the request path keeps between commands: a reply left unread on a kept
+    connection would be read by the next command on it - one key served another key's
+    value, across tenants. After every cancellation, each of 8 keys still reads its own
+    value, concurrently (so the kept connections are all used), and the breaker stays
+    closed (a cancellation is not a Redis failure)."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    async with LayeredCache.from_config(config) as cache:
+        for i in range(8):
+            await cache.set("book", {"id": i}, f"value {i}")
+        for turns in range(16):
+            for operation in ("get", "set"):
+                if operation == "get":
+                    call = cache.get("book", {"id": turns % 8})
+                else:
+                    call = cache.set("book", {"id": turns % 8}, f"value {turns % 8}")
+                task = asyncio.create_task(call)
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                reads = await asyncio.gather(*(cache.get("book", {"id": i}) for i in range(8)))
+                assert reads == [f"value {i}" for i in range(8)], (operation, turns)
+        assert cache.redis_status().breaker == "closed"
