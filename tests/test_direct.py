@@ -20,7 +20,7 @@ from layered_cache import LayeredCache
 from layered_cache import _direct as direct
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import eventually, make_config
-from tests.servers import RedisServer
+from tests.servers import RedisServer, with_protocol
 
 
 @pytest.fixture
@@ -314,3 +314,32 @@ async def test_reads_and_writes_cancelled_at_every_await_never_hand_one_key_the_
                 reads = await asyncio.gather(*(cache.get("book", {"id": i}) for i in range(8)))
                 assert reads == [f"value {i}" for i in range(8)], (operation, turns)
         assert cache.redis_status().breaker == "closed"
+
+
+async def test_a_redis_on_a_unix_socket_serves_reads_writes_and_the_backplane() -> None:
+    """``redis.url = unix://...`` (a sidecar Redis): the request path's kept connections
+    and the listener's held one are redis-py's ``UnixDomainSocketConnection``, whose
+    socket reader the library reads too. Reads, writes, an invalidation another
+    instance hears, and a restart while the connections sit idle."""
+    server = RedisServer(extra_args=["--unixsocketperm", "700"])
+    socket = server.dir / "redis.sock"
+    server.extra_args += ["--unixsocket", str(socket)]
+    with server:
+        url = with_protocol(f"unix://{socket}?db=0")
+        config = make_config(url, "unix:", {"book": {"key": "book:{id}", "l1": {"ttl": "5m"}}})
+        async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+            await a.set("book", {"id": 1}, "first")
+            assert await b.get("book", {"id": 1}) == "first"  # b's L1 holds it now
+            await a.set("book", {"id": 1}, "second")
+            assert await eventually(lambda: _reads(b, "second"), timeout=5)  # b heard it
+            server.stop()
+            server.start()
+            await asyncio.sleep(0.2)  # the closes reach this process
+            await a.set("book", {"id": 2}, "after the restart")
+            a.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+            assert await a.get("book", {"id": 2}) == "after the restart"
+            assert a.stats()["book"]["redis_error"] == 0
+
+
+async def _reads(cache: LayeredCache, expected: str) -> bool:
+    return await cache.get("book", {"id": 1}) == expected
