@@ -110,6 +110,8 @@ def is_redis_failure(exc: BaseException) -> bool:
     if isinstance(exc, AttributeError):
         return raised_in_redis_py(exc)
     return isinstance(exc, REDIS_FAILURES)
+
+
 # redis-py 8.1's asyncio client turns its maintenance notifications (Redis Enterprise's
 # push messages before a failover or a shard move) on by default for RESP3, and with them
 # on its pool hands out a pooled connection without checking it first

@@ -116,7 +116,8 @@ def _script(
     store: L2Store, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
 ) -> Awaitable[Any]:
     """One of our scripts: an EVALSHA packed by ``_direct`` on a single node (why:
-    ``_get``; NOSCRIPT loads it through redis-py), redis-py's script object in a cluster."""
+    ``_get``; NOSCRIPT loads it on the same connections), redis-py's script object in a
+    cluster."""
     if store.cluster:
         return script(keys=keys, args=args)
     assert store.direct is not None
