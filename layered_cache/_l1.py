@@ -116,15 +116,19 @@ class L1Cache:
             self._seq += 1
             seq = self._seq
             entries = self._entries
-            for key in keys:
-                # ``in`` + ``del`` rather than ``pop`` (TLRUCache.pop looks the key up
-                # three times: a tag invalidation drops thousands of keys in one go) or
-                # ``del`` + KeyError (raising costs more than a lookup, and a set()
-                # discards a key that is usually absent, twice).
-                if key in entries:
-                    del entries[key]
-                    dropped += 1
-                self._tombstones[key] = seq
+            # One clock reading for the whole drop: TLRUCache's ``in`` and ``del`` each
+            # read the clock, and an entry that expires between the two makes ``del``
+            # raise KeyError. Inside ``with entries.timer`` both see the same time.
+            with entries.timer:
+                for key in keys:
+                    # ``in`` + ``del`` rather than ``pop`` (TLRUCache.pop looks the key
+                    # up three times: a tag invalidation drops thousands of keys in one
+                    # go) or ``del`` + KeyError (raising costs more than a lookup, and a
+                    # set() discards a key that is usually absent, twice).
+                    if key in entries:
+                        del entries[key]
+                        dropped += 1
+                    self._tombstones[key] = seq
             if len(self._tombstones) > _MAX_TOMBSTONES:
                 self._tombstones.clear()
                 self._floor = seq

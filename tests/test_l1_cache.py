@@ -1,0 +1,48 @@
+"""L1Cache on its own: the races between cachetools' clock and an invalidation."""
+
+from __future__ import annotations
+
+from layered_cache._l1 import MISSING, L1Cache
+
+
+class SteppingClock:
+    """A clock that, once ``step`` is set, moves forward on every reading: each of
+    cachetools' own timer calls then sees a later time than the one before."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.step = 0.0
+
+    def __call__(self) -> float:
+        now = self.now
+        self.now += self.step
+        return now
+
+
+def test_an_entry_expiring_while_an_invalidation_drops_it_is_dropped_without_error() -> None:
+    # The CI failure this pins: ``key in entries`` saw the entry alive, the clock moved
+    # past its expiry, and TLRUCache's ``del`` then raised KeyError out of invalidate().
+    clock = SteppingClock()
+    l1 = L1Cache(max_entries=10, timer=clock)
+    read_seq = l1.begin_read()
+    assert l1.put("book:1", {"v": 1}, ttl=10.0)
+    clock.now, clock.step = 9.5, 1.0  # alive at the next reading, expired at the one after
+
+    l1.discard(["book:1"])
+
+    clock.step = 0.0
+    assert l1.get("book:1") is MISSING
+    # The tombstone was still left: a fill that began before the invalidation is refused.
+    assert not l1.put("book:1", {"v": 0}, ttl=10.0, read_seq=read_seq)
+    assert l1.get("book:1") is MISSING
+
+
+def test_an_invalidation_counts_only_the_entries_it_found_alive() -> None:
+    clock = SteppingClock()
+    l1 = L1Cache(max_entries=10, timer=clock)
+    l1.put("book:1", {"v": 1}, ttl=5.0)
+    l1.put("book:2", {"v": 2}, ttl=20.0)
+    clock.now = 10.0
+
+    assert l1.discard(["book:1", "book:2", "book:3"]) == 1
+    assert l1.get("book:2") is MISSING
