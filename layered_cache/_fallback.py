@@ -134,7 +134,7 @@ class FallbackSubscriber:
             finally:
                 self.subscribed.clear()
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(pubsub.aclose(), 0.1)  # type: ignore[no-untyped-call]
+                    await asyncio.wait_for(pubsub.aclose(), 0.1)  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2
             await asyncio.sleep(backoff.next_delay())
 
     async def _read(self, pubsub: redis.client.PubSub, backoff: Backoff) -> None:

@@ -148,7 +148,7 @@ class FillNotifier:
         they fall back to their jittered re-reads (a lost message costs no more)."""
         old, self._pubsub = self._pubsub, self._client.pubsub()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(old.aclose(), 0.1)  # type: ignore[no-untyped-call]
+            await asyncio.wait_for(old.aclose(), 0.1)  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2
 
     async def _read(self) -> None:
         while self._waiters or self._pubsub.subscribed:
@@ -179,7 +179,7 @@ class FillNotifier:
         if reader is not None:
             reader.cancel()
         with contextlib.suppress(Exception):
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2
         with contextlib.suppress(Exception):
             await self._client.aclose()
         if reader is not None:
