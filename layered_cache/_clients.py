@@ -8,7 +8,6 @@ cluster, and the exception tuple every layer catches to fall back instead of cra
 from __future__ import annotations
 
 import asyncio
-import inspect
 import re
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit, urlunsplit
@@ -115,13 +114,16 @@ def is_redis_failure(exc: BaseException) -> bool:
 # redis-py 8.1's asyncio client turns its maintenance notifications (Redis Enterprise's
 # push messages before a failover or a shard move) on by default for RESP3, and with them
 # on its pool hands out a pooled connection without checking it first
-# (redis/redis-py#4252, fixed upstream by #4260, not in 8.1.0): every connection Redis
-# closed while it sat idle - a restart, a failover, the ``timeout`` setting - then failed
-# one command, and a restart opened the breaker
-# (tests/faults/test_redis_faults.py). Off, the pool checks again; the breaker and the
-# timeouts already cover a maintenance's dropped connections. (8.0's asyncio client has
-# neither the notifications nor the gap.)
-_HAS_MAINT_NOTIFICATIONS = "maint_notifications_config" in inspect.signature(redis.Redis).parameters
+# (redis/redis-py#4252, fixed in 8.2.0 by #4260): every connection Redis closed while it
+# sat idle - a restart, a failover, the ``timeout`` setting - then failed one command,
+# and a restart opened the breaker (tests/faults/test_redis_faults.py). On 8.1 they are
+# turned off, so the pool checks again; the breaker and the timeouts already cover a
+# maintenance's dropped connections. 8.0's asyncio client has neither the notifications
+# nor the gap; 8.2 has both, fixed, and keeps its default.
+def _skips_pool_check(version: str) -> bool:
+    """Whether this redis-py's pool skips its check of a pooled connection while
+    maintenance notifications are on (8.1.x)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2]) == (8, 1)
 
 
 def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
@@ -130,7 +132,7 @@ def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
         "socket_connect_timeout": config.connect_timeout,
         "max_connections": config.max_connections,
     }
-    if _HAS_MAINT_NOTIFICATIONS and not config.cluster:
+    if _skips_pool_check(redis_py_version) and not config.cluster:
         from redis.maint_notifications import MaintNotificationsConfig
 
         kwargs["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)

@@ -88,10 +88,10 @@ async def evalsha(
 ) -> Any:
     """``script`` by an EVALSHA packed here. On NOSCRIPT (a Redis restarted, SCRIPT
     FLUSH) it is loaded and run again, on the same kept connections: after a restart
-    redis-py's pooled connections may all be dead, and its pool, with RESP3's
-    maintenance notifications on, hands them out unchecked (``can_read`` is skipped),
-    so a load through redis-py's script object failed the first calls after every
-    restart (tests/faults/test_redis_faults.py)."""
+    redis-py's pooled connections may all be dead, and redis-py 8.1's pool, with
+    RESP3's maintenance notifications on, hands them out unchecked (``can_read`` is
+    skipped), so a load through redis-py's script object failed the first calls after
+    every restart (tests/faults/test_redis_faults.py)."""
     command = ("EVALSHA", script.sha, len(keys), *keys, *args)
     try:
         return await execute_command(direct, *command)

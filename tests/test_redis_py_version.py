@@ -56,3 +56,15 @@ def test_make_test_runs_the_smoke_files_on_the_floor_version() -> None:
     wanted = ".".join(map(str, clients.MIN_REDIS_PY))
     assert f"REDIS_PY_OLDEST := {wanted}.0\n" in makefile
     assert "REDIS_PY_VERSION=$(REDIS_PY_OLDEST)" in makefile
+
+
+@pytest.mark.parametrize(
+    ("version", "turned_off"),
+    [("8.0.0", False), ("8.1.0", True), ("8.1.7", True), ("8.2.0", False), ("9.0.0", False)],
+)
+def test_maintenance_notifications_are_turned_off_only_where_they_skip_the_pool_check(
+    version: str, turned_off: bool
+) -> None:
+    # redis-py 8.1 skipped its pooled-connection check with them on (redis/redis-py#4252);
+    # 8.2 fixed it, and users of Redis Enterprise keep its notifications there.
+    assert clients._skips_pool_check(version) is turned_off
