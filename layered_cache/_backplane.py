@@ -61,6 +61,8 @@ class BackplaneStatus(msgspec.Struct, frozen=True):
     # Redis under noeviction: ``_fallback``): sent by this instance, received from others.
     fallback_sent: int = 0
     fallback_received: int = 0
+    # Bugs the listener met reading or applying entries; each cleared L1 (also in gaps).
+    errors: int = 0
 
 
 class BackplanePublisher:
@@ -150,6 +152,7 @@ class BackplaneListener:
         self.entries_applied = 0
         self.keys_applied = 0
         self.gaps = 0
+        self.errors = 0  # bugs met while reading or applying entries (``_failed``)
         self._lag = 0.0
         self._down_since: float | None = None  # monotonic time the connection was lost
 
@@ -164,6 +167,7 @@ class BackplaneListener:
             keys_applied=self.keys_applied,
             gaps=self.gaps,
             lag_seconds=lag,
+            errors=self.errors,
         )
 
     def start(self) -> None:
@@ -218,7 +222,9 @@ class BackplaneListener:
                 raise
             except Exception as exc:
                 if not is_redis_failure(exc):
-                    raise  # a bug: fail loudly rather than reconnect forever
+                    self._failed(exc)
+                    await asyncio.sleep(backoff.next_delay())
+                    continue
                 if self.connected.is_set():
                     _log.warning("backplane_disconnected", error=type(exc).__name__)
                 if self._down_since is None:
@@ -281,6 +287,19 @@ class BackplaneListener:
         if missed_entries(info, max(parse_id(position), self._cleared_through)):
             self._cleared_through = oldest_entry(info)
             self._gap("entries_missing")
+
+    def _failed(self, exc: Exception) -> None:
+        """A bug (ours, or in a hook) raised while the listener read or applied entries.
+        Letting the task die would stop this instance hearing invalidations while
+        ``status()`` still said connected: L1 would serve superseded values for their
+        TTL with nothing to show it. So: an error log with the traceback, a count in
+        ``status().errors``, and a whole-L1 clear - whatever the failed entry was to drop
+        goes with it - before reading on after that entry (``last_id`` already names it;
+        the entries after it in the same read are read again)."""
+        self.errors += 1
+        _log.error("backplane_listener_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        if self.last_id is not None:
+            self._gap("listener_error")
 
     def _gap(self, reason: str) -> None:
         assert self.last_id is not None

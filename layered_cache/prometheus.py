@@ -313,6 +313,9 @@ class _BackplaneFamilies:
         self.gaps = counter(
             "gaps", "Whole-L1 clears: the stream was trimmed past our position, or deleted"
         )
+        self.errors = counter(
+            "errors", "Bugs the listener met reading or applying entries (each cleared L1)"
+        )
         self.fallback_sent = counter(
             "fallback_sent",
             "Announcements the stream refused (full Redis) this instance sent over pub/sub",
@@ -331,13 +334,14 @@ class _BackplaneFamilies:
         self.entries.add_metric([instance], float(status.entries_applied))
         self.keys.add_metric([instance], float(status.keys_applied))
         self.gaps.add_metric([instance], float(status.gaps))
+        self.errors.add_metric([instance], float(status.errors))
         self.fallback_sent.add_metric([instance], float(status.fallback_sent))
         self.fallback_received.add_metric([instance], float(status.fallback_received))
         self.connected.add_metric([instance], 1.0 if status.connected else 0.0)
         self.lag.add_metric([instance], status.lag_seconds)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.entries, self.keys, self.gaps, self.fallback_sent)
+        yield from (self.entries, self.keys, self.gaps, self.errors, self.fallback_sent)
         yield from (self.fallback_received, self.connected, self.lag)
 
 

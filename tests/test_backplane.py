@@ -283,3 +283,38 @@ async def test_listener_of_a_redis_that_stops_answering_gives_up_its_read_and_ca
         assert in_l1(b, 1)
         await a.invalidate("book", {"id": 1})
         assert await eventually(lambda: not in_l1(b, 1), timeout=5)
+
+
+async def test_a_bug_while_applying_an_entry_clears_l1_and_the_listener_goes_on(
+    redis_url: str, prefix: str, monkeypatch: Any
+) -> None:
+    """A listener that died on a bug would leave status() saying connected while this
+    instance never heard another invalidation: its L1 would serve superseded values
+    for their TTL. It clears L1 instead, says so, and keeps listening."""
+    async with two_instances(redis_url, prefix) as (a, b, _proxy):
+        for book_id in (1, 2, 3):
+            await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
+        l1 = b.namespace("book").policy.l1
+        assert l1 is not None
+        discard = l1.discard
+        failures = [RuntimeError("a bug in applying an entry")]
+
+        def buggy_discard(keys: Any) -> int:
+            if failures:
+                raise failures.pop()
+            return discard(keys)
+
+        monkeypatch.setattr(l1, "discard", buggy_discard)
+        await a.invalidate("book", {"id": 1})
+
+        assert await eventually(lambda: not any(in_l1(b, i) for i in (1, 2, 3)), timeout=5)
+        status = b.backplane_status()
+        assert status is not None and (status.errors, status.gaps) == (1, 1)
+        assert _scrape(b)[("layered_cache_backplane_errors_total", (("instance", b.instance_id),))] == 1
+
+        # Still listening: the next invalidation reaches B's L1 as before.
+        await b.get_or_load("book", {"id": 2}, CountingLoader("v2"))
+        assert in_l1(b, 2)
+        await a.invalidate("book", {"id": 2})
+        assert await eventually(lambda: not in_l1(b, 2), timeout=5)
+        assert b.backplane_status().errors == 1  # type: ignore[union-attr]
