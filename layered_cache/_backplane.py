@@ -61,7 +61,8 @@ class BackplaneStatus(msgspec.Struct, frozen=True):
     # Redis under noeviction: ``_fallback``): sent by this instance, received from others.
     fallback_sent: int = 0
     fallback_received: int = 0
-    # Bugs the listener met reading or applying entries; each cleared L1 (also in gaps).
+    # Bugs met reading or applying entries (the listener) or fallback messages; each
+    # cleared L1.
     errors: int = 0
 
 

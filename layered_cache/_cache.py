@@ -262,10 +262,12 @@ class LayeredCache(HitPath):
         """The backplane listener's state and counters; None when the backplane is off."""
         if self._backplane is None:
             return None
+        status, fallback = self._backplane.status(), self._fallback
         return msgspec.structs.replace(
-            self._backplane.status(),
+            status,
             fallback_sent=self._rt.invalidator.fallback_deliveries,
-            fallback_received=self._fallback.received if self._fallback is not None else 0,
+            fallback_received=fallback.received if fallback is not None else 0,
+            errors=status.errors + (fallback.errors if fallback is not None else 0),
         )
 
     def purge_stats(self) -> PurgeStats:  # HTTP purges (``purger``, docs/http.md)

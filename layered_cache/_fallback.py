@@ -92,15 +92,18 @@ class FallbackSubscriber:
         channel: str,
         on_keys: Callable[[list[str]], None],
         on_tags: Callable[[dict[str, str]], None],
+        on_error: Callable[[], None] = lambda: None,
         origin: str = "",
     ) -> None:
         self._client = client
         self._channel = channel
         self._on_keys = on_keys
         self._on_tags = on_tags
+        self._on_error = on_error  # clears L1 (``_apply`` says when)
         self._origin = origin
         self.subscribed = asyncio.Event()
         self.received = 0  # messages from others applied
+        self.errors = 0  # bugs met applying a message (each cleared L1)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -157,10 +160,21 @@ class FallbackSubscriber:
             return
         if self._origin and message.origin == self._origin:
             return  # our own: already applied locally
-        if message.tags:
-            self._on_tags(message.tags)
-        if message.keys:
-            self._on_keys(message.keys)
+        try:
+            if message.tags:
+                self._on_tags(message.tags)
+            if message.keys:
+                self._on_keys(message.keys)
+        except Exception as exc:
+            # A bug (ours, or a hook's). Raising would end the subscriber unseen, and
+            # this instance would miss every later fallback message; as the stream's
+            # listener does (``BackplaneListener._failed``), L1 is cleared instead -
+            # what the message was to drop goes with it - and the subscriber goes on.
+            self.errors += 1
+            error = f"{type(exc).__name__}: {exc}"
+            _log.error("backplane_fallback_error", error=error, exc_info=exc)
+            self._on_error()
+            return
         self.received += 1
 
 

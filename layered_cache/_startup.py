@@ -104,6 +104,7 @@ def followers(
         fallback_channel(parts.stream),
         on_keys=coherence.apply_remote,
         on_tags=coherence.apply_tags,
+        on_error=coherence.forget_all,
         origin=parts.instance_id,
     )
     return listener, fallback

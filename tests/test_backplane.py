@@ -12,7 +12,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from layered_cache import LayeredCache
+from layered_cache._fallback import FallbackMessage, fallback_channel
 from tests.helpers import CountingLoader, eventually, in_l1, make_config
 from tests.servers import RedisServer
 
@@ -318,3 +321,43 @@ async def test_a_bug_while_applying_an_entry_clears_l1_and_the_listener_goes_on(
         await a.invalidate("book", {"id": 2})
         assert await eventually(lambda: not in_l1(b, 2), timeout=5)
         assert b.backplane_status().errors == 1  # type: ignore[union-attr]
+
+
+async def test_a_bug_while_applying_a_fallback_message_clears_l1_and_the_subscriber_goes_on(
+    redis_url: str, prefix: str, monkeypatch: Any
+) -> None:
+    """The pub/sub fallback (a full Redis refused the stream's append) is read by a task
+    of its own: a bug there must not end it unseen either."""
+    async with two_instances(redis_url, prefix) as (a, b, _proxy):
+        for book_id in (1, 2, 3):
+            await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
+        assert b._fallback is not None
+        assert await eventually(b._fallback.subscribed.is_set)
+        l1 = b.namespace("book").policy.l1
+        assert l1 is not None
+        discard = l1.discard
+        failures = [RuntimeError("a bug in applying a message")]
+
+        def buggy_discard(keys: Any) -> int:
+            if failures:
+                raise failures.pop()
+            return discard(keys)
+
+        monkeypatch.setattr(l1, "discard", buggy_discard)
+        channel = fallback_channel(prefix + a.config.backplane.stream)
+        client = a._store.client
+
+        async def announce(book_id: int) -> None:
+            message = FallbackMessage(keys=[f"{prefix}book:{book_id}"], origin="another")
+            await client.publish(channel, msgspec.msgpack.encode(message))
+
+        await announce(1)
+        assert await eventually(lambda: not any(in_l1(b, i) for i in (1, 2, 3)), timeout=5)
+        status = b.backplane_status()
+        assert status is not None and status.errors == 1
+
+        await b.get_or_load("book", {"id": 2}, CountingLoader("v2"))
+        await announce(2)
+        assert await eventually(lambda: not in_l1(b, 2), timeout=5)
+        status = b.backplane_status()
+        assert status is not None and (status.errors, status.fallback_received) == (1, 1)
