@@ -62,6 +62,7 @@ class RelayStatus(msgspec.Struct, frozen=True):
     replies_from_memory: int  # XREADs answered without Redis
     forwarded: int  # client commands sent on to Redis (catch-up reads, gap checks)
     resets: int  # times the relay forgot its memory and closed every client
+    errors: int = 0  # bugs met while following (each a reset: logged as relay_error)
 
 
 class _Tail:
@@ -132,6 +133,7 @@ class Relay:
         self._server: asyncio.Server | None = None
         self._follower: asyncio.Task[None] | None = None
         self._entries_read = self._from_memory = self._forwarded = self._resets = 0
+        self._errors = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen on ``host:port`` (0: any free port) and start following; returns the
@@ -161,6 +163,7 @@ class Relay:
             replies_from_memory=self._from_memory,
             forwarded=self._forwarded,
             resets=self._resets,
+            errors=self._errors,
         )
 
     # Following the stream upstream.
@@ -180,7 +183,13 @@ class Relay:
                 raise
             except Exception as exc:
                 if not is_redis_failure(exc):
-                    raise  # a bug: fail loudly rather than loop
+                    # A bug (ours). A follower that died would leave its instances
+                    # connected to a relay that never hands them another entry: each
+                    # would read "nothing new" while its L1 kept superseded values. As
+                    # for a lost upstream, the relay forgets instead (every instance
+                    # reconnects and checks the stream itself) and follows again.
+                    self._errors += 1
+                    _log.error("relay_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
                 self._forget(f"upstream_{type(exc).__name__}")
                 await self._upstream.reset()
                 await asyncio.sleep(backoff.next_delay())

@@ -464,3 +464,42 @@ async def test_a_client_sending_one_byte_at_a_time_is_served(
             await asyncio.sleep(0)
         assert await asyncio.wait_for(replies.readline(), 5) == b"*-1\r\n"
         sent.close()
+
+
+async def test_a_bug_in_the_relays_follower_resets_it_and_loses_no_invalidation(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower that died on a bug would leave its instances connected and told
+    "nothing new" forever. It resets instead, as when it loses Redis."""
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    async with (
+        running_relay(base) as (relay, relay_url),
+        LayeredCache.from_config(base) as writer,
+        instances(relayed(redis_server.url, prefix, relay_url), 3) as readers,
+    ):
+        for reader in readers:
+            await reader.get_or_load("book", {"id": 1}, lambda: version("v1"))
+        read_once = relay._read_once
+        failures = [RuntimeError("a bug in the relay")]
+
+        async def buggy_read_once(tail: Any) -> bool:
+            if failures:
+                raise failures.pop()
+            return await read_once(tail)
+
+        monkeypatch.setattr(relay, "_read_once", buggy_read_once)
+        assert await eventually(lambda: not failures)  # its next read (block: 200 ms)
+        await writer.invalidate("book", {"id": 1})
+        for reader in readers:
+            assert await eventually(lambda r=reader: r.stats()["book"]["backplane_l1_dropped"] == 1)
+        status = relay.status()
+        assert (status.errors, status.following) == (1, True)
+        assert status.resets >= 1
+
+        # Following again: the next invalidation reaches every instance too.
+        for reader in readers:
+            await reader.get_or_load("book", {"id": 2}, lambda: version("v1"))
+        await writer.invalidate("book", {"id": 2})
+        for reader in readers:
+            assert await eventually(lambda r=reader: r.stats()["book"]["backplane_l1_dropped"] == 2)
+            assert reader.backplane_status().gaps == 0  # type: ignore[union-attr]
