@@ -72,7 +72,10 @@ class HotKeyReporter:
                 await self.report_once()
             except Exception as exc:
                 if not is_redis_failure(exc):
-                    raise  # a bug: the task fails loudly rather than reporting nothing
+                    # A bug: said at error, with the traceback, and tried again next
+                    # period. A task that ended here would stop reporting unseen.
+                    error = f"{type(exc).__name__}: {exc}"
+                    _log.error("hot_report_error", error=error, exc_info=exc)
             await asyncio.sleep(self._interval)
 
     async def report_once(self) -> None:

@@ -12,7 +12,7 @@ import redis.asyncio as redis
 from layered_cache import LayeredCache
 from layered_cache._hotreport import HotKeyReporter, fleet_hot_keys
 from layered_cache._keys import hot_report_name
-from tests.helpers import make_config
+from tests.helpers import eventually, make_config
 from tests.servers import RedisClusterServers, RedisServer
 
 # Hot-key detection on: its fleet report used to cost every instance a DEL per second.
@@ -104,3 +104,30 @@ async def test_the_hot_key_report_is_one_command_a_period_and_none_when_nothing_
         assert _spent(before, await _calls(admin)) == {"del": 1}
         assert await admin.exists(hot_report_name(prefix, "a")) == 0
         await admin.aclose()
+
+
+async def test_a_bug_in_one_hot_key_report_does_not_end_the_reports(prefix: str) -> None:
+    calls = 0
+
+    def snapshot() -> dict[str, dict[str, float]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the snapshot")
+        return {"book": {f"{prefix}book:42": 250.0}}
+
+    with RedisServer() as server:
+        admin = redis.Redis.from_url(server.url)
+        reporter = HotKeyReporter(admin, hot_report_name(prefix, "a"), snapshot, interval=0.05)
+        reporter.start()
+        try:
+            assert await eventually(lambda: calls >= 2)
+            name = hot_report_name(prefix, "a")
+
+            async def reported() -> bool:
+                return bool(await admin.exists(name))
+
+            assert await eventually(reported)
+        finally:
+            await reporter.stop()
+            await admin.aclose()
