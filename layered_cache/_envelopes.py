@@ -59,8 +59,9 @@ def encode(
     """(envelope bytes, the value decoded back from them), or None if not cacheable."""
     try:
         data = policy.codec.encode(value, now, soft_expiry, delta, tags)
-    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: ints > 64 bits
-        _not_cached(policy, "value_not_encodable", key, error=str(exc))
+    # OverflowError: ints over 64 bits; RecursionError: nested deeper than msgspec goes.
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        _not_cached(policy, "value_not_encodable", key, error=f"{type(exc).__name__}: {exc}")
         return None
     if len(data) > policy.max_value_bytes:
         _not_cached(policy, "value_too_large", key, size=len(data), limit=policy.max_value_bytes)

@@ -278,6 +278,23 @@ async def test_too_large_value_is_served_but_not_cached(redis_url: str, prefix: 
     await admin.aclose()
 
 
+async def test_a_value_nested_deeper_than_the_codec_goes_is_served_but_not_cached(
+    redis_url: str, prefix: str
+) -> None:
+    deep: list[object] = []
+    for _ in range(10_000):
+        deep = [deep]
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        assert await cache.get_or_load("book", {"id": 1}, CountingLoader(deep)) is deep
+        assert cache.stats()["book"]["not_cached"] == 1
+        await cache.set("book", {"id": 2}, "old")
+        await cache.set("book", {"id": 2}, deep)  # refused: the old value goes
+        assert await cache.get("book", {"id": 2}) is None
+    assert await admin.exists(f"{prefix}book:1", f"{prefix}book:2") == 0
+    await admin.aclose()
+
+
 async def test_set_in_an_l1_only_namespace_is_served_from_memory(
     redis_url: str, prefix: str
 ) -> None:
