@@ -82,6 +82,7 @@ class BatchPath:
     ) -> list[Any]:
         """Values in order: L1, else L2, else one ``load_many(missing)`` call."""
         policy = self._policy
+        fields_list = list(fields_list)  # read twice below: a generator would run dry
         keys = [policy.template.build(fields) for fields in fields_list]
         fields_of = dict(zip(keys, fields_list, strict=True))
         if not policy.cache:

@@ -97,6 +97,17 @@ async def test_get_or_load_many_loads_the_misses_in_one_call_in_order(
         assert loader.calls == [[5, 1]]
 
 
+async def test_get_or_load_many_reads_a_generator_of_fields_once(
+    redis_url: str, prefix: str
+) -> None:
+    async def load_many(fields_list: list[dict[str, object]]) -> list[str]:
+        return [f"v{fields['id']}" for fields in fields_list]
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        fields = ({"id": i} for i in range(3))
+        assert await cache.get_or_load_many("book", fields, load_many) == ["v0", "v1", "v2"]
+
+
 @pytest.mark.parametrize("returned", [[], [1, 2, 3], "ab"])
 async def test_load_many_returning_the_wrong_shape_is_a_clear_error(
     redis_url: str, prefix: str, returned: Any
