@@ -221,6 +221,8 @@ class Namespace:
         if Redis fails (see ``_writes``)."""
         if tags is not None and not self.policy.tags:
             raise self._untagged()
+        if isinstance(tags, str):  # its characters would each be a tag
+            raise TypeError(f"tags must be a list of strings, not the string {tags[:80]!r}")
         await self._writes.set_many([(fields, value)], tags)
 
     def _untagged(self) -> ValueError:

@@ -274,6 +274,19 @@ async def test_a_bad_tag_is_a_clear_error(redis_url: str, prefix: str, tag: str)
             await cache.invalidate_tag(tag)
 
 
+async def test_a_string_given_as_tags_is_refused_by_set_as_by_the_reads(
+    redis_url: str, prefix: str
+) -> None:
+    # "book:42" iterated is b, o, o, k, :, 4, 2: seven valid tags, none of them the one
+    # meant, so the entry would have outlived invalidate_tag("book:42").
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        with pytest.raises(TypeError, match="list of strings"):
+            await cache.set("category", {"slug": "a"}, "page", tags="book:42")
+        with pytest.raises(TypeError, match="list of strings"):
+            await cache.get_or_load("category", {"slug": "a"}, CountingLoader(), tags="book:42")
+        assert await cache.get("category", {"slug": "a"}) is None
+
+
 async def test_tags_on_a_namespace_without_tags_true_are_refused(
     redis_url: str, prefix: str
 ) -> None:
