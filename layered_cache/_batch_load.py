@@ -99,11 +99,21 @@ class BatchLoader:
         except L2Unavailable:
             policy.stats.redis_error += 1
             return await self._load_unleased(reads, fields_of, load_many)
+        except asyncio.CancelledError:
+            self._give_back(reads, token)  # the SET NXs may have landed before the cancel
+            raise
         won = [read for read, ours in zip(reads, held, strict=True) if ours]
         lost = [read for read, ours in zip(reads, held, strict=True) if not ours]
         policy.stats.lease_lost += len(lost)
         waits = [self._get_or_load_lost(r, fields_of[r.key], load_many) for r in lost]
-        results = await asyncio.gather(self._load_won(won, fields_of, load_many, token), *waits)
+        try:
+            results = await asyncio.gather(
+                self._load_won(won, fields_of, load_many, token), *waits
+            )
+        except asyncio.CancelledError:
+            # The lost keys' waits give back their own (``MissPath.load_under_lease``).
+            self._give_back(won, token)
+            raise
         found: dict[str, Any] = results[0]
         found.update(zip((r.key for r in lost), results[1:], strict=True))
         return found
@@ -142,7 +152,15 @@ class BatchLoader:
         else:
             # The batch's load time is each entry's recompute time for XFetch: with 0
             # (as before) an entry a batch filled was never refreshed early.
-            found.update(await self._fill_many(todo, values, token, time.monotonic() - started))
+            delta = time.monotonic() - started
+            try:
+                found.update(await self._fill_many(todo, values, token, delta))
+            except Exception:
+                # Not Redis (``_fill_many`` handles that): a tag function that raised or
+                # a bad tag. The leases go back, as ``MissPath.fill`` does, or every
+                # reader of these keys would wait ``max_wait`` for fills that never land.
+                await self._release([r.key for r in todo], token)
+                raise
         finally:
             if self._policy.tags:
                 self._loading.leave(leases)
@@ -265,6 +283,12 @@ class BatchLoader:
         except Exception as exc:
             return await self._stale_or_raise(reads, exc)
         return {r.key: self._fills.as_read(r.key, v) for r, v in zip(reads, values, strict=True)}
+
+    def _give_back(self, reads: list[Read], token: str) -> None:
+        """``_release`` in the background, for a batch being cancelled (see
+        ``MissPath.give_back``)."""
+        if reads:
+            self._rt.tasks.spawn(self._release([r.key for r in reads], token))
 
     async def _release(self, keys: list[str], token: str) -> None:
         # Redis down: the leases expire by themselves (lease_ttl).

@@ -31,6 +31,7 @@ from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
 from layered_cache._runtime import Hooks, Runtime
+from layered_cache._stampede import new_token
 
 __all__ = ["MissPath", "Read", "TagsOf"]
 
@@ -64,11 +65,14 @@ class MissPath:
         """Win the lease and load, or wait for the winner's fill (``max_wait`` at most,
         then load without writing L2)."""
         policy, key = self._policy, read.key
+        # Every SET NX of ours carries this token, known before it is sent: a cancel that
+        # lands once one did (its reply still on the way) can give that lease back.
+        mine = new_token()
         try:
-            token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl)
+            token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl, mine)
             if token is None:
                 policy.stats.lease_lost += 1
-                waited = await self._wait_for_fill(read)
+                waited = await self._wait_for_fill(read, mine)
                 if isinstance(waited, _Filled):
                     return waited.value
                 if waited is None:
@@ -82,10 +86,20 @@ class MissPath:
         except L2Unavailable:
             policy.stats.redis_error += 1
             return await self.load_unleased(read, loader)
+        except asyncio.CancelledError:
+            self.give_back(key, mine)
+            raise
         policy.stats.lease_won += 1
         return await self.load_and_fill(read, token, loader)
 
-    async def _wait_for_fill(self, read: Read) -> _Filled | str | None:
+    def give_back(self, key: str, token: str) -> None:
+        """Release our lease (if ``token`` holds it) in the background: for a caller
+        being cancelled, which can't await. Kept, the lease would make every other
+        reader of the key, in every process, wait up to ``max_wait`` for a fill that
+        nobody runs. Compare-and-delete: a no-op where we never held it."""
+        self._rt.tasks.spawn(self.release(key, token))
+
+    async def _wait_for_fill(self, read: Read, token: str) -> _Filled | str | None:
         """The winner's fill, our own lease (the winner gave up), or None (timeout)."""
         policy, fills = self._policy, self._fills
 
@@ -104,6 +118,7 @@ class MissPath:
             policy.reread_pause,
             policy.max_wait,
             usable,
+            token,
         )
         if result.data is None:
             return result.token
@@ -133,7 +148,13 @@ class MissPath:
         """Load under our lease, then fill. A slow loader with a stale value at hand
         serves stale after ``load_timeout`` and fills in the background."""
         policy = self._policy
-        if policy.tags and not await self._register(read, token):
+        try:
+            registered = not policy.tags or await self._register(read, token)
+        except asyncio.CancelledError:
+            self.give_back(read.key, token)
+            self._unregister(read)
+            raise
+        if not registered:
             return await self.load_unleased(read, loader)
         started = time.monotonic()
         task: asyncio.Task[Any] = asyncio.ensure_future(
@@ -152,6 +173,13 @@ class MissPath:
                     self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
                     return read.stale.value
             value = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Our caller went away, the load runs on: it fills L2 (and releases the
+            # lease) in the background, so the readers waiting on it, here (the single-
+            # flight joiners start over and wait on the lease) and in other processes,
+            # get its value instead of loading again after ``max_wait``.
+            self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
+            raise
         except Exception as exc:
             await self.release(read.key, token)
             self._unregister(read)
@@ -178,9 +206,14 @@ class MissPath:
     ) -> None:
         try:
             value = await task
-        except Exception:
+        except (Exception, asyncio.CancelledError) as exc:
+            # A failed load, or a cancelled one (a loader that raised CancelledError, or
+            # close() stopping us): either way nobody will fill, so the lease goes back.
             await self.release(read.key, token)
             self._unregister(read)
+            current = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and current and current.cancelling():
+                raise
             return
         # The request's read.seq: an invalidation delivered while this slow load ran (or
         # between its L2 write and here) must keep it out of L1.
@@ -251,6 +284,9 @@ class MissPath:
         error releases the lease: other readers must not wait max_wait for nothing."""
         try:
             return await self._fill_under_lease(read, token, value, delta)
+        except asyncio.CancelledError:
+            self.give_back(read.key, token)  # the fill may or may not have landed
+            raise
         except Exception:
             await self.release(read.key, token, quietly=False)
             raise

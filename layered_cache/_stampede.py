@@ -56,8 +56,13 @@ class LeaseWaiter:
         self._rand = rand
         self._clock = clock
 
-    async def try_acquire(self, lease: str, lease_ttl: float) -> str | None:
-        token = new_token()
+    async def try_acquire(
+        self, lease: str, lease_ttl: float, token: str | None = None
+    ) -> str | None:
+        """``token`` (a new one if None) if we got the lease, else None. A caller that
+        may be cancelled passes its own: a cancel can land after the SET NX did, and
+        only a token known beforehand lets it give that lease back."""
+        token = token or new_token()
         if await self._l2.acquire_lease(lease, token, max(1, int(lease_ttl * 1000))):
             return token
         return None
@@ -70,14 +75,16 @@ class LeaseWaiter:
         reread_pause: tuple[float, float],
         max_wait: float,
         usable: Callable[[bytes | None], bool],
+        token: str | None = None,
     ) -> LeaseResult:
-        """Wait until ``usable(data)`` holds for a fill, we win the lease, or max_wait.
+        """Wait until ``usable(data)`` holds for a fill, we win the lease (taken with
+        ``token``, see ``try_acquire``), or max_wait.
 
         Raises ``L2Unavailable`` if Redis fails meanwhile (the caller loads itself).
         """
         deadline = self._clock() + max_wait
         if self._notifier is None:
-            return await self._poll(key, lease, lease_ttl, reread_pause, deadline, usable)
+            return await self._poll(key, lease, lease_ttl, reread_pause, deadline, usable, token)
         # Subscribing is bounded like one silent pause (and never past max_wait).
         async with self._notifier.subscribe(
             fill_channel(key), min(reread_pause[1], max_wait)
@@ -95,7 +102,7 @@ class LeaseWaiter:
                     return LeaseResult(data=message)
                 if message is not None:
                     continue
-                result = await self._recheck(key, lease, lease_ttl, usable)
+                result = await self._recheck(key, lease, lease_ttl, usable, token)
                 if result is not None:
                     return result
         return LeaseResult()
@@ -108,22 +115,28 @@ class LeaseWaiter:
         reread_pause: tuple[float, float],
         deadline: float,
         usable: Callable[[bytes | None], bool],
+        token: str | None,
     ) -> LeaseResult:
         while (remaining := deadline - self._clock()) > 0:
             await asyncio.sleep(min(self._rand(*reread_pause), remaining))
-            result = await self._recheck(key, lease, lease_ttl, usable)
+            result = await self._recheck(key, lease, lease_ttl, usable, token)
             if result is not None:
                 return result
         return LeaseResult()
 
     async def _recheck(
-        self, key: str, lease: str, lease_ttl: float, usable: Callable[[bytes | None], bool]
+        self,
+        key: str,
+        lease: str,
+        lease_ttl: float,
+        usable: Callable[[bytes | None], bool],
+        token: str | None,
     ) -> LeaseResult | None:
         """Fallback after a silent pause: re-read L2, then try to take over the lease."""
         data = await self._l2.get(key)
         if usable(data):
             return LeaseResult(data=data)
-        token = await self.try_acquire(lease, lease_ttl)
-        if token is not None:
-            return LeaseResult(token=token)
+        won = await self.try_acquire(lease, lease_ttl, token)
+        if won is not None:
+            return LeaseResult(token=won)
         return None

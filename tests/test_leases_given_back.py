@@ -1,0 +1,155 @@
+"""A lease is given back on every way out of a load, cancellation included.
+
+A lease nobody fills makes every other reader of the key, in every process, wait up to
+``max_wait`` and then load the key itself: a stampede, under exactly the load that makes
+clients time out. Each scenario here cancels or breaks the holder at a different point
+and asks a second instance to read the key: it must get the value well before
+``max_wait`` (3 s here). Found by an adversarial review (2026-12-04); every test failed
+before the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from layered_cache import LayeredCache
+from layered_cache._keys import lease_name
+from tests.helpers import make_config
+
+NAMESPACES = {
+    "book": {"key": "book:{id}", "stampede": {"lease_ttl": "4s", "max_wait": "3s"}},
+    "category": {
+        "key": "category:{slug}",
+        "tags": True,
+        "stampede": {"lease_ttl": "4s", "max_wait": "3s"},
+    },
+}
+PROMPT = 1.0  # seconds: well under max_wait
+
+
+async def _slow(value: Any, seconds: float = 0.3) -> Any:
+    await asyncio.sleep(seconds)
+    return value
+
+
+async def _timed(read: Any) -> tuple[Any, float]:
+    started = time.monotonic()
+    value = await read
+    return value, time.monotonic() - started
+
+
+async def test_a_winner_whose_caller_timed_out_still_fills_for_the_other_instances(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES)
+    loads = 0
+
+    async def loader() -> str:
+        nonlocal loads
+        loads += 1
+        return await _slow("db")
+
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):  # a request deadline, mid-load
+                await a.get_or_load("book", {"id": 1}, loader)
+        value, took = await _timed(b.get_or_load("book", {"id": 1}, loader))
+        assert value == "db" and took < PROMPT
+        assert loads == 1  # b got a's load, which ran on after a's caller left
+
+
+async def test_a_joiner_of_a_cancelled_leader_gets_the_value_promptly(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as a:
+        leader = asyncio.create_task(a.get_or_load("book", {"id": 1}, lambda: _slow("db")))
+        await asyncio.sleep(0.05)  # the leader holds the lease and loads
+        joiner = asyncio.create_task(_timed(a.get_or_load("book", {"id": 1}, lambda: _slow("db"))))
+        await asyncio.sleep(0.05)
+        leader.cancel()  # the first client went away; the second did not
+        value, took = await joiner
+        assert value == "db" and took < PROMPT
+
+
+async def test_a_loader_that_raises_cancelled_error_gives_the_lease_back(
+    redis_url: str, prefix: str
+) -> None:
+    """An aborted database query re-raises CancelledError inside the loader while the
+    caller itself was not cancelled."""
+
+    async def aborted() -> str:
+        inner = asyncio.create_task(asyncio.sleep(10))
+        await asyncio.sleep(0.01)
+        inner.cancel()
+        return await inner  # type: ignore[func-returns-value]
+
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        with pytest.raises(asyncio.CancelledError):
+            await a.get_or_load("book", {"id": 1}, aborted)
+        value, took = await _timed(b.get_or_load("book", {"id": 1}, lambda: _slow("db", 0)))
+        assert value == "db" and took < PROMPT
+
+
+@pytest.mark.parametrize("turns", range(0, 24, 2))
+async def test_a_read_cancelled_after_any_number_of_loop_turns_leaves_no_lease(
+    redis_url: str, prefix: str, turns: int
+) -> None:
+    """The cancel lands in the SET NX's reply, in the double-check GET, in the load or
+    in the fill, depending on ``turns``."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        task = asyncio.create_task(a.get_or_load("book", {"id": 1}, lambda: _slow("db", 0.05)))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        value, took = await _timed(b.get_or_load("book", {"id": 1}, lambda: _slow("db", 0)))
+        assert value == "db" and took < PROMPT
+
+
+async def test_a_batch_whose_caller_timed_out_gives_every_lease_back(
+    redis_url: str, prefix: str
+) -> None:
+    fields = [{"id": i} for i in range(5)]
+
+    async def load_many(missing: list[Mapping[str, object]], delay: float = 0.3) -> list[str]:
+        await asyncio.sleep(delay)
+        return [f"v{f['id']}" for f in missing]
+
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await a.get_or_load_many("book", fields, load_many)
+        values, took = await _timed(
+            b.get_or_load_many("book", fields, lambda m: load_many(m, 0.0))
+        )
+        assert values == [f"v{i}" for i in range(5)] and took < PROMPT
+
+
+async def test_a_batch_whose_tag_function_raises_gives_every_lease_back(
+    redis_url: str, prefix: str, redis_client: Any
+) -> None:
+    async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
+        return [f"page-{f['slug']}" for f in missing]
+
+    def broken_tags(page: Any) -> list[str]:
+        raise RuntimeError("a bug in the tag function")
+
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        with pytest.raises(RuntimeError, match="tag function"):
+            await a.get_or_load_many("category", [{"slug": "a"}], load_many, tags=broken_tags)
+        assert await redis_client.exists(lease_name(a.key("category", {"slug": "a"}))) == 0
+        value, took = await _timed(
+            b.get_or_load("category", {"slug": "a"}, lambda: _slow("page", 0), tags=["t"])
+        )
+        assert value == "page" and took < PROMPT
