@@ -338,3 +338,38 @@ def test_an_http_policy_on_a_never_cached_namespace_is_a_warning(tmp_path: Path)
     with pytest.warns(ConfigWarning, match=r"namespaces\.stock\.http: ignored, .* no-store"):
         config = load_config(write(tmp_path, text), env={})
     assert len(config.warnings) == 1
+
+
+@pytest.mark.parametrize(
+    ("stream", "expected"),
+    [
+        # the names the library builds in the reserved segment (layered_cache/_keys.py)
+        ("layered_cache:loading", "loading set of tagged loads"),
+        ("layered_cache:tag:book:42", "tag versions"),
+        ("layered_cache:tag", "tag versions"),
+        ("layered_cache:hotkeys:0123456789ab", "hot-key reports"),
+        # characters of the other owned names: replica '#N', lease/channel/record braces
+        ("layered_cache:invalidations#0", "may only contain"),
+        ("layered_cache:{invalidations}:lease", "may only contain"),
+        ("layered_cache:hot*", "may only contain"),
+        ("layered_cache:", "needs a name after"),
+        ("layered_cache:invalidations:", "empty segment"),
+    ],
+)
+def test_a_backplane_stream_named_like_a_library_owned_name_is_refused_at_load(
+    tmp_path: Path, stream: str, expected: str
+) -> None:
+    """Such a stream loaded, then set(tags=) and invalidate_tag failed with WRONGTYPE."""
+    path = write(tmp_path, f'[backplane]\nstream = "{stream}"\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+    message = str(error.value)
+    assert message.startswith(f"{path}: backplane.stream: "), message
+    assert repr(stream) in message and expected in message, message
+    # the default and other names of one's own in the reserved segment still load
+    for fine in (
+        "layered_cache:invalidations",
+        "layered_cache:invalidations:blue",
+        "layered_cache:events",
+    ):
+        assert parse_config({"backplane": {"stream": fine}}, env={}).backplane.stream == fine
