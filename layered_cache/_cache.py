@@ -230,17 +230,19 @@ class LayeredCache(HitPath):
         await self._coherence.invalidate_tag(tag)
 
     def cached(
-        self, namespace: str, *, value_type: Any = None
+        self, namespace: str, *, value_type: Any = None, ignore: Iterable[str] = ()
     ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
         """Decorator: cache an async function; key fields come from its arguments.
 
         The return annotation (or ``value_type``) declares the namespace's value type,
         so L2 hits decode into it; a namespace has one type (a different one raises).
+        Every other parameter must be a key field, or named in ``ignore`` (it never
+        changes the value: a database session).
         """
         ns = self.namespace(namespace)  # an unknown namespace fails here, not at a call
 
         def decorator(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-            return decorate.cached(ns, fn, value_type)
+            return decorate.cached(ns, fn, value_type, ignore)
 
         return decorator
 

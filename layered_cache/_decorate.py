@@ -2,7 +2,15 @@
 parameters, and its return annotation declares the namespace's value type.
 
 Checked when the function is decorated (at import), not at its first call: a missing
-key parameter or a conflicting value type is a bug in the code, not in a request.
+key parameter, a parameter the key leaves out, or a conflicting value type is a bug in
+the code, not in a request.
+
+The key template names every argument: a parameter it does not name would let calls that
+differ only in that argument share one entry (``book_detail(1, "fr")`` answered with the
+value of ``book_detail(1, "en")``), so it is refused, defaults and ``*args``/``**kwargs``
+included. A method's ``self``/``cls`` (its first parameter) is exempt: the entry lives
+in L2, shared by every instance and process, so it can't be keyed on one object. So is
+what the caller names in ``ignore=`` (a database session: it never changes the value).
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
 from layered_cache._namespace import Namespace
@@ -20,21 +28,32 @@ __all__ = ["bind_key_fields", "cached"]
 T = TypeVar("T")
 P = ParamSpec("P")
 
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+# A method's receiver, as its first parameter: not an argument the key could hold.
+_RECEIVERS = ("self", "cls")
+
 
 def bind_key_fields(
-    namespace: Namespace, fn: Callable[..., Any], value_type: Any = None
+    namespace: Namespace,
+    fn: Callable[..., Any],
+    value_type: Any = None,
+    ignore: Iterable[str] = (),
 ) -> inspect.Signature:
     """Checks shared by the async and sync decorators: every key field is a parameter
-    of ``fn``; ``value_type`` (or else ``fn``'s return annotation) is declared as the
-    namespace's value type. Returns the signature to bind calls with."""
+    of ``fn``, and ``fn`` has no other (see the module doc); ``value_type`` (or else
+    ``fn``'s return annotation) is declared as the namespace's value type. Returns the
+    signature to bind calls with."""
     template = namespace.policy.template
     signature = inspect.signature(fn)
-    missing = [f for f in template.fields if f not in signature.parameters]
+    parameters = signature.parameters
+    missing = [f for f in template.fields if f not in parameters or parameters[f].kind in _VARIADIC]
     if missing:
         raise KeyError(
             f"namespace {namespace.name!r}: {fn.__qualname__} has no parameter for key "
             f"field(s) {missing} of template {template.template!r}"
         )
+    ignored = _ignored(namespace, fn, signature, ignore)
+    _refuse_unkeyed_parameters(namespace, fn, signature, ignored)
     declared = value_type
     if declared is None:
         declared = typing.get_type_hints(fn).get("return")
@@ -43,15 +62,81 @@ def bind_key_fields(
     return signature
 
 
+def _ignored(
+    namespace: Namespace,
+    fn: Callable[..., Any],
+    signature: inspect.Signature,
+    ignore: Iterable[str],
+) -> set[str]:
+    """``ignore``: parameters the caller says do not change the value (a database
+    session, a request). Each must be a named parameter of ``fn`` and not a key field:
+    a typo would otherwise hide the very mistake the check is for."""
+    if isinstance(ignore, str):
+        raise TypeError(f"ignore must be a list of parameter names, not the string {ignore!r}")
+    names = set(ignore)
+    where = f"namespace {namespace.name!r}: {fn.__qualname__}"
+    for name in sorted(names):
+        parameter = signature.parameters.get(name)
+        if parameter is None or parameter.kind in _VARIADIC:
+            raise TypeError(f"{where}: ignore names {name!r}, which is not a named parameter")
+        if name in namespace.policy.template.fields:
+            raise TypeError(f"{where}: ignore names {name!r}, a field of the key")
+    return names
+
+
+def _refuse_unkeyed_parameters(
+    namespace: Namespace,
+    fn: Callable[..., Any],
+    signature: inspect.Signature,
+    ignored: set[str],
+) -> None:
+    """Every parameter of ``fn`` is a key field, a method's ``self``/``cls``, or
+    named in ``ignore``."""
+    template = namespace.policy.template
+    keyed = set(template.fields) | ignored
+    params = list(signature.parameters.values())
+    if params and params[0].name in _RECEIVERS and params[0].kind not in _VARIADIC:
+        params = params[1:]
+    variadic = [_shown(p) for p in params if p.kind in _VARIADIC]
+    named = [p.name for p in params if p.kind not in _VARIADIC and p.name not in keyed]
+    where = f"namespace {namespace.name!r}: {fn.__qualname__}"
+    why = (
+        f"key template {template.template!r}, so calls that differ only in them "
+        "would share one cache entry"
+    )
+    if named:
+        widened = template.template + "".join(f":{{{name}}}" for name in named)
+        raise TypeError(
+            f"{where} has parameter(s) {named} that are not fields of the {why}; "
+            f"add them to the template (namespaces.{namespace.name}.key, e.g. {widened!r}), "
+            f"or, if they never change the value (a database session), say so: "
+            f"cached({namespace.name!r}, ignore={tuple(named)!r})"
+        )
+    if variadic:
+        raise TypeError(
+            f"{where} takes {' and '.join(variadic)}, whose arguments are not part of the "
+            f"{why}; give the function one named parameter per key field "
+            f"({', '.join(template.fields)}) instead"
+        )
+
+
+def _shown(parameter: inspect.Parameter) -> str:
+    stars = "*" if parameter.kind is inspect.Parameter.VAR_POSITIONAL else "**"
+    return stars + parameter.name
+
+
 def cached(
-    namespace: Namespace, fn: Callable[P, Awaitable[T]], value_type: Any = None
+    namespace: Namespace,
+    fn: Callable[P, Awaitable[T]],
+    value_type: Any = None,
+    ignore: Iterable[str] = (),
 ) -> Callable[P, Awaitable[T]]:
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(
             f"{fn.__qualname__} is not an async function: LayeredCache.cached caches "
             "`async def` functions (for a plain `def`, use SyncLayeredCache.cached)"
         )
-    signature = bind_key_fields(namespace, fn, value_type)
+    signature = bind_key_fields(namespace, fn, value_type, ignore)
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:

@@ -296,11 +296,12 @@ class SyncLayeredCache:
         self._run(self.cache.invalidate(namespace, fields), f"invalidate({namespace!r})")
 
     def cached(
-        self, namespace: str, *, value_type: Any = None
+        self, namespace: str, *, value_type: Any = None, ignore: Iterable[str] = ()
     ) -> Callable[[Callable[P, T]], Callable[P, T]]:
         """Decorator for sync functions; key fields come from the call's arguments.
 
         The return annotation (or ``value_type``) becomes the namespace's value type.
+        Every other parameter must be a key field, or named in ``ignore``.
         """
         ns = self.cache.namespace(namespace)  # an unknown namespace fails here, not at a call
 
@@ -309,7 +310,7 @@ class SyncLayeredCache:
                 raise TypeError(
                     f"{fn.__qualname__} is async: use LayeredCache.cached, not the sync API"
                 )
-            signature = bind_key_fields(ns, fn, value_type)
+            signature = bind_key_fields(ns, fn, value_type, ignore)
 
             @functools.wraps(fn)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:

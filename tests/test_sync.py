@@ -122,7 +122,7 @@ def test_bypass_namespace_always_loads(cache: SyncLayeredCache) -> None:
 def test_cached_decorator_for_sync_functions(cache: SyncLayeredCache) -> None:
     calls: list[int] = []
 
-    @cache.cached("book")
+    @cache.cached("book", ignore=("lang",))
     def book_detail(id: int, *, lang: str = "en") -> Book:
         calls.append(id)
         return Book(id, f"title {id} {lang}")

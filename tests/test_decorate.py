@@ -1,0 +1,115 @@
+"""``cached``: the key template names every argument that can change the result.
+
+A parameter the template does not name would let two different calls share one entry
+(``book_detail(1, "fr")`` answered with ``book_detail(1, "en")``'s value), so it is
+refused when the function is decorated, by both the async and the sync decorator.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from layered_cache import LayeredCache
+from layered_cache.sync import SyncLayeredCache
+from tests.helpers import make_config
+
+_UNUSED_REDIS = "redis://127.0.0.1:1/0"  # decoration needs no server: nothing connects
+
+
+def _cache() -> LayeredCache:
+    return LayeredCache.from_config(make_config(_UNUSED_REDIS, "decorate:"))
+
+
+def test_a_cached_function_with_a_parameter_outside_the_key_is_refused_at_decoration() -> None:
+    cache = _cache()
+    with pytest.raises(TypeError) as error:
+
+        @cache.cached("book")  # template book:{id}
+        async def book_detail(id: int, lang: str) -> str:
+            return f"book {id} in {lang}"
+
+    message = str(error.value)
+    assert "book_detail" in message and "'lang'" in message, message
+    assert "'book:{id}'" in message and "'book:{id}:{lang}'" in message, message  # the fix
+
+
+def test_a_parameter_with_a_default_outside_the_key_is_refused_too() -> None:
+    cache = _cache()
+    with pytest.raises(TypeError, match=r"book_detail.*\['currency', 'lang'\]"):
+
+        @cache.cached("book")
+        async def book_detail(id: int, currency: str = "EUR", *, lang: str = "en") -> str:
+            return f"book {id} in {lang}, {currency}"
+
+
+def test_star_args_and_star_star_kwargs_of_a_cached_function_are_refused() -> None:
+    cache = _cache()
+    with pytest.raises(TypeError, match=r"book_detail.*\*args"):
+
+        @cache.cached("book")
+        async def book_detail(id: int, *args: str) -> str:
+            return "x"
+
+    with pytest.raises(TypeError, match=r"book_list.*\*\*kwargs"):
+
+        @cache.cached("book")
+        async def book_list(id: int, **kwargs: str) -> str:
+            return "x"
+
+
+def test_a_cached_method_keys_on_its_fields_not_on_self_but_refuses_other_parameters() -> None:
+    """``self``/``cls`` can't be part of a key shared by every process (L2), so they are
+    not asked for; any other parameter outside the template still is."""
+    cache = _cache()
+
+    class Books:
+        @cache.cached("book")
+        async def detail(self, id: int) -> str:
+            return f"book {id}"
+
+    assert Books.detail.__name__ == "detail"
+    with pytest.raises(TypeError, match=r"Shop\.detail.*'lang'"):
+
+        class Shop:
+            @cache.cached("book")
+            async def detail(self, id: int, lang: str) -> str:
+                return f"book {id} in {lang}"
+
+
+def test_the_sync_decorator_refuses_a_parameter_outside_the_key_too(
+    redis_url: str, prefix: str
+) -> None:
+    refused = pytest.raises(TypeError, match=r"book_detail.*'lang'.*'book:\{id\}:\{lang\}'")
+    with SyncLayeredCache.from_config(make_config(redis_url, prefix)) as cache, refused:
+
+        @cache.cached("book")
+        def book_detail(id: int, lang: str = "en") -> str:
+            return f"book {id} in {lang}"
+
+
+def test_a_parameter_named_in_ignore_stays_out_of_the_key_on_purpose() -> None:
+    """A database session never changes the value: ``ignore`` says so explicitly."""
+    cache = _cache()
+
+    @cache.cached("book", ignore=("session",))
+    async def book_detail(id: int, session: object) -> str:
+        return f"book {id}"
+
+    assert book_detail.__name__ == "book_detail"
+
+
+@pytest.mark.parametrize(
+    ("ignore", "error"),
+    [
+        (("sesion",), "'sesion', which is not a named parameter"),  # a typo
+        (("id",), "'id', a field of the key"),
+        ("session", "not the string"),
+    ],
+)
+def test_a_wrong_ignore_is_refused_at_decoration(ignore: object, error: str) -> None:
+    cache = _cache()
+    with pytest.raises(TypeError, match=error):
+
+        @cache.cached("book", ignore=ignore)  # type: ignore[arg-type]
+        async def book_detail(id: int, session: object) -> str:
+            return f"book {id}"
