@@ -34,7 +34,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from layered_cache._clients import REDIS_FAILURES
+from layered_cache._clients import REDIS_FAILURES, resurface_cancel
 
 __all__ = ["ClusterFillNotifier", "FillNotifier", "Notifier"]
 
@@ -86,24 +86,34 @@ class FillNotifier:
     async def subscribe(self, channel: str, confirm_timeout: float) -> AsyncIterator[_Subscription]:
         """Subscribe for the duration of the block; waits (bounded) for Redis to confirm
         the subscription so that a re-read after it cannot miss a fill in between."""
+        task = asyncio.current_task()
+        requested = task.cancelling() if task is not None else 0
         sub = _Subscription(channel)
+        # The registration is undone on every way out, a cancellation while subscribing
+        # included: a waiter left in ``_waiters`` kept the reader alive for ever and, after
+        # a ``_reset``, made later waiters on its channel count as subscribed.
         try:
-            # One bound for connecting, SUBSCRIBE and its confirmation: a waiter must
-            # never wait on pub/sub longer than it would re-read L2 (the socket timeout
-            # bounds each step too; this bounds their sum).
-            async with asyncio.timeout(confirm_timeout):
-                await self._add(sub)
-                await sub.confirmed.wait()
-        except TimeoutError:
-            _log.debug("fill_subscribe_timeout", channel=channel)
-        except REDIS_FAILURES as exc:
-            _log.debug("fill_subscribe_failed", error=type(exc).__name__)
-        try:
+            try:
+                # One bound for connecting, SUBSCRIBE and its confirmation: a waiter must
+                # never wait on pub/sub longer than it would re-read L2 (the socket
+                # timeout bounds each step too; this bounds their sum).
+                async with asyncio.timeout(confirm_timeout):
+                    await self._add(sub)
+                    # SUBSCRIBE goes through redis-py's ``wait_for``: a cancel that landed
+                    # as it completed is lost on Python 3.11, and the waiter ran on to
+                    # max_wait and its own loader.
+                    resurface_cancel(task, requested)
+                    await sub.confirmed.wait()
+            except TimeoutError:
+                _log.debug("fill_subscribe_timeout", channel=channel)
+            except REDIS_FAILURES as exc:
+                _log.debug("fill_subscribe_failed", error=type(exc).__name__)
             yield sub
         finally:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(confirm_timeout):
                     await self._remove(sub)
+        resurface_cancel(task, requested)  # UNSUBSCRIBE too goes through ``wait_for``
 
     async def _add(self, sub: _Subscription) -> None:
         async with self._lock:
@@ -119,20 +129,33 @@ class FillNotifier:
                     await self._pubsub.subscribe(sub.channel)
             except asyncio.CancelledError:
                 # Timed out mid-connect or mid-command: the connection's state is
-                # unknown (a half-read handshake), so it is not reused.
+                # unknown (a half-read handshake), so it is not reused. The channel
+                # goes with it: nothing for ``_remove`` to unsubscribe.
+                self._unregister(sub)
                 await self._reset()
                 raise
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="layered_cache._notify")
 
+    def _unregister(self, sub: _Subscription) -> bool:
+        """Drop ``sub`` from ``_waiters``; whether it was its channel's last waiter."""
+        waiters = self._waiters.get(sub.channel)
+        if waiters is None or sub not in waiters:
+            return False
+        waiters.remove(sub)
+        if waiters:
+            return False
+        del self._waiters[sub.channel]
+        return True
+
     async def _remove(self, sub: _Subscription) -> None:
+        # Unregistered before waiting for the lock: a cancel or a timeout while waiting
+        # must not leave the waiter registered.
+        if not self._unregister(sub):
+            return  # other waiters still use the subscription, or it never was made
         async with self._lock:
-            waiters = self._waiters.get(sub.channel, [])
-            if sub in waiters:
-                waiters.remove(sub)
-            if waiters:
-                return
-            self._waiters.pop(sub.channel, None)
+            if sub.channel in self._waiters:
+                return  # a new waiter subscribed again meanwhile
             try:
                 with contextlib.suppress(*REDIS_FAILURES):
                     if self._sharded:

@@ -20,6 +20,7 @@ import pytest
 
 from layered_cache import Config, LayeredCache
 from layered_cache._l2 import NOTIFY_INLINE_MAX
+from layered_cache._notify import FillNotifier
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisClusterServers
 
@@ -152,3 +153,122 @@ async def test_fills_with_a_waiter_stay_within_their_shard(
     # copy, the waiter's GET, a small SPUBLISH within the slot's shard.
     ratio = await _bytes_per_value_byte(cluster_with_replicas, prefix, 100, waiting=True)
     assert ratio < 3.5, f"{ratio:.2f} bytes written per byte of value"
+
+
+def _fill_notifier(cache: LayeredCache) -> FillNotifier:
+    notifier = cache._parts.notifier
+    assert isinstance(notifier, FillNotifier)
+    return notifier
+
+
+class _HeldLeases:
+    """Instance ``holder`` holds the leases of books ``ids``, its loader blocked until
+    ``release``."""
+
+    def __init__(self, holder: LayeredCache, value: str, ids: range) -> None:
+        self.release = asyncio.Event()
+        self.loader = CountingLoader(value)
+
+        async def held() -> Any:
+            await self.release.wait()
+            return await self.loader()
+
+        self.tasks = [asyncio.create_task(holder.get_or_load("book", {"id": i}, held)) for i in ids]
+        self._holder = holder
+
+    async def held(self) -> bool:
+        def won() -> bool:
+            return bool(self._holder.stats()["book"]["lease_won"] == len(self.tasks))
+
+        return await eventually(won, timeout=10)
+
+    async def filled(self) -> list[Any]:
+        self.release.set()
+        return await asyncio.gather(*self.tasks)
+
+
+async def test_a_waiter_cancelled_while_subscribing_leaves_no_subscription(
+    redis_url: str, prefix: str
+) -> None:
+    # The waiter was registered before its SUBSCRIBE completed, and a cancel then left
+    # the registration for good: the reader never ended, and the pub/sub connection
+    # (replaced after the cut SUBSCRIBE) let later waiters on the channel count as
+    # subscribed without subscribing, so no fill woke them.
+    config = _config(redis_url, prefix, cluster=False)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        leases = _HeldLeases(b, "right", range(1, 2))
+        assert await leases.held()
+        notifier = _fill_notifier(a)
+        subscribing = asyncio.Event()
+        subscribe = notifier._pubsub.subscribe
+
+        async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
+            subscribing.set()
+            await asyncio.sleep(0.05)  # the SUBSCRIBE's reply is slow
+            return await subscribe(*args, **kwargs)
+
+        notifier._pubsub.subscribe = slow_subscribe  # type: ignore[method-assign]
+        wrong = CountingLoader("wrong")
+        waiter = asyncio.create_task(a.get_or_load("book", {"id": 1}, wrong))
+        await asyncio.wait_for(subscribing.wait(), 10)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert waiter.cancelled()
+        assert {ch: len(subs) for ch, subs in notifier._waiters.items()} == {}
+
+        # A later waiter on the channel really subscribes: the fill wakes it well
+        # before its first re-read (20 s).
+        later = asyncio.create_task(a.get_or_load("book", {"id": 1}, wrong))
+        assert await eventually(lambda: a.stats()["book"]["lease_lost"] == 2, timeout=10)
+        await asyncio.sleep(0.3)  # its subscription is confirmed (best effort)
+        fills = asyncio.create_task(leases.filled())
+        assert await asyncio.wait_for(later, 8) == "right"
+        assert await fills == ["right"]
+        assert wrong.calls == 0
+        # Every waiter gone: nothing registered, and the reader ends.
+        assert notifier._waiters == {}
+        reader = notifier._reader
+        assert reader is not None
+        assert await eventually(reader.done, timeout=5)
+
+
+async def test_a_waiter_cancelled_as_its_subscribe_completes_stops(
+    redis_url: str, prefix: str
+) -> None:
+    # redis-py sends SUBSCRIBE through asyncio.wait_for (a socket timeout is set), and
+    # on Python 3.11 a cancel landing as the send completes is dropped (CPython
+    # gh-86296): the waiter ran on for its whole max_wait, then ran its own loader.
+    # Cancelled k loop turns after it starts subscribing, for every k, it must stop.
+    config = _config(redis_url, prefix, cluster=False)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        # One book per k: a waiter left registered (the bug above) would let the next
+        # waiters of its book skip their SUBSCRIBE, and this race with it.
+        leases = _HeldLeases(b, "right", range(41))
+        assert await leases.held()
+        notifier = _fill_notifier(a)
+        subscribing = asyncio.Event()
+        add = notifier._add
+
+        async def add_seen(sub: Any) -> None:
+            subscribing.set()
+            await add(sub)
+
+        notifier._add = add_seen  # type: ignore[method-assign]
+        wrong = CountingLoader("wrong")
+        ran_on: list[int] = []
+        for turns in range(41):
+            subscribing.clear()
+            waiter = asyncio.create_task(a.get_or_load("book", {"id": turns}, wrong))
+            await asyncio.wait_for(subscribing.wait(), 10)
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            waiter.cancel()
+            done, _ = await asyncio.wait({waiter}, timeout=0.3)
+            if not done:
+                ran_on.append(turns)
+                waiter.cancel()  # waiting for the fill now: this cancel is not lost
+            await asyncio.gather(waiter, return_exceptions=True)
+        assert ran_on == [], f"cancels lost after {ran_on} loop turns"
+        assert wrong.calls == 0
+        assert notifier._waiters == {}
+        assert await leases.filled() == ["right"] * 41
