@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -232,8 +233,13 @@ class _Run:
         for name in self.db:
             self.history.writes[(name, 0)] = Write(0, "initial", name, None, 0, 0, True)
         self.fail_loads = self.rng.random() < 0.5
-        # The writes a task is running (an invalidate_tag writes every key of its tag).
-        self.current_write: dict[asyncio.Task[Any], list[Write]] = {}
+        # The writes a task is running (an invalidate_tag writes every key of its tag),
+        # in a context variable rather than keyed by task: the library finishes an
+        # invalidation in a task of its own (``BackgroundTasks.to_completion``), which
+        # inherits the context, so its XADD is still the write's.
+        self.current_write: contextvars.ContextVar[tuple[Write, ...]] = contextvars.ContextVar(
+            "current_write", default=()
+        )
 
     def key(self, index: int) -> str:
         return self.world.instances["A"].key("book", self.keys[index])
@@ -441,9 +447,7 @@ class _Run:
         for write in writes:
             write.began = began
             self.history.writes[(write.key, write.version)] = write
-        task = asyncio.current_task()
-        assert task is not None
-        self.current_write[task] = writes
+        writing = self.current_write.set(tuple(writes))
         ok = False
         try:
             fields = self.keys[op.key_id]
@@ -463,7 +467,7 @@ class _Run:
             ended = self.history.tick(f"{who} {'ok' if ok else 'failed'}")
             for write in writes:
                 write.ok, write.ended = ok, ended
-            del self.current_write[task]
+            self.current_write.reset(writing)
 
     async def daemon(self, cache: LayeredCache, name: str, tag: str | None) -> None:
         """What the daemon runs for one event: the key's deletes, or (a route
@@ -485,7 +489,7 @@ class _Run:
         """Backplane bookkeeping: a write's entry id, and how far each listener read."""
         task = asyncio.current_task()
         if command == "XADD":
-            writes = self.current_write.get(task, []) if task is not None else []
+            writes = self.current_write.get()
             if result:
                 for write in writes:
                     write.entry_id = parse_id(result)
@@ -671,9 +675,7 @@ async def _converges(run: _Run) -> list[str]:
         kind = "final-invalidate_tag" if by_tag else "final-invalidate"
         write = Write(final, kind, name, instance, run.history.tick())
         run.history.writes[(name, final)] = write
-        task = asyncio.current_task()
-        assert task is not None
-        run.current_write[task] = [write]
+        writing = run.current_write.set((write,))
         tag = run.tags_of(index)[0] if by_tag else None
         ok = await _retry_until(
             lambda c=cache, f=fields, t=tag: (
@@ -681,7 +683,7 @@ async def _converges(run: _Run) -> list[str]:
             ),
             3.0,
         )
-        del run.current_write[task]
+        run.current_write.reset(writing)
         if not ok:
             problems.append(f"{kind}@{instance} of {name} still failing 3 s after faults")
             continue
