@@ -22,28 +22,41 @@ class Coherence:
         self._rt = runtime
 
     async def invalidate(self, ns: Namespace, fields: Mapping[str, object]) -> None:
+        """Delete, announce, drop again. The Redis steps run to completion even if our
+        caller is cancelled (``BackgroundTasks.to_completion``): a DEL without its
+        announcement would leave other instances serving the old value for their L1
+        TTL (on a single node the two are two round trips; ``set()`` has one)."""
         key = ns.key(fields)
         ns.policy.stats.invalidated += 1
         self.forget([key])  # also detaches loads: new callers must not join them
         try:
-            await self._rt.invalidator.invalidate([(key, ns.policy.replicas)])
+            await self._rt.tasks.to_completion(self._delete([(key, ns.policy.replicas)]))
         except REDIS_FAILURES as exc:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
         finally:  # HTTP caches last, in the background: the data changed either way
             self._rt.purges.submit([key])
-        self.forget([key])  # again: a fill that read L2 before the delete may have landed
+
+    async def _delete(self, targets: list[tuple[str, int]]) -> None:
+        await self._rt.invalidator.invalidate(targets)
+        # Again: a fill that read L2 before the delete may have landed.
+        self.forget([key for key, _ in targets])
 
     async def invalidate_tag(self, tag: str) -> None:
         """A new version for the tag, the tagged loads in flight revoked, then the
-        backplane (``_tags``)."""
+        backplane (``_tags``); to completion, as ``invalidate``: a new version that
+        nobody announced leaves every instance that remembers the old one serving
+        the dead entries from L2, until their TTL."""
         self._forget_tag(tag)
         try:
-            version = await self._rt.versions.invalidate(tag)
-            await self._rt.invalidator.announce_tags({tag: version})
+            await self._rt.tasks.to_completion(self._new_version(tag))
         except REDIS_FAILURES as exc:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._rt.purges.submit(tags=[tag])
+
+    async def _new_version(self, tag: str) -> None:
+        version = await self._rt.versions.invalidate(tag)
+        await self._rt.invalidator.announce_tags({tag: version})
         self._forget_tag(tag)
 
     def forget(self, keys: list[str]) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import structlog
 
 from layered_cache._invalidation import Invalidator
 from layered_cache._l2 import L2Store
@@ -25,6 +27,16 @@ from layered_cache._tags import TagVersions
 __all__ = ["BackgroundTasks", "Hooks", "Loader", "Runtime"]
 
 Loader = Callable[[], Awaitable[Any]]
+T = TypeVar("T")
+
+_log = structlog.get_logger("layered_cache")
+
+
+def _log_orphan_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        _log.warning(
+            "invalidation_failed_after_its_caller_left", error=f"{type(exc).__name__}: {exc}"
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +55,21 @@ class BackgroundTasks:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def to_completion(self, work: Coroutine[Any, Any, T]) -> T:
+        """Await ``work`` in a task of its own that a cancelled caller leaves running.
+        For the steps of an invalidation: once its first command may have reached Redis
+        (a DEL, a new tag version), the rest (the announcement, the local drop) must
+        follow, or the fleet keeps copies that L2 no longer holds, until their TTL.
+        A failure nobody is left to hear is logged."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                task.add_done_callback(_log_orphan_failure)
+                self.spawn(task)
+            raise
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -11,6 +11,7 @@ backplane append.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -95,8 +96,15 @@ class Writes:
         keys = [key for key, _, _ in settled]
         try:
             unannounced = await self._write(writes, keys)
+        except asyncio.CancelledError:
+            # On a single node the script appends the announcement with the SETs, or
+            # runs not at all; elsewhere the announcement is a round trip of its own.
+            separate = self._rt.invalidator.announcement_with_writes(keys) is None
+            self._abandoned(keys, announce=separate)
+            raise
         except L2Unavailable as exc:
             if not refused_for_memory(exc):
+                self._forget(keys)  # the write may have landed: see ``_abandoned``
                 raise
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
@@ -104,7 +112,11 @@ class Writes:
             await self._drop(keys)
             return
         if unannounced:
-            await self._announce(keys)
+            try:
+                await self._announce(keys)
+            except asyncio.CancelledError:
+                self._abandoned(keys, announce=True)
+                raise
         for key, value, soft_expiry in settled:
             self._settle(key, value, soft_expiry, read_seq, versions)
 
@@ -117,6 +129,20 @@ class Writes:
         announcement = self._rt.invalidator.announcement_with_writes(keys)
         appended = await replicas.write_many(self._rt.store, writes, announcement)
         return announcement is None or not appended
+
+    def _abandoned(self, keys: list[str], *, announce: bool) -> None:
+        """Our caller was cancelled while the write was in flight: it may have landed.
+        Our L1 is left empty and the keys tombstoned (a load that read the replaced
+        value must not fill it: ``_settle`` won't run); with ``announce``, the
+        announcement is sent in the background: other instances must not keep the
+        replaced value for their L1 TTL."""
+        self._forget(keys)
+        if announce:
+            self._rt.tasks.spawn(self._announce_quietly(keys))
+
+    async def _announce_quietly(self, keys: list[str]) -> None:
+        with contextlib.suppress(L2Unavailable):
+            await self._announce(keys)
 
     async def _drop(self, keys: list[str]) -> None:
         try:

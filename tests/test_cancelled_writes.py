@@ -1,0 +1,173 @@
+"""A write whose caller is cancelled mid-way still leaves every layer agreeing with L2.
+
+Between an L2 write or delete and what must follow it (the announcement on the
+backplane, the writer's own settle) a client timeout used to leave a window: L2 changed,
+but other instances kept serving their L1 copies for their TTL, or (for a tag) served
+the dead entries from L2 until their TTL. The interleavings are forced from the test
+side by slowing one reply, as tests/test_invalidation_wins.py does. Found by an
+adversarial review (2026-12-04); each cancelled scenario failed before the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+
+from layered_cache import LayeredCache, _tags
+from layered_cache import _direct as direct
+from tests.helpers import eventually, make_config
+
+NS: dict[str, dict[str, Any]] = {
+    "book": {"key": "book:{id}", "l1": {"ttl": "60s"}},
+    "category": {"key": "category:{slug}", "tags": True, "l1": {"ttl": "60s"}},
+}
+
+
+async def _connected(*caches: LayeredCache) -> None:
+    for cache in caches:
+        assert cache._backplane is not None
+        await asyncio.wait_for(cache._backplane.connected.wait(), 5)
+
+
+async def test_an_invalidate_whose_caller_timed_out_after_the_delete_still_reaches_the_other_l1(
+    redis_url: str, prefix: str, redis_client: Any
+) -> None:
+    config = make_config(redis_url, prefix, NS)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _connected(a, b)
+        await a.set("book", {"id": 1}, "old")
+        await _heard(b, 1)  # b applied the set's own announcement first
+        assert await b.get("book", {"id": 1}) == "old"  # b's L1 holds it
+        invalidator = a._rt.invalidator
+        original = invalidator.announce
+
+        async def slow_announce(keys: Any) -> bool:  # an XADD whose reply is slow
+            await asyncio.sleep(0.2)
+            return await original(keys)
+
+        invalidator.announce = slow_announce  # type: ignore[method-assign]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):  # the request's deadline
+                await a.invalidate("book", {"id": 1})
+        invalidator.announce = original  # type: ignore[method-assign]
+        assert not await redis_client.exists(a.key("book", {"id": 1}))  # L2: deleted
+        assert await eventually(lambda: _is(b, None), timeout=1.5), (
+            f"b still serves {await b.get('book', {'id': 1})!r}, deleted from L2"
+        )
+
+
+async def _heard(cache: LayeredCache, entries: int) -> None:
+    status = cache.backplane_status
+    assert await eventually(lambda: status().entries_applied >= entries, timeout=3)  # type: ignore[union-attr]
+
+
+async def _is(cache: LayeredCache, expected: Any, ns: str = "book", fields: Any = None) -> bool:
+    return await cache.get(ns, fields or {"id": 1}) == expected
+
+
+async def test_an_invalidate_tag_whose_caller_timed_out_still_kills_the_entry_everywhere(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = make_config(redis_url, prefix, NS)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _connected(a, b)
+        page = {"slug": "scifi"}
+        await a.set("category", page, "old page", tags=["book:42"])
+        await _heard(b, 1)
+        assert await b.get("category", page) == "old page"
+        original = _tags.take_loading
+
+        async def slow_take_loading(store: Any, prefix: str) -> None:
+            await asyncio.sleep(0.2)  # the loading-set script's reply is slow
+            await original(store, prefix)
+
+        monkeypatch.setattr(_tags, "take_loading", slow_take_loading)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await a.invalidate_tag("book:42")  # the new version is SET by now
+        monkeypatch.setattr(_tags, "take_loading", original)
+        # A fresh instance agrees the entry is dead: Redis holds the new version.
+        async with LayeredCache.from_config(config) as c:
+            assert await c.get("category", page) is None
+        await asyncio.sleep(1.5)  # well past the backplane's latency
+        for cache in (a, b):  # L1 dropped: read L2 again
+            cache.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
+        served = {
+            "a": await a.get("category", page),
+            "b": await b.get("category", page),
+        }
+        assert served == {"a": None, "b": None}, f"a tag-invalidated entry is still served: {served}"
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancelled", "control"])
+async def test_a_set_cancelled_after_its_write_keeps_no_load_that_read_the_replaced_value(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, cancel: bool
+) -> None:
+    """README: set() re-tombstones the key once its write landed, so a read that began
+    during the write (and read the replaced value) is not kept in L1. Cancelled between
+    the write's reply and that step, the writer's own L1 kept the replaced value."""
+    config = make_config(redis_url, prefix, NS)
+    async with LayeredCache.from_config(config) as a:
+        await a.set("book", {"id": 1}, "old")
+        a.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        write_may_go = asyncio.Event()
+        written = asyncio.Event()
+        original = direct.execute_command
+
+        async def gated(client: Any, *args: Any) -> Any:
+            if args and args[0] == "EVALSHA" and not written.is_set():
+                await write_may_go.wait()
+                reply = await original(client, *args)
+                written.set()
+                await asyncio.sleep(0.2)  # the reply is slow to come back
+                return reply
+            return await original(client, *args)
+
+        monkeypatch.setattr(direct, "execute_command", gated)
+        writer = asyncio.create_task(a.set("book", {"id": 1}, "new"))
+        await asyncio.sleep(0.01)  # set() began: L1 tombstoned, its write is on its way
+        assert await a.get("book", {"id": 1}) == "old"  # a read during the write
+        write_may_go.set()
+        await written.wait()
+        if cancel:
+            writer.cancel()  # the writer's client goes away before set() returns
+        await asyncio.gather(writer, return_exceptions=True)
+        monkeypatch.setattr(direct, "execute_command", original)
+        assert await eventually(lambda: _is(a, "new"), timeout=1.5), (
+            f"L2 holds 'new', a serves {await a.get('book', {'id': 1})!r}"
+        )
+
+
+async def test_a_cluster_set_whose_caller_timed_out_after_its_write_still_reaches_the_other_l1(
+    redis_cluster: Any, prefix: str
+) -> None:
+    config = make_config(redis_cluster.url, prefix, NS, redis={"cluster": True})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _connected(a, b)
+        await a.set("book", {"id": 1}, "old")
+        await _heard(b, 1)  # b applied the set's own announcement first
+        assert await b.get("book", {"id": 1}) == "old"  # b's L1 holds it
+        invalidator = a._rt.invalidator
+        original = invalidator.announce
+
+        calls: list[Any] = []
+
+        async def slow_announce(keys: Any) -> bool:  # the XADD after the SETs is slow
+            calls.append(keys)
+            await asyncio.sleep(0.2)
+            return await original(keys)
+
+        invalidator.announce = slow_announce  # type: ignore[method-assign]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await a.set("book", {"id": 1}, "new")
+        invalidator.announce = original  # type: ignore[method-assign]
+        assert calls, "set() did not announce after its write"
+        a.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        assert await a.get("book", {"id": 1}) == "new"  # what L2 holds
+        assert await eventually(lambda: _is(b, "new"), timeout=1.5), (
+            f"L2 holds 'new', b serves {await b.get('book', {'id': 1})!r}"
+        )
