@@ -24,7 +24,7 @@ from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
 from layered_cache._tags import Loading
 
-__all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader"]
+__all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader", "versions_of"]
 
 Fields = Mapping[str, object]
 LoadMany = Callable[[list[Fields]], Awaitable[Sequence[Any]]]
@@ -147,7 +147,7 @@ class BatchLoader:
             values = await self.call(load_many, [fields_of[r.key] for r in todo])
         except Exception as exc:
             await self._release([r.key for r in todo], token)
-            found.update(await self._stale_or_raise(todo, exc))
+            found.update(await self._miss.failsafe.serve_all_or_raise(todo, exc))
             return found
         else:
             # The batch's load time is each entry's recompute time for XFetch: with 0
@@ -211,7 +211,7 @@ class BatchLoader:
         hot: list[tuple[Read, Any]] = []
         uncacheable: list[str] = []  # not encodable or too large: served, not stored
         try:
-            versions = await self._versions(reads, values)
+            versions = await versions_of(self._fills, reads, values)
         except L2Unavailable:  # no version, no fill: the values are served, not stored
             policy.stats.redis_error += 1
             await self._release([r.key for r in reads], token)
@@ -241,38 +241,11 @@ class BatchLoader:
                 fills.fill_l1(read.key, value, soft_expiry, read.seq, tagged)
             else:
                 policy.stats.fill_revoked += 1
-        for (read, _), result in zip(hot, await self._fill_hot(hot, token, delta), strict=True):
-            found[read.key] = result
+        # Hot keys fill one by one through the replica protocol (reserve, check, write
+        # replicas): rare, and each spans several slots.
+        filled = await asyncio.gather(*(self._miss.fill(r, token, v, delta) for r, v in hot))
+        found.update((read.key, result) for (read, _), result in zip(hot, filled, strict=True))
         return found
-
-    async def _versions(
-        self, reads: list[Read], values: Sequence[Any]
-    ) -> list[dict[str, str] | None]:
-        """Each loaded value's ``{tag: version}`` (versions of all of them fetched in one
-        round trip), or None per value when the batch has no tags."""
-        tags_of = reads[0].tags_of if reads else None
-        if tags_of is None:
-            return [None] * len(reads)
-        names = [tag_names(tags_of, value) for value in values]
-        current = await self._fills.versions.current(t for tags in names for t in tags)
-        return [{tag: current[tag] for tag in tags} for tags in names]
-
-    async def _fill_hot(
-        self, hot: list[tuple[Read, Any]], token: str, delta: float
-    ) -> list[Any]:
-        """Hot keys fill one by one through the replica protocol (reserve, check, write
-        replicas): rare, and each spans several slots."""
-        fills = (self._miss.fill(read, token, value, delta) for read, value in hot)
-        return list(await asyncio.gather(*fills))
-
-    async def _stale_or_raise(self, reads: list[Read], exc: Exception) -> dict[str, Any]:
-        """The load failed: serve stale where the fail-safe allows it for every key,
-        else the loader's error (a batch can't return half its values)."""
-        usable = await asyncio.gather(*(self._miss.stale_usable(read) for read in reads))
-        if not all(usable):
-            raise exc
-        self._policy.stats.stale_served += len(reads)
-        return {read.key: read.stale.value for read in reads if read.stale is not None}
 
     async def _load_unleased(
         self, reads: list[Read], fields_of: dict[str, Fields], load_many: LoadMany
@@ -281,7 +254,7 @@ class BatchLoader:
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in reads])
         except Exception as exc:
-            return await self._stale_or_raise(reads, exc)
+            return await self._miss.failsafe.serve_all_or_raise(reads, exc)
         return {r.key: self._fills.as_read(r.key, v) for r, v in zip(reads, values, strict=True)}
 
     def _give_back(self, reads: list[Read], token: str) -> None:
@@ -327,3 +300,16 @@ def one_loader(name: str, fields: Fields, load_many: LoadMany) -> Callable[[], A
         return (await checked(name, load_many, [fields]))[0]
 
     return load
+
+
+async def versions_of(
+    fills: Fills, reads: list[Read], values: Sequence[Any]
+) -> list[dict[str, str] | None]:
+    """Each loaded value's ``{tag: version}`` (versions of all of them fetched in one
+    round trip), or None per value when the batch has no tags."""
+    tags_of = reads[0].tags_of if reads else None
+    if tags_of is None:
+        return [None] * len(reads)
+    names = [tag_names(tags_of, value) for value in values]
+    current = await fills.versions.current(t for tags in names for t in tags)
+    return [{tag: current[tag] for tag in tags} for tags in names]

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import structlog
 
 from layered_cache import _replicas as replicas
 from layered_cache import _tags as tags
-from layered_cache._codec import Envelope
+from layered_cache._failsafe import FailSafe, Read, TagsOf
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
@@ -36,22 +36,8 @@ from layered_cache._stampede import new_token
 __all__ = ["MissPath", "Read", "TagsOf"]
 
 Loader = Callable[[], Awaitable[Any]]
-# A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
-TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
 
 _log = structlog.get_logger("layered_cache")
-
-
-@dataclass(slots=True)
-class Read:
-    """One request's view of a key: threaded through the miss path instead of loose
-    arguments. ``seq``: the L1 invalidation sequence when the L2 read began (None
-    without L1); ``stale``: the expired value the fail-safe may serve."""
-
-    key: str
-    seq: int | None
-    stale: Envelope[Any] | None = None
-    tags_of: TagsOf | None = None  # the tags of a loaded value (tagged namespaces)
 
 
 class MissPath:
@@ -60,6 +46,7 @@ class MissPath:
         self._fills = fills
         self._rt = runtime
         self._loading = tags.Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
+        self.failsafe = FailSafe(policy, fills, runtime)
 
     async def load_under_lease(self, read: Read, loader: Loader) -> Any:
         """Win the lease and load, or wait for the winner's fill (``max_wait`` at most,
@@ -167,7 +154,7 @@ class MissPath:
         try:
             if read.stale is not None and policy.load_timeout is not None:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
-                if not done and await self.stale_usable(read):
+                if not done and await self.failsafe.usable(read):
                     policy.stats.stale_served += 1
                     _log.warning("load_timeout_serving_stale", namespace=policy.name, key=read.key)
                     self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
@@ -183,7 +170,7 @@ class MissPath:
         except Exception as exc:
             await self.release(read.key, token)
             self._unregister(read)
-            return await self._stale_or_raise(read, exc)
+            return await self.failsafe.serve_or_raise(read, exc)
         return await self.fill(read, token, value, time.monotonic() - started)
 
     async def _register(self, read: Read, token: str) -> bool:
@@ -224,59 +211,10 @@ class MissPath:
         try:
             value = await call_loader(self._policy, self._rt.hooks, loader)
         except Exception as exc:
-            return await self._stale_or_raise(read, exc)
+            return await self.failsafe.serve_or_raise(read, exc)
         if not self._policy.l2:
             return value  # no L2 layer: the loader's object is what every layer returns
         return self._fills.as_read(read.key, value)  # the type an L2 hit returns
-
-    async def _stale_or_raise(self, read: Read, exc: Exception) -> Any:
-        if not await self.stale_usable(read):
-            raise exc
-        assert read.stale is not None
-        self._policy.stats.stale_served += 1
-        _log.warning(
-            "loader_failed_serving_stale",
-            namespace=self._policy.name,
-            key=read.key,
-            error=type(exc).__name__,
-        )
-        return read.stale.value
-
-    async def stale_usable(self, read: Read) -> bool:
-        """Whether the fail-safe may serve ``read.stale``: within ``stale.max_age`` and
-        not invalidated or overwritten since we read it. The load may have run for
-        seconds, so "still the value in L2" is re-read (one GET, only on this fallback
-        path): an invalidation deletes the key, a set() replaces it. The local tombstone
-        catches an invalidation already delivered by the backplane without a round trip.
-        If Redis can't confirm, don't serve: an invalidated value is never a fallback."""
-        stale = read.stale
-        if stale is None or not self._fills.within_stale(stale, self._rt.clock()):
-            return False
-        if not self._still_current(read):
-            return False
-        try:
-            current = self._fills.recheck(await self._rt.store.get(read.key))
-        except L2Unavailable:
-            return False
-        # Again after the GET: an invalidation delivered while its reply was in flight
-        # (the backplane is another connection) must not be missed.
-        return (
-            self._still_current(read)
-            and current is not None
-            and current.written_at == stale.written_at
-            and current.soft_expiry == stale.soft_expiry
-        )
-
-    def _still_current(self, read: Read) -> bool:
-        """Not invalidated here since ``read`` began (tombstone), nor a tag of its stale
-        value (or a tag this instance can't confirm)."""
-        stale = read.stale
-        if stale is not None and stale.tags and self._fills.versions.known(stale.tags) is not True:
-            return False
-        l1 = self._policy.l1
-        return not (
-            l1 is not None and read.seq is not None and l1.invalidated_since(read.key, read.seq)
-        )
 
     async def fill(self, read: Read, token: str, value: Any, delta: float) -> Any:
         """Write L2 under the lease (base, then replicas for a hot key), then L1.

@@ -94,13 +94,25 @@ class Writes:
         if not writes:
             return
         keys = [key for key, _, _ in settled]
+        if not await self._write(writes, keys):
+            return
+        for key, value, soft_expiry in settled:
+            self._settle(key, value, soft_expiry, read_seq, versions)
+
+    async def _write(self, writes: list[Write], keys: list[str]) -> bool:
+        """Write L2, then announce ``keys``. On a single node the backplane append rides
+        in the SETs' script (one round trip instead of two, and it still lands after
+        them); in a cluster (the stream's slot is not the keys') or when the stream
+        refused it (the SETs landed), ``_announce`` follows, falling back to pub/sub.
+        Returns False when a Redis full under noeviction refused the values: then the
+        keys are dropped everywhere instead."""
+        announcement = self._rt.invalidator.announcement_with_writes(keys)
         try:
-            unannounced = await self._write(writes, keys)
+            appended = await replicas.write_many(self._rt.store, writes, announcement)
         except asyncio.CancelledError:
             # On a single node the script appends the announcement with the SETs, or
             # runs not at all; elsewhere the announcement is a round trip of its own.
-            separate = self._rt.invalidator.announcement_with_writes(keys) is None
-            self._abandoned(keys, announce=separate)
+            self._abandoned(keys, announce=announcement is None)
             raise
         except L2Unavailable as exc:
             if not refused_for_memory(exc):
@@ -108,27 +120,16 @@ class Writes:
                 raise
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
-            policy.stats.not_cached += len(settled)
+            self._policy.stats.not_cached += len(keys)
             await self._drop(keys)
-            return
-        if unannounced:
+            return False
+        if announcement is None or not appended:
             try:
                 await self._announce(keys)
             except asyncio.CancelledError:
                 self._abandoned(keys, announce=True)
                 raise
-        for key, value, soft_expiry in settled:
-            self._settle(key, value, soft_expiry, read_seq, versions)
-
-    async def _write(self, writes: list[Write], keys: list[str]) -> bool:
-        """Write L2; on a single node the backplane append rides in the SETs' script
-        (one round trip instead of two, and it still lands after them). Returns whether
-        ``keys`` are still to be announced: no append was queued (a cluster: the
-        stream's slot is not the keys'), or the stream refused it (the SETs landed;
-        ``_announce`` retries, falling back to pub/sub)."""
-        announcement = self._rt.invalidator.announcement_with_writes(keys)
-        appended = await replicas.write_many(self._rt.store, writes, announcement)
-        return announcement is None or not appended
+        return True
 
     def _abandoned(self, keys: list[str], *, announce: bool) -> None:
         """Our caller was cancelled while the write was in flight: it may have landed.
