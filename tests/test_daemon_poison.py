@@ -16,6 +16,9 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 import structlog
+from aiokafka.producer import message_accumulator
+from aiokafka.producer import producer as producer_module
+from aiokafka.record import default_records
 from aiokafka.structs import TopicPartition
 from confluent_kafka import Producer as RdKafkaProducer
 from hypothesis import given, settings
@@ -168,6 +171,55 @@ async def test_poison_too_big_for_the_dlq_goes_there_truncated_with_its_origin(
 
 
 # -- tombstones ----------------------------------------------------------------------------
+
+
+class _NotUtf8HeaderName(str):
+    """A header name whose bytes on the wire are not UTF-8: Kafka's header names are
+    opaque bytes, and a Go or C producer may write any. (aiokafka's pure-Python batch
+    builder writes what ``encode`` returns.)"""
+
+    def encode(self, *args: Any, **kwargs: Any) -> bytes:  # type: ignore[override]
+        return b"\xff\xfe-bad"
+
+
+def _unreadable_batches(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Make aiokafka's producer write the next batches the way ``how`` says; each is one
+    a consumer cannot unpack. A broken CRC or codec is refused by Apache Kafka at
+    produce time, but a broker that stores batches as they come (tansu) hands them on."""
+    builder = default_records._DefaultRecordBatchBuilderPy
+    for module in (message_accumulator, producer_module):
+        monkeypatch.setattr(module, "DefaultRecordBatchBuilder", builder)
+    if how == "crc":
+        monkeypatch.setattr(default_records, "calc_crc32c", lambda data: 0xDEADBEEF)
+    elif how in ("gzip", "zstd"):  # the attributes name a codec the body is not in
+        bits = {"gzip": 1, "zstd": 4}[how]
+        original = builder._get_attributes
+        monkeypatch.setattr(
+            builder, "_get_attributes", lambda self, include=True: original(self, include) | bits
+        )
+
+
+@pytest.mark.parametrize("how", ["header", "crc", "gzip", "zstd"])
+async def test_a_record_aiokafka_cannot_unpack_is_dead_lettered_and_the_partition_moves_on(
+    scenario: Scenario, redis_client: aioredis.Redis, how: str
+) -> None:
+    """aiokafka unpacks records inside ``getmany``, for the whole fetch: the daemon
+    crashed before seeing one record, and every restart crashed on the same one."""
+    await scenario.setup(redis_client)
+    headers = [(_NotUtf8HeaderName("x"), b"v")] if how == "header" else None
+    daemon = Daemon(scenario.config)
+    async with running(daemon), producer(scenario.bootstrap) as p:
+        await p.send_and_wait(scenario.topic, price_changed(1), partition=0)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _unreadable_batches(monkeypatch, how)
+            await p.send_and_wait(scenario.topic, price_changed(3), partition=0, headers=headers)
+        await p.send_and_wait(scenario.topic, price_changed(2), partition=0)
+        await scenario.settled(daemon, redis_client, 3)  # book:1 and book:2 applied
+    (record,) = await scenario.dead(1)
+    assert "unreadable record (" in reason(record)
+    assert dict(record.headers)["dlq.original.offset"] == b"1"
+    assert record.value == b""  # aiokafka handed over nothing to keep
+    assert daemon.stats.events == 2
 
 
 async def test_tombstones_are_counted_and_skipped_not_dead_lettered(

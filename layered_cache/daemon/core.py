@@ -36,12 +36,13 @@ from layered_cache._events import EventDecoder
 from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
-from layered_cache.daemon.dlq import dead_letter
+from layered_cache.daemon.dlq import Poison, dead_letter
 from layered_cache.daemon.health import HealthServer
 from layered_cache.daemon.kafka import KafkaClients
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
+from layered_cache.daemon.unreadable import UNREADABLE, read_carefully
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
 
@@ -129,7 +130,14 @@ class Daemon:
             )
             while not self._stopping.is_set():
                 # A short poll timeout keeps stop() responsive without a second task.
-                records = await consumer.getmany(timeout_ms=200, max_records=kafka.max_batch)
+                try:
+                    records = await consumer.getmany(timeout_ms=200, max_records=kafka.max_batch)
+                except UNREADABLE as exc:
+                    # A record aiokafka can't unpack (``unreadable``): record by record
+                    # until it is found and set aside, the records around it handled.
+                    _log.warning("unreadable_fetch", error=f"{type(exc).__name__}: {exc}")
+                    await read_carefully(consumer, self._handle, self._set_aside, kafka.max_batch)
+                    continue
                 if records:
                     await self._handle(records)
         finally:
@@ -198,6 +206,21 @@ class Daemon:
             self._idle.set()
         self.lag.update({(tp.topic, tp.partition): behind for tp, behind in batch.lag.items()})
         account(self.stats, batch, len(keys), time.perf_counter() - started)
+
+    async def _set_aside(self, poison: Poison, tp: TopicPartition) -> None:
+        """An unreadable record (``unreadable``): dead-lettered, then skipped and
+        committed, as a poison event is. Everything before it was handled and committed
+        already (``read_carefully`` reads one record at a time)."""
+        consumer = self._kafka.consumer
+        assert consumer is not None
+        if not await self._retrier.until_done(
+            "dead_letter",
+            lambda: dead_letter(self._kafka.producer, self.config.kafka, [poison], self.stats),
+            (Exception,),
+        ):
+            return  # stopping or partitions revoked: read again later
+        consumer.seek(tp, poison.offset + 1)
+        await self._commit({tp: poison.offset + 1})
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         assert self._kafka.consumer is not None

@@ -1,0 +1,98 @@
+"""Records aiokafka itself cannot read, and how the daemon gets past them.
+
+aiokafka unpacks records inside ``getmany``: a header name that is not UTF-8 (Kafka's
+header names are opaque bytes, and a Go or C producer can write any), a batch whose CRC
+or compression is broken, raises there, for the whole fetch, before the daemon sees a
+single record. Left alone the daemon crashed, and every restart crashed on the same
+record: nothing ever moved the committed offset past it, and the partition stood still.
+
+After such an error the assigned partitions are read again one record at a time
+(``getmany(tp, max_records=1)``): the good records before the bad one are handled as
+usual (each deleted and committed), and when a partition raises, its position is the
+unreadable record's offset, since aiokafka moves it only past records it returned. That
+record goes to the dead-letter topic with no key and no value (there are none to be
+had), only the reason and where it was; the partition seeks past it and commits.
+
+Only record-level errors count. A ``KafkaError`` other than a corrupt record (a broker
+refusing, authorisation) is about no one record, and is raised as before.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import cramjam
+import structlog
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import CorruptRecordException, IllegalStateError, InvalidMessageError
+from aiokafka.structs import TopicPartition
+
+from layered_cache.daemon.dlq import Poison, cap_text
+
+__all__ = ["UNREADABLE", "read_carefully"]
+
+_log = structlog.get_logger("layered_cache.daemon")
+
+#: What aiokafka raises for one record or batch it cannot unpack: a header name or key
+#: that is not UTF-8, a bad CRC or record, a body that does not decompress with its
+#: declared codec (gzip: ``BadGzipFile``, ``zlib.error``, ``EOFError`` when cut short;
+#: snappy, lz4, zstd: cramjam). Not ``OSError`` at large: a network error is no record's.
+UNREADABLE: tuple[type[BaseException], ...] = (
+    UnicodeError,
+    CorruptRecordException,
+    InvalidMessageError,
+    gzip.BadGzipFile,
+    zlib.error,
+    EOFError,
+    cramjam.DecompressionError,
+)
+
+Records = Mapping[TopicPartition, Sequence[Any]]
+
+
+async def read_carefully(
+    consumer: AIOKafkaConsumer,
+    handle: Callable[[Records], Awaitable[None]],
+    set_aside: Callable[[Poison, TopicPartition], Awaitable[None]],
+    limit: int,
+) -> None:
+    """One careful pass: each assigned partition, one record at a time, until it has
+    nothing fetched, ``limit`` records were handled, or an unreadable record was set
+    aside (``set_aside`` dead-letters it, seeks past it and commits)."""
+    for tp in sorted(consumer.assignment()):
+        for _ in range(limit):
+            try:
+                records = await consumer.getmany(tp, timeout_ms=200, max_records=1)
+            except IllegalStateError:
+                return  # the partition moved in a rebalance meanwhile
+            except UNREADABLE as exc:
+                offset = await consumer.position(tp)
+                _log.warning(
+                    "unreadable_record_set_aside",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    offset=offset,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+                await set_aside(_unreadable(tp, offset, exc), tp)
+                break
+            if not records:
+                break
+            await handle(records)
+
+
+def _unreadable(tp: TopicPartition, offset: int, exc: BaseException) -> Poison:
+    return Poison(
+        topic=tp.topic,
+        partition=tp.partition,
+        offset=offset,
+        timestamp=-1,
+        key=None,
+        value=None,
+        headers=(),
+        reason=cap_text(f"unreadable record ({type(exc).__name__}: {exc})"),
+        event_type=None,
+    )
