@@ -46,11 +46,13 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 512
+MAX_TAG_LENGTH = 256
 MAX_PREFIX_LENGTH = 64
 # Names the library owns (backplane stream, fleet hot-key hashes) live under this
 # segment right after the prefix; no key template may reach into it.
 RESERVED_SEGMENT = "layered_cache:"
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.:@/=+\-]+")
+TAG_PATTERN = r"^[A-Za-z0-9_.:@/=+\-]+$"  # a tag: the key values' characters (``_codec``)
 _SAFE_LITERAL = re.compile(r"[A-Za-z0-9_.:@/=+\-]*")
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENCODED_VALUE = re.compile(r"(?:[A-Za-z0-9_.@/=+\-]|%3A)+")
@@ -373,7 +375,6 @@ def replica_record_name(prefix: str) -> str:
     return "{" + prefix + RESERVED_SEGMENT[:-1] + "}:replicas"
 
 
-MAX_TAG_LENGTH = 256
 
 
 def validate_tag(tag: object) -> str:

@@ -265,6 +265,35 @@ async def test_a_lost_tag_version_kills_its_entries_instead_of_reviving_them(
     await admin.aclose()
 
 
+@pytest.mark.parametrize("tags", [{"bad tag": "v"}, {"": "v"}, {"é": "v"}, {"x" * 300: "v"}])
+async def test_an_envelope_planted_with_a_tag_no_caller_could_give_is_a_miss_and_repaired(
+    redis_url: str, prefix: str, tags: dict[str, str]
+) -> None:
+    """Anyone who can write Redis can plant a tagged envelope. Its tags used to be taken
+    as they came: every read of the key raised (the version lookup refused the tag), and
+    get_or_load raised before loading, so nothing could ever repair the key."""
+
+    async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
+        return ["fresh"] * len(missing)
+
+    admin = redis.Redis.from_url(redis_url)
+    planted = msgspec.msgpack.encode([1, "poison", 1.0, 9e18, 0.0, tags])
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        for slug in "abcd":
+            await admin.set(cache.key("category", {"slug": slug}), planted)
+        assert await cache.get("category", {"slug": "a"}) is None
+        assert await cache.get_many("category", [{"slug": "b"}]) == [None]
+        loader = CountingLoader("fresh")
+        assert await cache.get_or_load("category", {"slug": "c"}, loader, tags=["t"]) == "fresh"
+        fields = [{"slug": "d"}]
+        assert await cache.get_or_load_many("category", fields, load_many, tags=["t"]) == [
+            "fresh"
+        ]
+        cache.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
+        assert await cache.get("category", {"slug": "c"}) == "fresh"  # repaired in L2
+    await admin.aclose()
+
+
 @pytest.mark.parametrize("tag", ["book 42", "book{42}", "", "x" * 300])
 async def test_a_bad_tag_is_a_clear_error(redis_url: str, prefix: str, tag: str) -> None:
     async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
