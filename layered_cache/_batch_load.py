@@ -17,12 +17,12 @@ from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch
-from layered_cache._miss import MissPath, Read, TagsOf, awaited, call_loader, tag_names
+from layered_cache._miss import MissPath, Read, TagsOf, awaited, call_loader
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
-from layered_cache._tags import Loading
+from layered_cache._tags import Loading, tag_names
 
 __all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader", "versions_of"]
 
@@ -58,9 +58,10 @@ class BatchLoader:
         reads = {key: Read(key, seq, None, tags) for key in fields_of}
         if not policy.l2:
             policy.stats.miss += len(reads)
+            generation = self._fills.versions.generation
             values = await self.call(load_many, list(fields_of.values()))
-            for key, value in zip(fields_of, values, strict=True):
-                self._fills.fill_l1(key, value, None, seq)
+            loaded = [(key, seq, value) for key, value in zip(fields_of, values, strict=True)]
+            await self._fills.fill_l1_only(loaded, tags, generation)
             return dict(zip(fields_of, values, strict=True))
         try:
             envelopes = await self._reader.read_many(list(fields_of))

@@ -9,7 +9,6 @@ be current, and only if L2 still holds that very value (one GET, on this path on
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +19,9 @@ from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
+from layered_cache._tags import TagsOf
 
-__all__ = ["FailSafe", "Read", "TagsOf"]
-
-# A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
-TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
+__all__ = ["FailSafe", "Read"]
 
 _log = structlog.get_logger("layered_cache")
 

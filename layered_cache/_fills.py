@@ -11,8 +11,9 @@ from typing import Any
 
 from layered_cache import _envelopes as envelopes
 from layered_cache._codec import Envelope
+from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
-from layered_cache._tags import TagVersions
+from layered_cache._tags import TagsOf, TagVersions, tag_names
 
 __all__ = ["Fills"]
 
@@ -74,6 +75,28 @@ class Fills:
             return
         if tags:
             self._index(key, tags)
+
+    async def fill_l1_only(
+        self, loaded: list[tuple[str, int | None, Any]], tags_of: TagsOf | None, generation: int
+    ) -> None:
+        """Fill L1 with (key, read_seq, value)s loaded for an ``l2 = false`` namespace.
+        A tagged value is indexed under its tags' current versions, so ``invalidate_tag``
+        drops it, and is not kept if one of them was invalidated while it loaded
+        (``generation``: ``versions.generation`` before the load): it may predate that.
+        (With L2, the lease ``invalidate_tag`` revokes does that.)"""
+        names = [tag_names(tags_of, value) if tags_of else [] for _, _, value in loaded]
+        current: dict[str, str] = {}
+        if tags_of is not None:
+            try:
+                current = await self.versions.current(t for each in names for t in each)
+            except L2Unavailable:  # the tags' versions unknown: not kept
+                self._policy.stats.redis_error += 1
+                return
+        for (key, read_seq, value), each in zip(loaded, names, strict=True):
+            if each and self.versions.invalidated_since(each, generation):
+                self._policy.stats.l1_fill_discarded += 1
+                continue
+            self.fill_l1(key, value, None, read_seq, {t: current[t] for t in each} or None)
 
     def _index(self, key: str, tags: Mapping[str, str]) -> None:
         l1 = self._policy.l1

@@ -48,11 +48,10 @@ __all__ = [
 MAX_KEY_LENGTH = 512
 MAX_TAG_LENGTH = 256
 MAX_PREFIX_LENGTH = 64
-# Names the library owns (backplane stream, fleet hot-key hashes) live under this
-# segment right after the prefix; no key template may reach into it.
+# Names the library owns live in this segment after the prefix; no template reaches it.
 RESERVED_SEGMENT = "layered_cache:"
-_SAFE_VALUE = re.compile(r"[A-Za-z0-9_.:@/=+\-]+")
-TAG_PATTERN = r"^[A-Za-z0-9_.:@/=+\-]+$"  # a tag: the key values' characters (``_codec``)
+TAG_PATTERN = r"^[A-Za-z0-9_.:@/=+\-]+$"  # key values and tags (``_codec`` checks tags)
+_SAFE_VALUE = re.compile(TAG_PATTERN)
 _SAFE_LITERAL = re.compile(r"[A-Za-z0-9_.:@/=+\-]*")
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENCODED_VALUE = re.compile(r"(?:[A-Za-z0-9_.@/=+\-]|%3A)+")

@@ -25,13 +25,14 @@ import structlog
 
 from layered_cache import _replicas as replicas
 from layered_cache import _tags as tags
-from layered_cache._failsafe import FailSafe, Read, TagsOf
+from layered_cache._failsafe import FailSafe, Read
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
 from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import new_token
+from layered_cache._tags import TagsOf, tag_names
 
 __all__ = ["MissPath", "Read", "TagsOf"]
 
@@ -206,6 +207,13 @@ class MissPath:
         # between its L2 write and here) must keep it out of L1.
         await self.fill(read, token, value, time.monotonic() - started)
 
+    async def load_l1_only(self, read: Read, loader: Loader) -> Any:
+        """The miss of an ``l2 = false`` namespace: load, then fill L1."""
+        generation = self._fills.versions.generation
+        value = await self.load_unleased(read, loader)
+        await self._fills.fill_l1_only([(read.key, read.seq, value)], read.tags_of, generation)
+        return value
+
     async def load_unleased(self, read: Read, loader: Loader) -> Any:
         """Load without writing L2 (no lease, or Redis unavailable)."""
         try:
@@ -287,14 +295,6 @@ class _Filled:
 def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
-
-
-def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
-    """The tags of ``value``: ``tags_of`` itself, or what it returns for the value."""
-    names = tags_of(value) if callable(tags_of) else tags_of
-    if isinstance(names, str):
-        raise TypeError(f"tags must be a list of strings, not the string {names[:80]!r}")
-    return list(names)
 
 
 async def call_loader(policy: Policy, hooks: Hooks, loader: Loader) -> Any:

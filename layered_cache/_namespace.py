@@ -184,9 +184,7 @@ class Namespace:
             return envelope.value
         policy.stats.miss += 1
         if not policy.l2:
-            value = await self._miss.load_unleased(read, loader)
-            self._fills.fill_l1(key, value, None, read.seq)
-            return value
+            return await self._miss.load_l1_only(read, loader)
         read.stale = envelope if self._fills.within_stale(envelope, now) else None
         return await self._miss.load_under_lease(read, loader)
 

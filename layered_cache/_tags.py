@@ -37,7 +37,18 @@ from layered_cache._keys import loading_set_name, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._memory_policy import refused_for_memory
 
-__all__ = ["Loading", "TagVersions", "invalidate_tags", "take_loading"]
+__all__ = ["Loading", "TagVersions", "TagsOf", "invalidate_tags", "tag_names", "take_loading"]
+
+# A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
+TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
+
+
+def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
+    """The tags of ``value``: ``tags_of`` itself, or what it returns for the value."""
+    names = tags_of(value) if callable(tags_of) else tags_of
+    if isinstance(names, str):
+        raise TypeError(f"tags must be a list of strings, not the string {names[:80]!r}")
+    return list(names)
 
 # Take every member of the loading set and delete the set in one atomic step: a lease
 # registered after this ran belongs to a load that began after the new token was set.
@@ -71,6 +82,18 @@ class TagVersions:
         self._generation = 0  # bumped by every forget
         self._forgotten: dict[str, int] = {}  # tag -> generation of its last forget
         self._floor = 0  # fetches begun before this generation are not remembered
+
+    @property
+    def generation(self) -> int:
+        """Taken before a load, for ``invalidated_since`` after it."""
+        return self._generation
+
+    def invalidated_since(self, tags: Iterable[str], generation: int) -> bool:
+        """Whether one of ``tags`` was invalidated (forgotten here) after ``generation``
+        was taken: a value loaded meanwhile may predate that invalidation."""
+        return generation < self._floor or any(
+            self._forgotten.get(tag, -1) > generation for tag in tags
+        )
 
     def known(self, tags: Mapping[str, str]) -> bool | None:
         """True: every version is current; False: one is outdated (the entry is dead);

@@ -316,6 +316,44 @@ async def test_a_string_given_as_tags_is_refused_by_set_as_by_the_reads(
         assert await cache.get("category", {"slug": "a"}) is None
 
 
+async def test_entries_of_a_tagged_namespace_without_l2_die_with_their_tag(
+    redis_url: str, prefix: str
+) -> None:
+    """``l2 = false``: the entries live in each instance's L1 only, and a read-through
+    fill was not indexed under its tags, so invalidate_tag left it for its L1 TTL."""
+
+    async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
+        return ["page-b" for _ in missing]
+
+    namespaces = {"category": {"key": "category:{slug}", "tags": True, "l2": False}}
+    async with LayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
+        await cache.get_or_load("category", {"slug": "a"}, CountingLoader("page-a"), tags=["t"])
+        await cache.get_or_load_many("category", [{"slug": "b"}], load_many, tags=["t"])
+        assert await cache.get("category", {"slug": "a"}) == "page-a"  # from L1
+        await cache.invalidate_tag("t")
+        assert await cache.get("category", {"slug": "a"}) is None
+        assert await cache.get("category", {"slug": "b"}) is None
+
+
+async def test_a_load_of_a_namespace_without_l2_that_began_before_invalidate_tag_is_not_kept(
+    redis_url: str, prefix: str
+) -> None:
+    namespaces = {"category": {"key": "category:{slug}", "tags": True, "l2": False}}
+    release = asyncio.Event()
+
+    async def slow_page() -> str:
+        await release.wait()
+        return "page read before the change"
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
+        read = asyncio.create_task(cache.get_or_load("category", {"slug": "a"}, slow_page, tags=["t"]))
+        await asyncio.sleep(0.05)  # the load is running
+        await cache.invalidate_tag("t")
+        release.set()
+        assert await read == "page read before the change"  # served to its caller once
+        assert await cache.get("category", {"slug": "a"}) is None  # but not kept
+
+
 async def test_tags_on_a_namespace_without_tags_true_are_refused(
     redis_url: str, prefix: str
 ) -> None:
