@@ -288,6 +288,21 @@ async def test_listener_of_a_redis_that_stops_answering_gives_up_its_read_and_ca
         assert await eventually(lambda: not in_l1(b, 1), timeout=5)
 
 
+def _fail_once(monkeypatch: Any, cache: LayeredCache, bug: Exception) -> None:
+    """The next L1 drop of ``cache``'s book namespace raises ``bug`` (a bug in applying
+    an invalidation); the ones after it work."""
+    l1 = cache.namespace("book").policy.l1
+    assert l1 is not None
+    discard, failures = l1.discard, [bug]
+
+    def buggy_discard(keys: Any) -> int:
+        if failures:
+            raise failures.pop()
+        return discard(keys)
+
+    monkeypatch.setattr(l1, "discard", buggy_discard)
+
+
 async def test_a_bug_while_applying_an_entry_clears_l1_and_the_listener_goes_on(
     redis_url: str, prefix: str, monkeypatch: Any
 ) -> None:
@@ -297,17 +312,7 @@ async def test_a_bug_while_applying_an_entry_clears_l1_and_the_listener_goes_on(
     async with two_instances(redis_url, prefix) as (a, b, _proxy):
         for book_id in (1, 2, 3):
             await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
-        l1 = b.namespace("book").policy.l1
-        assert l1 is not None
-        discard = l1.discard
-        failures = [RuntimeError("a bug in applying an entry")]
-
-        def buggy_discard(keys: Any) -> int:
-            if failures:
-                raise failures.pop()
-            return discard(keys)
-
-        monkeypatch.setattr(l1, "discard", buggy_discard)
+        _fail_once(monkeypatch, b, RuntimeError("a bug in applying an entry"))
         await a.invalidate("book", {"id": 1})
 
         assert await eventually(lambda: not any(in_l1(b, i) for i in (1, 2, 3)), timeout=5)
@@ -333,17 +338,7 @@ async def test_a_bug_while_applying_a_fallback_message_clears_l1_and_the_subscri
             await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
         assert b._fallback is not None
         assert await eventually(b._fallback.subscribed.is_set)
-        l1 = b.namespace("book").policy.l1
-        assert l1 is not None
-        discard = l1.discard
-        failures = [RuntimeError("a bug in applying a message")]
-
-        def buggy_discard(keys: Any) -> int:
-            if failures:
-                raise failures.pop()
-            return discard(keys)
-
-        monkeypatch.setattr(l1, "discard", buggy_discard)
+        _fail_once(monkeypatch, b, RuntimeError("a bug in applying a message"))
         channel = fallback_channel(prefix + a.config.backplane.stream)
         client = a._store.client
 

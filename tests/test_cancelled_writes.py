@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +33,24 @@ async def _connected(*caches: LayeredCache) -> None:
         await asyncio.wait_for(cache._backplane.connected.wait(), 5)
 
 
+@contextlib.contextmanager
+def _slow_announcements(cache: LayeredCache) -> Iterator[list[Any]]:
+    """``cache``'s backplane appends answer 200 ms late; yields the keys announced."""
+    invalidator = cache._rt.invalidator
+    original, calls = invalidator.announce, []
+
+    async def slow_announce(keys: Any) -> bool:
+        calls.append(keys)
+        await asyncio.sleep(0.2)
+        return await original(keys)
+
+    invalidator.announce = slow_announce  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        invalidator.announce = original  # type: ignore[method-assign]
+
+
 async def test_an_invalidate_whose_caller_timed_out_after_the_delete_still_reaches_the_other_l1(
     redis_url: str, prefix: str, redis_client: Any
 ) -> None:
@@ -41,18 +60,9 @@ async def test_an_invalidate_whose_caller_timed_out_after_the_delete_still_reach
         await a.set("book", {"id": 1}, "old")
         await _heard(b, 1)  # b applied the set's own announcement first
         assert await b.get("book", {"id": 1}) == "old"  # b's L1 holds it
-        invalidator = a._rt.invalidator
-        original = invalidator.announce
-
-        async def slow_announce(keys: Any) -> bool:  # an XADD whose reply is slow
-            await asyncio.sleep(0.2)
-            return await original(keys)
-
-        invalidator.announce = slow_announce  # type: ignore[method-assign]
-        with contextlib.suppress(TimeoutError):
+        with _slow_announcements(a), contextlib.suppress(TimeoutError):
             async with asyncio.timeout(0.1):  # the request's deadline
                 await a.invalidate("book", {"id": 1})
-        invalidator.announce = original  # type: ignore[method-assign]
         assert not await redis_client.exists(a.key("book", {"id": 1}))  # L2: deleted
         assert await eventually(lambda: _is(b, None), timeout=1.5), (
             f"b still serves {await b.get('book', {'id': 1})!r}, deleted from L2"
@@ -150,21 +160,10 @@ async def test_a_cluster_set_whose_caller_timed_out_after_its_write_still_reache
         await a.set("book", {"id": 1}, "old")
         await _heard(b, 1)  # b applied the set's own announcement first
         assert await b.get("book", {"id": 1}) == "old"  # b's L1 holds it
-        invalidator = a._rt.invalidator
-        original = invalidator.announce
-
-        calls: list[Any] = []
-
-        async def slow_announce(keys: Any) -> bool:  # the XADD after the SETs is slow
-            calls.append(keys)
-            await asyncio.sleep(0.2)
-            return await original(keys)
-
-        invalidator.announce = slow_announce  # type: ignore[method-assign]
-        with contextlib.suppress(TimeoutError):
+        # The XADD after the SETs is slow.
+        with _slow_announcements(a) as calls, contextlib.suppress(TimeoutError):
             async with asyncio.timeout(0.1):
                 await a.set("book", {"id": 1}, "new")
-        invalidator.announce = original  # type: ignore[method-assign]
         assert calls, "set() did not announce after its write"
         a.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
         assert await a.get("book", {"id": 1}) == "new"  # what L2 holds
