@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from layered_cache._clients import REDIS_FAILURES
+from layered_cache._keys import validate_tag
 from layered_cache._l2 import L2Unavailable
 from layered_cache._namespace import Namespace
 from layered_cache._runtime import Runtime
@@ -46,6 +47,7 @@ class Coherence:
         backplane (``_tags``); to completion, as ``invalidate``: a new version that
         nobody announced leaves every instance that remembers the old one serving
         the dead entries from L2, until their TTL."""
+        validate_tag(tag)  # before anything: a refused tag must not reach a gateway's BAN
         self._forget_tag(tag)
         try:
             await self._rt.tasks.to_completion(self._new_version(tag))

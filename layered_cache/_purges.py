@@ -35,7 +35,8 @@ class Purger(Protocol):
 
 class PurgeStats(msgspec.Struct):
     submitted: int = 0  # keys + tags handed to the queue
-    delivered: int = 0  # keys + tags the purger accepted
+    delivered: int = 0  # keys + tags the purger accepted (first purges: repeats apart)
+    repeated: int = 0  # keys + tags purged once more, ``repeat_after`` later
     retries: int = 0  # attempts after a failure
     failed: int = 0  # keys + tags given up on after every retry (logged)
     dropped: int = 0  # keys + tags refused by a full queue (logged)
@@ -80,6 +81,7 @@ class PurgeQueue:
         self._backoff = list(backoff) or [0.1]
         self._queue: asyncio.Queue[tuple[list[str], list[str], bool]] = asyncio.Queue(max_pending)
         self._worker: asyncio.Task[None] | None = None
+        self._timers: set[asyncio.TimerHandle] = set()  # repeats not queued yet
 
     def submit(self, keys: Iterable[str] = (), tags: Iterable[str] = ()) -> None:
         """Queue a purge; never blocks, never raises (a full queue drops and counts)."""
@@ -115,6 +117,9 @@ class PurgeQueue:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._queue.join(), grace)
+        for timer in self._timers:  # a repeat queued after close would wait for ever
+            timer.cancel()
+        self._timers.clear()
         self._worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._worker
@@ -127,17 +132,24 @@ class PurgeQueue:
         while True:
             keys, tags, repeat = await self._queue.get()
             try:
-                delivered = await self._deliver(keys, tags)
+                delivered = await self._deliver(keys, tags, repeat)
             finally:
                 self._queue.task_done()
             if delivered and not repeat and self._repeat_after > 0:
                 # Once more, later: another instance may still have served the old value
                 # from its L1 (the backplane is a few ms behind) to a gateway that refetched
                 # right after the first purge, and the gateway would keep it s-maxage long.
-                job, size = (keys, tags, True), len(keys) + len(tags)
-                asyncio.get_running_loop().call_later(self._repeat_after, self._put, job, size)
+                self._later((keys, tags, True))
 
-    async def _deliver(self, keys: list[str], tags: list[str]) -> bool:
+    def _later(self, job: tuple[list[str], list[str], bool]) -> None:
+        def put() -> None:
+            self._timers.discard(timer)
+            self._put(job, len(job[0]) + len(job[1]))
+
+        timer = asyncio.get_running_loop().call_later(self._repeat_after, put)
+        self._timers.add(timer)
+
+    async def _deliver(self, keys: list[str], tags: list[str], repeat: bool) -> bool:
         size = len(keys) + len(tags)
         for attempt in range(self._retries + 1):
             assert self.purger is not None  # no worker runs without one
@@ -155,6 +167,9 @@ class PurgeQueue:
                 self.stats.retries += 1
                 await asyncio.sleep(self._backoff[min(attempt, len(self._backoff) - 1)])
             else:
-                self.stats.delivered += size
+                if repeat:
+                    self.stats.repeated += size
+                else:
+                    self.stats.delivered += size
                 return True
         return False  # not reached: the last attempt returns or raises

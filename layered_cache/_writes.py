@@ -56,9 +56,22 @@ class Writes:
             # (connect, read) start on a loop that is free to serve them.
             if others_are_ready():  # a burst: see _readyqueue
                 await asyncio.sleep(0)
-            await self._set_many(items, tags)
-        # HTTP caches drop their copies (background; key names built only with a purger).
-        self._rt.purges.submit(self._policy.template.build(fields) for fields, _ in items)
+            try:
+                await self._set_many(items, tags)
+            finally:
+                # Also when the write failed or our caller was cancelled: it may have
+                # landed, and a needless purge costs the gateway one miss.
+                self._purge(items)
+
+    def _purge(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
+        """HTTP caches drop their copies (background; key names built only with a purger)."""
+        if self._rt.purges.purger is None:
+            return
+        try:
+            keys = [self._policy.template.build(fields) for fields, _ in items]
+        except (KeyError, TypeError, ValueError):
+            return  # a bad key: refused before anything was written
+        self._rt.purges.submit(keys)
 
     async def _set_many(
         self, items: Sequence[tuple[Mapping[str, object], Any]], tags: Iterable[str] | None

@@ -210,7 +210,7 @@ class _Scrape:
         stats = cache.stats()
         self._add_breakers(cache.instance_id, cache.redis_status())
         purges = cache.purge_stats()
-        for outcome in ("submitted", "delivered", "retries", "failed", "dropped"):
+        for outcome in ("submitted", "delivered", "repeated", "retries", "failed", "dropped"):
             self.purges.add_metric([cache.instance_id, outcome], float(getattr(purges, outcome)))
         backplane = cache.backplane_status()
         if backplane is not None:

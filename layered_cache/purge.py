@@ -43,6 +43,7 @@ class VarnishPurger:
                 "VarnishPurger needs httpx: pip install 'layered_cache[http]'"
             ) from None
         self.urls = [url.rstrip("/") + "/" for url in urls]
+        self._timeout = timeout
         self._client = client or httpx.AsyncClient(timeout=timeout)
         self._owns_client = client is None
         self._slots = asyncio.Semaphore(_PARALLEL)
@@ -57,7 +58,10 @@ class VarnishPurger:
 
     async def _send(self, method: str, url: str, headers: dict[str, str]) -> None:
         async with self._slots:
-            reply = await self._client.request(method, url, headers=headers)
+            # ``timeout`` bounds the whole request: httpx's own bounds each read, so a
+            # gateway trickling its answer a byte at a time held every later purge.
+            async with asyncio.timeout(self._timeout):
+                reply = await self._client.request(method, url, headers=headers)
         if not 200 <= reply.status_code < 300:
             raise RuntimeError(f"{method} {url} {headers}: HTTP {reply.status_code}")
 

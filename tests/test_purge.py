@@ -6,6 +6,7 @@ tests/test_varnish.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 
 import pytest
@@ -114,3 +115,70 @@ async def test_each_purge_is_sent_again_after_repeat_after() -> None:
     await asyncio.sleep(0.2)
     assert len(purger.calls) == 2  # once more, not forever
     await queue.close()
+    assert queue.stats.delivered == 1 and queue.stats.repeated == 1  # counters add up
+    assert queue.stats.submitted == queue.stats.delivered
+
+
+async def test_a_repeat_still_waiting_when_the_queue_closes_is_dropped() -> None:
+    purger = Recording()
+    queue = PurgeQueue(purger, repeat_after=0.2)
+    queue.submit(["book:1"])
+    assert await eventually(lambda: len(purger.calls) == 1, timeout=5)
+    await queue.close()
+    await asyncio.sleep(0.3)  # the repeat's time came: nothing is queued after close
+    assert len(purger.calls) == 1 and queue._queue.qsize() == 0
+
+
+async def test_a_gateway_that_trickles_its_answer_fails_the_purge_within_the_timeout() -> None:
+    """httpx's timeout bounds each read: a gateway sending one byte every 0.2 s held the
+    purge (and every purge queued after it) for ever, counted nowhere."""
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        with contextlib.suppress(ConnectionError):
+            while True:
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    purger = VarnishPurger([f"http://127.0.0.1:{port}"], timeout=0.5)
+    queue = PurgeQueue(purger, retries=1, backoff=[0.01], owned=True)
+    queue.submit(["book:1"])
+    queue.submit(["book:2"])
+    await asyncio.wait_for(queue.drain(), 10)
+    assert queue.stats.failed == 2 and queue.stats.delivered == 0
+    await queue.close()
+    server.close()
+
+
+async def test_a_tag_invalidate_tag_refuses_is_never_purged(
+    redis_url: str, prefix: str
+) -> None:
+    """A refused tag reached the gateway's BAN: ``|`` as ``obj.http.X-Cache-Tags ~ ,|,``
+    banned every tagged page in a real Varnish."""
+    purger = Recording()
+    async with _cache(redis_url, prefix, purger) as cache:
+        for tag in ("|", "a b", "a,b", "a*", "(a"):
+            with pytest.raises(ValueError, match="tag"):
+                await cache.invalidate_tag(tag)
+        await cache._rt.purges.drain()
+    assert purger.calls == []
+
+
+async def test_a_set_cancelled_after_its_write_still_purges(redis_url: str, prefix: str) -> None:
+    purger = Recording()
+    async with _cache(redis_url, prefix, purger) as cache:
+        for turns in range(12):
+            task = asyncio.create_task(cache.set("book", {"id": turns}, "new"))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await cache._rt.purges.drain()
+        purged = {key for keys, _ in purger.calls for key in keys}
+        for turns in range(12):
+            if await cache.get("book", {"id": turns}) == "new":  # the write landed
+                assert cache.key("book", {"id": turns}) in purged, turns

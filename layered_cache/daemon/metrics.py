@@ -93,7 +93,7 @@ class DaemonMetrics(Collector):
             "ones are bounded by s-maxage",
             labels=["outcome"],
         )
-        for outcome in ("submitted", "delivered", "retries", "failed", "dropped"):
+        for outcome in ("submitted", "delivered", "repeated", "retries", "failed", "dropped"):
             purges.add_metric([outcome], float(getattr(self._purges, outcome)))
         yield purges
 
