@@ -57,6 +57,8 @@ class LoopThread:
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="layered-cache-loader"
         )
+        self._calls: set[concurrent.futures.Future[Any]] = set()  # in flight, any thread
+        self._calls_lock = threading.Lock()
 
     @property
     def owned_here(self) -> bool:
@@ -66,6 +68,8 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         """Run ``coro`` on the loop and block for its result, at most ``timeout`` s."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._calls_lock:
+            self._calls.add(future)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -74,6 +78,20 @@ class LoopThread:
                 f"{what} did not finish within {timeout} s (SyncLayeredCache timeout=); "
                 "raise the timeout if the loader is legitimately slow"
             ) from None
+        except concurrent.futures.CancelledError:
+            raise RuntimeError(f"{what}: the cache was closed while this call ran") from None
+        finally:
+            with self._calls_lock:
+                self._calls.discard(future)
+
+    def cancel_calls(self) -> None:
+        """Cancel the calls other threads have in flight (``close``): their tasks are
+        cancelled on the loop before the cache closes, so what a cancelled call does
+        on its way out (give its lease back, ``_miss``) still finds Redis open."""
+        with self._calls_lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
 
     def stop(self, timeout: float = 10.0) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

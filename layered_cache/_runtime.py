@@ -76,7 +76,12 @@ class BackgroundTasks:
         self._tasks.add(task)  # a strong reference: the loop keeps only weak ones
         task.add_done_callback(self._tasks.discard)
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 0.2) -> None:
+        """Let the tasks finish for up to ``grace`` seconds (a lease given back is one
+        round trip), then cancel what is left."""
+        await asyncio.sleep(0)  # a call cancelled just before us spawns its cleanup first
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

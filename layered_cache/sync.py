@@ -157,6 +157,7 @@ class SyncLayeredCache:
                 return
             try:
                 if cache is not None:
+                    runner.cancel_calls()
                     with contextlib.suppress(SyncTimeoutError):
                         runner.run(cache.close(), timeout, "closing the cache")
             finally:

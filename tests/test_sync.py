@@ -297,3 +297,41 @@ def test_sync_batches_and_tags_work_like_the_async_api(redis_url: str, prefix: s
         assert shelf == [1, 2]
         cache.invalidate_tag("book:1")
         assert cache.get("shelf", {"id": 1}) is None
+
+
+def test_closing_while_a_load_runs_gives_its_lease_back_and_tells_the_caller(
+    redis_url: str, prefix: str
+) -> None:
+    """close() while another thread's loader runs: that load can no longer fill, so its
+    lease must go back before Redis is closed, not stay for lease_ttl (every reader of
+    the key elsewhere would wait max_wait). The caller gets a clear error."""
+    namespaces = {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "5s", "max_wait": "3s"}}}
+    config = make_config(redis_url, prefix, namespaces)
+    cache = SyncLayeredCache.from_config(config, timeout=10)
+    cache.start()
+    started, outcome = threading.Event(), []
+
+    def slow() -> str:
+        started.set()
+        time.sleep(1.0)
+        return "slow"
+
+    def call() -> None:
+        try:
+            outcome.append(cache.get_or_load("book", {"id": 1}, slow))
+        except Exception as exc:  # the outcome is what is checked
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert started.wait(5)
+    cache.close()
+    caller.join(10)
+    assert isinstance(outcome[0], RuntimeError) and "closed" in str(outcome[0])
+    admin = redis.Redis.from_url(redis_url)
+    assert list(admin.scan_iter(f"*{prefix}book:1*lease*")) == []
+    admin.close()
+    with SyncLayeredCache.from_config(config, timeout=10) as other:
+        started_at = time.monotonic()
+        assert other.get_or_load("book", {"id": 1}, lambda: "fresh") == "fresh"
+        assert time.monotonic() - started_at < 1.0
