@@ -27,7 +27,15 @@ from layered_cache._clients import (
     resurface_cancel,
     stop_if_cancelled,
 )
-from layered_cache._stream import Entry, missed_entries, oldest_entry, parse_id, trim_visible
+from layered_cache._stream import (
+    FUTURE_SLACK,
+    Entry,
+    last_generated,
+    missed_entries,
+    oldest_entry,
+    parse_id,
+    trim_visible,
+)
 from layered_cache._stream_link import StreamLink
 
 __all__ = [
@@ -245,10 +253,16 @@ class BackplaneListener:
         try:
             versions = msgspec.msgpack.decode(raw, type=dict[str, str])
         except (msgspec.DecodeError, msgspec.ValidationError):
-            assert self.last_id is not None
-            _log.warning("backplane_bad_entry", entry_id=self.last_id.decode())
+            self._unreadable()
             return
         self._on_tags(versions)
+
+    def _unreadable(self) -> None:
+        """An entry whose keys or tags can't be decoded (another version's format, a
+        forged entry) named invalidations we can't apply one by one: L1 goes whole."""
+        assert self.last_id is not None
+        _log.warning("backplane_bad_entry", entry_id=self.last_id.decode())
+        self._gap("bad_entry")
 
     async def _tail_id(self) -> bytes:
         """Start after the newest entry: a new instance's L1 is empty anyway.
@@ -277,10 +291,12 @@ class BackplaneListener:
         except RedisError as exc:
             if "no such key" not in str(exc).lower():
                 raise
-            # The stream is gone (DEL, or a Redis restarted empty) while we weren't
-            # reading: whatever it held after our position is lost. (It existed: we
-            # created it at start if nobody had.)
+            # The stream is gone (DEL, eviction, a Redis restarted empty) while we
+            # weren't reading: whatever it held after our position is lost. (It existed:
+            # we created it at start if nobody had.) Whatever creates it anew is read
+            # from its first entry: its IDs may be below our old position.
             self._gap("stream_missing")
+            self.last_id = b"0-0"
             return
         # Entries older than a clear are accounted for by it: the long read that follows
         # a reconnect's clear starts from the old position again, and must not clear
@@ -288,6 +304,12 @@ class BackplaneListener:
         if missed_entries(info, max(parse_id(position), self._cleared_through)):
             self._cleared_through = oldest_entry(info)
             self._gap("entries_missing")
+            last = last_generated(info)
+            if last is not None and parse_id(last) < parse_id(position):
+                # IDs went back (the stream was deleted and created anew, Redis's clock
+                # stepped back): reading after our old position would wait for IDs that
+                # may never come. The clear covers everything up to the stream's last ID.
+                self.last_id = last
 
     def _failed(self, exc: Exception) -> None:
         """A bug (ours, or in a hook) raised while the listener read or applied entries.
@@ -314,6 +336,11 @@ class BackplaneListener:
         entries = await self._xread(self.last_id)
         if not entries:
             self._lag = 0.0  # blocked and nothing came: caught up
+            if parse_id(self.last_id)[0] > (time.time() + FUTURE_SLACK) * 1000:
+                # Our position is ahead of the clock: the stream's IDs went back (it was
+                # deleted and created anew after Redis's clock stepped back, or an ID
+                # was forged), and an XREAD after it may wait for ever. Check.
+                await self._check_gap(self.last_id)
             return 0
         for entry_id, fields in entries:
             self.last_id = bytes(entry_id)
@@ -327,7 +354,7 @@ class BackplaneListener:
             try:
                 keys = msgspec.msgpack.decode(raw, type=list[str])
             except (msgspec.DecodeError, msgspec.ValidationError):
-                _log.warning("backplane_bad_entry", entry_id=self.last_id.decode())
+                self._unreadable()
                 continue
             self._on_keys(keys)
             self.entries_applied += 1

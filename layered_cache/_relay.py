@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
-from layered_cache._stream import missed_entries, parse_id, stream_info, trim_visible
+from layered_cache._stream import FUTURE_SLACK, missed_entries, parse_id, stream_info, trim_visible
 
 __all__ = ["Relay", "RelayStatus"]
 
@@ -223,6 +224,10 @@ class Relay:
             before,
         )
         if not reply:
+            # Idle, at a position ahead of the clock: the stream's IDs went back (see
+            # ``BackplaneListener._read_once``); reading after it may wait for ever.
+            if parse_id(before)[0] > (time.time() + FUTURE_SLACK) * 1000:
+                return not await self._missed_entries(before)
             return True
         entries = reply[0][1]
         if len(entries) >= self._trim_visible and await self._missed_entries(before):
@@ -288,7 +293,7 @@ class Relay:
         if name in _ACKNOWLEDGED:
             return b"+OK\r\n"
         if name in _FORWARDED and self._stream in command[1:3]:
-            return await self._forward(command)
+            return _refused_xadd(command, self._stream) or await self._forward(command)
         return encode_error(
             f"ERR the backplane relay serves XREAD on {self._stream.decode()!r} "
             f"(and the listener's XINFO STREAM, XREVRANGE, XADD), not {name.decode()!r}"
@@ -375,3 +380,14 @@ def _xread_arguments(
     if rest[1] != b"$":
         parse_id(rest[1])  # ValueError if it is not an ID
     return count, block, rest[1]
+
+
+def _refused_xadd(command: list[bytes], stream: bytes) -> bytes | None:
+    """The error for any XADD but the listener's start marker (``XADD <stream> * origin
+    <id>``, ``BackplaneListener._tail_id``): a relay port must not let a client trim the
+    stream (``XADD ... MAXLEN 0``), move its IDs ahead, or forge entries."""
+    if command[0].upper() != b"XADD" or (
+        len(command) == 5 and command[1:3] == [stream, b"*"] and command[3].lower() == b"origin"
+    ):
+        return None
+    return encode_error("ERR the backplane relay forwards XADD <stream> * origin <id> only")

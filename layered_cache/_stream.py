@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "FUTURE_SLACK",
     "Entry",
+    "last_generated",
     "missed_entries",
     "oldest_entry",
     "parse_id",
@@ -19,6 +21,10 @@ __all__ = [
     "trim_visible",
     "xread_entries",
 ]
+
+# How far ahead of this host's clock a reader's position may be before an idle read
+# counts it as "the IDs went back" and checks the stream: beyond any NTP-level skew.
+FUTURE_SLACK = 10.0
 
 # A stream entry as the listener reads it: its ID and its field -> value pairs.
 Entry = tuple[bytes, dict[bytes, bytes]]
@@ -68,6 +74,14 @@ def trim_visible(batch: int, maxlen: int | None) -> int:
 def _field(info: Any, name: str) -> Any:
     """An XINFO STREAM field, whether the client decodes replies (str keys) or not."""
     return info.get(name, info.get(name.encode()))
+
+
+def last_generated(info: Any) -> bytes | None:
+    """The ID of the newest entry the stream ever had (its ``last-generated-id``)."""
+    last = _field(info, "last-generated-id")
+    if last is None:
+        return None
+    return last if isinstance(last, bytes) else str(last).encode()
 
 
 def oldest_entry(info: Any) -> tuple[int, int]:

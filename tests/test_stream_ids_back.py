@@ -1,0 +1,142 @@
+"""A backplane stream whose IDs go back: deleted (evicted under ``allkeys-*``, FLUSHALL,
+a Redis restarted empty) and created anew while Redis's clock was behind where it had
+been, or an entry forged with a future ID. A reader positioned after the old IDs waited
+for IDs that never came: connected, no gap, no lag, and every invalidation lost until
+the clock caught up. Each scenario here failed before the fix (adversarial review,
+2026-12-04); a reader must hear the next invalidation or clear its L1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from tests.helpers import eventually, in_l1, make_config, start_relay
+from tests.servers import RedisServer
+
+NAMESPACES = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+
+
+async def version(value: str) -> str:
+    return value
+
+
+@contextlib.asynccontextmanager
+async def writer_and_reader(
+    url: str, prefix: str, through_relay: bool
+) -> AsyncIterator[tuple[LayeredCache, LayeredCache, redis.Redis, str]]:
+    base = make_config(url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    reader_config, relay = base, None
+    if through_relay:
+        relay, relay_url = await start_relay(base)
+        reader_config = make_config(
+            url, prefix, NAMESPACES, backplane={"block": "200ms", "relay": relay_url}
+        )
+    admin = redis.Redis.from_url(url)
+    try:
+        async with (
+            LayeredCache.from_config(base) as writer,
+            LayeredCache.from_config(reader_config) as reader,
+        ):
+            yield writer, reader, admin, prefix + base.backplane.stream
+    finally:
+        if relay is not None:
+            await relay.close()
+        await admin.aclose()
+
+
+async def _future_entry(admin: redis.Redis, stream: str, reader: LayeredCache) -> None:
+    """An entry an hour ahead (Redis's clock was), read by ``reader``."""
+    future = f"{int(time.time() * 1000) + 3_600_000}-0"
+    await admin.xadd(stream, {"origin": "-"}, id=future)
+    assert await eventually(lambda: reader.backplane_status().last_id == future)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("through_relay", [False, True], ids=["direct", "relay"])
+async def test_a_connected_reader_hears_a_stream_created_anew_with_lower_ids(
+    redis_server: RedisServer, prefix: str, through_relay: bool
+) -> None:
+    async with writer_and_reader(redis_server.url, prefix, through_relay) as (
+        writer, reader, admin, stream,
+    ):
+        assert await reader.get_or_load("book", {"id": 1}, lambda: version("v1")) == "v1"
+        await _future_entry(admin, stream, reader)
+        await admin.delete(stream)  # evicted; the clock is right again
+        await writer.set("book", {"id": 1}, "v2")  # creates it anew: IDs below the old
+        assert await eventually(lambda: _reads(reader, "v2"), timeout=5)
+        await writer.set("book", {"id": 1}, "v3")  # and it keeps listening
+        assert await eventually(lambda: _reads(reader, "v3"), timeout=5)
+
+
+async def test_a_reader_that_reconnects_to_a_stream_whose_ids_went_back_follows_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    async with writer_and_reader(redis_server.url, prefix, False) as (
+        writer, reader, admin, stream,
+    ):
+        await _future_entry(admin, stream, reader)
+        await admin.delete(stream)
+        await writer.set("book", {"id": 9}, "x")
+        for client in await admin.client_list():
+            if client["cmd"] == "xread":
+                await admin.client_kill_filter(_id=client["id"])
+        assert await eventually(lambda: reader.backplane_status().gaps >= 1)  # type: ignore[union-attr]
+        assert await reader.get_or_load("book", {"id": 1}, lambda: version("v2")) == "v2"
+        await writer.set("book", {"id": 1}, "v3")  # the clear was not the end of it
+        assert await eventually(lambda: _reads(reader, "v3"), timeout=5)
+
+
+@pytest.mark.parametrize(
+    "raw", [msgspec.json.encode(["k"]), msgspec.msgpack.encode([["k", 2]]), b"\xc1"]
+)
+async def test_an_entry_whose_keys_cannot_be_decoded_clears_l1(
+    redis_url: str, prefix: str, raw: bytes
+) -> None:
+    """Another version's format, or a forged entry: the invalidations it names can't be
+    applied one by one, so L1 goes whole rather than keep what they named."""
+    async with writer_and_reader(redis_url, prefix, False) as (_writer, reader, admin, stream):
+        assert await reader.get_or_load("book", {"id": 1}, lambda: version("v1")) == "v1"
+        await admin.xadd(stream, {"keys": raw})
+        assert await eventually(lambda: reader.backplane_status().gaps == 1)  # type: ignore[union-attr]
+        assert not in_l1(reader, 1)
+
+
+async def test_the_relay_forwards_no_xadd_but_the_listeners_start_marker(
+    redis_url: str, prefix: str
+) -> None:
+    """Anything that reaches a relay's port could trim the stream (``MAXLEN 0``), move
+    its IDs an hour ahead or forge entries, with the relay's Redis credentials."""
+    base = make_config(redis_url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    stream = prefix + base.backplane.stream
+    admin = redis.Redis.from_url(redis_url)
+    for _ in range(5):
+        await admin.xadd(stream, {"origin": "-"})
+    relay, relay_url = await start_relay(base)
+    through = redis.Redis.from_url(relay_url, protocol=2)
+    try:
+        future = f"{int(time.time() * 1000) + 3_600_000}-0"
+        for command in (
+            ("XADD", stream, "MAXLEN", "0", "*", "a", "b"),
+            ("XADD", stream, future, "origin", "x"),
+            ("XADD", stream, "*", "keys", msgspec.msgpack.encode(["k"])),
+        ):
+            with pytest.raises(redis.ResponseError, match="forwards XADD"):
+                await through.execute_command(*command)
+        assert await admin.xlen(stream) == 5
+        marker: Any = await through.execute_command("XADD", stream, "*", "origin", "x")
+        assert marker and await admin.xlen(stream) == 6
+    finally:
+        await through.aclose()
+        await relay.close()
+        await admin.aclose()
+
+
+async def _reads(cache: LayeredCache, expected: str) -> bool:
+    return bool(await cache.get("book", {"id": 1}) == expected)
