@@ -45,6 +45,8 @@ _PLAIN = (str, int, float, bool, bytes, type(None))
 _TUPLE, _SET, _FROZENSET, _DECIMAL, _UUID, _DATETIME = 1, 2, 3, 4, 5, 6
 _DATE, _TIME, _TIMEDELTA, _SAFESTRING, _RESPONSE, _BYTEARRAY = 7, 8, 9, 10, 11, 12
 _PAIRS = 13  # a dict with a key msgpack can't hold as a map key (a tuple, a Decimal, ...)
+_BIGINT = 14  # an int beyond msgpack's 64 bits, as its decimal digits
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
 def _items(values: Any) -> bytes:
@@ -89,6 +91,8 @@ def _wire(value: Any) -> Any:
     """``value`` as msgspec encodes it: plain types as they are, others as Ext."""
     kind = type(value)
     if kind in _PLAIN:
+        if kind is int and not _INT_MIN <= value <= _INT_MAX:
+            return msgspec.msgpack.Ext(_BIGINT, str(value).encode())
         return value
     if kind is list:
         return [_wire(item) for item in value]
@@ -144,6 +148,7 @@ _FROM_EXT: dict[int, Callable[[memoryview], Any]] = {
     _RESPONSE: _from_response,
     _BYTEARRAY: lambda data: bytearray(data),
     _PAIRS: lambda data: dict(_decoder.decode(data)),
+    _BIGINT: lambda data: int(bytes(data)),
 }
 
 

@@ -139,6 +139,18 @@ def test_incr_keeps_the_remaining_timeout(redis_url: str, prefix: str) -> None:
     assert cache.get("hits") is None
 
 
+def test_ints_beyond_64_bits_are_stored_and_counted_past(redis_url: str, prefix: str) -> None:
+    """docs/django.md: Python ints, no 64-bit limit (msgpack's stop there: it raised
+    OverflowError, which is not the PickleError the docs promise for what can't be kept)."""
+    cache, other = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    cache.set("big", 2**100)
+    cache.set("n", 2**64 - 1)
+    assert cache.incr("n") == 2**64
+    cache.set("m", -(2**63))
+    assert cache.decr("m") == -(2**63) - 1
+    assert (other.get("big"), other.get("n"), other.get("m")) == (2**100, 2**64, -(2**63) - 1)
+
+
 def test_values_come_back_as_the_type_they_went_in_as(redis_url: str, prefix: str) -> None:
     cache, other = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
     value = {
