@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from layered_cache._cache import LayeredCache
 from layered_cache._miss import TagsOf
-from layered_cache.http import ETags, cache_control, matches
+from layered_cache.http import ETags, cache_control, matches, strong_etag
 
 __all__ = ["KEY_HEADER", "TAGS_HEADER", "CachedResponses"]
 
@@ -52,6 +52,10 @@ class CachedResponses:
         self._media_type = media_type
         self._etags = ETags()
         self._control = {name: cache_control(ns) for name, ns in cache.config.namespaces.items()}
+        # Without L2, L1 holds the loader's (or set()'s) own object, which its owner may
+        # change in place and hand in again: the same object is then no proof of the
+        # same value, and the ETag is computed from the value each time.
+        self._mutable = {name for name, ns in cache.config.namespaces.items() if not ns.l2}
 
     def cache_control(self, namespace: str) -> str:
         """The ``Cache-Control`` of ``namespace``'s responses (for hand-built ones)."""
@@ -75,11 +79,14 @@ class CachedResponses:
         if control == "no-store":  # live data: no validator, nobody keeps it
             return self._body(value, {"Cache-Control": control})
         key = self._cache.key(namespace, fields)
-        headers = {"Cache-Control": control, "ETag": self._etags.of(key, value), KEY_HEADER: key}
+        etag = strong_etag(value) if namespace in self._mutable else self._etags.of(key, value)
+        headers = {"Cache-Control": control, "ETag": etag, KEY_HEADER: key}
         tag_list = tags(value) if callable(tags) else tags
         if tag_list:
             headers[TAGS_HEADER] = "," + ",".join(tag_list) + ","
-        if matches(request.headers.get("if-none-match"), headers["ETag"]):
+        if matches(request.headers.get("if-none-match"), etag):
+            if request.method not in ("GET", "HEAD"):  # RFC 9110 13.1.2
+                return Response(status_code=412, headers=headers)
             # RFC 9110 15.4.5: a 304 carries the validators and caching headers a 200 would.
             return Response(status_code=304, headers=headers)
         return self._body(value, headers)
