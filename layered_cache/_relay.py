@@ -40,6 +40,7 @@ from redis.exceptions import ResponseError
 
 from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
+from layered_cache._relay_commands import refused_xadd, xread_arguments
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
 from layered_cache._stream import FUTURE_SLACK, missed_entries, parse_id, stream_info, trim_visible
@@ -51,6 +52,7 @@ _log = structlog.get_logger("layered_cache.relay")
 # Commands forwarded to Redis as they are, when their key is the relay's stream.
 _FORWARDED = {b"XINFO", b"XREVRANGE", b"XRANGE", b"XADD"}
 _ACKNOWLEDGED = {b"CLIENT", b"SELECT"}  # redis-py's connection set-up
+_REPLY_BYTES = 32 * 1024 * 1024  # cached XREAD replies, at most (``_Tail.remember``)
 
 
 class RelayStatus(msgspec.Struct, frozen=True):
@@ -71,18 +73,31 @@ class _Tail:
     already encoded for the reply. The oldest are dropped past ``keep``: ``start`` then
     moves to the last one dropped, and older positions are forwarded to Redis."""
 
-    def __init__(self, start: bytes, keep: int) -> None:
+    def __init__(self, start: bytes, keep: int, batch: int) -> None:
         self.start = parse_id(start)
         self.last = start
         self._keep = keep
+        self._batch = batch  # at most this many entries per reply, COUNT or not
         self._ids: list[tuple[int, int]] = []
         self._encoded: list[bytes] = []
         # Whole XREAD replies by (position, count), until the next arrival: the readers
         # of a relay mostly wait at the same position, and all want the same bytes.
         self.replies: dict[tuple[tuple[int, int], int | None], bytes] = {}
+        self._reply_bytes = 0
+
+    def remember(self, key: tuple[tuple[int, int], int | None], reply: bytes) -> bytes:
+        """Keep ``reply`` until the next arrival, within bounds: a client asking at many
+        positions must not grow the relay's memory (it held 250 times the entries)."""
+        if len(self.replies) >= 1024 or self._reply_bytes + len(reply) > _REPLY_BYTES:
+            self.replies.clear()
+            self._reply_bytes = 0
+        self.replies[key] = reply
+        self._reply_bytes += len(reply)
+        return reply
 
     def add(self, entries: Sequence[Any]) -> None:
         self.replies.clear()
+        self._reply_bytes = 0
         for entry in entries:
             self.last = bytes(entry[0])
             self._ids.append(parse_id(self.last))
@@ -97,7 +112,8 @@ class _Tail:
         if position < self.start:
             return None
         first = bisect.bisect_right(self._ids, position)
-        return self._encoded[first:] if count is None else self._encoded[first : first + count]
+        # Without COUNT Redis returns them all; a reader loops from the last one anyway.
+        return self._encoded[first : first + min(count or self._batch, self._batch)]
 
 
 class _Unavailable(Exception):
@@ -175,7 +191,7 @@ class Relay:
             stop_if_cancelled()
             try:
                 if self._tail is None:
-                    self._tail = _Tail(await self._newest_id(), self._keep)
+                    self._tail = _Tail(await self._newest_id(), self._keep, self._batch)
                     _log.info("relay_following", last_id=self._tail.last.decode())
                 backoff.reset()
                 if not await self._read_once(self._tail):
@@ -293,10 +309,10 @@ class Relay:
         if name in _ACKNOWLEDGED:
             return b"+OK\r\n"
         if name in _FORWARDED and self._stream in command[1:3]:
-            return _refused_xadd(command, self._stream) or await self._forward(command)
+            return refused_xadd(command, self._stream) or await self._forward(command)
         return encode_error(
             f"ERR the backplane relay serves XREAD on {self._stream.decode()!r} "
-            f"(and the listener's XINFO STREAM, XREVRANGE, XADD), not {name.decode()!r}"
+            f"(and the listener's XINFO STREAM, XREVRANGE, XADD), not {name!r}"
         )
 
     async def _forward(self, command: Sequence[bytes]) -> bytes:
@@ -312,7 +328,7 @@ class Relay:
 
     async def _xread(self, arguments: list[bytes]) -> bytes:
         try:
-            count, block_ms, after = _xread_arguments(arguments, self._stream)
+            count, block_ms, after = xread_arguments(arguments, self._stream)
         except ValueError as exc:
             return encode_error(f"ERR {exc}")
         loop = asyncio.get_running_loop()
@@ -331,10 +347,7 @@ class Relay:
             served = tail.after(position, count)
             if served:
                 self._from_memory += 1
-                if len(tail.replies) >= 1024:  # readers at many positions: keep it small
-                    tail.replies.clear()
-                reply = tail.replies[(position, count)] = self._entries_reply(served)
-                return reply
+                return tail.remember((position, count), self._entries_reply(served))
             if served is None:  # older than memory: Redis answers (catch-up)
                 read = [b"XREAD", b"COUNT", b"%d" % (count or self._batch), b"STREAMS"]
                 reply = await self._forward([*read, self._stream, b"%d-%d" % position])
@@ -353,41 +366,3 @@ class Relay:
     def _entries_reply(self, entries: list[bytes]) -> bytes:
         header = b"*1\r\n*2\r\n" + encode(self._stream) + b"*%d\r\n" % len(entries)
         return header + b"".join(entries)
-
-
-def _xread_arguments(
-    arguments: list[bytes], stream: bytes
-) -> tuple[int | None, int | None, bytes]:
-    """``[COUNT n] [BLOCK ms] STREAMS <our stream> <id>``: count, block, id."""
-    count = block = None
-    upper = [argument.upper() for argument in arguments]
-    if b"STREAMS" not in upper:
-        raise ValueError("syntax error")
-    streams = upper.index(b"STREAMS")
-    options, rest = upper[:streams], arguments[streams + 1 :]
-    if len(rest) != 2 or rest[0] != stream:
-        raise ValueError(f"the relay serves one stream, {stream.decode()!r}")
-    for index in range(0, len(options) - 1, 2):
-        option, value = options[index], int(options[index + 1])
-        if option == b"COUNT" and value > 0:
-            count = value
-        elif option == b"BLOCK" and value >= 0:
-            block = value
-        else:
-            raise ValueError("syntax error")
-    if len(options) % 2:
-        raise ValueError("syntax error")
-    if rest[1] != b"$":
-        parse_id(rest[1])  # ValueError if it is not an ID
-    return count, block, rest[1]
-
-
-def _refused_xadd(command: list[bytes], stream: bytes) -> bytes | None:
-    """The error for any XADD but the listener's start marker (``XADD <stream> * origin
-    <id>``, ``BackplaneListener._tail_id``): a relay port must not let a client trim the
-    stream (``XADD ... MAXLEN 0``), move its IDs ahead, or forge entries."""
-    if command[0].upper() != b"XADD" or (
-        len(command) == 5 and command[1:3] == [stream, b"*"] and command[3].lower() == b"origin"
-    ):
-        return None
-    return encode_error("ERR the backplane relay forwards XADD <stream> * origin <id> only")

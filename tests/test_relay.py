@@ -503,3 +503,34 @@ async def test_a_bug_in_the_relays_follower_resets_it_and_loses_no_invalidation(
         for reader in readers:
             assert await eventually(lambda r=reader: r.stats()["book"]["backplane_l1_dropped"] == 2)
             assert reader.backplane_status().gaps == 0  # type: ignore[union-attr]
+
+
+async def test_odd_reads_get_bounded_answers_and_the_relay_serves_on(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Without COUNT a reply holds at most the relay's batch (each was the whole memory,
+    cached per position: 500 such reads held 250 times the entries); a BLOCK of 400
+    digits or a command name that is not UTF-8 is an error reply, not a dropped client."""
+    config = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = stream_of(config)
+    direct = redis.Redis.from_url(redis_server.url, protocol=2)
+    await direct.xadd(stream, {"origin": "-"})
+    relay = Relay(Upstream(config.redis, stream, 0.2), stream, block=0.2, batch=5)
+    host, port = await relay.start("127.0.0.1", 0)
+    through = redis.Redis.from_url(f"redis://{host}:{port}/0", protocol=2)
+    try:
+        assert await eventually(lambda: relay.status().following)
+        ids = [await direct.xadd(stream, {"keys": f"k{i}"}) for i in range(40)]
+        assert await eventually(lambda: relay.status().last_id == ids[-1].decode())
+        for position in ids[:30]:
+            (reply,) = await through.xread({stream: position})
+            assert 1 <= len(reply[1]) <= 5
+        with pytest.raises(redis.ResponseError):
+            await through.execute_command("XREAD", "BLOCK", "9" * 400, "STREAMS", stream, "$")
+        with pytest.raises(redis.ResponseError):
+            await through.execute_command(b"\xff\xfe", "x")
+        assert await through.xread({stream: ids[-2]}) == await direct.xread({stream: ids[-2]})
+    finally:
+        await through.aclose()
+        await relay.close()
+        await direct.aclose()

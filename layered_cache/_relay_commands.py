@@ -1,0 +1,52 @@
+"""The commands a backplane relay takes from its clients, checked before it acts on them:
+XREAD's arguments (one stream, ours), and the one XADD it forwards to Redis.
+"""
+
+from __future__ import annotations
+
+from layered_cache._resp import encode_error
+from layered_cache._stream import parse_id
+
+__all__ = ["refused_xadd", "xread_arguments"]
+
+_LARGEST = 2**63 - 1  # COUNT and BLOCK, as Redis parses them (a long long)
+
+
+def xread_arguments(
+    arguments: list[bytes], stream: bytes
+) -> tuple[int | None, int | None, bytes]:
+    """``[COUNT n] [BLOCK ms] STREAMS <our stream> <id>``: count, block, id."""
+    count = block = None
+    upper = [argument.upper() for argument in arguments]
+    if b"STREAMS" not in upper:
+        raise ValueError("syntax error")
+    streams = upper.index(b"STREAMS")
+    options, rest = upper[:streams], arguments[streams + 1 :]
+    if len(rest) != 2 or rest[0] != stream:
+        raise ValueError(f"the relay serves one stream, {stream.decode()!r}")
+    for index in range(0, len(options) - 1, 2):
+        option, value = options[index], int(options[index + 1])
+        if value > _LARGEST:
+            raise ValueError("value is out of range")
+        if option == b"COUNT" and value > 0:
+            count = value
+        elif option == b"BLOCK" and value >= 0:
+            block = value
+        else:
+            raise ValueError("syntax error")
+    if len(options) % 2:
+        raise ValueError("syntax error")
+    if rest[1] != b"$":
+        parse_id(rest[1])  # ValueError if it is not an ID
+    return count, block, rest[1]
+
+
+def refused_xadd(command: list[bytes], stream: bytes) -> bytes | None:
+    """The error for any XADD but the listener's start marker (``XADD <stream> * origin
+    <id>``, ``BackplaneListener._tail_id``): a relay port must not let a client trim the
+    stream (``XADD ... MAXLEN 0``), move its IDs ahead, or forge entries."""
+    if command[0].upper() != b"XADD" or (
+        len(command) == 5 and command[1:3] == [stream, b"*"] and command[3].lower() == b"origin"
+    ):
+        return None
+    return encode_error("ERR the backplane relay forwards XADD <stream> * origin <id> only")
