@@ -230,6 +230,34 @@ def test_64_threads_through_nested_cached_functions_never_wait_on_the_pool_they_
     assert results == [i * 10 + 1 for i in range(64)]
 
 
+def test_a_nested_call_joining_a_load_queued_behind_the_pool_does_not_wait_for_it(
+    redis_url: str, prefix: str
+) -> None:
+    """A's loader (the pool's only thread) needs B; B's own top-level load, from another
+    thread, is queued behind A's loader on that pool. The nested call joins B's load
+    (single-flight) and waited for the pool thread that waits for it, until the call
+    timeout."""
+    with SyncLayeredCache.from_config(
+        _nested_config(redis_url, prefix), max_workers=1, timeout=4.0
+    ) as cache:
+        go, running = threading.Event(), threading.Event()
+
+        def load_a() -> int:
+            running.set()
+            go.wait(5)
+            return int(cache.get_or_load("inner", {"id": 2}, lambda: 20)) + 1
+
+        with ThreadPoolExecutor(max_workers=2) as callers:
+            a = callers.submit(cache.get_or_load, "outer", {"id": 1}, load_a)
+            assert running.wait(5)
+            b = callers.submit(cache.get_or_load, "inner", {"id": 2}, lambda: 20)
+            time.sleep(0.3)  # B's load is queued behind A's loader
+            started = time.monotonic()
+            go.set()
+            assert (a.result(timeout=10), b.result(timeout=10)) == (21, 20)
+            assert time.monotonic() - started < 2.0
+
+
 def test_a_loader_that_needs_its_own_key_raises_instead_of_waiting_forever(
     redis_url: str, prefix: str
 ) -> None:
