@@ -148,23 +148,24 @@ def close_shared() -> None:
 
 async def write(
     cache: LayeredCache, namespace: str, fields: Mapping[str, str], entry: Entry
-) -> None:
-    """Write one Django entry. An already expired one (timeout 0) deletes the key; so
-    does one too large for the namespace (``max_value_bytes``), as memcached does: the
-    value it replaces must not be served on."""
+) -> bool:
+    """Write one Django entry; whether it was stored. An already expired one (timeout 0)
+    deletes the key; so does one too large for the namespace (``max_value_bytes``), as
+    memcached does: the value it replaces must not be served on."""
     remaining = None if entry.expires_at is None else entry.expires_at - cache._rt.clock()
     policy = cache.namespace(namespace).policy
     if remaining is not None and remaining <= 0:
         await cache.invalidate(namespace, fields)
-        return
+        return True  # stored as Django means it: gone at once
     if _too_large(policy, entry):
         policy.stats.not_cached += 1
         _log.warning("value_too_large", namespace=namespace, limit=policy.max_value_bytes)
         await cache.invalidate(namespace, fields)
-        return
+        return False
     await cache.set(namespace, fields, entry)
     if remaining is not None and remaining < policy.l2_ttl:
         await expire(cache, namespace, fields, remaining)
+    return True
 
 
 def _too_large(policy: Policy, entry: Entry) -> bool:

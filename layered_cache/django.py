@@ -213,12 +213,14 @@ class LayeredCacheBackend(BaseCache):
             for key, value in data.items()
         ]  # every value encoded before the first write: an uncacheable one writes none
 
-        async def set_all(cache: LayeredCache, namespace: str) -> None:
-            await asyncio.gather(*(write(cache, namespace, f, e) for f, e in writes))
+        async def set_all(cache: LayeredCache, namespace: str) -> list[bool]:
+            return await asyncio.gather(*(write(cache, namespace, f, e) for f, e in writes))
 
-        if writes:
-            self._call(set_all, "set_many")
-        return []
+        if not writes:
+            return []
+        stored: list[bool] = self._call(set_all, "set_many")
+        # Django: the keys that failed to insert (here: too large for max_value_bytes).
+        return [key for key, ok in zip(data, stored, strict=True) if not ok]
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
         targets = [self._fields(key, version) for key in keys]

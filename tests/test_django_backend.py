@@ -338,6 +338,9 @@ def test_a_value_too_large_to_cache_deletes_the_one_it_replaces(
     assert cache.layered.stats()["django"]["not_cached"] == 1
     cache.set("page", "x" * 1500)
     assert cache.get("page") == "x" * 1500
+    # set_many names the keys it could not insert, as Django documents (it said none).
+    assert cache.set_many({"a": "small", "b": "x" * 1990, "c": "ok"}) == ["b"]
+    assert cache.get_many(["a", "b", "c"]) == {"a": "small", "c": "ok"}
 
 
 def test_hot_key_replicas_expire_with_the_entry(
