@@ -221,7 +221,7 @@ class BatchLoader:
             if fills.is_hot(read.key):
                 hot.append((read, value))
                 continue
-            soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
+            soft_expiry = policy.soft_expiry(value, self._rt.clock())
             encoded = fills.encode(read.key, value, soft_expiry, delta, tagged)
             if encoded is None:
                 found[read.key] = value

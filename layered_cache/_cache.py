@@ -65,6 +65,7 @@ class LayeredCache(HitPath):
         clock: Callable[[], float] = time.time,
         rand: Callable[[], float] = random.random,
         purger: Purger | None = None,
+        expiry_of: Mapping[str, Callable[[Any], float | None]] | None = None,
     ) -> None:
         self.config = config
         self._parts = parts
@@ -91,6 +92,8 @@ class LayeredCache(HitPath):
         self._coherence = Coherence(list(self._namespaces.values()), self._rt)
         for name, value_type in (value_types or {}).items():
             self.namespace(name)._declare_type(value_type, by="value_types")
+        for name, own_expiry in (expiry_of or {}).items():
+            self.namespace(name).policy.expiry_of = own_expiry
         self._backplane, self._fallback = startup.followers(
             parts, self._coherence, config.backplane, config.redis
         )
@@ -110,11 +113,21 @@ class LayeredCache(HitPath):
         clock: Callable[[], float] = time.time,
         rand: Callable[[], float] = random.random,
         purger: Purger | None = None,
+        expiry_of: Mapping[str, Callable[[Any], float | None]] | None = None,
     ) -> LayeredCache:
         """The cache for ``config``, with Redis clients built from it (no I/O yet).
-        ``value_types``: namespace -> the type its reads decode into."""
+        ``value_types``: namespace -> the type its reads decode into. ``expiry_of``:
+        namespace -> a value's own expiry, Redis time (``Policy.soft_expiry``)."""
         parts = build_parts(config)
-        return cls(config, parts, value_types=value_types, clock=clock, rand=rand, purger=purger)
+        return cls(
+            config,
+            parts,
+            value_types=value_types,
+            clock=clock,
+            rand=rand,
+            purger=purger,
+            expiry_of=expiry_of,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 

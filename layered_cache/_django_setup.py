@@ -1,7 +1,7 @@
 """What ``layered_cache.django`` builds from Django's ``CACHES`` entry, how it writes an
 entry (``write``: timeout 0 and oversized values delete), and the few Redis steps
-Django's API needs beyond the namespace API (``PEXPIRE`` to a per-key timeout, ``SCAN``
-for ``clear()``).
+Django's API needs beyond the namespace API (``SCAN`` for ``clear()``). An entry's
+timeout reaches Redis in the write itself (``expiry_of``, ``Policy.soft_expiry``).
 
 Django makes one backend object per alias *per thread* (``caches`` is thread-local),
 and calls ``close()`` on every one after each request. A loop thread and a Redis pool
@@ -13,7 +13,6 @@ it is never closed by Django (it dies with the process, and a fork rebuilds it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import threading
@@ -25,10 +24,9 @@ from typing import Any
 import structlog
 
 from layered_cache._cache import LayeredCache
-from layered_cache._clients import REDIS_FAILURES
 from layered_cache._config import Config, ConfigError, parse_config
 from layered_cache._django_values import Entry
-from layered_cache._keys import parse_template, replica_names
+from layered_cache._keys import parse_template
 from layered_cache._policy import Policy
 from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache
 
@@ -37,7 +35,6 @@ __all__ = [
     "build_config",
     "clear_namespace",
     "close_shared",
-    "expire",
     "shared",
     "write",
 ]
@@ -130,6 +127,9 @@ def shared(
                 timeout=options.get("timeout", DEFAULT_TIMEOUT),
                 max_workers=options.get("max_workers", 32),
                 value_types={namespace: value_type},
+                # An entry's Django timeout is its expiry in Redis too, set in the write
+                # itself (``Policy.soft_expiry``): no PEXPIRE to race another writer.
+                expiry_of={namespace: _own_expiry},
             )
             sync_cache.start()
             found = _shared[identity] = (sync_cache, namespace)
@@ -162,10 +162,12 @@ async def write(
         _log.warning("value_too_large", namespace=namespace, limit=policy.max_value_bytes)
         await cache.invalidate(namespace, fields)
         return False
-    await cache.set(namespace, fields, entry)
-    if remaining is not None and remaining < policy.l2_ttl:
-        await expire(cache, namespace, fields, remaining)
+    await cache.set(namespace, fields, entry)  # Redis drops it at its timeout (shared())
     return True
+
+
+def _own_expiry(entry: Entry) -> float | None:
+    return entry.expires_at
 
 
 def _too_large(policy: Policy, entry: Entry) -> bool:
@@ -173,22 +175,6 @@ def _too_large(policy: Policy, entry: Entry) -> bool:
         return False  # far from the limit: no need to build the envelope
     # The exact size L2 would get (msgpack floats are 8 bytes whatever their value).
     return len(policy.codec.encode(entry, 0.0, 0.0, 0.0)) > policy.max_value_bytes
-
-
-async def expire(
-    cache: LayeredCache, namespace: str, fields: Mapping[str, str], seconds: float
-) -> None:
-    """Let Redis drop ``name`` and its hot-key replicas when its Django timeout passes
-    (not the namespace's 3650d). Only memory depends on it: every read checks the
-    entry's own expiry, so a failed ``PEXPIRE`` is ignored."""
-    client = cache._parts.client
-    name = cache.key(namespace, fields)
-    replicas = cache.namespace(namespace).policy.replicas
-    milliseconds = max(1, int(seconds * 1000))
-    with contextlib.suppress(*REDIS_FAILURES):
-        await asyncio.gather(
-            *(client.pexpire(n, milliseconds) for n in [name, *replica_names(name, replicas)])
-        )
 
 
 async def clear_namespace(cache: LayeredCache, namespace: str) -> int:

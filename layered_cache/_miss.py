@@ -241,7 +241,7 @@ class MissPath:
 
     async def _fill_under_lease(self, read: Read, token: str, value: Any, delta: float) -> Any:
         policy, fills, key = self._policy, self._fills, read.key
-        soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
+        soft_expiry = policy.soft_expiry(value, self._rt.clock())
         versions = None
         if read.tags_of is not None:
             try:  # read after the load: see ``_tags`` for why that is safe

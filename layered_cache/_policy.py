@@ -7,6 +7,7 @@ Compiled once at startup (templates parsed, durations as floats, layers resolved
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,12 +50,23 @@ class Policy:
     tags: bool  # entries may carry tags (``_tags``)
     codec: Codec[Any]
     stats: NamespaceStats = field(default_factory=NamespaceStats)
+    # A value's own expiry (Redis time; None: the namespace's): a Django entry's timeout.
+    expiry_of: Callable[[Any], float | None] | None = None
 
     def l1_ttl_draw(self) -> float:
         return jittered(self.l1_ttl, self.l1_jitter, random.random())
 
     def l2_ttl_draw(self) -> float:
         return jittered(self.l2_ttl, self.l2_jitter, random.random())
+
+    def soft_expiry(self, value: Any, now: float) -> float:
+        """When ``value``, written now, goes stale: after the namespace's jittered L2
+        TTL, or at the value's own expiry if sooner. Redis then drops it in the very
+        write that stores it: a PEXPIRE after the write could land on another writer's
+        value (a Django entry without timeout vanished at a racing one's)."""
+        soft = now + self.l2_ttl_draw()
+        own = self.expiry_of(value) if self.expiry_of is not None else None
+        return soft if own is None or own >= soft else own
 
 
 def compile_policy(

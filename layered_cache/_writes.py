@@ -91,7 +91,7 @@ class Writes:
         settled: list[tuple[str, Any, float]] = []
         uncacheable: list[str] = []
         for key, value in keyed:
-            soft_expiry = self._rt.clock() + policy.l2_ttl_draw()
+            soft_expiry = policy.soft_expiry(value, self._rt.clock())
             encoded = fills.encode(key, value, soft_expiry, 0.0, versions)
             if encoded is None:
                 uncacheable.append(key)

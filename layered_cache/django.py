@@ -36,7 +36,7 @@ from layered_cache._cache import LayeredCache
 from layered_cache._django_keys import field_value
 from layered_cache._django_locked import alive as _alive
 from layered_cache._django_locked import locked
-from layered_cache._django_setup import clear_namespace, expire, shared, write
+from layered_cache._django_setup import clear_namespace, shared, write
 from layered_cache._django_values import Entry, UncacheableValue, dumps, loads
 from layered_cache._keys import parse_template
 from layered_cache.sync import SyncLayeredCache
@@ -256,9 +256,6 @@ class LayeredCacheBackend(BaseCache):
         if not _alive(entry, self._now()):  # a copy past its own timeout: drop it, load once more
             sync_cache.invalidate(namespace, fields)
             entry = sync_cache.get_or_load(namespace, fields, load)
-        if loaded and expires_at is not None:
-            remaining = expires_at - self._now()
-            self._call(lambda cache, ns: expire(cache, ns, fields, remaining), "expire")
         return loads(entry.payload)
 
     async def aget_or_set(

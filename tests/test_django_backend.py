@@ -139,6 +139,38 @@ def test_incr_keeps_the_remaining_timeout(redis_url: str, prefix: str) -> None:
     assert cache.get("hits") is None
 
 
+def test_a_set_without_timeout_outlives_a_racing_set_with_one(
+    redis_url: str, prefix: str
+) -> None:
+    """Two processes set one key at once, one with timeout=2, one without. The PEXPIRE
+    that followed each write could land on the other's value: the value without timeout
+    vanished after 2 s (12 of 17 such rounds, before the TTL rode in the write)."""
+    a, b = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    reader = backend(redis_url, prefix, timeout=18.0)
+    last_without: list[str] = []
+    for i in range(20):
+        key, barrier = f"r{i}", threading.Barrier(2)
+
+        def with_timeout(k: str = key, bar: threading.Barrier = barrier) -> None:
+            bar.wait(5)
+            a.set(k, "A", timeout=2)
+
+        def without(k: str = key, bar: threading.Barrier = barrier) -> None:
+            bar.wait(5)
+            b.set(k, "B", timeout=None)
+
+        writers = [threading.Thread(target=with_timeout), threading.Thread(target=without)]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join(10)
+        if reader.get(key) == "B":
+            last_without.append(key)
+    time.sleep(2.5)
+    fresh = backend(redis_url, prefix, timeout=17.0)
+    assert [key for key in last_without if fresh.get(key) is None] == []
+
+
 def test_ints_beyond_64_bits_are_stored_and_counted_past(redis_url: str, prefix: str) -> None:
     """docs/django.md: Python ints, no 64-bit limit (msgpack's stop there: it raised
     OverflowError, which is not the PickleError the docs promise for what can't be kept)."""
