@@ -252,6 +252,35 @@ def test_invalidate_deletes_key_replicas_and_lease(
     assert any(base.encode() in b"".join(fields.values()) for _, fields in entries)
 
 
+def test_invalidate_and_warm_with_another_replica_count_than_the_fleets_are_refused(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    """The fleet writes book:7 and its 4 replicas; a CLI whose config says no replicas
+    deleted the base key only, and hot instances kept serving the old replicas after it
+    reported the key invalidated (warm: wrote the base key only)."""
+    fleet = write_config(tmp_path, redis_url, prefix)
+    assert run_cli("invalidate", "book", "id=7", "--config", str(fleet)).returncode == 0
+    base = f"{prefix}book:7"
+    for name in [base, *(f"{base}#{i}" for i in range(4))]:
+        admin.set(name, b"old", px=60_000)
+    other = tmp_path / "other"
+    other.mkdir()
+    cold = write_config(other, redis_url, prefix).read_text().replace(
+        'hot = { replicas = 4, keys = ["book:1"] }', ""
+    )
+    (other / "layered_cache.toml").write_text(cold)
+    result = run_cli("invalidate", "book", "id=7", "--config", str(other / "layered_cache.toml"))
+    assert result.returncode == 2 and "replicas" in result.stderr, result
+    assert "Traceback" not in result.stderr
+    assert admin.exists(base, *(f"{base}#{i}" for i in range(4))) == 5  # nothing half-done
+    source = tmp_path / "w.jsonl"
+    source.write_text('{"key": {"id": 7}, "value": "new"}\n')
+    result = run_cli(
+        "warm", "book", "--from", str(source), "--config", str(other / "layered_cache.toml")
+    )
+    assert result.returncode == 2 and "replicas" in result.stderr, result
+
+
 def test_hotkeys_lists_static_keys_and_their_replicas(
     tmp_path: Path,
     redis_url: str,

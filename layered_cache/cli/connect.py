@@ -22,6 +22,7 @@ from redis.crc import key_slot
 
 from layered_cache._cache import LayeredCache
 from layered_cache._config import Config
+from layered_cache._invalidation import ReplicaCountMismatch, check_replica_counts, replica_counts
 from layered_cache._l2 import L2Store
 from layered_cache._redact import redact_url
 from layered_cache._wiring import build_parts
@@ -34,6 +35,7 @@ __all__ = [
     "down",
     "key_on_dead_master",
     "on_dead",
+    "same_replica_counts",
     "still_working",
 ]
 
@@ -195,3 +197,15 @@ async def connected(config: Config, command: str) -> AsyncIterator[Session]:
                 f"{down(masters)}: `{command}` needs every master; {still_working(masters)}"
             )
         yield session
+
+
+async def same_replica_counts(session: Session, config: Config) -> None:
+    """A command that deletes or writes keys must delete and write the replicas the
+    fleet has (``hot.replicas``, recorded in Redis by every instance and the daemon): with
+    another count it left replicas that hot instances kept serving after it reported the
+    key invalidated. Refused, as an instance or the daemon refuses to start."""
+    counts = replica_counts(config)
+    try:
+        await check_replica_counts(session.store.client, config.redis.prefix, counts)
+    except ReplicaCountMismatch as exc:
+        raise CliError(str(exc)) from None

@@ -31,6 +31,7 @@ from layered_cache.cli.connect import (
     degraded_ok,
     down,
     on_dead,
+    same_replica_counts,
     still_working,
 )
 from layered_cache.cli.reads import KeyReads
@@ -47,6 +48,7 @@ async def _invalidate(config: Config, namespace: str, items: Sequence[str]) -> I
     async with degraded_ok(config) as (session, masters):
         policy = policy_of(session.cache, namespace)
         fields, key = parse_fields(items, policy)
+        await same_replica_counts(session, config)
         _refuse_partial_invalidation(session, config, masters, key, policy.replicas)
         names = [key, *replica_names(key, policy.replicas), lease_name(key)]
         reads = KeyReads(session.store)

@@ -37,7 +37,7 @@ from layered_cache.cli.common import (
     policy_of,
     run,
 )
-from layered_cache.cli.connect import connected
+from layered_cache.cli.connect import connected, same_replica_counts
 
 __all__ = ["WarmArgs", "cmd_warm"]
 
@@ -62,6 +62,7 @@ def _without_l1(config: Config) -> Config:
 
 async def _warm(config: Config, args: WarmArgs, source: BinaryIO, stream: TextIO) -> WarmReport:
     async with connected(_without_l1(config), "warm") as session:
+        await same_replica_counts(session, config)
         policy = policy_of(session.cache, args.namespace)
         if not policy.cache or not policy.l2:
             raise CliError(
