@@ -373,3 +373,32 @@ def test_a_backplane_stream_named_like_a_library_owned_name_is_refused_at_load(
         "layered_cache:events",
     ):
         assert parse_config({"backplane": {"stream": fine}}, env={}).backplane.stream == fine
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("?foo=bar", "may set only"),
+        ("?socket_timeout=abc", "may set only"),
+        ("?protocol=9", "must be one of 2, 3"),
+        ("?ssl_cert_reqs=maybe", "must be one of"),
+    ],
+)
+def test_a_redis_url_query_redis_py_would_choke_on_is_refused_at_load(
+    query: str, expected: str
+) -> None:
+    """redis-py turns each query parameter into a connection keyword: ``?foo=bar`` passed
+    `config check`, then every command that reached Redis printed a TypeError traceback."""
+    with pytest.raises(ConfigError, match=rf"redis\.url: .*{expected}"):
+        parse_config({"redis": {"url": f"redis://127.0.0.1:6379/0{query}"}}, env={})
+    with pytest.raises(ConfigError, match=rf"backplane\.relay: .*{expected}"):
+        parse_config({"backplane": {"relay": f"redis://127.0.0.1:6390{query}"}}, env={})
+    assert parse_config({"redis": {"url": "redis://h:1/0?protocol=2"}}, env={})
+
+
+def test_a_relay_url_is_checked_like_the_redis_url_and_its_password_never_shown() -> None:
+    for relay in ("redis:Hunter2Secret@h:1", "redis://u:Hunter2Secret@h:99999"):
+        with pytest.raises(ConfigError) as error:
+            parse_config({"backplane": {"relay": relay}}, env={})
+        assert "backplane.relay" in str(error.value)
+        assert "Hunter2Secret" not in str(error.value)

@@ -8,7 +8,7 @@ field into the dotted path (``namespaces.book.hot.window: must be > 0``).
 from __future__ import annotations
 
 from typing import Annotated
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import msgspec
 
@@ -57,14 +57,16 @@ def url_problem(url: str) -> str | None:
     they are refused here, where the message is redacted)."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         return "must start with redis://, rediss:// or unix://"
-    parsed = urlsplit(url)
     try:
+        parsed = urlsplit(url)
         parsed.port  # noqa: B018 - the property raises for a port that is not 0..65535
     except ValueError:
         return (
-            "the port must be a number within 0..65535 "
+            "the port must be a number within 0..65535, and an IPv6 host in brackets "
             "(a password containing '/' must be percent-encoded)"
         )
+    if problem := _query_problem(parsed.query):
+        return problem
     if parsed.scheme == "unix":
         return None if parsed.path else "a unix:// URL needs the socket path"
     if not parsed.hostname:
@@ -72,4 +74,23 @@ def url_problem(url: str) -> str | None:
     database = parsed.path.strip("/")
     if database and not database.isdigit():
         return "the path must be a database number such as /0"
+    return None
+
+
+# What a URL's query may set: redis-py's ``from_url`` turns every parameter into a
+# connection keyword, and an unknown one (``?foo=bar``) or a bad value only failed at the
+# first connection, with a traceback; the [redis] section holds the other settings.
+_QUERY_VALUES = {"protocol": ("2", "3"), "ssl_cert_reqs": ("none", "optional", "required")}
+
+
+def _query_problem(query: str) -> str | None:
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        allowed = _QUERY_VALUES.get(name)
+        if allowed is None:
+            return (
+                f"the URL's query may set only {', '.join(_QUERY_VALUES)}, not {name!r}: "
+                "set timeouts, TLS files and the rest in the config's own options"
+            )
+        if value not in allowed:
+            return f"?{name}= must be one of {', '.join(allowed)}"
     return None

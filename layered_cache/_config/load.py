@@ -146,6 +146,13 @@ def _remember_secrets(data: Mapping[str, Any]) -> None:
     if isinstance(kafka_table, dict):
         remember_secret(kafka_table.get("sasl_password"))
         remember_url_secrets(kafka_table.get("bootstrap_servers"))
+    backplane_table = data.get("backplane")
+    if isinstance(backplane_table, dict):
+        remember_url_secrets(backplane_table.get("relay"))
+    purge_table = data.get("purge")
+    urls = purge_table.get("urls") if isinstance(purge_table, dict) else None
+    for url in urls if isinstance(urls, list) else ():
+        remember_url_secrets(url)
 
 
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:

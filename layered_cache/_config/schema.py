@@ -211,8 +211,11 @@ class BackplaneConfig(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         if self.relay and not self.relay.startswith("redis://"):
-            # The relay listens on plain TCP, on the host or pod network (no TLS).
-            raise bad("relay", f"must be a redis:// URL, got {self.relay!r}")
+            # The relay listens on plain TCP, on the host or pod network (no TLS). Its
+            # value is not quoted: a URL may hold a password (masked where it is found).
+            raise bad("relay", "must be a redis:// URL")
+        if self.relay and (problem := url_problem(self.relay)):
+            raise bad("relay", problem)
         if problem := _stream_problem(self.stream):
             raise bad("stream", problem)
         positive(self, "block")  # XREAD BLOCK 0 blocks forever
