@@ -158,6 +158,9 @@ class JsonlReader:
             return Failure(number, "not UTF-8")
         except json.JSONDecodeError as exc:
             return Failure(number, f"not valid JSON: {exc.msg}")
+        except (ValueError, RecursionError) as exc:  # a 5,000-digit int, 100,000-deep nesting
+            # Not a read error of the file: this line is bad, the next ones are read on.
+            return Failure(number, f"not valid JSON: {type(exc).__name__}: {str(exc)[:200]}")
         if not isinstance(record, dict) or "key" not in record or "value" not in record:
             return Failure(number, 'expected {"key": {...}, "value": ...}')
         fields = record["key"]

@@ -381,11 +381,20 @@ def test_warm_reports_bad_lines_by_number_and_warms_the_rest(
         '{"value": 1}',  # no key
         json.dumps({"key": {"id": 5}, "value": "x" * 200}),  # too large for `big`
         json.dumps({"key": {"id": 6}, "value": {"url": "redis://u:s3cretpw@h:1/0"}}),
+        # Python's json refuses these with ValueError/RecursionError, not JSONDecodeError:
+        # the run stopped as on a read error (line 7 never listed, resumed past), or
+        # ended in a traceback.
+        '{"key": {"id": 7}, "value": ' + "9" * 5000 + "}",
+        '{"key": {"id": 8}, "value": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        json.dumps({"key": {"id": 9}, "value": 9}),
     ]
     source.write_text("\n".join(lines) + "\n")
     assert main(["warm", "book", "--from", str(source), "--config", config]) == 1
     captured = capsys.readouterr()
-    assert "warmed 3 of 6 book entries; 3 failed" in captured.out
+    assert "warmed 4 of 9 book entries; 5 failed" in captured.out
+    assert f"{source}:7: not valid JSON" in captured.err
+    assert f"{source}:8: not valid JSON" in captured.err
+    assert admin.exists(f"{prefix}book:9") == 1
     assert f"{source}:2:" in captured.err and "not a safe key value" in captured.err
     assert f"{source}:3: not valid JSON" in captured.err
     assert f"{source}:4: expected" in captured.err and '"key"' in captured.err
