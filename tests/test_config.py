@@ -402,3 +402,22 @@ def test_a_relay_url_is_checked_like_the_redis_url_and_its_password_never_shown(
             parse_config({"backplane": {"relay": relay}}, env={})
         assert "backplane.relay" in str(error.value)
         assert "Hunter2Secret" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kafka", "expected"),
+    [
+        ({"topics": ["a b/c"]}, "not a Kafka topic name"),
+        ({"dead_letter_topic": "x" * 250}, "not a Kafka topic name"),
+        ({"topics": ["events"], "dead_letter_topic": "events"}, "also in topics"),
+        ({"session_timeout": "3650d", "rebalance_timeout": "3650d"}, "Kafka's limit"),
+    ],
+)
+def test_kafka_settings_the_daemon_could_never_use_are_refused_at_load(
+    kafka: dict[str, object], expected: str
+) -> None:
+    """Each passed `config check`; then the daemon retried a bad topic name for ever,
+    failed on a timeout past Kafka's 32-bit milliseconds with a traceback per retry, or
+    read its own dead letters back: one poison event, for ever."""
+    with pytest.raises(ConfigError, match=rf"kafka\.\w+: .*{expected}"):
+        parse_config({"kafka": kafka}, env={})

@@ -345,3 +345,16 @@ async def test_with_redact_keys_no_log_line_or_dlq_reason_carries_a_raw_key_valu
         assert not any(secret in reason for reason in reasons), reasons
     assert redact_key(secrets[0], b"pepper") in reasons[0]
     assert redact_key(secrets[1], b"pepper") in reasons[1]
+
+
+@pytest.mark.parametrize("port", ["70000", "-5"])
+def test_a_health_port_out_of_range_is_a_usage_error(
+    port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """70000 crashed the daemon with OverflowError from bind(); -5 was accepted."""
+    from layered_cache.daemon.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", "unused.toml", "--health-port", port])
+    assert exit_.value.code == 2
+    assert "--health-port" in capsys.readouterr().err

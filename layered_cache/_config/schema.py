@@ -138,7 +138,20 @@ class KafkaConfig(_Section, frozen=True):
                 f"must be shorter than session_timeout ({self.session_timeout:g}s), "
                 "or the group evicts a healthy daemon",
             )
+        for name in ("session_timeout", "heartbeat_interval", "rebalance_timeout"):
+            if getattr(self, name) > _KAFKA_MAX_MS / 1000:  # a 32-bit ms field on the wire
+                raise bad(name, f"must be at most {_KAFKA_MAX_MS // 86_400_000}d (Kafka's limit)")
+        for topic in (*self.topics, self.dead_letter_topic):
+            if not _TOPIC.fullmatch(topic):
+                raise bad("topics", f"{topic!r} is not a Kafka topic name ({_TOPIC_RULE})")
+        if self.dead_letter_topic in self.topics:
+            # The daemon would read its own dead letters back: one poison event, for ever.
+            raise bad("dead_letter_topic", f"{self.dead_letter_topic!r} is also in topics")
 
+
+_KAFKA_MAX_MS = 2**31 - 1
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_TOPIC_RULE = "1-249 of A-Z a-z 0-9 . _ -"
 
 # An invalidation waits at most ``coalesce`` more to reach L1: past this it stops being
 # a burst's batching and becomes staleness.

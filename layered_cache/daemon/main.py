@@ -53,10 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--health-port",
-        type=int,
+        type=_port,
         default=None,
         help="override kafka.health_port (0 = ephemeral, -1 = off)",
     )
+
+
+def _port(text: str) -> int:
+    """``--health-port``: the config's bounds (-1 off, 0 ephemeral, up to 65535)."""
+    port = int(text)
+    if not -1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be -1 (off), 0 (any) or up to 65535, got {port}")
+    return port
 
 
 def setup_logging(config: Config, log_format: str | None) -> None:
