@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -114,14 +115,20 @@ async def _report(client: RedisClient, name: Any) -> dict[str, float]:
     kind = kind.decode() if isinstance(kind, bytes) else str(kind)
     if kind == "hash":
         raw = await client.hgetall(name)
-        return {_text(field): float(rate) for field, rate in raw.items()}
-    data: Any = await client.get(name) if kind == "string" else None
-    if not isinstance(data, bytes):
-        return {}  # expired meanwhile
-    try:
-        return msgspec.msgpack.decode(data, type=dict[str, float])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return {}  # not a report: skipped, the CLI shows the others
+        try:
+            report = {_text(field): float(rate) for field, rate in raw.items()}
+        except (UnicodeDecodeError, ValueError):
+            return {}  # not a report: skipped, the CLI shows the others
+    else:
+        data: Any = await client.get(name) if kind == "string" else None
+        if not isinstance(data, bytes):
+            return {}  # expired meanwhile
+        try:
+            report = msgspec.msgpack.decode(data, type=dict[str, float])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return {}  # not a report: skipped, the CLI shows the others
+    # A rate is finite and not negative (``inf`` would make ``--json`` print invalid JSON).
+    return {field: rate for field, rate in report.items() if 0.0 <= rate < math.inf}
 
 
 def _text(value: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
@@ -131,3 +132,20 @@ async def test_a_bug_in_one_hot_key_report_does_not_end_the_reports(prefix: str)
         finally:
             await reporter.stop()
             await admin.aclose()
+
+
+async def test_a_bad_hot_key_report_is_skipped_and_the_others_are_summed(prefix: str) -> None:
+    """A report with a rate that is not a number, a field that is not UTF-8, or an
+    infinite rate ended `layered-cache hotkeys` with an error (or invalid JSON)."""
+    good = {"book": {f"{prefix}book:42": 250.0}}
+    with RedisServer() as server:
+        admin = redis.Redis.from_url(server.url)
+        reporter = HotKeyReporter(admin, hot_report_name(prefix, "a"), lambda: good)
+        await reporter.report_once()
+        await admin.hset(hot_report_name(prefix, "b"), f"book\t{prefix}book:42", "abc")
+        await admin.hset(hot_report_name(prefix, "c"), b"\xff\xfe", "5")
+        infinite = msgspec.msgpack.encode({f"book\t{prefix}book:42": float("inf")})
+        await admin.set(hot_report_name(prefix, "d"), infinite)
+        fleet = await fleet_hot_keys(admin, prefix)
+        assert fleet == {"book": {f"{prefix}book:42": {"rate": 250.0, "instances": 1}}}
+        await admin.aclose()
