@@ -534,3 +534,25 @@ async def test_odd_reads_get_bounded_answers_and_the_relay_serves_on(
         await through.aclose()
         await relay.close()
         await direct.aclose()
+
+
+@pytest.mark.parametrize(
+    ("argument", "expected"),
+    [
+        (["--status-every", "0"], "--status-every"),
+        (["--status-every", "nan"], "--status-every"),
+        (["--upstream", "http://x"], "--upstream"),
+    ],
+)
+def test_relay_arguments_it_cannot_run_with_exit_2_with_one_line(
+    tmp_path: Path, argument: list[str], expected: str
+) -> None:
+    """--status-every 0 logged its status in a tight loop (26,768 lines in 3 s); an
+    http:// upstream started, then logged a traceback per retry."""
+    path = tmp_path / "app.toml"
+    path.write_text('[redis]\nurl = "redis://127.0.0.1:1/0"\n')
+    command = [sys.executable, "-m", "layered_cache", "relay", "--config", str(path), *argument]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 from typing import TextIO
 
@@ -18,6 +19,7 @@ import msgspec
 import structlog
 
 from layered_cache._config import Config
+from layered_cache._config.checks import url_problem
 from layered_cache._keys import backplane_stream_name
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
@@ -33,6 +35,10 @@ def cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
     host, port = _address(args.listen)
     if args.keep < 1:
         raise CliError(f"--keep must be at least 1, got {args.keep}")
+    if not 0 < args.status_every < math.inf:  # 0 or NaN logged status in a tight loop
+        raise CliError(f"--status-every must be positive seconds, got {args.status_every}")
+    if args.upstream is not None and (problem := url_problem(args.upstream)):
+        raise CliError(f"--upstream: {problem}")
     return asyncio.run(_run(config, host, port, args, out))
 
 
