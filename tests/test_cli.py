@@ -191,6 +191,21 @@ def test_inspect_shows_ttls_replicas_lease_and_envelope(
     assert "delta      0.2500s" in text.stdout
 
 
+def test_inspect_escapes_control_characters_written_into_redis(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    """A lease token with a terminal escape and a newline cleared the operator's screen
+    and printed a forged "L2 present" line."""
+    config = write_config(tmp_path, redis_url, prefix)
+    admin.set("{" + f"{prefix}book:8" + "}:lease", b"tok\x1b[2J\nL2         present", px=60_000)
+    result = run_cli("inspect", "book", "id=8", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "\\x1b" in result.stdout
+    assert [line for line in result.stdout.splitlines() if line.startswith("L2 ")] == [
+        "L2         absent"
+    ]
+
+
 def test_inspect_absent_key_and_undecodable_value(
     tmp_path: Path,
     redis_url: str,

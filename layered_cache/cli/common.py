@@ -33,6 +33,7 @@ __all__ = [
     "parse_fields",
     "policy_of",
     "print_json",
+    "printable",
     "refuse_uncached",
     "relative",
     "run",
@@ -49,6 +50,15 @@ _INT = re.compile(r"-?[1-9][0-9]*|0")
 
 class CliError(Exception):
     """Bad input or an unusable environment: printed without a traceback, exit 2."""
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: control characters escaped (``\x1b`` as ``\\x1b``). What
+    anyone with write access to Redis put in a value, a lease token or a hot-key report
+    must not clear the operator's screen or forge a line of the report."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def format_duration(seconds: float) -> str:

@@ -19,7 +19,7 @@ from layered_cache._config import Config, HotConfig
 from layered_cache._hotreport import fleet_hot_keys
 from layered_cache._keys import replica_names
 from layered_cache._policy import Policy
-from layered_cache.cli.common import load, print_json, run
+from layered_cache.cli.common import load, print_json, printable, run
 from layered_cache.cli.connect import Session, connected
 from layered_cache.cli.reads import KeyReads
 
@@ -122,7 +122,7 @@ def cmd_hotkeys(args: argparse.Namespace, out: TextIO) -> int:
             )
         for hot in info.detected:
             out.write(
-                f"  {hot.key}: detected hot, {hot.rate:g} L2 reads/s "
+                f"  {printable(hot.key)}: detected hot, {hot.rate:g} L2 reads/s "
                 f"(reported by {hot.instances} instance(s))\n"
             )
     out.write(

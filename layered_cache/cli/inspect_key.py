@@ -27,6 +27,7 @@ from layered_cache.cli.common import (
     parse_fields,
     policy_of,
     print_json,
+    printable,
     refuse_uncached,
     relative,
     run,
@@ -174,7 +175,7 @@ def _write_base(base: BaseReport, out: TextIO) -> None:
     out.write(f"L2         present, {base.size} bytes, PTTL {format_ms(base.pttl_ms)}\n")
     env = base.envelope
     if isinstance(env, EnvelopeError):
-        out.write(f"envelope   {env.error}\n")
+        out.write(f"envelope   {printable(env.error)}\n")
     elif env is not None:
         state = "fresh" if env.fresh else "stale (served only by the fail-safe)"
         out.write(f"written_at {env.written_at} ({relative(-env.age_s)})\n")
@@ -206,7 +207,7 @@ def _write_lease(lease: LeaseReport, out: TextIO) -> None:
         out.write(f"lease      {lease.name}: free\n")
     else:
         out.write(
-            f"lease      {lease.name}: held by token {lease.holder} "
+            f"lease      {lease.name}: held by token {printable(lease.holder)} "
             f"(PTTL {format_ms(lease.pttl_ms)})\n"
         )
 
