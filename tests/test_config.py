@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -421,3 +422,16 @@ def test_kafka_settings_the_daemon_could_never_use_are_refused_at_load(
     read its own dead letters back: one poison event, for ever."""
     with pytest.raises(ConfigError, match=rf"kafka\.\w+: .*{expected}"):
         parse_config({"kafka": kafka}, env={})
+
+
+def test_a_config_behind_a_fifo_is_refused_not_waited_for(tmp_path: Path) -> None:
+    fifo = tmp_path / "layered_cache.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(fifo, env={})
+
+
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    path = tmp_path / "layered_cache.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + b'[redis]\nprefix = "shop:"\n')
+    assert load_config(path, env={}).redis.prefix == "shop:"

@@ -158,12 +158,17 @@ def _remember_secrets(data: Mapping[str, Any]) -> None:
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
     """Read and validate a TOML config file; env overrides apply (see ENV_OVERRIDES)."""
     source = str(path)
+    file = Path(path)
     try:
-        text = Path(path).read_bytes()
+        # A FIFO (or a device) is read until its writer closes it: it hung the CLI.
+        if file.exists() and not file.is_file() and not file.is_dir():
+            raise ConfigError(f"{source}: cannot read: not a regular file")
+        text = file.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
     try:
-        raw = tomllib.loads(text.decode("utf-8"))
+        # utf-8-sig: an editor's byte-order mark is no reason to refuse the file.
+        raw = tomllib.loads(text.decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     return parse_config(raw, source=source, env=env)
