@@ -435,3 +435,10 @@ def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
     path = tmp_path / "layered_cache.toml"
     path.write_bytes(b"\xef\xbb\xbf" + b'[redis]\nprefix = "shop:"\n')
     assert load_config(path, env={}).redis.prefix == "shop:"
+
+
+def test_a_bad_value_from_the_environment_names_the_variable() -> None:
+    """``redis.timeout: expected a duration`` sent the reader to a file without it."""
+    env = {"LAYERED_CACHE_REDIS_TIMEOUT": "5x"}
+    with pytest.raises(ConfigError, match=r"redis\.timeout: .*from the environment: LAYERED_CACHE_REDIS_TIMEOUT"):
+        parse_config({}, env=env)

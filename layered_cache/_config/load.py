@@ -19,7 +19,7 @@ import msgspec
 
 from layered_cache._config.checks import FIELD_MARK
 from layered_cache._config.deprecated import old_name_in_error, rename_old_stampede_key
-from layered_cache._config.env import apply_env
+from layered_cache._config.env import ENV_OVERRIDES, apply_env
 from layered_cache._config.errors import ConfigError, ConfigWarning
 from layered_cache._config.schema import (
     BackplaneConfig,
@@ -81,14 +81,28 @@ def parse_config(
     raw: Mapping[str, Any], source: str = "<memory>", env: Mapping[str, str] | None = None
 ) -> Config:
     """Validate an already parsed TOML document (a dict) and return the Config."""
-    data = apply_env(dict(raw), os.environ if env is None else env)
+    environ = os.environ if env is None else env
+    data = apply_env(dict(raw), environ)
     _remember_secrets(data)
     deprecations: list[str] = []
-    config = Config(**_decode_sections(data, source, deprecations))
+    try:
+        config = Config(**_decode_sections(data, source, deprecations))
+    except ConfigError as exc:
+        raise _from_environment(exc, source, environ) from None
     found = deprecations + check_cross_references(config)
     for warning in found:
         _warnings.warn(warning, ConfigWarning, stacklevel=2)
     return msgspec.structs.replace(config, warnings=found) if found else config
+
+
+def _from_environment(exc: ConfigError, source: str, env: Mapping[str, str]) -> ConfigError:
+    """The error, naming the environment variable when the bad value came from one: the
+    file may not even hold the option the message names."""
+    message = str(exc)
+    for var, (section, field) in ENV_OVERRIDES.items():
+        if var in env and message.startswith(f"{source}: {section}.{field}:"):
+            return ConfigError(f"{message} (from the environment: {var})")
+    return exc
 
 
 def _decode_sections(
