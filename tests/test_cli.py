@@ -107,10 +107,14 @@ def test_config_check_prints_effective_policies(
     assert "stampede: lease_ttl=5s reread_pause=[50ms, 150ms] max_wait=3s" in out
     assert "never cached" in out  # stock
 
+    assert "[purge] urls=[]" in out and "  tags: false" in out and "  http: off" in out
+
     assert main(["config", "check", str(config), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["namespaces"]["review"]["hot"] == "off"
     assert data["namespaces"]["book"]["hot"]["replicas"] == 4
+    # every section and option, as the docs promise ("every default filled in")
+    assert data["purge"]["retries"] == 3 and data["namespaces"]["book"]["tags"] is False
 
 
 def test_config_check_bad_file_exits_2_with_the_path_and_no_traceback(tmp_path: Path) -> None:

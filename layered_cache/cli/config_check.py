@@ -57,6 +57,8 @@ class CachedNamespace(msgspec.Struct, frozen=True):
     stampede: Section
     stale: Section
     max_value_bytes: int
+    tags: bool = False
+    http: Section | str = "off"
 
 
 class TargetReport(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -80,6 +82,7 @@ class ConfigReport(msgspec.Struct, frozen=True):
     backplane: Section
     logging: Section
     metrics: Section
+    purge: Section
     namespaces: dict[str, CachedNamespace | UncachedNamespace]
     events: list[RouteReport]
 
@@ -117,6 +120,8 @@ def effective_namespace(ns: NamespaceConfig) -> CachedNamespace | UncachedNamesp
         stampede=_value(ns.stampede),
         stale=_value(ns.stale),
         max_value_bytes=ns.max_value_bytes,
+        tags=ns.tags,
+        http=_layer(ns.http if ns.http is not None else False),
     )
 
 
@@ -129,6 +134,8 @@ def effective_config(config: Config) -> ConfigReport:
     kafka = _value(config.kafka)
     if config.kafka.sasl_password is not None:
         kafka["sasl_password"] = "***"
+    purge = _value(config.purge)
+    purge["urls"] = [redact_url(url) for url in config.purge.urls]
     return ConfigReport(
         source=config.source,
         warnings=list(config.warnings),
@@ -137,6 +144,7 @@ def effective_config(config: Config) -> ConfigReport:
         backplane=_value(config.backplane),
         logging=_value(config.logging),
         metrics=_value(config.metrics),
+        purge=purge,
         namespaces={name: effective_namespace(ns) for name, ns in config.namespaces.items()},
         events=[
             RouteReport(
@@ -177,7 +185,8 @@ def _write_text(report: ConfigReport, config: Config, out: TextIO) -> None:
     for warning in config.warnings:
         write(f"warning: {warning}\n")
     sections = {"redis": report.redis, "kafka": report.kafka, "backplane": report.backplane,
-                "logging": report.logging, "metrics": report.metrics}  # fmt: skip
+                "logging": report.logging, "metrics": report.metrics,
+                "purge": report.purge}  # fmt: skip
     for name, section in sections.items():
         write(f"[{name}] {_inline(section)}\n")
     for name, ns in report.namespaces.items():
@@ -186,10 +195,11 @@ def _write_text(report: ConfigReport, config: Config, out: TextIO) -> None:
             write("  cache = false (never cached: always read live)\n")
             continue
         layers = {"l1": ns.l1, "l2": ns.l2, "hot": ns.hot, "stampede": ns.stampede,
-                  "stale": ns.stale}  # fmt: skip
+                  "stale": ns.stale, "http": ns.http}  # fmt: skip
         for layer, value in layers.items():
             write(f"  {layer}: {_inline(value)}\n")
         write(f"  max_value_bytes: {ns.max_value_bytes}\n")
+        write(f"  tags: {_inline(ns.tags)}\n")
     for route in report.events:
         targets = ", ".join(
             f"tag {t.tag}" if t.tag else f"{t.namespace}({_inline(t.key or {})})"
