@@ -383,6 +383,7 @@ def test_a_backplane_stream_named_like_a_library_owned_name_is_refused_at_load(
         ("?socket_timeout=abc", "may set only"),
         ("?protocol=9", "must be one of 2, 3"),
         ("?ssl_cert_reqs=maybe", "must be one of"),
+        ("?db=abc", "database number"),
     ],
 )
 def test_a_redis_url_query_redis_py_would_choke_on_is_refused_at_load(
@@ -394,7 +395,8 @@ def test_a_redis_url_query_redis_py_would_choke_on_is_refused_at_load(
         parse_config({"redis": {"url": f"redis://127.0.0.1:6379/0{query}"}}, env={})
     with pytest.raises(ConfigError, match=rf"backplane\.relay: .*{expected}"):
         parse_config({"backplane": {"relay": f"redis://127.0.0.1:6390{query}"}}, env={})
-    assert parse_config({"redis": {"url": "redis://h:1/0?protocol=2"}}, env={})
+    for fine in ("redis://h:1/0?protocol=2", "unix:///tmp/redis.sock?db=3&protocol=2"):
+        assert parse_config({"redis": {"url": fine}}, env={}).redis.url == fine
 
 
 def test_a_relay_url_is_checked_like_the_redis_url_and_its_password_never_shown() -> None:

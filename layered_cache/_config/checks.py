@@ -80,17 +80,26 @@ def url_problem(url: str) -> str | None:
 # What a URL's query may set: redis-py's ``from_url`` turns every parameter into a
 # connection keyword, and an unknown one (``?foo=bar``) or a bad value only failed at the
 # first connection, with a traceback; the [redis] section holds the other settings.
-_QUERY_VALUES = {"protocol": ("2", "3"), "ssl_cert_reqs": ("none", "optional", "required")}
+_QUERY_VALUES: dict[str, tuple[str, ...] | None] = {  # None: any value
+    "db": None,  # checked below: a number (how a unix:// URL picks its database)
+    "username": None,
+    "password": None,  # masked like a password in the URL's userinfo (``_redact``)
+    "protocol": ("2", "3"),
+    "ssl_cert_reqs": ("none", "optional", "required"),
+    "ssl_check_hostname": ("true", "false"),
+}
 
 
 def _query_problem(query: str) -> str | None:
     for name, value in parse_qsl(query, keep_blank_values=True):
-        allowed = _QUERY_VALUES.get(name)
-        if allowed is None:
+        if name not in _QUERY_VALUES:
             return (
                 f"the URL's query may set only {', '.join(_QUERY_VALUES)}, not {name!r}: "
                 "set timeouts, TLS files and the rest in the config's own options"
             )
-        if value not in allowed:
+        allowed = _QUERY_VALUES[name]
+        if allowed is not None and value not in allowed:
             return f"?{name}= must be one of {', '.join(allowed)}"
+        if name == "db" and not value.isdigit():
+            return "?db= must be a database number"
     return None
