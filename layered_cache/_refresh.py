@@ -64,7 +64,9 @@ class Refresher:
                 return
             policy.stats.early_refresh += 1
             seq = policy.l1.begin_read() if policy.l1 is not None else None
-            read = Read(key, seq, envelope, request.tags_of)
+            # No stale value: a refresh serves no caller, so its loader failing is a
+            # load_error, not a stale value served (stale_served and its warning).
+            read = Read(key, seq, None, request.tags_of)
             with contextlib.suppress(Exception):
                 await self._miss.load_and_fill(read, token, loader)
         except L2Unavailable:

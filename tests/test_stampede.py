@@ -386,3 +386,26 @@ async def test_readers_of_two_instances_refresh_a_key_once_per_expiry(
         await asyncio.gather(*(reader(cache) for cache in (a, b) for _ in range(10)))
         refreshes = a.stats()["book"]["early_refresh"] + b.stats()["book"]["early_refresh"]
     assert (loader.calls, refreshes) == (2, 1)  # the cold load, one refresh
+
+
+async def test_an_early_refresh_that_fails_is_a_load_error_not_a_stale_value_served(
+    redis_url: str, prefix: str
+) -> None:
+    """No caller got a stale value: a refresh's failure was counted (and logged) as
+    ``stale_served``, which dashboards read as the database being down for users."""
+    book = {
+        "key": "book:{id}",
+        "l1": False,
+        "l2": {"ttl": "3s", "jitter": 0},
+        "stale": {"max_age": "1m"},
+        "stampede": {"early_refresh_beta": 4.0},
+    }
+    config = make_config(redis_url, prefix, {"book": book}, redis={"timeout": "2s"})
+    loader = CountingLoader("v1", delay=0.1)
+    async with LayeredCache.from_config(config, rand=lambda: 1 - 1e-12) as cache:
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "v1"
+        loader.error = RuntimeError("database down")
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "v1"  # a hit, refreshed
+        assert await eventually(lambda: cache.stats()["book"]["load_error"] == 1)
+        await asyncio.sleep(0.3)  # the fail-safe's check (one GET) would have finished
+        assert cache.stats()["book"]["stale_served"] == 0
