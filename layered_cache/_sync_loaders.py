@@ -142,20 +142,7 @@ def _settle(future: asyncio.Future[Any], outcome: Callable[[], None]) -> None:
 
 
 async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on a new daemon thread (a nested load: see ``_async_loader``)."""
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():
-            outcome()
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # handed to the awaiting task, not lost in the thread
-            loop.call_soon_threadsafe(settle, functools.partial(future.set_exception, exc))
-        else:
-            loop.call_soon_threadsafe(settle, functools.partial(future.set_result, result))
-
-    threading.Thread(target=run, name="layered-cache-nested-loader", daemon=True).start()
-    return await future
+    """Run ``fn`` on a new daemon thread (a nested load: see the module doc)."""
+    job = _Job(fn, loop)
+    threading.Thread(target=job.run, name="layered-cache-nested-loader", daemon=True).start()
+    return await job.done
