@@ -34,7 +34,7 @@ from layered_cache._purges import Purger, PurgeStats, purges_for
 from layered_cache._redisclock import redis_clock
 from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import LeaseWaiter
-from layered_cache._tags import TagVersions
+from layered_cache._tags import TagVersions, version_ttl
 from layered_cache._wiring import CacheParts, build_parts
 
 __all__ = ["LayeredCache", "RedisStatus"]
@@ -79,7 +79,7 @@ class LayeredCache(HitPath):
             invalidator=Invalidator(parts.store, parts.publisher),
             clock=self._clock.now,
             rand=rand,
-            versions=TagVersions(parts.store, config.redis.prefix),
+            versions=TagVersions(parts.store, config.redis.prefix, version_ttl(config)),
             prefix=config.redis.prefix,
             admission=asyncio.Semaphore(config.redis.max_connections),
             purges=purges_for(config, purger),  # HTTP caches: docs/http.md

@@ -24,20 +24,40 @@ Design (chosen over a set of member keys per tag; docs/tags.md has the measureme
 
 A missing token key (evicted under memory pressure, deleted by hand) is recreated with a
 new random token: every entry of that tag goes dead, never back to life.
+
+**Token keys expire** (``version_ttl``): one key per tag ever used would otherwise stay
+for ever, and with tags of unbounded kinds (a search query, a user) fill Redis; under a
+``volatile-*`` policy nothing could evict them. A key lives ``version_ttl`` after its
+last fetch or invalidation: at least a day, and twice the longest life of an entry of a
+tagged namespace (L2 TTL + jitter + stale window), so a token outlives every entry that
+carries it. An instance trusts a token it holds for a quarter of that, then fetches it
+again (which extends the key's life): an instance still holding a token Redis no longer
+has (expired or evicted, with no invalidation to announce it) would take every entry
+written since for dead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceConfig
 from layered_cache._keys import loading_set_name, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._memory_policy import refused_for_memory
 
-__all__ = ["Loading", "TagVersions", "TagsOf", "invalidate_tags", "tag_names", "take_loading"]
+__all__ = [
+    "Loading",
+    "TagVersions",
+    "TagsOf",
+    "invalidate_tags",
+    "tag_names",
+    "take_loading",
+    "version_ttl",
+]
 
 # A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
 TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
@@ -60,6 +80,39 @@ return members
 
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
 
+VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after its last use
+
+# Fetch a tag's token, creating one if the tag has none, and extend the key's life to at
+# least ARGV[2] ms (never shorten it: another instance's entries may live longer; a key
+# from before tokens expired, with no TTL, gets one).
+FETCH_SCRIPT = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('GET', KEYS[1])
+"""
+
+
+def version_ttl(config: Config) -> float:
+    """How long a tag's token key lives after its last fetch or invalidation (seconds):
+    a day, or twice the longest life of an entry of a tagged namespace if longer (the
+    module doc says why twice). Entries that ``expiry_of`` gives a longer life than the
+    namespace's TTL may outlive their token: they are then reloaded, never served stale."""
+    lives = [_entry_life(ns) for ns in config.namespaces.values() if ns.tags]
+    return max(VERSION_TTL_FLOOR, 2 * max(lives, default=0.0))
+
+
+def _entry_life(ns: NamespaceConfig) -> float:
+    """The longest an entry of ``ns`` lives: in Redis, or in L1 when it has no L2."""
+    if ns.l2 is not False:
+        l2 = ns.l2 if isinstance(ns.l2, L2Config) else L2Config()
+        return l2.ttl * (1 + l2.jitter) + ns.stale.max_age
+    if ns.l1 is not False:
+        l1 = ns.l1 if isinstance(ns.l1, L1Config) else L1Config()
+        return l1.ttl * (1 + l1.jitter)
+    return 0.0
+
 
 def new_version() -> str:
     return os.urandom(8).hex()
@@ -75,9 +128,19 @@ class TagVersions:
     the tag fetches the version Redis holds now (one round trip). A fetch whose reply
     raced an invalidation of its tag is not remembered: it may predate it."""
 
-    def __init__(self, store: L2Store, prefix: str) -> None:
+    def __init__(
+        self,
+        store: L2Store,
+        prefix: str,
+        ttl: float = VERSION_TTL_FLOOR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         self._prefix = prefix
+        self._ttl_ms = int(ttl * 1000)
+        self._trust = ttl / 4  # the module doc says why a quarter
+        self._clock = clock
+        self._trusted_until = clock() + self._trust
         self._versions: dict[str, str] = {}
         self._generation = 0  # bumped by every forget
         self._forgotten: dict[str, int] = {}  # tag -> generation of its last forget
@@ -99,8 +162,9 @@ class TagVersions:
         """True: every version is current; False: one is outdated (the entry is dead);
         None: a tag this instance hasn't seen yet (``fetch`` it to decide)."""
         unknown = False
+        versions = self._trusted()
         for tag, version in tags.items():
-            current = self._versions.get(tag)
+            current = versions.get(tag)
             if current is None:
                 unknown = True
             elif current != version:
@@ -111,7 +175,8 @@ class TagVersions:
         """The current version of each tag, fetching (or creating) unknown ones in one
         round trip. Raises ``L2Unavailable``."""
         wanted = [validate_tag(tag) for tag in dict.fromkeys(tags)]
-        found = {tag: self._versions[tag] for tag in wanted if tag in self._versions}
+        versions = self._trusted()
+        found = {tag: versions[tag] for tag in wanted if tag in versions}
         missing = [tag for tag in wanted if tag not in found]
         if missing:
             found.update(await self._fetch(missing))
@@ -133,17 +198,26 @@ class TagVersions:
         current = await self.current({tag for tags in entries for tag in tags})
         return [all(current[tag] == version for tag, version in tags.items()) for tags in entries]
 
+    def _trusted(self) -> dict[str, str]:
+        """The tokens held, forgotten every ``ttl / 4``: a token is trusted no longer
+        after its fetch, so Redis still holds it (the fetch extended the key's life)
+        for as long as any entry written with it lives."""
+        if self._clock() >= self._trusted_until:
+            self._versions.clear()
+            self._trusted_until = self._clock() + self._trust
+        return self._versions
+
     async def _fetch(self, tags: list[str]) -> dict[str, str]:
         generation = self._generation
         pipe = self._store.client.pipeline(transaction=False)
         for tag in tags:
+            # A tag never invalidated gets a token now; the key's life is extended.
             name = tag_version_name(self._prefix, tag)
-            pipe.set(name, new_version(), nx=True)  # a tag never invalidated gets one now
-            pipe.get(name)
+            pipe.eval(FETCH_SCRIPT, 1, name, new_version(), self._ttl_ms)
         results = await self._store.guard(pipe.execute())
         fetched = {
             tag: version.decode() if isinstance(version, bytes) else str(version)
-            for tag, version in zip(tags, results[1::2], strict=True)
+            for tag, version in zip(tags, results, strict=True)
             if version is not None
         }
         if len(self._versions) + len(fetched) > _LIMIT:
@@ -174,25 +248,29 @@ class TagVersions:
 
     def unknown(self, tags: Iterable[str]) -> set[str]:
         """The tags among ``tags`` this instance holds no version of."""
-        return {tag for tag in tags if tag not in self._versions}
+        versions = self._trusted()
+        return {tag for tag in tags if tag not in versions}
 
     async def invalidate(self, tag: str) -> str:
         """Write a new version for ``tag`` and revoke every tagged load in flight.
         Returns the new version (the caller announces it on the backplane)."""
-        versions = await invalidate_tags(self._store, self._prefix, [tag])
+        versions = await invalidate_tags(self._store, self._prefix, [tag], self._ttl_ms / 1000)
         self.apply(versions)
         return versions[tag]
 
 
-async def invalidate_tags(store: L2Store, prefix: str, tags: list[str]) -> dict[str, str]:
+async def invalidate_tags(
+    store: L2Store, prefix: str, tags: list[str], ttl: float = VERSION_TTL_FLOOR
+) -> dict[str, str]:
     """``TagVersions.invalidate`` for many tags at once (the daemon's batches): new
-    versions in one pipelined round trip, then the loading set once."""
+    versions in one pipelined round trip, then the loading set once. Each key lives
+    ``ttl`` seconds (``version_ttl``) unless an instance fetches it again."""
     versions = {validate_tag(tag): new_version() for tag in tags}
     if not versions:
         return versions
     pipe = store.client.pipeline(transaction=False)
     for tag, version in versions.items():
-        pipe.set(tag_version_name(prefix, tag), version)
+        pipe.set(tag_version_name(prefix, tag), version, px=int(ttl * 1000))
     try:
         await store.guard(pipe.execute())
     except L2Unavailable as exc:

@@ -19,7 +19,7 @@ from layered_cache._invalidation import Invalidator, check_replica_counts, repli
 from layered_cache._keys import backplane_stream_name
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._memory_policy import log_memory_policies
-from layered_cache._tags import invalidate_tags
+from layered_cache._tags import invalidate_tags, version_ttl
 from layered_cache.daemon.stats import DaemonStats
 
 __all__ = ["DELETE_FAILURES", "Deleter"]
@@ -42,6 +42,7 @@ class Deleter:
             with_timeout(redis, max(redis.timeout, _MIN_REDIS_TIMEOUT))
         )
         self._config = config
+        self._version_ttl = version_ttl(config)  # tag token keys' life (``_tags``)
         breaker = CircuitBreaker(redis.breaker.failures, redis.breaker.reset)
         publisher = None
         if config.backplane.enabled:
@@ -79,7 +80,10 @@ class Deleter:
         unique = list(dict.fromkeys(tags))
         for start in range(0, len(unique), _CHUNK):
             versions = await invalidate_tags(
-                self._store, self._config.redis.prefix, unique[start : start + _CHUNK]
+                self._store,
+                self._config.redis.prefix,
+                unique[start : start + _CHUNK],
+                self._version_ttl,
             )
             if await invalidator.announce_tags(versions):
                 stats.backplane_fallbacks += 1
