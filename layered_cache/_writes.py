@@ -78,7 +78,10 @@ class Writes:
     ) -> None:
         policy, fills = self._policy, self._fills
         versions = await fills.versions.current(tags) if tags is not None else None
-        keyed = [(policy.template.build(fields), value) for fields, value in items]
+        # A key given twice keeps its last value, as set() calls in that order would:
+        # the last one also decides whether the key is written or dropped.
+        last = {policy.template.build(fields): value for fields, value in items}
+        keyed = list(last.items())
         if not policy.cache or not keyed:
             return
         policy.stats.set += len(keyed)

@@ -575,6 +575,25 @@ def _l1_missing(cache: LayeredCache, key: str) -> bool:
     return l1 is not None and l1.get(key) is MISSING
 
 
+async def test_set_many_with_a_key_twice_keeps_its_last_value_even_one_that_cannot_be_stored(
+    redis_url: str, prefix: str
+) -> None:
+    """As a sequence of set() calls would: the last value of a key wins. When it can't
+    be stored, the key goes; the earlier value in the same call used to be kept."""
+    book = {"key": "book:{id}", "max_value_bytes": 200}
+    config = make_config(redis_url, prefix, {"book": book})
+    async with (
+        LayeredCache.from_config(config) as writer,
+        LayeredCache.from_config(config) as reader,
+    ):
+        await writer.set_many("book", [({"id": 1}, "first"), ({"id": 1}, "x" * 1000)])
+        await writer.set_many("book", [({"id": 2}, "first"), ({"id": 2}, "last")])
+        assert await writer.get("book", {"id": 1}) is None
+        assert await writer.get("book", {"id": 2}) == "last"
+        assert await reader.get("book", {"id": 1}) is None
+        assert await reader.get("book", {"id": 2}) == "last"
+
+
 async def test_set_of_a_value_that_cannot_be_stored_drops_the_old_one_everywhere(
     redis_url: str, prefix: str
 ) -> None:
