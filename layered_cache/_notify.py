@@ -79,6 +79,9 @@ class FillNotifier:
         self._sharded = sharded
         self._pubsub = client.pubsub()
         self._waiters: dict[str, list[_Subscription]] = {}
+        # Channels whose subscription went with a replaced connection (``_reset``) while
+        # waiters stayed: the next waiter on one subscribes again, for them all.
+        self._lost: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -119,9 +122,10 @@ class FillNotifier:
         async with self._lock:
             waiters = self._waiters.setdefault(sub.channel, [])
             waiters.append(sub)
-            if len(waiters) > 1:
+            if len(waiters) > 1 and sub.channel not in self._lost:
                 sub.confirmed.set()
                 return
+            self._lost.discard(sub.channel)
             try:
                 if self._sharded:
                     await self._pubsub.ssubscribe(sub.channel)
@@ -146,6 +150,7 @@ class FillNotifier:
         if waiters:
             return False
         del self._waiters[sub.channel]
+        self._lost.discard(sub.channel)
         return True
 
     async def _remove(self, sub: _Subscription) -> None:
@@ -168,7 +173,16 @@ class FillNotifier:
 
     async def _reset(self) -> None:
         """Replace the pub/sub connection. Other waiters' subscriptions are lost with it;
-        they fall back to their jittered re-reads (a lost message costs no more)."""
+        they fall back to their jittered re-reads (a lost message costs no more), and the
+        next waiter on one of their channels subscribes again instead of counting as
+        subscribed (it would have been woken by nothing but its re-reads too)."""
+        self._lost.update(self._waiters)
+        # The reader goes too: left running, it would read the new connection while the
+        # next SUBSCRIBE on it reads its own reply (redis-py: "readuntil() called while
+        # another coroutine is already waiting"). ``_add`` starts one after subscribing.
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
         old, self._pubsub = self._pubsub, self._client.pubsub()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(old.aclose(), 0.1)  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as redis
 
 from layered_cache import Config, LayeredCache
 from layered_cache._l2 import NOTIFY_INLINE_MAX
@@ -230,6 +231,45 @@ async def test_a_waiter_cancelled_while_subscribing_leaves_no_subscription(
         reader = notifier._reader
         assert reader is not None
         assert await eventually(reader.done, timeout=5)
+
+
+async def test_a_waiter_on_a_channel_whose_subscription_a_reset_dropped_subscribes_again(
+    redis_url: str, prefix: str
+) -> None:
+    # A waiter cancelled mid-SUBSCRIBE replaces the pub/sub connection, and every other
+    # channel's subscription goes with it. Their waiters stayed registered, so a later
+    # waiter on one of those channels (a batch and a single read of one key) counted
+    # as subscribed without subscribing: no fill woke it, nor the earlier one.
+    notifier = FillNotifier(redis.Redis.from_url(redis_url))
+    admin = redis.Redis.from_url(redis_url)
+    channel = f"{prefix}book:1:filled"
+    try:
+        async with notifier.subscribe(channel, 2.0) as first:
+            subscribing = asyncio.Event()
+            subscribe = notifier._pubsub.subscribe
+
+            async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
+                subscribing.set()
+                await asyncio.sleep(0.05)  # the SUBSCRIBE's reply is slow
+                return await subscribe(*args, **kwargs)
+
+            notifier._pubsub.subscribe = slow_subscribe  # type: ignore[method-assign]
+
+            async def other_channel() -> None:
+                async with notifier.subscribe(f"{prefix}book:2:filled", 2.0):
+                    await asyncio.sleep(10)
+
+            cut = asyncio.create_task(other_channel())
+            await asyncio.wait_for(subscribing.wait(), 10)
+            cut.cancel()  # mid-SUBSCRIBE: the connection is replaced
+            await asyncio.gather(cut, return_exceptions=True)
+            async with notifier.subscribe(channel, 2.0) as later:
+                await admin.publish(channel, b"envelope")
+                assert await later.wait(5) == b"envelope"
+                assert await first.wait(5) == b"envelope"
+    finally:
+        await notifier.close()
+        await admin.aclose()
 
 
 async def test_a_waiter_cancelled_as_its_subscribe_completes_stops(
