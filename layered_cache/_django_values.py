@@ -25,7 +25,7 @@ import msgspec
 from django.http import HttpResponse
 from django.utils.safestring import SafeString
 
-__all__ = ["Entry", "UncacheableValue", "dumps", "loads"]
+__all__ = ["Entry", "UncacheableValue", "UndecodableValue", "dumps", "loads"]
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -38,6 +38,11 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
 class UncacheableValue(TypeError, pickle.PickleError):
     """A value this backend can't store faithfully. Also a ``pickle.PickleError``: code
     written for Django's pickling backends catches that around ``cache.set``."""
+
+
+class UndecodableValue(ValueError):
+    """A payload this backend can't read back: planted in Redis, cut, or written by a
+    version with more types. The backend reads it as a miss (``django._value``)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -162,5 +167,14 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
+# What a payload that is not ours can make the decoders raise: msgspec's error, and the
+# constructors' (a bad ISO date, UUID length, Decimal, zone name, response shape).
+_BAD_PAYLOAD = (msgspec.DecodeError, ValueError, TypeError, KeyError, ArithmeticError)
+
+
 def loads(payload: bytes) -> Any:
-    return _decoder.decode(payload)
+    """The value of ``payload``; raises ``UndecodableValue`` for one it can't read."""
+    try:
+        return _decoder.decode(payload)
+    except _BAD_PAYLOAD as exc:
+        raise UndecodableValue(f"{type(exc).__name__}: {exc}"[:200]) from exc

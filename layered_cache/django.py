@@ -24,6 +24,8 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import structlog
+
 try:
     from asgiref.sync import sync_to_async
     from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
@@ -37,11 +39,20 @@ from layered_cache._django_keys import field_value
 from layered_cache._django_locked import alive as _alive
 from layered_cache._django_locked import locked
 from layered_cache._django_setup import clear_namespace, shared, write
-from layered_cache._django_values import Entry, UncacheableValue, dumps, loads
+from layered_cache._django_values import (
+    Entry,
+    UncacheableValue,
+    UndecodableValue,
+    dumps,
+    loads,
+)
 from layered_cache._keys import parse_template
 from layered_cache.sync import SyncLayeredCache
 
 __all__ = ["LayeredCacheBackend", "UncacheableValue"]
+
+_log = structlog.get_logger("layered_cache.django")
+_UNDECODABLE = object()  # ``_value``'s answer for a payload it can't read
 
 Fields = dict[str, str]
 
@@ -114,9 +125,25 @@ class LayeredCacheBackend(BaseCache):
 
     # -- the django.core.cache API -----------------------------------------------------
 
+    def _value(self, entry: Entry) -> Any:
+        """``entry``'s value, or ``_UNDECODABLE`` for a payload this backend can't read
+        (planted in Redis, or written by a version with more types): counted as the
+        namespace's ``decode_error``, logged, and read as a miss, which the next set
+        repairs. Raising instead failed every request reading the key until it expired,
+        ``get_or_set`` included."""
+        try:
+            return loads(entry.payload)
+        except UndecodableValue as exc:
+            sync_cache, namespace = self._parts()
+            cache = sync_cache._cache or sync_cache.cache
+            cache.namespace(namespace).policy.stats.decode_error += 1
+            _log.warning("django_value_undecodable", namespace=namespace, error=str(exc))
+            return _UNDECODABLE
+
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
         entry = self._entry(self._fields(key, version))
-        return default if entry is None else loads(entry.payload)
+        value = _UNDECODABLE if entry is None else self._value(entry)
+        return default if value is _UNDECODABLE else value
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -181,7 +208,11 @@ class LayeredCacheBackend(BaseCache):
             async def step(current: Entry | None) -> Any:
                 if current is None:
                     raise ValueError(f"Key '{key}' not found")
-                value = loads(current.payload) + delta
+                try:
+                    value = loads(current.payload) + delta
+                except UndecodableValue as exc:
+                    unreadable = f"Key '{key}' holds a value that can't be read: {exc}"
+                    raise ValueError(unreadable) from exc
                 await write(cache, namespace, fields, Entry(dumps(value), current.expires_at))
                 return value
 
@@ -198,11 +229,12 @@ class LayeredCacheBackend(BaseCache):
 
         entries = self._call(get_all, "get_many")
         now = self._now()
-        return {
-            key: loads(entry.payload)
+        values = {
+            key: self._value(entry)
             for (key, _), entry in zip(wanted, entries, strict=True)
             if _alive(entry, now)
         }
+        return {key: value for key, value in values.items() if value is not _UNDECODABLE}
 
     def set_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -253,10 +285,14 @@ class LayeredCacheBackend(BaseCache):
             return entry
 
         entry: Entry = sync_cache.get_or_load(namespace, fields, load)
-        if not _alive(entry, self._now()):  # a copy past its own timeout: drop it, load once more
+        value = self._value(entry) if _alive(entry, self._now()) else _UNDECODABLE
+        if value is _UNDECODABLE:  # past its own timeout, or unreadable: drop it, load again
             sync_cache.invalidate(namespace, fields)
             entry = sync_cache.get_or_load(namespace, fields, load)
-        return loads(entry.payload)
+            value = self._value(entry)
+        if value is _UNDECODABLE:  # unreadable again (planted meanwhile): ours, unstored
+            return loads((loaded or [load()])[-1].payload)
+        return value
 
     async def aget_or_set(
         self,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
 
@@ -205,6 +206,37 @@ def test_values_come_back_as_the_type_they_went_in_as(redis_url: str, prefix: st
         assert got == value
         assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in value.items()}
         assert isinstance(got["fragment"], SafeString)
+
+
+def _plant_unreadable_payload(client: redis.Redis, prefix: str, key: str) -> None:
+    """Replace the payload inside the stored entry with one this backend can't read
+    (an extension type it doesn't know), leaving the envelope itself valid."""
+    name = f"{prefix}django:/1/{key}"  # Django's key function, ``_django_keys``
+    envelope = msgspec.msgpack.decode(client.get(name))
+    envelope[1][0] = msgspec.msgpack.encode(msgspec.msgpack.Ext(99, b"planted"))
+    client.set(name, msgspec.msgpack.encode(envelope))
+
+
+def test_an_unreadable_payload_in_redis_is_a_miss_that_the_next_set_repairs(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    """Every read of such a key raised msgspec.DecodeError: a 500 on each request until
+    the key expired, and get_or_set could not repair it either."""
+    writer = backend(redis_url, prefix)
+    for key in ("a", "b", "c", "n"):
+        writer.set(key, 1)
+        _plant_unreadable_payload(redis_client, prefix, key)
+    reader = backend(redis_url, prefix, timeout=19.0)  # no L1 copy: reads Redis
+    assert reader.get("a", "default") == "default"
+    assert reader.get_many(["a", "b"]) == {}
+    assert reader.get_or_set("c", "fresh") == "fresh"
+    assert reader.get("c") == "fresh"
+    with pytest.raises(ValueError, match="can't be read"):
+        reader.incr("n")
+    reader.set("a", "repaired")
+    assert reader.get("a") == "repaired"
+    stats = reader._parts()[0].stats()["django"]
+    assert stats["decode_error"] >= 4
 
 
 def test_a_cached_response_comes_back_with_status_headers_cookies_and_content(
