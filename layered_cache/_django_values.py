@@ -6,7 +6,11 @@ unpickles (a poisoned Redis must not be able to run code). Values are msgpack
 value comes back as the type it went in as: ``tuple`` stays a tuple, ``Decimal`` a
 Decimal, a naive ``datetime`` naive. Exact types only: a subclass (an ``IntEnum``, an
 ``OrderedDict``, a model instance) would come back as something else, so it is refused
-with ``UncacheableValue`` rather than silently changed. Two Django types are carried
+with ``UncacheableValue`` rather than silently changed. An aware ``datetime`` keeps its
+zone: a ``zoneinfo.ZoneInfo`` by its key (an ISO offset alone would bring back a fixed
+offset, and arithmetic across a DST change would drift by an hour), a fixed
+``datetime.timezone`` by its offset; other ``tzinfo`` classes (pytz, dateutil) are
+refused. Two Django types are carried
 because Django caches them itself: ``SafeString`` (template fragments) and
 ``HttpResponse`` (``cache_page``; any non-streaming response comes back as an
 ``HttpResponse`` with the same status, headers, cookies and content).
@@ -18,6 +22,7 @@ import datetime
 import decimal
 import pickle
 import uuid
+import zoneinfo
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +56,7 @@ _TUPLE, _SET, _FROZENSET, _DECIMAL, _UUID, _DATETIME = 1, 2, 3, 4, 5, 6
 _DATE, _TIME, _TIMEDELTA, _SAFESTRING, _RESPONSE, _BYTEARRAY = 7, 8, 9, 10, 11, 12
 _PAIRS = 13  # a dict with a key msgpack can't hold as a map key (a tuple, a Decimal, ...)
 _BIGINT = 14  # an int beyond msgpack's 64 bits, as its decimal digits
+_ZONED = 15  # a datetime in a ZoneInfo zone: [naive ISO, the zone's key, fold]
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
@@ -74,15 +80,57 @@ def _response(response: HttpResponse) -> bytes:
     )
 
 
+def _fixed(zone: datetime.tzinfo | None) -> bool:
+    """No zone, or a ``datetime.timezone`` that its ISO offset rebuilds as it was (the
+    offset alone: a name of its own, ``timezone(offset, "CET")``, would be lost)."""
+    if zone is None:
+        return True
+    if type(zone) is not datetime.timezone:
+        return False
+    return zone.tzname(None) == datetime.timezone(zone.utcoffset(None)).tzname(None)
+
+
+def _zone_refused(zone: datetime.tzinfo) -> UncacheableValue:
+    kind = type(zone)
+    return UncacheableValue(
+        f"can't cache a time in a {kind.__module__}.{kind.__qualname__} zone: it would come "
+        "back as a fixed offset; use zoneinfo.ZoneInfo or datetime.timezone "
+        "(docs/django.md#values)"
+    )
+
+
+def _datetime(value: datetime.datetime) -> msgspec.msgpack.Ext:
+    zone = value.tzinfo
+    if _fixed(zone):
+        return msgspec.msgpack.Ext(_DATETIME, value.isoformat().encode())
+    if type(zone) is zoneinfo.ZoneInfo and zone.key is not None:
+        naive = value.replace(tzinfo=None).isoformat()
+        return msgspec.msgpack.Ext(_ZONED, _encoder.encode([naive, zone.key, value.fold]))
+    assert zone is not None
+    raise _zone_refused(zone)
+
+
+def _time(value: datetime.time) -> bytes:
+    if not _fixed(value.tzinfo):  # a ZoneInfo time has no offset: it would come back naive
+        assert value.tzinfo is not None
+        raise _zone_refused(value.tzinfo)
+    return value.isoformat().encode()
+
+
+def _zoned(data: memoryview) -> datetime.datetime:
+    naive, key, fold = _decoder.decode(data)
+    moment = datetime.datetime.fromisoformat(naive)
+    return moment.replace(tzinfo=zoneinfo.ZoneInfo(key), fold=fold)
+
+
 _TO_EXT: dict[type, tuple[int, Callable[[Any], bytes]]] = {
     tuple: (_TUPLE, _items),
     set: (_SET, _items),
     frozenset: (_FROZENSET, _items),
     decimal.Decimal: (_DECIMAL, lambda v: str(v).encode()),
     uuid.UUID: (_UUID, lambda v: v.bytes),
-    datetime.datetime: (_DATETIME, lambda v: v.isoformat().encode()),
     datetime.date: (_DATE, lambda v: v.isoformat().encode()),
-    datetime.time: (_TIME, lambda v: v.isoformat().encode()),
+    datetime.time: (_TIME, _time),
     datetime.timedelta: (
         _TIMEDELTA,
         lambda v: _encoder.encode([v.days, v.seconds, v.microseconds]),
@@ -101,6 +149,8 @@ def _wire(value: Any) -> Any:
         return value
     if kind is list:
         return [_wire(item) for item in value]
+    if kind is datetime.datetime:
+        return _datetime(value)
     if kind is dict:
         if all(type(key) in _PLAIN for key in value):
             return {key: _wire(item) for key, item in value.items()}
@@ -154,6 +204,7 @@ _FROM_EXT: dict[int, Callable[[memoryview], Any]] = {
     _BYTEARRAY: lambda data: bytearray(data),
     _PAIRS: lambda data: dict(_decoder.decode(data)),
     _BIGINT: lambda data: int(bytes(data)),
+    _ZONED: _zoned,
 }
 
 

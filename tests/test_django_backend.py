@@ -11,6 +11,7 @@ import pickle
 import threading
 import time
 import uuid
+import zoneinfo
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,48 @@ def test_values_come_back_as_the_type_they_went_in_as(redis_url: str, prefix: st
         assert got == value
         assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in value.items()}
         assert isinstance(got["fragment"], SafeString)
+
+
+def test_an_aware_datetime_comes_back_in_its_zone_not_a_fixed_offset(
+    redis_url: str, prefix: str
+) -> None:
+    """Its ISO string alone brought a ZoneInfo datetime back with a fixed offset: a day
+    later across a DST change was then an hour off."""
+    paris = zoneinfo.ZoneInfo("Europe/Paris")
+    value = {
+        "before_dst_ends": datetime.datetime(2026, 10, 24, 12, 0, tzinfo=paris),
+        "second_0230": datetime.datetime(2026, 10, 25, 2, 30, tzinfo=paris, fold=1),
+        "utc": datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC),
+        "offset": datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=5))),
+        "time": datetime.time(10, 0, tzinfo=datetime.UTC),
+    }
+    cache, other = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    cache.set("when", value)
+    day = datetime.timedelta(days=1)
+    for reader in (cache, other):  # from L1 and from L2
+        got = reader.get("when")
+        assert got == value
+        assert got["before_dst_ends"].tzinfo is paris
+        assert got["before_dst_ends"] + day == value["before_dst_ends"] + day
+        assert got["second_0230"].fold == 1
+        assert got["second_0230"].utcoffset() == datetime.timedelta(hours=1)
+        assert got["utc"].tzinfo is datetime.UTC
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=1), "CET")),
+        datetime.time(10, 0, tzinfo=zoneinfo.ZoneInfo("Europe/Paris")),
+    ],
+)
+def test_a_time_whose_zone_would_come_back_otherwise_is_refused(
+    redis_url: str, prefix: str, value: Any
+) -> None:
+    cache = backend(redis_url, prefix)
+    with pytest.raises(UncacheableValue, match="fixed offset"):
+        cache.set("when", value)
+    assert cache.get("when") is None
 
 
 def _plant_unreadable_payload(client: redis.Redis, prefix: str, key: str) -> None:
