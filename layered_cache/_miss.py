@@ -34,7 +34,7 @@ from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import new_token
 from layered_cache._tags import TagsOf, tag_names
 
-__all__ = ["MissPath", "Read", "TagsOf"]
+__all__ = ["LoaderCancelledError", "MissPath", "Read", "TagsOf"]
 
 Loader = Callable[[], Awaitable[Any]]
 
@@ -297,16 +297,33 @@ def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+class LoaderCancelledError(RuntimeError):
+    """The loader raised ``CancelledError`` while nobody had cancelled the load (it
+    awaited a task that someone else cancelled, or raised it itself). Passed on as it
+    was, it read as the caller's own cancellation: no stale value served, no load error
+    counted, and the calling task ending as if cancelled. It is a load error instead."""
+
+
 async def call_loader(policy: Policy, hooks: Hooks, loader: Loader) -> Any:
     """Call the loader through the instrumentation hooks, counting loads and failures."""
     policy.stats.load += 1
     started = time.perf_counter()
     ok = False
+    task = asyncio.current_task()
+    cancels = task.cancelling() if task is not None else 0
     try:
-        if hooks.load_wrapper is not None:
-            value = await hooks.load_wrapper(policy.name, loader)
-        else:
-            value = await awaited(policy.name, loader)
+        try:
+            if hooks.load_wrapper is not None:
+                value = await hooks.load_wrapper(policy.name, loader)
+            else:
+                value = await awaited(policy.name, loader)
+        except asyncio.CancelledError as exc:
+            if task is None or task.cancelling() > cancels:
+                raise  # our load was cancelled: the caller's cancellation, passed on
+            raise LoaderCancelledError(
+                f"namespace {policy.name!r}: the loader raised CancelledError without "
+                "being cancelled"
+            ) from exc
         ok = True
         return value
     except Exception:

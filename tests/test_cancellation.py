@@ -78,3 +78,62 @@ async def test_32_tasks_looping_on_an_operation_all_stop_when_cancelled(
             assert not pending, f"{len(pending)} of 32 {name} tasks ignored cancel()"
             errors = [t.exception() for t in done if not t.cancelled()]
             assert errors == [], f"tasks ended with errors instead of cancelled: {errors[:3]}"
+
+
+# -- a loader that raises CancelledError itself ------------------------------------------
+
+
+async def _cancelled_elsewhere() -> Any:
+    """What a loader meets when it awaits a task someone else cancelled."""
+    other = asyncio.create_task(asyncio.sleep(10))
+    other.cancel()
+    return await other
+
+
+async def test_a_loader_raising_cancelled_error_is_a_load_error_not_the_callers_cancel(
+    redis_url: str, prefix: str
+) -> None:
+    """The loader's CancelledError went up as if the caller had been cancelled: the
+    caller's task ended cancelled, no load error was counted, and (below) the stale
+    value the fail-safe keeps for a failing loader was not served."""
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        caller = asyncio.create_task(cache.get_or_load("book", {"id": 1}, _cancelled_elsewhere))
+        with pytest.raises(RuntimeError, match="raised CancelledError without being cancelled"):
+            await caller
+        assert not caller.cancelled()
+        stats = cache.stats()["book"]
+        assert stats["load_error"] == 1
+        # The lease went back: the next caller loads at once, not after max_wait.
+        assert await asyncio.wait_for(cache.get_or_load("book", {"id": 1}, _value(7)), 2) == 7
+
+
+async def test_a_loader_raising_cancelled_error_falls_back_to_the_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    book = {"key": "book:{id}", "l1": False, "l2": {"ttl": "200ms"}, "stale": {"max_age": "60s"}}
+    config = make_config(redis_url, prefix, {"book": book})
+    async with LayeredCache.from_config(config) as cache:
+        assert await cache.get_or_load("book", {"id": 1}, _value("old")) == "old"
+        await asyncio.sleep(0.5)  # past its soft expiry, within the stale window
+        assert await cache.get_or_load("book", {"id": 1}, _cancelled_elsewhere) == "old"
+        assert cache.stats()["book"]["stale_served"] == 1
+
+
+async def test_a_batch_loader_raising_cancelled_error_is_a_load_error(
+    redis_url: str, prefix: str
+) -> None:
+    async def load_many(fields: list[dict[str, object]]) -> list[Any]:
+        return [await _cancelled_elsewhere()]
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        caller = asyncio.create_task(cache.get_or_load_many("book", [{"id": 1}], load_many))
+        with pytest.raises(RuntimeError, match="raised CancelledError without being cancelled"):
+            await caller
+        assert not caller.cancelled()
+
+
+def _value(value: Any) -> Callable[[], Awaitable[Any]]:
+    async def load() -> Any:
+        return value
+
+    return load
