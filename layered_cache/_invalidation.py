@@ -32,13 +32,14 @@ from layered_cache._config import Config
 from layered_cache._fallback import FallbackChannel, fallback_channel
 from layered_cache._keys import replica_record_name
 from layered_cache._l2 import L2Store
-from layered_cache._policy import compile_policy
+from layered_cache._policy import Policy, compile_policy
 from layered_cache._replicas import delete_name_phases
 
 __all__ = [
     "Invalidator",
     "ReplicaCountMismatch",
     "check_replica_counts",
+    "recorded_counts",
     "replica_counts",
 ]
 
@@ -47,16 +48,41 @@ class ReplicaCountMismatch(ValueError):
     """This process's ``hot.replicas`` differs from the count its fleet recorded."""
 
 
+# A record field naming a key template rather than a namespace.
+_TEMPLATE_FIELD = "template:"
+
+
 def replica_counts(config: Config) -> dict[str, int]:
-    """namespace -> hot.replicas (0 without a hot section) of every namespace with L2."""
-    policies = (compile_policy(n, ns, config.redis.prefix) for n, ns in config.namespaces.items())
-    return {policy.name: policy.replicas for policy in policies if policy.l2}
+    """Record field -> hot.replicas (0 without a hot section) of every namespace with L2,
+    under its key template (``template:book:{id}``) and under its name. The template is
+    what names the keys and their replicas: a namespace renamed in a rolling deploy
+    keeps it, and stays checked against the instances still running the old name. The
+    name is what versions before templates recorded."""
+    prefix = config.redis.prefix
+    return recorded_counts(compile_policy(n, ns, prefix) for n, ns in config.namespaces.items())
+
+
+def recorded_counts(policies: Iterable[Policy]) -> dict[str, int]:
+    """``replica_counts`` of compiled policies (a running cache's)."""
+    counts: dict[str, int] = {}
+    for policy in policies:
+        if policy.l2:
+            counts[_TEMPLATE_FIELD + policy.template.template] = policy.replicas
+            counts[policy.name] = policy.replicas
+    return counts
+
+
+def _what(field: str) -> str:
+    if field.startswith(_TEMPLATE_FIELD):
+        return f"key template {field.removeprefix(_TEMPLATE_FIELD)!r}"
+    return f"namespace {field!r}"
 
 
 async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping[str, int]) -> None:
-    """Record ``counts`` (namespace -> hot.replicas, 0 without hot keys) where none is
-    recorded yet, then compare: raises ``ReplicaCountMismatch`` naming every namespace
-    whose recorded count differs. Raises Redis errors (the caller decides)."""
+    """Record ``counts`` (``replica_counts``: hot.replicas, 0 without hot keys, by key
+    template and by namespace) where none is recorded yet, then compare: raises
+    ``ReplicaCountMismatch`` naming every template and namespace whose recorded count
+    differs. Raises Redis errors (the caller decides)."""
     if not counts:
         return
     name = replica_record_name(prefix)
@@ -67,8 +93,8 @@ async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping
     results: list[Any] = await pipe.execute()
     recorded = results[-1]
     wrong = [
-        f"namespace {ns!r}: hot.replicas = {count} here, {int(seen)} recorded"
-        for (ns, count), seen in zip(counts.items(), recorded, strict=True)
+        f"{_what(field)}: hot.replicas = {count} here, {int(seen)} recorded"
+        for (field, count), seen in zip(counts.items(), recorded, strict=True)
         if seen is not None and int(seen) != count
     ]
     if wrong:

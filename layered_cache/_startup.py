@@ -15,7 +15,7 @@ from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._coherence import Coherence
 from layered_cache._config import BackplaneConfig, RedisConfig
 from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscribed
-from layered_cache._invalidation import check_replica_counts
+from layered_cache._invalidation import check_replica_counts, recorded_counts
 from layered_cache._memory_policy import log_memory_policies
 from layered_cache._namespace import Namespace
 from layered_cache._wiring import CacheParts
@@ -43,7 +43,7 @@ async def learn_slots(client: RedisClient) -> None:
 async def check_replicas(client: RedisClient, prefix: str, namespaces: Iterable[Namespace]) -> None:
     """Refuse to start with a hot.replicas other than the fleet's (``_invalidation``):
     raises ``ReplicaCountMismatch``. Redis unreachable: start anyway, unchecked."""
-    counts = {ns.name: ns.policy.replicas for ns in namespaces if ns.policy.l2}
+    counts = recorded_counts(ns.policy for ns in namespaces)
     try:
         await check_replica_counts(client, prefix, counts)
     except REDIS_FAILURES as exc:

@@ -456,8 +456,25 @@ async def test_instance_with_another_replica_count_refuses_to_start(
         async with LayeredCache.from_config(hot) as same:  # same count: starts
             assert await same.get("book", {"id": 1}) == "v"
     admin = redis.Redis.from_url(redis_url)
-    assert await admin.hgetall(replica_record_name(prefix)) == {b"book": b"4"}
+    recorded = await admin.hgetall(replica_record_name(prefix))
+    assert recorded == {b"book": b"4", b"template:book:{id}": b"4"}
     await admin.aclose()
+
+
+async def test_a_namespace_renamed_with_another_replica_count_refuses_to_start(
+    redis_url: str, prefix: str
+) -> None:
+    """The record was keyed by namespace name only: a namespace renamed in a rolling
+    deploy (same keys, no hot section) started unchecked, and its invalidations left
+    the replicas the old name's instances kept writing and serving."""
+    hot = make_config(redis_url, prefix, HOT)  # book:{id} with 4 replicas
+    renamed = make_config(redis_url, prefix, {"books": {"key": "book:{id}"}})  # 0
+    async with LayeredCache.from_config(hot):
+        with pytest.raises(
+            ReplicaCountMismatch, match=r"key template 'book:\{id\}': hot.replicas = 0 here, 4"
+        ):
+            async with LayeredCache.from_config(renamed):
+                pass
 
 
 async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
