@@ -47,8 +47,7 @@ from layered_cache._scripts import (
     WRITE_ONE_SCRIPT,
     WRITE_SCRIPT,
     fill_args,
-    write_args,
-    write_one_args,
+    write_script_args,
 )
 from layered_cache._topology import RefreshingCluster
 
@@ -292,7 +291,14 @@ class L2Store:
         if not writes:
             return True
         if not self.cluster:
-            return await self._write_on_node(writes, announcement)
+            on = () if announcement is None else (
+                announcement.stream, announcement.maxlen, announcement.fields
+            )
+            one, keys, args = write_script_args(writes, *on)  # a set() of one key: shorter
+            script = self._write_one if one else self._write
+            assert self.direct is not None
+            reply = await self.guard(direct.evalsha(self.direct, script, keys, args))
+            return bool(reply == 1)
         assert announcement is None, "a cluster announces after the writes"
         pipe = self.client.pipeline(transaction=False)
         for names, delete_first, data, ttl_ms in writes:
@@ -302,22 +308,6 @@ class L2Store:
                 pipe.set(name, data, px=ttl_ms)
         await self.guard(pipe.execute())
         return True
-
-    async def _write_on_node(
-        self, writes: Sequence[Write], announcement: Announcement | None
-    ) -> bool:
-        """``write_many`` on a single node: one script; a set() of one key that is not
-        hot takes the shorter one (``WRITE_ONE_SCRIPT``)."""
-        on = () if announcement is None else (
-            announcement.stream, announcement.maxlen, announcement.fields
-        )
-        one = write_one_args(writes[0], *on) if len(writes) == 1 else None
-        script, (keys, args) = (
-            (self._write, write_args(writes, *on)) if one is None else (self._write_one, one)
-        )
-        assert self.direct is not None
-        reply = await self.guard(direct.evalsha(self.direct, script, keys, args))
-        return bool(reply == 1)
 
     async def delete(self, names: Sequence[str | bytes]) -> int:
         """Delete names in one round trip per node. Cross-slot names are never sent as

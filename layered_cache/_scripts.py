@@ -47,6 +47,7 @@ __all__ = [
     "fill_args",
     "write_args",
     "write_one_args",
+    "write_script_args",
 ]
 
 # Fill notifications carry the envelope up to this size (bytes), else they are empty and
@@ -203,3 +204,17 @@ if type(reply) == 'table' and reply.err then
 end
 return 1
 """
+
+
+def write_script_args(
+    writes: Sequence[tuple[Sequence[str], Sequence[str], bytes, int]],
+    stream: str | None = None,
+    maxlen: int = 0,
+    fields: Sequence[bytes | str] = (),
+) -> tuple[bool, list[str], list[bytes | str | int]]:
+    """Whether ``WRITE_ONE_SCRIPT`` takes ``writes`` (one key, not hot), and the KEYS and
+    ARGV of the script that does."""
+    one = write_one_args(writes[0], stream, maxlen, fields) if len(writes) == 1 else None
+    if one is not None:
+        return True, *one
+    return False, *write_args(writes, stream, maxlen, fields)

@@ -125,24 +125,9 @@ class LayeredCacheBackend(BaseCache):
 
     # -- the django.core.cache API -----------------------------------------------------
 
-    def _value(self, entry: Entry) -> Any:
-        """``entry``'s value, or ``_UNDECODABLE`` for a payload this backend can't read
-        (planted in Redis, or written by a version with more types): counted as the
-        namespace's ``decode_error``, logged, and read as a miss, which the next set
-        repairs. Raising instead failed every request reading the key until it expired,
-        ``get_or_set`` included."""
-        try:
-            return loads(entry.payload)
-        except UndecodableValue as exc:
-            sync_cache, namespace = self._parts()
-            cache = sync_cache._cache or sync_cache.cache
-            cache.namespace(namespace).policy.stats.decode_error += 1
-            _log.warning("django_value_undecodable", namespace=namespace, error=str(exc))
-            return _UNDECODABLE
-
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
         entry = self._entry(self._fields(key, version))
-        value = _UNDECODABLE if entry is None else self._value(entry)
+        value = _UNDECODABLE if entry is None else _value(entry, *self._parts())
         return default if value is _UNDECODABLE else value
 
     def set(
@@ -230,7 +215,7 @@ class LayeredCacheBackend(BaseCache):
         entries = self._call(get_all, "get_many")
         now = self._now()
         values = {
-            key: self._value(entry)
+            key: _value(entry, *self._parts())
             for (key, _), entry in zip(wanted, entries, strict=True)
             if _alive(entry, now)
         }
@@ -285,11 +270,11 @@ class LayeredCacheBackend(BaseCache):
             return entry
 
         entry: Entry = sync_cache.get_or_load(namespace, fields, load)
-        value = self._value(entry) if _alive(entry, self._now()) else _UNDECODABLE
+        value = _value(entry, sync_cache, namespace) if _alive(entry, self._now()) else _UNDECODABLE
         if value is _UNDECODABLE:  # past its own timeout, or unreadable: drop it, load again
             sync_cache.invalidate(namespace, fields)
             entry = sync_cache.get_or_load(namespace, fields, load)
-            value = self._value(entry)
+            value = _value(entry, sync_cache, namespace)
         if value is _UNDECODABLE:  # unreadable again (planted meanwhile): ours, unstored
             return loads((loaded or [load()])[-1].payload)
         return value
@@ -314,3 +299,18 @@ class LayeredCacheBackend(BaseCache):
     def close(self, **kwargs: Any) -> None:
         """Nothing to close per request: the loop and the Redis pool are shared by the
         process's backend objects (Django calls this after every request)."""
+
+
+def _value(entry: Entry, sync_cache: SyncLayeredCache, namespace: str) -> Any:
+    """``entry``'s value, or ``_UNDECODABLE`` for a payload this backend can't read
+    (planted in Redis, or written by a version with more types): counted as the
+    namespace's ``decode_error``, logged, and read as a miss, which the next set
+    repairs. Raising instead failed every request reading the key until it expired,
+    ``get_or_set`` included."""
+    try:
+        return loads(entry.payload)
+    except UndecodableValue as exc:
+        cache = sync_cache._cache or sync_cache.cache
+        cache.namespace(namespace).policy.stats.decode_error += 1
+        _log.warning("django_value_undecodable", namespace=namespace, error=str(exc))
+        return _UNDECODABLE
