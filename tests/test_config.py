@@ -267,6 +267,14 @@ ROUTE = (
         (BOOK + "http = { maxage = 5 }\n", "namespaces.book.http.maxage: unknown key"),
         ('[purge]\nurls = ["varnish:6081"]\n', "purge.urls: must start with http:// or https://"),
         ('[purge]\ntimeout = "0s"\n', "purge.timeout: must be > 0"),
+        ('[purge]\nurls = ["http://"]\n', "purge.urls: needs a host"),
+        ('[purge]\nurls = ["http://varnish:80a"]\n', "purge.urls: has a port that is no number"),
+        # durations Redis can't take, or no round trip meets
+        ("[redis]\ntimeout = 1e-9\n", "redis.timeout: must be at least 1ms, got 1e-09s"),
+        (BOOK + 'l2 = { ttl = "0.5ms" }\n', "namespaces.book.l2.ttl: must be at least 1ms"),
+        (BOOK + "l1 = { ttl = 0.0001 }\n", "namespaces.book.l1.ttl: must be at least 1ms"),
+        # settings that would be ignored
+        ('[redis]\nnodes = ["10.0.0.2:6379"]\n', "redis.nodes: seed nodes are for a cluster"),
         ("[purge]\nretries = 11\n", "purge.retries: expected `int` <= 10"),
         # template errors that say what is wrong
         ('[namespaces.book]\nkey = "book:{id"\n', "namespaces.book.key: .* unclosed placeholder"),
@@ -283,6 +291,14 @@ def test_what_the_runtime_would_refuse_is_refused_at_load_with_file_and_path(
     assert message.startswith(f"{path}: ")
     assert "pw/word" not in message
     assert re.search(expected if ".*" in expected else re.escape(expected), message), message
+
+
+def test_an_environment_duration_may_be_a_bare_number_as_in_the_file(tmp_path: Path) -> None:
+    """A variable is always a string: "0.5" was refused where the file takes 0.5."""
+    env = {"LAYERED_CACHE_REDIS_TIMEOUT": "0.5", "LAYERED_CACHE_LOG_FORMAT": "JSON"}
+    config = load_config(write(tmp_path, BOOK), env=env)
+    assert config.redis.timeout == 0.5
+    assert config.logging.format == "json"  # case-insensitive, as the level is
 
 
 def test_log_level_is_case_insensitive_like_the_env_override(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 import msgspec
 
+from layered_cache._config.units import Duration
+
 __all__ = [
     "FIELD_MARK",
     "LOG_LEVELS",
@@ -37,13 +39,20 @@ def bad(field: str, problem: str) -> ValueError:
     return ValueError(f"{FIELD_MARK}{field}: {problem}")
 
 
+MIN_DURATION = 0.001  # Redis counts TTLs and timeouts in whole milliseconds
+
+
 def positive(section: msgspec.Struct, *fields: str) -> None:
     """Durations (and rates) that the runtime divides by, sleeps for, or passes to Redis
-    or Kafka as a timeout: zero would spin, block forever or be refused."""
+    or Kafka as a timeout: zero would spin, block forever or be refused. A duration
+    under a millisecond is refused too: a TTL Redis would round up to 1 ms, a timeout no
+    round trip meets (``redis.timeout = 1e-9`` failed every command)."""
     for field in fields:
         value = getattr(section, field)
         if value is not None and value <= 0:
             raise bad(field, f"must be > 0, got {value:g}")
+        if isinstance(value, Duration) and value < MIN_DURATION:
+            raise bad(field, f"must be at least 1ms, got {value:g}s")
 
 
 def check_jitter(jitter: float) -> None:

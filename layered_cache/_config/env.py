@@ -41,5 +41,6 @@ def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
             table = merged.setdefault(section, {})
             if not isinstance(table, dict):
                 continue  # reported by validation below
-            table[field] = env[var]
+            # Case-insensitive, as LAYERED_CACHE_LOG_LEVEL is: JSON means json.
+            table[field] = env[var].lower() if var == "LAYERED_CACHE_LOG_FORMAT" else env[var]
     return merged

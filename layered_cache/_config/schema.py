@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -89,6 +90,8 @@ class RedisConfig(_Section, frozen=True):
         if problem := url_problem(self.url):
             raise bad("url", f"{problem}, got {redact_url(self.url)!r}")
         positive(self, "timeout", "connect_timeout")
+        if self.nodes and not self.cluster:
+            raise bad("nodes", "seed nodes are for a cluster: set cluster = true, or drop nodes")
         for node in self.nodes:
             host, _, port = node.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -246,6 +249,16 @@ class LoggingConfig(_Section, frozen=True):
             raise bad("level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.level!r}")
 
 
+def _purge_url_problem(url: str) -> str | None:
+    """What makes ``url`` (http:// or https://) one no purge could be sent to."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number
+    except ValueError:
+        return "has a port that is no number (or a bad [host])"
+    return None if parts.hostname else "needs a host (http://varnish:6081)"
+
+
 class PurgeConfig(_Section, frozen=True):
     """HTTP caches (Varnish) told to drop a key's or a tag's responses after every
     invalidation, by the cache and by the daemon (docs/http.md). Empty ``urls``: off."""
@@ -263,6 +276,8 @@ class PurgeConfig(_Section, frozen=True):
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise bad("urls", f"must start with http:// or https://, got {redact_url(url)!r}")
+            if problem := _purge_url_problem(url):
+                raise bad("urls", f"{problem}, got {redact_url(url)!r}")
 
 
 class MetricsConfig(_Section, frozen=True):

@@ -28,9 +28,11 @@ class Rate(float):
     """Events per second, written in the file as "200/s", "6000/m" (or a plain number)."""
 
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+# The unit may be left out (seconds, per second), as for a bare number in the file: an
+# environment variable (``LAYERED_CACHE_REDIS_TIMEOUT=0.5``) is always a string.
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|m|h)\s*$")
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|m|h))?\s*$")
 _RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -48,7 +50,7 @@ def parse_duration(text: object) -> Duration:
     if isinstance(text, int | float):
         seconds = float(text)
     elif isinstance(text, str) and (match := _DURATION_RE.match(text)):
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
     else:
         shown = f'"{text}"' if isinstance(text, str) else repr(text)
         raise ValueError(f'expected a duration like "10m", got {shown}')
@@ -66,7 +68,7 @@ def parse_rate(text: object) -> Rate:
     if isinstance(text, int | float):
         per_second = float(text)
     elif isinstance(text, str) and (match := _RATE_RE.match(text)):
-        per_second = float(match.group(1)) / _RATE_UNITS[match.group(2)]
+        per_second = float(match.group(1)) / _RATE_UNITS[match.group(2) or "s"]
     else:
         shown = f'"{text}"' if isinstance(text, str) else repr(text)
         raise ValueError(f'expected a rate like "200/s", got {shown}')
