@@ -82,7 +82,8 @@ async def test_a_loader_that_raises_cancelled_error_gives_the_lease_back(
     redis_url: str, prefix: str
 ) -> None:
     """An aborted database query re-raises CancelledError inside the loader while the
-    caller itself was not cancelled."""
+    caller itself was not cancelled: a load error for the caller
+    (``LoaderCancelledError``), and the lease goes back."""
 
     async def aborted() -> str:
         inner = asyncio.create_task(asyncio.sleep(10))
@@ -92,7 +93,7 @@ async def test_a_loader_that_raises_cancelled_error_gives_the_lease_back(
 
     config = make_config(redis_url, prefix, NAMESPACES)
     async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(RuntimeError, match="raised CancelledError without being cancelled"):
             await a.get_or_load("book", {"id": 1}, aborted)
         value, took = await _timed(b.get_or_load("book", {"id": 1}, lambda: _slow("db", 0)))
         assert value == "db" and took < PROMPT
