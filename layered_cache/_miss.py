@@ -48,6 +48,9 @@ class MissPath:
         self._rt = runtime
         self._loading = tags.Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
         self.failsafe = FailSafe(policy, fills, runtime)
+        # Set by the namespace to its ``Refresher.copy_to_replicas`` (which needs this
+        # object first): a hot key whose base is fresher than its replicas gets copied.
+        self.replicas_behind: Callable[[str], None] = _ignore
 
     async def load_under_lease(self, read: Read, loader: Loader) -> Any:
         """Win the lease and load, or wait for the winner's fill (``max_wait`` at most,
@@ -130,6 +133,12 @@ class MissPath:
         await self.release(read.key, token)
         self._policy.stats.lease_wait_filled += 1
         self._fills.fill_l1(read.key, filled.value, filled.soft_expiry, read.seq, filled.tags)
+        if self._fills.is_hot(read.key):
+            # Our read found the replica expired and the base fresh: an instance where
+            # the key is not hot refilled only the base. Left so, every read here would
+            # take this path (a lease and a second GET on the base key's master) until
+            # the replicas expire; copied, they serve again.
+            self.replicas_behind(read.key)
         return _Filled(filled.value)
 
     async def load_and_fill(self, read: Read, token: str, loader: Loader) -> Any:
@@ -345,3 +354,7 @@ def awaited(namespace: str, loader: Loader) -> Awaitable[Any]:
             "an awaitable: pass an async function (sync loaders: SyncLayeredCache)"
         )
     return result
+
+
+def _ignore(key: str) -> None:
+    """``MissPath.replicas_behind`` before the namespace wires it."""

@@ -41,6 +41,7 @@ class Namespace:
         self._fills = Fills(policy, runtime.clock, runtime.versions)
         self._miss = MissPath(policy, self._fills, runtime)
         self._refresher = Refresher(policy, self._fills, self._miss, runtime)
+        self._miss.replicas_behind = self._refresher.copy_to_replicas
         self._writes = Writes(policy, self._fills, runtime, self._forget)
         self._batch = BatchPath(
             policy, self._fills, self._miss, self._refresher, runtime, self.get_or_load

@@ -179,6 +179,34 @@ async def test_set_on_an_instance_that_is_not_hot_drops_replicas(
         assert [await a.get("book", {"id": 1}) for _ in range(20)] == ["new"] * 20
 
 
+async def test_replicas_left_behind_by_a_cold_instances_refill_are_copied_again(
+    redis_url: str, prefix: str
+) -> None:
+    """A holds book:1 hot; its replicas expire (soft) and B, where the key is not hot,
+    refills the base key only. A's reads found each replica stale and the base fresh:
+    every one took a lease and a second GET on the base key's master until the replicas
+    expired for good (values right, the spreading lost). Now the replicas are copied."""
+    book = {"l2": {"ttl": "300ms", "jitter": 0}, "stale": {"max_age": "60s"}}
+    hot_ns, cold_ns = hot_namespace(keys=["book:1"]), hot_namespace(threshold="1000/s")
+    hot_ns["book"].update(book)
+    cold_ns["book"].update(book)
+    quiet = {"backplane": {"enabled": False}}
+    hot = make_config(redis_url, prefix, hot_ns, **quiet)
+    cold = make_config(redis_url, prefix, cold_ns, **quiet)
+    async with LayeredCache.from_config(hot) as a, LayeredCache.from_config(cold) as b:
+        assert await a.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        await asyncio.sleep(0.4)  # soft-expired everywhere, within the stale window
+        assert await b.get_or_load("book", {"id": 1}, CountingLoader("v2")) == "v2"
+        loader = CountingLoader("v3")
+        assert await a.get_or_load("book", {"id": 1}, loader) == "v2"  # base is fresh
+        await asyncio.sleep(0.1)  # the copy runs in the background
+        before = a.stats()["book"]["lease_wait_filled"]
+        reads = [await a.get_or_load("book", {"id": 1}, loader) for _ in range(20)]
+        assert reads == ["v2"] * 20 and loader.calls == 0
+        # Served by the replicas again: no lease taken, no fallback to the base key.
+        assert a.stats()["book"]["lease_wait_filled"] == before
+
+
 async def test_invalidation_during_hot_fill_leaves_no_stale_replica(
     redis_url: str, prefix: str
 ) -> None:
