@@ -48,8 +48,7 @@ class MissPath:
         self._rt = runtime
         self._loading = tags.Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
         self.failsafe = FailSafe(policy, fills, runtime)
-        # Set by the namespace to its ``Refresher.copy_to_replicas`` (which needs this
-        # object first): a hot key whose base is fresher than its replicas gets copied.
+        # The namespace's ``Refresher.copy_to_replicas`` (built after this object).
         self.replicas_behind: Callable[[str], None] = _ignore
 
     async def load_under_lease(self, read: Read, loader: Loader) -> Any:
