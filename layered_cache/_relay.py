@@ -135,6 +135,7 @@ class Relay:
         batch: int = 1000,
         keep: int = 10_000,
         maxlen: int | None = None,
+        send_timeout: float = 30.0,
     ) -> None:
         self._upstream = upstream
         self._stream = stream.encode()
@@ -144,6 +145,8 @@ class Relay:
         # stream's configured one.
         self._trim_visible = trim_visible(batch, maxlen)
         self._keep = keep
+        # How long a client may leave a full buffer of replies unread (``_send``).
+        self._send_timeout = send_timeout
         self._tail: _Tail | None = None
         self._arrived = asyncio.Event()  # replaced on every arrival: waiters hold the old
         self._connections: set[asyncio.StreamWriter] = set()
@@ -283,11 +286,12 @@ class Relay:
                 command = await commands.next()
                 if command is None or command[0].upper() == b"QUIT":
                     return
-                writer.write(await self._execute(command))
-                await writer.drain()
+                await _send(writer, await self._execute(command), self._send_timeout)
         except ProtocolError as exc:
             _log.warning("relay_bad_request", error=str(exc))
             writer.write(encode_error(f"ERR protocol error: {exc}"))
+        except TimeoutError:
+            _log.warning("relay_client_not_reading", timeout=self._send_timeout)
         except (_Unavailable, ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -366,3 +370,17 @@ class Relay:
     def _entries_reply(self, entries: list[bytes]) -> bytes:
         header = b"*1\r\n*2\r\n" + encode(self._stream) + b"*%d\r\n" % len(entries)
         return header + b"".join(entries)
+
+
+async def _send(writer: asyncio.StreamWriter, reply: bytes, patience: float) -> None:
+    """Write ``reply``; past the transport's high-water mark, wait (``patience`` at most,
+    then TimeoutError) for the client to read. Unbounded, a client that sent reads and
+    never read the replies held its connection and their bytes for as long as the relay
+    ran; bounding every wait would cost a timer per reply, so only a full buffer is."""
+    writer.write(reply)
+    transport = writer.transport
+    if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
+        await writer.drain()  # not paused: returns at once
+        return
+    async with asyncio.timeout(patience):
+        await writer.drain()

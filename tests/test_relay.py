@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -556,3 +557,48 @@ def test_relay_arguments_it_cannot_run_with_exit_2_with_one_line(
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], lines
+
+
+async def test_a_client_that_never_reads_its_replies_is_dropped_and_the_relay_serves_on(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """It sent reads and left the replies unread: the relay waited on its full buffer
+    for as long as it ran, holding the connection and the bytes. Now it waits
+    ``send_timeout`` and drops it; the other clients are served throughout."""
+    config = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = stream_of(config)
+    direct = redis.Redis.from_url(redis_server.url, protocol=2)
+    await direct.xadd(stream, {"origin": "-"})
+    relay = Relay(
+        Upstream(config.redis, stream, 0.2), stream, block=0.2, batch=1000, send_timeout=0.5
+    )
+    host, port = await relay.start("127.0.0.1", 0)
+    through = redis.Redis.from_url(f"redis://{host}:{port}/0", protocol=2)
+    try:
+        assert await eventually(lambda: relay.status().following)
+        pipe = direct.pipeline(transaction=False)
+        for i in range(1000):
+            pipe.xadd(stream, {"keys": f"k{i}".ljust(2000, ".")})
+        ids = await pipe.execute()
+        assert await eventually(lambda: relay.status().last_id == ids[-1].decode())
+        # ~2 MB per reply, 20 of them asked for and never read: more than the socket
+        # buffers and the transport's high-water mark hold.
+        command = "*6\r\n$5\r\nXREAD\r\n$5\r\nCOUNT\r\n$4\r\n1000\r\n$7\r\nSTREAMS\r\n"
+        command += f"${len(stream)}\r\n{stream}\r\n$3\r\n0-0\r\n"
+        assert await through.ping()  # connected: one client
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: binding
+        raw.connect((host, port))
+        raw.setblocking(False)
+        _, sending = await asyncio.open_connection(sock=raw)
+        sending.write(command.encode() * 20)
+        await sending.drain()
+        assert await eventually(lambda: relay.status().clients == 2, timeout=5)
+        assert await through.xread({stream: ids[-2]}) == await direct.xread({stream: ids[-2]})
+        assert await eventually(lambda: relay.status().clients == 1, timeout=5)  # dropped
+        assert await through.xread({stream: ids[-2]}) == await direct.xread({stream: ids[-2]})
+        sending.close()
+    finally:
+        await through.aclose()
+        await relay.close()
+        await direct.aclose()
