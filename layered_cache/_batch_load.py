@@ -137,7 +137,7 @@ class BatchLoader:
         leases = [lease_name(r.key) for r in todo]
         if self._policy.tags:
             try:  # before the load: see ``_tags``
-                await self._loading.enter(leases)
+                await self._loading.enter(leases, token)
             except L2Unavailable:
                 self._policy.stats.redis_error += 1
                 await self._release([r.key for r in todo], token)
@@ -164,7 +164,7 @@ class BatchLoader:
                 raise
         finally:
             if self._policy.tags:
-                self._loading.leave(leases)
+                self._loading.leave(leases, token)
         return found
 
     async def _filled_meanwhile(self, reads: list[Read], token: str) -> dict[str, Any]:

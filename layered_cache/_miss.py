@@ -148,7 +148,7 @@ class MissPath:
             registered = not policy.tags or await self._register(read, token)
         except asyncio.CancelledError:
             self.give_back(read.key, token)
-            self._unregister(read)
+            self._unregister(read, token)
             raise
         if not registered:
             return await self.load_unleased(read, loader)
@@ -178,7 +178,7 @@ class MissPath:
             raise
         except Exception as exc:
             await self.release(read.key, token)
-            self._unregister(read)
+            self._unregister(read, token)
             return await self.failsafe.serve_or_raise(read, exc)
         return await self.fill(read, token, value, time.monotonic() - started)
 
@@ -186,16 +186,16 @@ class MissPath:
         """A tagged load joins the set ``invalidate_tag`` revokes, before it starts
         (``_tags``). Redis failing here: load without writing L2."""
         try:
-            await self._loading.enter([lease_name(read.key)])
+            await self._loading.enter([lease_name(read.key)], token)
         except L2Unavailable:
             self._policy.stats.redis_error += 1
             await self.release(read.key, token)
             return False
         return True
 
-    def _unregister(self, read: Read) -> None:
+    def _unregister(self, read: Read, token: str) -> None:
         if self._policy.tags:
-            self._loading.leave([lease_name(read.key)])
+            self._loading.leave([lease_name(read.key)], token)
 
     async def _finish_fill(
         self, read: Read, token: str, task: asyncio.Task[Any], started: float
@@ -206,7 +206,7 @@ class MissPath:
             # A failed load, or a cancelled one (a loader that raised CancelledError, or
             # close() stopping us): either way nobody will fill, so the lease goes back.
             await self.release(read.key, token)
-            self._unregister(read)
+            self._unregister(read, token)
             current = asyncio.current_task()
             if isinstance(exc, asyncio.CancelledError) and current and current.cancelling():
                 raise
@@ -245,7 +245,7 @@ class MissPath:
             await self.release(read.key, token, quietly=False)
             raise
         finally:
-            self._unregister(read)
+            self._unregister(read, token)
 
     async def _fill_under_lease(self, read: Read, token: str, value: Any, delta: float) -> Any:
         policy, fills, key = self._policy, self._fills, read.key

@@ -12,12 +12,13 @@ Design (chosen over a set of member keys per tag; docs/tags.md has the measureme
   invalidation reaches every instance within the backplane's bound. A token this
   instance has never seen is fetched once (one round trip per tag per instance).
 - **Loads in flight can't land after an invalidation.** A tagged load registers its
-  lease in ``{prefix}layered_cache:loading`` before it calls the loader (its tags come
-  from the loaded value, so they aren't known before). ``invalidate_tag`` writes the new
-  token, then takes the whole set and deletes those leases: a fill whose load began
-  before the invalidation finds its lease gone and writes nothing; a load that
-  registered after the set was taken began after the new token was written, and read
-  the data after the change that caused it.
+  lease (with its token) in ``{prefix}layered_cache:loading`` before it calls the
+  loader (its tags come from the loaded value, so they aren't known before).
+  ``invalidate_tag`` takes the whole set and deletes those leases, then writes the new
+  token: a fill whose load began before the invalidation either lands before the
+  revocation, with the token it fetched before the new one was written (dead once it
+  is), or finds its lease gone and writes nothing; a load that registered after the
+  set was taken began after the change that caused the invalidation.
 - **L1** keeps an index tag -> keys per namespace; an invalidation (local or from the
   backplane) drops those keys, and an L1 fill whose tokens are no longer current is
   refused, so a fill racing the invalidation can't outlive it either.
@@ -30,10 +31,10 @@ for ever, and with tags of unbounded kinds (a search query, a user) fill Redis; 
 ``volatile-*`` policy nothing could evict them. A key lives ``version_ttl`` after its
 last fetch or invalidation: at least a day, and twice the longest life of an entry of a
 tagged namespace (L2 TTL + jitter + stale window), so a token outlives every entry that
-carries it. An instance trusts a token it holds for a quarter of that, then fetches it
-again (which extends the key's life): an instance still holding a token Redis no longer
-has (expired or evicted, with no invalidation to announce it) would take every entry
-written since for dead.
+carries it. An instance trusts a token it holds for a quarter of that (at most an
+hour), then fetches it again (which extends the key's life): an instance still holding
+a token Redis no longer has (expired or evicted, with no invalidation to announce it)
+would take every entry written since for dead.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ return members
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
 
 VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after its last use
+# The longest a token is trusted without asking Redis: what a lost token (evicted) costs
+# is loads until every instance asks again, so not a quarter of a 30-day entry's life.
+_MAX_TRUST = 3_600.0
 
 # Fetch a tag's token, creating one if the tag has none, and extend the key's life to at
 # least ARGV[2] ms (never shorten it: another instance's entries may live longer; a key
@@ -199,9 +203,9 @@ class TagVersions:
         return [all(current[tag] == version for tag, version in tags.items()) for tags in entries]
 
     def _trusted(self) -> dict[str, str]:
-        """The tokens held, forgotten every ``ttl / 4``: a token is trusted no longer
-        after its fetch, so Redis still holds it (the fetch extended the key's life)
-        for as long as any entry written with it lives."""
+        """The tokens held, forgotten every ``ttl / 4`` (an hour at most): a token is
+        trusted no longer after its fetch, so Redis still holds it (the fetch extended
+        the key's life) for as long as any entry written with it lives."""
         if self._clock() >= self._trusted_until:
             self._versions.clear()
             self._trusted_until = self._clock() + self._trust
@@ -268,6 +272,12 @@ async def invalidate_tags(
     versions = {validate_tag(tag): new_version() for tag in tags}
     if not versions:
         return versions
+    # The loads in flight are revoked first, then the new tokens written: a fill that
+    # lands before the revocation fetched its token before the SETs (the old one: dead
+    # once they land), one after it has no lease. The other order let a load that began
+    # before the change fill between the SETs and the revocation with the new token
+    # (fetched then: a tag this instance had not seen, or no longer trusted).
+    await take_loading(store, prefix)
     pipe = store.client.pipeline(transaction=False)
     for tag, version in versions.items():
         pipe.set(tag_version_name(prefix, tag), version, px=int(ttl * 1000))
@@ -280,7 +290,6 @@ async def invalidate_tags(
         # and a missing token is recreated at random by the next reader (see the module
         # doc): every entry carrying the old one dies just the same.
         await store.delete([tag_version_name(prefix, tag) for tag in versions])
-    await take_loading(store, prefix)
     return versions
 
 
@@ -288,11 +297,9 @@ async def take_loading(store: L2Store, prefix: str) -> None:
     """Revoke the leases of every tagged load registered so far (see the module doc)."""
     loading = loading_set_name(prefix)
     script = store.client.eval(TAKE_ALL_SCRIPT, 1, loading)
-    leases = await store.guard(script, loading)
-    if leases:
-        await store.delete(
-            [lease.decode() if isinstance(lease, bytes) else lease for lease in leases]
-        )
+    members = await store.guard(script, loading)
+    if members:
+        await store.delete(list(dict.fromkeys(_lease_of(member) for member in members)))
 
 
 class Loading:
@@ -305,16 +312,31 @@ class Loading:
         self._name = loading_set_name(prefix)
         self._spawn = spawn
 
-    async def enter(self, leases: list[str]) -> None:
+    async def enter(self, leases: list[str], token: str) -> None:
         """Before a tagged load starts: its leases join the set ``invalidate`` revokes.
         Raises ``L2Unavailable`` (the load must then not write L2)."""
-        await self._store.guard(self._store.client.sadd(self._name, *leases), self._name)
+        members = loading_members(leases, token)
+        await self._store.guard(self._store.client.sadd(self._name, *members), self._name)
 
-    def leave(self, leases: list[str]) -> None:
+    def leave(self, leases: list[str], token: str) -> None:
         """After the fill (or the failure): in the background, off the caller's latency.
         A member left behind (Redis down) is harmless: the next invalidate takes it."""
-        self._spawn(self._leave(leases))
+        self._spawn(self._leave(loading_members(leases, token)))
 
-    async def _leave(self, leases: list[str]) -> None:
+    async def _leave(self, members: list[str]) -> None:
         with contextlib.suppress(L2Unavailable):
-            await self._store.guard(self._store.client.srem(self._name, *leases), self._name)
+            await self._store.guard(self._store.client.srem(self._name, *members), self._name)
+
+
+def loading_members(leases: list[str], token: str) -> list[str]:
+    """Each load's own members: ``<lease> <token>``. By lease name alone, a slow load
+    whose lease expired and was taken by another load of the key removed the newer
+    load's registration when it left (SREM of the same name), and ``invalidate_tag``
+    then let that newer load land. A space can't occur in a name (``_keys``)."""
+    return [f"{lease} {token}" for lease in leases]
+
+
+def _lease_of(member: bytes | str) -> str:
+    """The lease of a loading-set member (a bare lease name from earlier versions)."""
+    text = member.decode() if isinstance(member, bytes) else member
+    return text.rpartition(" ")[0] or text

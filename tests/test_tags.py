@@ -13,9 +13,11 @@ import msgspec
 import pytest
 import redis.asyncio as redis
 
-from layered_cache import LayeredCache
+from layered_cache import LayeredCache, _tags
 from layered_cache._config import EventRoute
 from layered_cache._keys import tag_version_name
+from layered_cache.daemon.deletes import Deleter
+from layered_cache.daemon.stats import DaemonStats
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
 
@@ -443,3 +445,126 @@ async def test_an_instance_that_waited_for_another_ones_tagged_fill_keeps_it_in_
         assert (await waiting) == _page("scifi", [42]) == await filling
         l1 = waiter.namespace("category").policy.l1
         assert l1 is not None and l1.get(f"{prefix}category:scifi") is not MISSING
+
+
+# -- loads racing invalidate_tag (found by review, 2026-12-04) ------------------------------
+
+
+def _pause_invalidation(
+    monkeypatch: pytest.MonkeyPatch, when: str
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold every ``invalidate_tags`` just before or just after its revocation of the
+    loads in flight (``take_loading``): between that and the new tokens' SETs, in one
+    order or the other."""
+    paused, go_on = asyncio.Event(), asyncio.Event()
+    take = _tags.take_loading
+
+    async def held_take(store: Any, prefix: str) -> None:
+        if when == "before_revoking":
+            paused.set()
+            await go_on.wait()
+        await take(store, prefix)
+        if when == "after_revoking":
+            paused.set()
+            await go_on.wait()
+
+    monkeypatch.setattr(_tags, "take_loading", held_take)
+    return paused, go_on
+
+
+@pytest.mark.parametrize("when", ["before_revoking", "after_revoking"])
+@pytest.mark.parametrize("via", ["cache", "daemon"])
+async def test_a_load_that_began_before_invalidate_tag_never_lands_whatever_token_it_fetches(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, via: str, when: str
+) -> None:
+    """The new token was written before the loads in flight were revoked: a load that
+    began before the change could fill in between, under its still valid lease and with
+    the new token (fetched then: a tag its instance had never seen, or no longer
+    trusted), and the old page was alive for every instance. The revocation comes
+    first now."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def old_page() -> dict[str, Any]:
+        started.set()
+        await release.wait()
+        return _page("scifi", [42], edition=1)
+
+    deleter = Deleter(config)
+    try:
+        async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+            await _connected(a, b)
+            loading = asyncio.create_task(
+                a.get_or_load("category", {"slug": "scifi"}, old_page, tags=_tags_of)
+            )
+            await asyncio.wait_for(started.wait(), 5)
+            paused, go_on = _pause_invalidation(monkeypatch, when)
+            if via == "cache":
+                invalidating = asyncio.create_task(b.invalidate_tag("book:42"))
+            else:
+                invalidating = asyncio.create_task(
+                    deleter.delete([], DaemonStats(), tags=["book:42"])
+                )
+            await asyncio.wait_for(paused.wait(), 5)
+            release.set()  # the old page's fill lands now
+            await loading
+            go_on.set()
+            await invalidating
+            async with LayeredCache.from_config(config) as fresh:
+                new = CountingLoader(_page("scifi", [42], edition=2))
+                for cache in (fresh, b, a):
+                    got = await cache.get_or_load("category", {"slug": "scifi"}, new, tags=_tags_of)
+                    assert got["edition"] == 2
+    finally:
+        await deleter.close()
+
+
+async def test_a_slow_load_leaving_does_not_unregister_a_newer_load_of_the_same_key(
+    redis_url: str, prefix: str
+) -> None:
+    """The loading set held lease names: X's load outlived its lease, Y took the lease
+    and registered the same name (a no-op), X's leaving removed it, and invalidate_tag
+    then did not revoke Y, whose old page landed. Members carry the load's token now."""
+    namespaces = {
+        "category": {
+            "key": "category:{slug}",
+            "tags": True,
+            "stampede": {"lease_ttl": "300ms", "max_wait": "100ms"},
+        }
+    }
+    config = make_config(redis_url, prefix, namespaces)
+    x_started, x_go, y_started, y_go = (asyncio.Event() for _ in range(4))
+
+    def old_page(started: asyncio.Event, go: asyncio.Event) -> Any:
+        async def load() -> dict[str, Any]:
+            started.set()
+            await go.wait()
+            return _page("scifi", [42], edition=1)
+
+        return load
+
+    async with (
+        LayeredCache.from_config(config) as x,
+        LayeredCache.from_config(config) as y,
+        LayeredCache.from_config(config) as z,
+    ):
+        await _connected(x, y, z)
+        fields = {"slug": "scifi"}
+        x_load = asyncio.create_task(
+            x.get_or_load("category", fields, old_page(x_started, x_go), tags=_tags_of)
+        )
+        await asyncio.wait_for(x_started.wait(), 5)
+        await asyncio.sleep(0.4)  # X's lease expires
+        y_load = asyncio.create_task(
+            y.get_or_load("category", fields, old_page(y_started, y_go), tags=_tags_of)
+        )
+        await asyncio.wait_for(y_started.wait(), 5)
+        x_go.set()
+        await x_load  # its fill is refused; it leaves the loading set
+        await asyncio.sleep(0.2)
+        await z.invalidate_tag("book:42")
+        y_go.set()
+        await y_load
+        new = CountingLoader(_page("scifi", [42], edition=2))
+        got = await z.get_or_load("category", fields, new, tags=_tags_of)
+        assert got["edition"] == 2
