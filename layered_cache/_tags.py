@@ -142,7 +142,7 @@ class TagVersions:
         self._store = store
         self._prefix = prefix
         self._ttl_ms = int(ttl * 1000)
-        self._trust = ttl / 4  # the module doc says why a quarter
+        self._trust = min(ttl / 4, _MAX_TRUST)  # the module doc says why a quarter
         self._clock = clock
         self._trusted_until = clock() + self._trust
         self._versions: dict[str, str] = {}
