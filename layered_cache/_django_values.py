@@ -30,7 +30,7 @@ import msgspec
 from django.http import HttpResponse
 from django.utils.safestring import SafeString
 
-__all__ = ["Entry", "UncacheableValue", "UndecodableValue", "dumps", "loads"]
+__all__ = ["Entry", "UncacheableValue", "UndecodableValue", "dumps", "loads", "readable"]
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -57,11 +57,11 @@ _DATE, _TIME, _TIMEDELTA, _SAFESTRING, _RESPONSE, _BYTEARRAY = 7, 8, 9, 10, 11, 
 _PAIRS = 13  # a dict with a key msgpack can't hold as a map key (a tuple, a Decimal, ...)
 _BIGINT = 14  # an int beyond msgpack's 64 bits, as its decimal digits
 _ZONED = 15  # a datetime in a ZoneInfo zone: [naive ISO, the zone's key, fold]
+_DATETIME_FOLD, _TIME_FOLD = 16, 17  # as _DATETIME and _TIME, with fold=1 (the 2nd 01:30)
+# Containers within containers: reading one back takes Python frames per level (the
+# extension hook), so a value much deeper would be written and then fail every read.
+_MAX_DEPTH = 100
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-
-
-def _items(values: Any) -> bytes:
-    return _encoder.encode([_wire(item) for item in values])
 
 
 def _response(response: HttpResponse) -> bytes:
@@ -87,7 +87,21 @@ def _fixed(zone: datetime.tzinfo | None) -> bool:
         return True
     if type(zone) is not datetime.timezone:
         return False
-    return zone.tzname(None) == datetime.timezone(zone.utcoffset(None)).tzname(None)
+    offset = zone.utcoffset(None)
+    if offset.microseconds:  # Python 3.11 reads "+00:00:00.000001" back as UTC
+        return False
+    return zone.tzname(None) == datetime.timezone(offset).tzname(None)
+
+
+def _keyed(zone: datetime.tzinfo | None) -> bool:
+    """A ``ZoneInfo`` that its key gives back: not one read from a file under a key
+    that names another zone (``ZoneInfo.from_file(f, key=...)``)."""
+    if type(zone) is not zoneinfo.ZoneInfo or zone.key is None:
+        return False
+    try:
+        return zoneinfo.ZoneInfo(zone.key) is zone
+    except (ValueError, zoneinfo.ZoneInfoNotFoundError):
+        return False
 
 
 def _zone_refused(zone: datetime.tzinfo) -> UncacheableValue:
@@ -102,19 +116,20 @@ def _zone_refused(zone: datetime.tzinfo) -> UncacheableValue:
 def _datetime(value: datetime.datetime) -> msgspec.msgpack.Ext:
     zone = value.tzinfo
     if _fixed(zone):
-        return msgspec.msgpack.Ext(_DATETIME, value.isoformat().encode())
-    if type(zone) is zoneinfo.ZoneInfo and zone.key is not None:
+        code = _DATETIME_FOLD if value.fold else _DATETIME
+        return msgspec.msgpack.Ext(code, value.isoformat().encode())
+    if isinstance(zone, zoneinfo.ZoneInfo) and _keyed(zone):
         naive = value.replace(tzinfo=None).isoformat()
         return msgspec.msgpack.Ext(_ZONED, _encoder.encode([naive, zone.key, value.fold]))
     assert zone is not None
     raise _zone_refused(zone)
 
 
-def _time(value: datetime.time) -> bytes:
+def _time(value: datetime.time) -> msgspec.msgpack.Ext:
     if not _fixed(value.tzinfo):  # a ZoneInfo time has no offset: it would come back naive
         assert value.tzinfo is not None
         raise _zone_refused(value.tzinfo)
-    return value.isoformat().encode()
+    return msgspec.msgpack.Ext(_TIME_FOLD if value.fold else _TIME, value.isoformat().encode())
 
 
 def _zoned(data: memoryview) -> datetime.datetime:
@@ -123,14 +138,11 @@ def _zoned(data: memoryview) -> datetime.datetime:
     return moment.replace(tzinfo=zoneinfo.ZoneInfo(key), fold=fold)
 
 
+_CONTAINERS: dict[type, int] = {tuple: _TUPLE, set: _SET, frozenset: _FROZENSET}
 _TO_EXT: dict[type, tuple[int, Callable[[Any], bytes]]] = {
-    tuple: (_TUPLE, _items),
-    set: (_SET, _items),
-    frozenset: (_FROZENSET, _items),
     decimal.Decimal: (_DECIMAL, lambda v: str(v).encode()),
     uuid.UUID: (_UUID, lambda v: v.bytes),
     datetime.date: (_DATE, lambda v: v.isoformat().encode()),
-    datetime.time: (_TIME, _time),
     datetime.timedelta: (
         _TIMEDELTA,
         lambda v: _encoder.encode([v.days, v.seconds, v.microseconds]),
@@ -140,22 +152,37 @@ _TO_EXT: dict[type, tuple[int, Callable[[Any], bytes]]] = {
 }
 
 
-def _wire(value: Any) -> Any:
+def _plain(value: Any) -> bool:
+    """msgpack holds it as it is (a map key too): not an int beyond 64 bits."""
+    kind = type(value)
+    return kind in _PLAIN and (kind is not int or _INT_MIN <= value <= _INT_MAX)
+
+
+def _wire(value: Any, depth: int = 0) -> Any:
     """``value`` as msgspec encodes it: plain types as they are, others as Ext."""
     kind = type(value)
     if kind in _PLAIN:
         if kind is int and not _INT_MIN <= value <= _INT_MAX:
             return msgspec.msgpack.Ext(_BIGINT, str(value).encode())
         return value
+    if depth >= _MAX_DEPTH:
+        raise UncacheableValue(
+            f"can't cache a value nested more than {_MAX_DEPTH} containers deep "
+            "(or one that contains itself)"
+        )
     if kind is list:
-        return [_wire(item) for item in value]
+        return [_wire(item, depth + 1) for item in value]
+    if kind is dict:
+        if all(_plain(key) for key in value):
+            return {key: _wire(item, depth + 1) for key, item in value.items()}
+        pairs = [[_wire(key, depth + 1), _wire(item, depth + 1)] for key, item in value.items()]
+        return msgspec.msgpack.Ext(_PAIRS, _encoder.encode(pairs))
+    if (code := _CONTAINERS.get(kind)) is not None:
+        return msgspec.msgpack.Ext(code, _encoder.encode([_wire(v, depth + 1) for v in value]))
     if kind is datetime.datetime:
         return _datetime(value)
-    if kind is dict:
-        if all(type(key) in _PLAIN for key in value):
-            return {key: _wire(item) for key, item in value.items()}
-        pairs = [[_wire(key), _wire(item)] for key, item in value.items()]
-        return msgspec.msgpack.Ext(_PAIRS, _encoder.encode(pairs))
+    if kind is datetime.time:
+        return _time(value)
     ext = _TO_EXT.get(kind)
     if ext is not None:
         return msgspec.msgpack.Ext(ext[0], ext[1](value))
@@ -170,12 +197,22 @@ def _wire(value: Any) -> Any:
 
 
 def dumps(value: Any) -> bytes:
-    return _encoder.encode(_wire(value))
+    """``value`` as bytes; raises ``UncacheableValue`` for one that can't come back as
+    it went in, before anything is written."""
+    try:
+        return _encoder.encode(_wire(value))
+    except (UnicodeEncodeError, ValueError, OverflowError, RecursionError) as exc:
+        # A lone surrogate, an int of more digits than str() writes: not storable.
+        problem = f"can't cache this value: {type(exc).__name__}: {exc}"[:300]
+        raise UncacheableValue(problem) from exc
 
 
 def _from_response(data: memoryview) -> HttpResponse:
     status, reason, charset, headers, content, cookies = _decoder.decode(data)
     response = HttpResponse(content, status=status, reason=reason, charset=charset)
+    stored = {str(name).lower() for name, _ in headers}
+    for name in [name for name in response.headers if name.lower() not in stored]:
+        del response.headers[name]  # the Content-Type HttpResponse adds (a 304 has none)
     for name, header in headers:
         response.headers[name] = header
     for name, value, attributes in cookies:
@@ -196,6 +233,10 @@ _FROM_EXT: dict[int, Callable[[memoryview], Any]] = {
     _DECIMAL: lambda data: decimal.Decimal(bytes(data).decode()),
     _UUID: lambda data: uuid.UUID(bytes=bytes(data)),
     _DATETIME: lambda data: datetime.datetime.fromisoformat(bytes(data).decode()),
+    _DATETIME_FOLD: lambda data: datetime.datetime.fromisoformat(bytes(data).decode()).replace(
+        fold=1
+    ),
+    _TIME_FOLD: lambda data: datetime.time.fromisoformat(bytes(data).decode()).replace(fold=1),
     _DATE: lambda data: datetime.date.fromisoformat(bytes(data).decode()),
     _TIME: lambda data: datetime.time.fromisoformat(bytes(data).decode()),
     _TIMEDELTA: _timedelta,
@@ -218,14 +259,21 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
-# What a payload that is not ours can make the decoders raise: msgspec's error, and the
-# constructors' (a bad ISO date, UUID length, Decimal, zone name, response shape).
-_BAD_PAYLOAD = (msgspec.DecodeError, ValueError, TypeError, KeyError, ArithmeticError)
-
-
 def loads(payload: bytes) -> Any:
-    """The value of ``payload``; raises ``UndecodableValue`` for one it can't read."""
+    """The value of ``payload``; raises ``UndecodableValue`` for one it can't read.
+    Any exception: a planted payload reaches msgspec's errors, the constructors' (a bad
+    ISO date, UUID, Decimal, zone name), ``http.cookies``' (a response's cookies), a
+    codec lookup (its charset) and ``RecursionError`` (nested deep)."""
     try:
         return _decoder.decode(payload)
-    except _BAD_PAYLOAD as exc:
+    except Exception as exc:
         raise UndecodableValue(f"{type(exc).__name__}: {exc}"[:200]) from exc
+
+
+def readable(payload: bytes) -> bool:
+    """Whether ``loads`` reads ``payload`` (``has_key``, ``add``, ``touch``)."""
+    try:
+        loads(payload)
+    except UndecodableValue:
+        return False
+    return True

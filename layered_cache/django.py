@@ -45,6 +45,7 @@ from layered_cache._django_values import (
     UndecodableValue,
     dumps,
     loads,
+    readable,
 )
 from layered_cache._keys import parse_template
 from layered_cache.sync import SyncLayeredCache
@@ -147,8 +148,8 @@ class LayeredCacheBackend(BaseCache):
 
         async def add(cache: LayeredCache, namespace: str) -> bool:
             async def step(current: Entry | None) -> bool:
-                if current is not None:
-                    return False
+                if current is not None and readable(current.payload):
+                    return False  # an unreadable payload is a miss: replaced
                 await write(cache, namespace, fields, entry)
                 return True
 
@@ -162,7 +163,7 @@ class LayeredCacheBackend(BaseCache):
 
         async def touch(cache: LayeredCache, namespace: str) -> bool:
             async def step(current: Entry | None) -> bool:
-                if current is None:
+                if current is None or not readable(current.payload):
                     return False
                 await write(cache, namespace, fields, Entry(current.payload, expires_at))
                 return True
@@ -182,7 +183,8 @@ class LayeredCacheBackend(BaseCache):
         return bool(self._call(delete, "delete"))
 
     def has_key(self, key: Any, version: int | None = None) -> bool:
-        return self._entry(self._fields(key, version)) is not None
+        entry = self._entry(self._fields(key, version))
+        return entry is not None and readable(entry.payload)
 
     def incr(self, key: Any, delta: int = 1, version: int | None = None) -> Any:
         """Add ``delta``, keeping the remaining timeout. Atomic with every other
