@@ -101,8 +101,8 @@ return redis.call('GET', KEYS[1])
 def version_ttl(config: Config) -> float:
     """How long a tag's token key lives after its last fetch or invalidation (seconds):
     a day, or twice the longest life of an entry of a tagged namespace if longer (the
-    module doc says why twice). Entries that ``expiry_of`` gives a longer life than the
-    namespace's TTL may outlive their token: they are then reloaded, never served stale."""
+    module doc says why twice). ``expiry_of`` can only shorten an entry's life
+    (``Policy.soft_expiry``), so the namespace's TTL bounds it."""
     lives = [_entry_life(ns) for ns in config.namespaces.values() if ns.tags]
     return max(VERSION_TTL_FLOOR, 2 * max(lives, default=0.0))
 
