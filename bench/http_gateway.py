@@ -57,7 +57,7 @@ async def _gateway(env: BenchEnv, s_maxage: float, purge: bool) -> AsyncIterator
     await db.open()
     await asyncio.to_thread(varnish.start, 60)
     try:
-        app = create_app(BookstoreSettings(config=config, db=db))
+        app = create_app(BookstoreSettings(config=config, db=db, produce_events=False))
         async with (
             serve(app, port=port) as base,
             httpx.AsyncClient(base_url=base, timeout=10) as direct,
