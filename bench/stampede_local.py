@@ -74,7 +74,7 @@ async def plain(url: str, key: str, value: Any, counter: Counter) -> float:
 
 
 async def layered(url: str, key: str, value: Any, counter: Counter) -> float:
-    config = make_config(url, key + ":", {"book": {"key": "book:{id}"}})
+    config = make_config(url, key, {"book": {"key": "book:{id}"}})
 
     async def loader() -> Any:
         counter.hit()

@@ -93,7 +93,7 @@ async def _async_worker(lib: str, url: str, key: str, counter: str, ready: Any, 
         from bench.configs import make_config
         from layered_cache import LayeredCache
 
-        cache = LayeredCache.from_config(make_config(url, key + ":", {"book": {"key": "book:{id}"}}))
+        cache = LayeredCache.from_config(make_config(url, key, {"book": {"key": "book:{id}"}}))
         await cache.start()
         await cache.get("book", {"id": 0})  # connect
         closers.append(cache.close)
