@@ -41,6 +41,7 @@ from redis.exceptions import ResponseError
 from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_commands import refused_xadd, xread_arguments
+from layered_cache._relay_send import send
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
 from layered_cache._stream import FUTURE_SLACK, missed_entries, parse_id, stream_info, trim_visible
@@ -286,7 +287,7 @@ class Relay:
                 command = await commands.next()
                 if command is None or command[0].upper() == b"QUIT":
                     return
-                await _send(writer, await self._execute(command), self._send_timeout)
+                await send(writer, await self._execute(command), self._send_timeout)
         except ProtocolError as exc:
             _log.warning("relay_bad_request", error=str(exc))
             writer.write(encode_error(f"ERR protocol error: {exc}"))
@@ -370,17 +371,3 @@ class Relay:
     def _entries_reply(self, entries: list[bytes]) -> bytes:
         header = b"*1\r\n*2\r\n" + encode(self._stream) + b"*%d\r\n" % len(entries)
         return header + b"".join(entries)
-
-
-async def _send(writer: asyncio.StreamWriter, reply: bytes, patience: float) -> None:
-    """Write ``reply``; past the transport's high-water mark, wait (``patience`` at most,
-    then TimeoutError) for the client to read. Unbounded, a client that sent reads and
-    never read the replies held its connection and their bytes for as long as the relay
-    ran; bounding every wait would cost a timer per reply, so only a full buffer is."""
-    writer.write(reply)
-    transport = writer.transport
-    if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
-        await writer.drain()  # not paused: returns at once
-        return
-    async with asyncio.timeout(patience):
-        await writer.drain()

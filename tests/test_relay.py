@@ -602,3 +602,97 @@ async def test_a_client_that_never_reads_its_replies_is_dropped_and_the_relay_se
         await through.aclose()
         await relay.close()
         await direct.aclose()
+
+
+async def _relay_with_entries(
+    url: str, prefix: str, send_timeout: float, size: int
+) -> tuple[Relay, str, int, str, list[asyncio.StreamWriter]]:
+    """A relay holding 1,000 entries of ``size`` bytes; the writers of its clients are
+    recorded (to see what the relay still holds for them)."""
+    config = make_config(url, prefix, backplane={"block": BLOCK})
+    stream = stream_of(config)
+    direct = redis.Redis.from_url(url, protocol=2)
+    await direct.xadd(stream, {"origin": "-"})
+    relay = Relay(
+        Upstream(config.redis, stream, 0.2),
+        stream,
+        block=0.2,
+        batch=1000,
+        send_timeout=send_timeout,
+    )
+    writers: list[asyncio.StreamWriter] = []
+    serve = relay._serve
+
+    async def recording(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await serve(reader, writer)
+
+    relay._serve = recording  # type: ignore[method-assign]
+    host, port = await relay.start("127.0.0.1", 0)
+    assert await eventually(lambda: relay.status().following)
+    pipe = direct.pipeline(transaction=False)
+    for i in range(1000):
+        pipe.xadd(stream, {"keys": f"k{i}".ljust(size, ".")})
+    ids = await pipe.execute()
+    assert await eventually(lambda: relay.status().last_id == ids[-1].decode())
+    await direct.aclose()
+    return relay, host, port, stream, writers
+
+
+def _read_all(stream: str) -> bytes:
+    command = "*6\r\n$5\r\nXREAD\r\n$5\r\nCOUNT\r\n$4\r\n1000\r\n$7\r\nSTREAMS\r\n"
+    return (command + f"${len(stream)}\r\n{stream}\r\n$3\r\n0-0\r\n").encode()
+
+
+def _small_socket(host: str, port: int) -> socket.socket:
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: binding
+    raw.connect((host, port))
+    raw.setblocking(False)
+    return raw
+
+
+async def test_a_client_reading_a_large_reply_slowly_but_steadily_is_not_dropped(
+    redis_url: str, prefix: str
+) -> None:
+    """Review 2026-12-04: the whole drain was bounded, so a 6 MB reply to a client
+    reading ~100 KB/s was cut after send_timeout. It is bounded by progress now."""
+    relay, host, port, stream, _ = await _relay_with_entries(redis_url, prefix, 1.0, 6000)
+    raw = _small_socket(host, port)
+    try:
+        raw.send(_read_all(stream))
+        assert await eventually(lambda: relay.status().clients == 1)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while loop.time() - started < 3.5:  # three and a half send_timeouts
+            await asyncio.sleep(1 / 16)
+            with contextlib.suppress(BlockingIOError):
+                raw.recv(8192)  # ~128 KB/s
+            assert relay.status().clients == 1, "a steady reader was dropped"
+    finally:
+        raw.close()
+        await relay.close()
+
+
+async def test_a_dropped_client_releases_its_connection_and_unread_replies(
+    redis_url: str, prefix: str
+) -> None:
+    """Review 2026-12-04: the drop was writer.close(), which waits for the buffer to
+    flush: the socket and ~1.3 MB per client stayed for as long as the relay ran."""
+    relay, host, port, stream, writers = await _relay_with_entries(redis_url, prefix, 0.5, 2000)
+    sockets = [_small_socket(host, port) for _ in range(5)]
+    try:
+        for raw in sockets:
+            raw.send(_read_all(stream) * 5)
+        assert await eventually(lambda: len(writers) == 5, timeout=5)
+        assert await eventually(lambda: relay.status().clients == 0, timeout=10)
+        assert await eventually(
+            lambda: all(w.transport.is_closing() and w.transport.get_write_buffer_size() == 0
+                        for w in writers),
+            timeout=5,
+        )  # fmt: skip
+        assert all(w.transport.get_extra_info("socket").fileno() == -1 for w in writers)
+    finally:
+        for raw in sockets:
+            raw.close()
+        await relay.close()
