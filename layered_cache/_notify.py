@@ -82,6 +82,8 @@ class FillNotifier:
         # Channels whose subscription went with a replaced connection (``_reset``) while
         # waiters stayed: the next waiter on one subscribes again, for them all.
         self._lost: set[str] = set()
+        self._chores: set[asyncio.Task[None]] = set()  # UNSUBSCRIBEs owed (``_remove``)
+        self._closed = False  # no connection is opened again once closing began
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -119,6 +121,8 @@ class FillNotifier:
         resurface_cancel(task, requested)  # UNSUBSCRIBE too goes through ``wait_for``
 
     async def _add(self, sub: _Subscription) -> None:
+        if self._closed:
+            return  # a waiter of a closing cache: its re-reads will do (no new connection)
         async with self._lock:
             waiters = self._waiters.setdefault(sub.channel, [])
             waiters.append(sub)
@@ -137,6 +141,11 @@ class FillNotifier:
                 # goes with it: nothing for ``_remove`` to unsubscribe.
                 self._unregister(sub)
                 await self._reset()
+                raise
+            except REDIS_FAILURES:
+                # Not subscribed (Redis down): the channel's next waiter must try again
+                # rather than count as subscribed while this one is still registered.
+                self._lost.add(sub.channel)
                 raise
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="layered_cache._notify")
@@ -158,18 +167,40 @@ class FillNotifier:
         # must not leave the waiter registered.
         if not self._unregister(sub):
             return  # other waiters still use the subscription, or it never was made
-        async with self._lock:
-            if sub.channel in self._waiters:
-                return  # a new waiter subscribed again meanwhile
-            try:
-                with contextlib.suppress(*REDIS_FAILURES):
-                    if self._sharded:
-                        await self._pubsub.sunsubscribe(sub.channel)
-                    else:
-                        await self._pubsub.unsubscribe(sub.channel)
-            except asyncio.CancelledError:
-                await self._reset()  # timed out mid-command: don't reuse the connection
-                raise
+        try:
+            await self._lock.acquire()
+        except asyncio.CancelledError:
+            # Cancelled (or timed out) waiting for the lock: the UNSUBSCRIBE is still
+            # owed. Skipped, the channel stayed subscribed with nobody waiting: fills
+            # kept publishing to it and the reader never ended.
+            chore = asyncio.create_task(self._unsubscribe_later(sub.channel))
+            self._chores.add(chore)
+            chore.add_done_callback(self._chores.discard)
+            raise
+        try:
+            await self._unsubscribe(sub.channel)
+        finally:
+            self._lock.release()
+
+    async def _unsubscribe_later(self, channel: str) -> None:
+        with contextlib.suppress(Exception):
+            async with self._lock:
+                await self._unsubscribe(channel)
+
+    async def _unsubscribe(self, channel: str) -> None:
+        """UNSUBSCRIBE ``channel`` unless a waiter subscribed again meanwhile; the lock
+        is held."""
+        if channel in self._waiters or self._closed:
+            return
+        try:
+            with contextlib.suppress(*REDIS_FAILURES):
+                if self._sharded:
+                    await self._pubsub.sunsubscribe(channel)
+                else:
+                    await self._pubsub.unsubscribe(channel)
+        except asyncio.CancelledError:
+            await self._reset()  # timed out mid-command: don't reuse the connection
+            raise
 
     async def _reset(self) -> None:
         """Replace the pub/sub connection. Other waiters' subscriptions are lost with it;
@@ -212,6 +243,9 @@ class FillNotifier:
     async def close(self) -> None:
         """Never hangs: a reader cancelled inside a blocking read may only wake once its
         socket is closed, so the connections are closed before waiting (bounded)."""
+        self._closed = True
+        for chore in list(self._chores):
+            chore.cancel()
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.cancel()

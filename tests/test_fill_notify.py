@@ -23,7 +23,7 @@ from layered_cache import Config, LayeredCache
 from layered_cache._l2 import NOTIFY_INLINE_MAX
 from layered_cache._notify import FillNotifier
 from tests.helpers import CountingLoader, eventually, make_config
-from tests.servers import RedisClusterServers
+from tests.servers import RedisClusterServers, RedisServer
 
 SMALL = "s" * 100
 LARGE = "L" * (NOTIFY_INLINE_MAX * 5)
@@ -312,3 +312,102 @@ async def test_a_waiter_cancelled_as_its_subscribe_completes_stops(
         assert wrong.calls == 0
         assert notifier._waiters == {}
         assert await leases.filled() == ["right"] * 41
+
+
+# -- found by review, 2026-12-04 -----------------------------------------------------------
+
+
+async def _numsub(admin: redis.Redis, channel: str) -> int:
+    return int(dict(await admin.pubsub_numsub(channel))[channel.encode()])
+
+
+async def test_a_waiter_cancelled_while_waiting_to_unsubscribe_leaves_no_subscription(
+    redis_url: str, prefix: str
+) -> None:
+    """A waits for the lock to UNSUBSCRIBE (B's SUBSCRIBE holds it) and is cancelled
+    there: the UNSUBSCRIBE was never sent, the channel stayed subscribed with nobody
+    waiting (fills kept publishing to it) and the reader never ended."""
+    notifier = FillNotifier(redis.Redis.from_url(redis_url))
+    admin = redis.Redis.from_url(redis_url)
+    a, b = f"{prefix}a:filled", f"{prefix}b:filled"
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def waiter_a() -> None:
+        async with notifier.subscribe(a, 2.0):
+            inside.set()
+            await leave.wait()
+
+    try:
+        first = asyncio.create_task(waiter_a())
+        await asyncio.wait_for(inside.wait(), 5)
+        subscribe, subscribing = notifier._pubsub.subscribe, asyncio.Event()
+
+        async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
+            subscribing.set()
+            await asyncio.sleep(0.2)  # B's SUBSCRIBE holds the lock
+            return await subscribe(*args, **kwargs)
+
+        notifier._pubsub.subscribe = slow_subscribe  # type: ignore[method-assign]
+
+        async def waiter_b() -> None:
+            async with notifier.subscribe(b, 2.0):
+                await asyncio.sleep(0.3)
+
+        second = asyncio.create_task(waiter_b())
+        await asyncio.wait_for(subscribing.wait(), 5)
+        leave.set()
+        await asyncio.sleep(0.05)  # A's leaving now waits for the lock
+        first.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        assert notifier._waiters == {}
+        assert await eventually(lambda: _unsubscribed(admin, a), timeout=5)
+        reader = notifier._reader
+        assert await eventually(lambda: reader is None or reader.done(), timeout=5)
+    finally:
+        await notifier.close()
+        await admin.aclose()
+
+
+async def _unsubscribed(admin: redis.Redis, channel: str) -> bool:
+    return await _numsub(admin, channel) == 0
+
+
+async def test_a_subscribe_that_failed_is_tried_again_by_the_next_waiter(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Redis down at the first SUBSCRIBE: the waiter stayed registered, so the next one
+    on the channel counted as subscribed without subscribing, and no fill woke it."""
+    notifier = FillNotifier(redis.Redis.from_url(redis_server.url))
+    channel = f"{prefix}k:filled"
+    try:
+        redis_server.stop()
+        async with notifier.subscribe(channel, 10.0) as first:  # fails: Redis is down
+            assert not first.confirmed.is_set()
+            redis_server.start()
+            admin = redis.Redis.from_url(redis_server.url)
+            try:
+                async with notifier.subscribe(channel, 10.0) as later:
+                    assert later.confirmed.is_set()
+                    await admin.publish(channel, b"envelope")
+                    assert await later.wait(5) == b"envelope"
+            finally:
+                await admin.aclose()
+    finally:
+        await notifier.close()
+
+
+async def test_a_waiter_leaving_after_close_opens_no_connection(redis_url: str, prefix: str) -> None:
+    name = f"{prefix}notifier".replace(":", "-")
+    notifier = FillNotifier(redis.Redis.from_url(redis_url, client_name=name))
+    admin = redis.Redis.from_url(redis_url)
+
+    async def connections() -> int:
+        return sum(1 for client in await admin.client_list() if client.get("name") == name)
+
+    try:
+        async with notifier.subscribe(f"{prefix}a:filled", 2.0):
+            await notifier.close()  # the cache closes while a request still waits
+        await asyncio.sleep(0.3)
+        assert await connections() == 0
+    finally:
+        await admin.aclose()
