@@ -51,6 +51,7 @@ __all__ = ["Relay", "RelayStatus"]
 _log = structlog.get_logger("layered_cache.relay")
 
 # Commands forwarded to Redis as they are, when their key is the relay's stream.
+_LEFT_CHECK = 1.0  # seconds between checks that a client in a blocking XREAD is still there
 _FORWARDED = {b"XINFO", b"XREVRANGE", b"XRANGE", b"XADD"}
 _ACKNOWLEDGED = {b"CLIENT", b"SELECT"}  # redis-py's connection set-up
 _REPLY_BYTES = 32 * 1024 * 1024  # cached XREAD replies, at most (``_Tail.remember``)
@@ -287,7 +288,7 @@ class Relay:
                 command = await commands.next()
                 if command is None or command[0].upper() == b"QUIT":
                     return
-                await send(writer, await self._execute(command), self._send_timeout)
+                await send(writer, await self._execute(command, reader), self._send_timeout)
         except ProtocolError as exc:
             _log.warning("relay_bad_request", error=str(exc))
             writer.write(encode_error(f"ERR protocol error: {exc}"))
@@ -299,10 +300,10 @@ class Relay:
             self._connections.discard(writer)
             writer.close()
 
-    async def _execute(self, command: list[bytes]) -> bytes:
+    async def _execute(self, command: list[bytes], client: asyncio.StreamReader) -> bytes:
         name = command[0].upper()
         if name == b"XREAD":
-            return await self._xread(command[1:])
+            return await self._xread(command[1:], client)
         if name == b"PING":
             return b"+PONG\r\n"
         if name == b"HELLO":
@@ -331,7 +332,7 @@ class Relay:
                 raise _Unavailable from exc
             raise
 
-    async def _xread(self, arguments: list[bytes]) -> bytes:
+    async def _xread(self, arguments: list[bytes], client: asyncio.StreamReader) -> bytes:
         try:
             count, block_ms, after = xread_arguments(arguments, self._stream)
         except ValueError as exc:
@@ -352,7 +353,7 @@ class Relay:
             served = tail.after(position, count)
             if served:
                 self._from_memory += 1
-                return tail.remember((position, count), self._entries_reply(served))
+                return tail.remember((position, count), _entries_reply(self._stream, served))
             if served is None:  # older than memory: Redis answers (catch-up)
                 read = [b"XREAD", b"COUNT", b"%d" % (count or self._batch), b"STREAMS"]
                 reply = await self._forward([*read, self._stream, b"%d-%d" % position])
@@ -363,11 +364,16 @@ class Relay:
             if remaining is None or remaining <= 0:
                 return NIL_ARRAY
             # asyncio.timeout, not wait_for: wait_for runs the wait as a task of its own,
-            # per reader per delivery (Python 3.11), a third of the relay's CPU.
+            # per reader per delivery (Python 3.11), a third of the relay's CPU. Woken at
+            # least every second to see whether the client left (Redis frees a blocked
+            # client that disconnects; a BLOCK 0 here held it until the next entry).
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(min(remaining, _LEFT_CHECK)):
                     await arrived.wait()
+            if client.at_eof():
+                raise ConnectionResetError("the client left during its blocking read")
 
-    def _entries_reply(self, entries: list[bytes]) -> bytes:
-        header = b"*1\r\n*2\r\n" + encode(self._stream) + b"*%d\r\n" % len(entries)
-        return header + b"".join(entries)
+
+def _entries_reply(stream: bytes, entries: list[bytes]) -> bytes:
+    header = b"*1\r\n*2\r\n" + encode(stream) + b"*%d\r\n" % len(entries)
+    return header + b"".join(entries)

@@ -696,3 +696,20 @@ async def test_a_dropped_client_releases_its_connection_and_unread_replies(
         for raw in sockets:
             raw.close()
         await relay.close()
+
+
+async def test_a_client_that_leaves_during_a_blocking_read_is_let_go(
+    redis_url: str, prefix: str
+) -> None:
+    """Review 2026-12-04: a client that disconnected in a BLOCK 0 read on an idle stream
+    stayed connected and counted until the next entry (Redis frees it at once)."""
+    relay, host, port, stream, _ = await _relay_with_entries(redis_url, prefix, 0.5, 10)
+    try:
+        raw = socket.create_connection((host, port))
+        block = "*6\r\n$5\r\nXREAD\r\n$5\r\nBLOCK\r\n$1\r\n0\r\n$7\r\nSTREAMS\r\n"
+        raw.send(f"{block}${len(stream)}\r\n{stream}\r\n$1\r\n$\r\n".encode())
+        assert await eventually(lambda: relay.status().clients == 1)
+        raw.close()
+        assert await eventually(lambda: relay.status().clients == 0, timeout=3)
+    finally:
+        await relay.close()
