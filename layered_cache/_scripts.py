@@ -46,7 +46,6 @@ __all__ = [
     "WRITE_SCRIPT",
     "fill_args",
     "write_args",
-    "write_one_args",
     "write_script_args",
 ]
 
@@ -172,22 +171,6 @@ def write_args(
     return keys, args
 
 
-def write_one_args(
-    write: tuple[Sequence[str], Sequence[str], bytes, int],
-    stream: str | None = None,
-    maxlen: int = 0,
-    fields: Sequence[bytes | str] = (),
-) -> tuple[list[str], list[bytes | str | int]] | None:
-    """(KEYS, ARGV) of ``WRITE_ONE_SCRIPT`` for one ``(names, delete_first, data, ttl_ms)``
-    write, or None when it is not one name and one lease (``WRITE_SCRIPT`` takes it)."""
-    names, deletes, data, ttl_ms = write
-    if len(names) != 1 or len(deletes) != 1:
-        return None
-    if stream is None:
-        return [names[0], deletes[0]], [data, ttl_ms]
-    return [names[0], deletes[0], stream], [data, ttl_ms, maxlen, *fields]
-
-
 # KEYS: the name to SET, the lease to DEL, then the stream if the write is announced.
 # ARGV: the data and its TTL (ms), then, if announced, the stream's MAXLEN and the
 # entry's field/value pairs. Returns what ``WRITE_SCRIPT`` returns; same order, same
@@ -212,9 +195,11 @@ def write_script_args(
     maxlen: int = 0,
     fields: Sequence[bytes | str] = (),
 ) -> tuple[bool, list[str], list[bytes | str | int]]:
-    """Whether ``WRITE_ONE_SCRIPT`` takes ``writes`` (one key, not hot), and the KEYS and
-    ARGV of the script that does."""
-    one = write_one_args(writes[0], stream, maxlen, fields) if len(writes) == 1 else None
-    if one is not None:
-        return True, *one
-    return False, *write_args(writes, stream, maxlen, fields)
+    """Whether ``WRITE_ONE_SCRIPT`` takes ``writes`` (one name and its lease: a key that
+    is not hot), and the KEYS and ARGV of the script that does."""
+    if len(writes) != 1 or len(writes[0][0]) != 1 or len(writes[0][1]) != 1:
+        return False, *write_args(writes, stream, maxlen, fields)
+    (name,), (lease,), data, ttl_ms = writes[0]
+    if stream is None:
+        return True, [name, lease], [data, ttl_ms]
+    return True, [name, lease, stream], [data, ttl_ms, maxlen, *fields]
