@@ -188,6 +188,21 @@ class _HeldLeases:
         return await asyncio.gather(*self.tasks)
 
 
+def _slow_subscribes(notifier: FillNotifier, delay: float) -> asyncio.Event:
+    """Delay every SUBSCRIBE on ``notifier``'s current connection by ``delay`` (a slow
+    reply); the event is set as one begins."""
+    subscribing = asyncio.Event()
+    subscribe = notifier._pubsub.subscribe
+
+    async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
+        subscribing.set()
+        await asyncio.sleep(delay)
+        return await subscribe(*args, **kwargs)
+
+    notifier._pubsub.subscribe = slow_subscribe  # type: ignore[method-assign]
+    return subscribing
+
+
 async def test_a_waiter_cancelled_while_subscribing_leaves_no_subscription(
     redis_url: str, prefix: str
 ) -> None:
@@ -200,15 +215,7 @@ async def test_a_waiter_cancelled_while_subscribing_leaves_no_subscription(
         leases = _HeldLeases(b, "right", range(1, 2))
         assert await leases.held()
         notifier = _fill_notifier(a)
-        subscribing = asyncio.Event()
-        subscribe = notifier._pubsub.subscribe
-
-        async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
-            subscribing.set()
-            await asyncio.sleep(0.05)  # the SUBSCRIBE's reply is slow
-            return await subscribe(*args, **kwargs)
-
-        notifier._pubsub.subscribe = slow_subscribe  # type: ignore[method-assign]
+        subscribing = _slow_subscribes(notifier, 0.05)  # the SUBSCRIBE's reply is slow
         wrong = CountingLoader("wrong")
         waiter = asyncio.create_task(a.get_or_load("book", {"id": 1}, wrong))
         await asyncio.wait_for(subscribing.wait(), 10)
@@ -245,15 +252,7 @@ async def test_a_waiter_on_a_channel_whose_subscription_a_reset_dropped_subscrib
     channel = f"{prefix}book:1:filled"
     try:
         async with notifier.subscribe(channel, 2.0) as first:
-            subscribing = asyncio.Event()
-            subscribe = notifier._pubsub.subscribe
-
-            async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
-                subscribing.set()
-                await asyncio.sleep(0.05)  # the SUBSCRIBE's reply is slow
-                return await subscribe(*args, **kwargs)
-
-            notifier._pubsub.subscribe = slow_subscribe  # type: ignore[method-assign]
+            subscribing = _slow_subscribes(notifier, 0.05)  # the SUBSCRIBE's reply is slow
 
             async def other_channel() -> None:
                 async with notifier.subscribe(f"{prefix}book:2:filled", 2.0):
@@ -340,14 +339,7 @@ async def test_a_waiter_cancelled_while_waiting_to_unsubscribe_leaves_no_subscri
     try:
         first = asyncio.create_task(waiter_a())
         await asyncio.wait_for(inside.wait(), 5)
-        subscribe, subscribing = notifier._pubsub.subscribe, asyncio.Event()
-
-        async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
-            subscribing.set()
-            await asyncio.sleep(0.2)  # B's SUBSCRIBE holds the lock
-            return await subscribe(*args, **kwargs)
-
-        notifier._pubsub.subscribe = slow_subscribe  # type: ignore[method-assign]
+        subscribing = _slow_subscribes(notifier, 0.2)  # B's SUBSCRIBE holds the lock
 
         async def waiter_b() -> None:
             async with notifier.subscribe(b, 2.0):
