@@ -215,9 +215,9 @@ class LayeredCacheBackend(BaseCache):
             return await cache.get_many(namespace, [fields for _, fields in wanted])
 
         entries = self._call(get_all, "get_many")
-        now = self._now()
+        now, parts = self._now(), self._parts()
         values = {
-            key: _value(entry, *self._parts())
+            key: _value(entry, *parts)
             for (key, _), entry in zip(wanted, entries, strict=True)
             if _alive(entry, now)
         }
