@@ -37,6 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from layered_cache._busypoll import BusyPoll, SocketPoll
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._replies import ReplyParser
 
@@ -122,11 +123,14 @@ class HeldConnection:
     ``tests/test_held_connection.py``, which ``make test`` also runs on the oldest
     redis-py it supports, with hiredis."""
 
-    def __init__(self, client: Redis) -> None:
+    def __init__(self, client: Redis, busy_poll: BusyPoll | None = None) -> None:
         self._client = client
         self._connection: AbstractConnection | None = None
         self._parser = ReplyParser()
         self._busy = False
+        self._busy_poll = busy_poll  # None: a command that may block (XREAD BLOCK)
+        self._socket: SocketPoll | None = None
+        self._socket_of: object = None  # the StreamWriter ``_socket`` polls for
 
     async def execute(self, *args: bytes | str | int) -> Any:
         """Send ``args`` and return the reply. One command at a time: a second caller
@@ -205,15 +209,33 @@ class HeldConnection:
 
     async def _read(self, connection: AbstractConnection) -> Any:
         parser = self._parser
+        spin = self._busy_poll
         while True:
             done, reply = parser.reply()
             if done:
                 return reply
+            if spin is not None and not others_are_ready():
+                # Once, before the loop is first asked to wait: see ``_busypoll``.
+                socket = self._polled(connection)
+                if socket is not None:
+                    spin.wait(socket)
+            spin = None
             reader = connection._reader
             data = await reader.read(_READ_SIZE) if reader is not None else b""
             if not data:
                 raise RedisConnectionError("Connection closed by server.")
             parser.feed(data)
+
+    def _polled(self, connection: AbstractConnection) -> SocketPoll | None:
+        """The readability check of ``connection``'s socket, made again when redis-py
+        reconnected it (a new writer, a new socket)."""
+        writer = connection._writer
+        if writer is not self._socket_of:
+            sock = writer.get_extra_info("socket") if writer is not None else None
+            fileno = sock.fileno() if sock is not None else -1
+            self._socket = SocketPoll(fileno) if fileno >= 0 else None
+            self._socket_of = writer
+        return self._socket
 
     async def close(self) -> None:
         """Disconnect the held connection (if any) and return it to the pool."""
@@ -246,13 +268,15 @@ class DirectClient:
     sit on it. The stack never exceeds the commands in flight at once, which
     ``L2Store.slots`` bounds; ``close`` gives them back to the pool."""
 
-    def __init__(self, client: Redis) -> None:
+    def __init__(self, client: Redis, busy_poll: float = 0.0) -> None:
         self.client = client
         self._idle: list[HeldConnection] = []
+        # One for all the connections: they reach the same server (``_busypoll``).
+        self.busy_poll = BusyPoll(busy_poll) if busy_poll > 0 else None
 
     async def execute(self, args: tuple[bytes | str | int, ...]) -> Any:
         idle = self._idle
-        held = idle.pop() if idle else HeldConnection(self.client)
+        held = idle.pop() if idle else HeldConnection(self.client, self.busy_poll)
         try:
             return await held.run(args)
         finally:

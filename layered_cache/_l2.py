@@ -33,7 +33,6 @@ from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import (
     REDIS_FAILURES,
     RedisClient,
-    as_single_node,
     raised_in_redis_py,
     resurface_cancel,
 )
@@ -129,6 +128,10 @@ class L2Unavailable(Exception):
     """Redis could not be used for this operation (error, timeout or breaker open)."""
 
 
+def _direct_client(client: RedisClient, busy_poll: float) -> direct.DirectClient | None:
+    return None if isinstance(client, RedisCluster) else direct.DirectClient(client, busy_poll)
+
+
 class L2Store:
     """Redis operations of the cache, each guarded by the circuit breaker."""
 
@@ -138,18 +141,18 @@ class L2Store:
         breaker: CircuitBreaker,
         max_in_flight: int = 64,
         deadline: float | None = None,
+        busy_poll: float = 0.0,  # seconds (``_busypoll``); single node only
     ) -> None:
         self.client = client
         self.breaker = breaker
-        # Bounds the connections the read path opens: a burst queues here (cheaply, no
-        # timer) instead of opening a connection per waiting request.
+        # Bounds the read path's connections: a burst queues here (no timer), not one each.
         self.slots = asyncio.Semaphore(max_in_flight)
         self.breakers = NodeBreakers(client, breaker)
         self.node_breakers = self.breakers.by_node  # one per master (cluster), by host:port
         self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures
         self.cluster = isinstance(client, RedisCluster)
         # Single node: the request path's commands, on connections kept between them.
-        self.direct = None if self.cluster else direct.DirectClient(as_single_node(client))
+        self.direct = _direct_client(client, busy_poll)
         self.notify_inline_max = NOTIFY_INLINE_MAX
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)

@@ -56,7 +56,9 @@ def build_parts(config: Config) -> CacheParts:
     # A cluster operation's overall deadline: one connect (a cold or re-established
     # connection) plus one command, the bound each single step already had.
     deadline = config.redis.connect_timeout + config.redis.timeout
-    store = L2Store(client, breaker, config.redis.max_connections, deadline)
+    store = L2Store(
+        client, breaker, config.redis.max_connections, deadline, config.redis.busy_poll
+    )
     publisher = listener_client = stream = fallback_client = None
     if config.backplane.enabled:
         stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)

@@ -20,6 +20,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LAYERED_CACHE_REDIS_USERNAME": ("redis", "username"),
     "LAYERED_CACHE_REDIS_PASSWORD": ("redis", "password"),
     "LAYERED_CACHE_REDIS_TIMEOUT": ("redis", "timeout"),
+    "LAYERED_CACHE_REDIS_BUSY_POLL": ("redis", "busy_poll"),
     "LAYERED_CACHE_REDIS_SSL_CA_CERTS": ("redis", "ssl_ca_certs"),
     "LAYERED_CACHE_KAFKA_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
     "LAYERED_CACHE_KAFKA_GROUP_ID": ("kafka", "group_id"),

@@ -64,6 +64,10 @@ class BreakerConfig(_Section, frozen=True):
         positive(self, "reset")
 
 
+# A spin longer than this costs more CPU than the sleep it saves (``_busypoll``).
+_MAX_BUSY_POLL = 0.001
+
+
 class RedisConfig(_Section, frozen=True):
     url: str = "redis://127.0.0.1:6379/0"
     cluster: bool = False
@@ -80,12 +84,17 @@ class RedisConfig(_Section, frozen=True):
     ssl_keyfile: str | None = None
     # 0 would make every Redis call wait forever for a connection.
     max_connections: AtLeastOne = 64
+    # After sending a request-path command on a single node, poll its socket this long
+    # for the reply before the event loop sleeps for it (``_busypoll``); 0s: never.
+    busy_poll: Duration = Duration(0.00005)
     breaker: BreakerConfig = BreakerConfig()
 
     def __post_init__(self) -> None:
         if problem := url_problem(self.url):
             raise bad("url", f"{problem}, got {redact_url(self.url)!r}")
         positive(self, "timeout", "connect_timeout")
+        if self.busy_poll > _MAX_BUSY_POLL:
+            raise bad("busy_poll", f"must be <= 1ms, got {self.busy_poll * 1e6:g}us")
         if self.nodes and not self.cluster:
             raise bad("nodes", "seed nodes are for a cluster: set cluster = true, or drop nodes")
         for node in self.nodes:

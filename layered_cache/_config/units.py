@@ -21,7 +21,8 @@ __all__ = [
 
 
 class Duration(float):
-    """Seconds, written in the file as "50ms", "5s", "10m", "1h" (or a plain number)."""
+    """Seconds, written in the file as "50ms", "5s", "10m", "1h" (or a plain number);
+    "50us" for the one setting measured in microseconds (``redis.busy_poll``)."""
 
 
 class Rate(float):
@@ -30,8 +31,8 @@ class Rate(float):
 
 # The unit may be left out (seconds, per second), as for a bare number in the file: an
 # environment variable (``LAYERED_CACHE_REDIS_TIMEOUT=0.5``) is always a string.
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")
+_DURATION_UNITS = {"us": 0.000001, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|m|h))?\s*$")
 _RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -43,7 +44,7 @@ _MAX_DURATION_TEXT = "3650d"
 
 
 def parse_duration(text: object) -> Duration:
-    """Parse "50ms" / "5s" / "10m" / "1h" / "1d" or a non-negative number of seconds,
+    """Parse "50us" / "50ms" / "5s" / "10m" / "1h" / "1d" or a non-negative number of seconds,
     at most ``MAX_DURATION`` (ten years)."""
     if isinstance(text, bool):
         raise ValueError(f'expected a duration like "10m", got {text!r}')

@@ -65,6 +65,8 @@ def format_duration(seconds: float) -> str:
     """``600.0`` -> ``"10m"``: durations read back the way a config file writes them."""
     if seconds == 0:
         return "0s"
+    if seconds < 0.001:
+        return f"{seconds * 1e6:g}us"
     if seconds < 1:
         return f"{seconds * 1000:g}ms"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
