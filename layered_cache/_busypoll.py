@@ -33,9 +33,10 @@ from __future__ import annotations
 import select
 import time
 
-__all__ = ["MAX_SKIP", "BusyPoll", "SocketPoll"]
+__all__ = ["AVAILABLE", "MAX_SKIP", "BusyPoll", "SocketPoll"]
 
 MAX_SKIP = 1024  # commands without a spin after a run of spins that found nothing
+AVAILABLE = hasattr(select, "poll")  # not on Windows: there the cache never spins
 
 
 class SocketPoll:

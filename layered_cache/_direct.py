@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from layered_cache._busypoll import BusyPoll, SocketPoll
+from layered_cache._busypoll import AVAILABLE, BusyPoll, SocketPoll
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._replies import ReplyParser
 
@@ -272,7 +272,7 @@ class DirectClient:
         self.client = client
         self._idle: list[HeldConnection] = []
         # One for all the connections: they reach the same server (``_busypoll``).
-        self.busy_poll = BusyPoll(busy_poll) if busy_poll > 0 else None
+        self.busy_poll = BusyPoll(busy_poll) if busy_poll > 0 and AVAILABLE else None
 
     async def execute(self, args: tuple[bytes | str | int, ...]) -> Any:
         idle = self._idle
