@@ -18,6 +18,7 @@ def make_config(
     backplane: bool | dict[str, Any] = True,
     timeout: str = "1s",
     connect_timeout: str = "1s",
+    busy_poll: str = "50us",  # the default; "0s" for the rows that show its effect
     **sections: Any,
 ) -> Config:
     raw: dict[str, Any] = {
@@ -28,6 +29,7 @@ def make_config(
             "timeout": timeout,
             "connect_timeout": connect_timeout,
             "max_connections": 256,
+            "busy_poll": busy_poll,
         },
         "backplane": backplane if isinstance(backplane, dict) else {"enabled": backplane},
         "logging": {"level": "warning"},
