@@ -20,6 +20,7 @@ SCENARIOS = [
     "l1_hit",
     "l2_hit",
     "sets",
+    "wakeup",
     "memory",
     "l2_memory",
     "stampede_local",
