@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from layered_cache import _direct as direct
 from layered_cache._keys import fill_channel
 from layered_cache._l2 import L2Store
 from layered_cache._scripts import FILL_SCRIPT, RELEASE_SCRIPT, fill_args
@@ -30,13 +31,17 @@ class L2Batch:
         """The values of ``names`` in order (None: missing, or not a string)."""
         if not names:
             return []
-        client = self._store.client
-        if self._store.cluster:
+        store = self._store
+        if store.cluster:
             # Groups by slot, one pipelined MGET per slot: a round trip per master.
-            operation = client.mget_nonatomic(list(names))  # type: ignore[union-attr]
+            operation = store.client.mget_nonatomic(list(names))  # type: ignore[union-attr]
         else:
-            operation = client.mget(list(names))
-        return list(await self._store.guard(operation))
+            # Packed and parsed by ``_direct``, on a kept connection: redis-py's parser
+            # awaits the stream once per value (50 of them on a list page), and its pool
+            # checkout and ``wait_for`` cost as much again (``_direct``).
+            assert store.direct is not None
+            operation = direct.execute_command(store.direct, "MGET", *names)
+        return list(await store.guard(operation))
 
     async def acquire_leases(self, leases: Sequence[str], token: str, ttl_ms: int) -> list[bool]:
         """SET NX PX every lease with one token: which ones we hold now."""

@@ -64,6 +64,22 @@ async def test_get_many_of_50_warm_keys_is_one_mget_in_order(
     await admin.aclose()
 
 
+async def test_get_many_reads_values_of_any_size_and_treats_other_types_as_misses(
+    redis_client: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    """The single-node MGET is packed and parsed by the library (``_direct``): values
+    spanning several socket reads, a key holding a list (WRONGTYPE for a GET, nil in an
+    MGET) and a missing key each land where they belong."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    async with LayeredCache.from_config(config) as cache:
+        big = {i: "x" * (i * 40_000) for i in range(1, 6)}  # up to 200 KB each
+        await cache.set_many("book", list(({"id": i}, v) for i, v in big.items()))
+        await redis_client.rpush(cache.key("book", {"id": 6}), "not a value")
+        values = await cache.get_many("book", _ids(7))
+        assert values == [*big.values(), None, None]
+        assert await cache.get_many("book", _ids(7)) == values  # the connection is sane
+
+
 async def test_get_many_answers_l1_hits_without_redis(
     redis_server: RedisServer, prefix: str
 ) -> None:
