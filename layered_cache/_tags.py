@@ -41,12 +41,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceConfig
-from layered_cache._keys import loading_set_name, tag_version_name, validate_tag
+from layered_cache._keys import (
+    MAX_TAG_LENGTH,
+    TAG_PATTERN,
+    loading_set_name,
+    tag_version_name,
+    validate_tag,
+)
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._memory_policy import refused_for_memory
 
@@ -62,6 +69,14 @@ __all__ = [
 
 # A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
 TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
+
+_TAG = re.compile(TAG_PATTERN)
+
+
+def _is_tag(tag: str) -> bool:
+    """Whether ``validate_tag`` accepts ``tag``: for tags read back from Redis, where a
+    refused one means a planted envelope, not a caller's mistake."""
+    return len(tag) <= MAX_TAG_LENGTH and _TAG.fullmatch(tag) is not None
 
 
 def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
@@ -165,8 +180,10 @@ class TagVersions:
     def known(self, tags: Mapping[str, str]) -> bool | None:
         """True: every version is current; False: one is outdated (the entry is dead);
         None: a tag this instance hasn't seen yet (``fetch`` it to decide)."""
-        unknown = False
         versions = self._trusted()
+        if tags.items() <= versions.items():  # the common case, in one C loop
+            return True
+        unknown = False
         for tag, version in tags.items():
             current = versions.get(tag)
             if current is None:
@@ -191,16 +208,25 @@ class TagVersions:
         state = self.known(tags)
         if state is not None:
             return state
+        if not all(_is_tag(tag) for tag in tags):
+            return False  # planted in Redis: no caller could give it (``_codec.Envelope``)
         current = await self.current(tags)
         return all(current[tag] == version for tag, version in tags.items())
 
     async def valid_many(self, entries: Sequence[Mapping[str, str]]) -> list[bool]:
         """``valid`` for each of many entries, every unknown tag fetched in one round
         trip (the batches)."""
-        if not entries:
-            return []
-        current = await self.current({tag for tags in entries for tag in tags})
-        return [all(current[tag] == version for tag, version in tags.items()) for tags in entries]
+        verdicts = [self.known(tags) for tags in entries]
+        # Undecided: a tag this instance hasn't seen. A tag no caller could give is a
+        # planted envelope, dead (``valid``); the rest are fetched, all at once.
+        fetch = [
+            i for i, verdict in enumerate(verdicts)
+            if verdict is None and all(_is_tag(tag) for tag in entries[i])
+        ]
+        current = await self.current({tag for i in fetch for tag in entries[i]}) if fetch else {}
+        for i in fetch:
+            verdicts[i] = all(current[tag] == version for tag, version in entries[i].items())
+        return [verdict is True for verdict in verdicts]
 
     def _trusted(self) -> dict[str, str]:
         """The tokens held, forgotten every ``ttl / 4`` (an hour at most): a token is

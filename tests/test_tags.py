@@ -296,6 +296,27 @@ async def test_an_envelope_planted_with_a_tag_no_caller_could_give_is_a_miss_and
     await admin.aclose()
 
 
+async def test_a_planted_envelope_in_a_batch_is_a_miss_beside_live_tagged_entries(
+    redis_url: str, prefix: str
+) -> None:
+    """Tag names in an envelope are checked only when this instance doesn't hold their
+    versions (``_codec.Envelope``): one planted entry in a batch of live ones, with
+    tags known and unknown, is the only miss."""
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as writer:
+        await writer.set("category", {"slug": "a"}, "page a", tags=["book:1", "book:2"])
+        await writer.set("category", {"slug": "b"}, "page b", tags=["book:2"])
+        planted = msgspec.msgpack.encode([1, "poison", 1.0, 9e18, 0.0, {"book:2": "x", "a b": "v"}])
+        await admin.set(writer.key("category", {"slug": "c"}), planted)
+        fields = [{"slug": s} for s in "abc"]
+        assert await writer.get_many("category", fields) == ["page a", "page b", None]
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as fresh:
+        # This instance knows no tag yet: every one is checked, the good ones fetched.
+        assert await fresh.get_many("category", fields) == ["page a", "page b", None]
+        assert await fresh.get("category", {"slug": "c"}) is None
+    await admin.aclose()
+
+
 @pytest.mark.parametrize("tag", ["book 42", "book{42}", "", "x" * 300])
 async def test_a_bad_tag_is_a_clear_error(redis_url: str, prefix: str, tag: str) -> None:
     async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
