@@ -1,6 +1,7 @@
 """Commands of a single-node client packed, sent and read here rather than by redis-py:
-the commands of the request path (the L2 GET; the miss path's lease, fill and release;
-set()'s write; DEL), whose arguments are of known types, and the backplane listener's.
+the commands of the request path (the L2 GET and get_many's MGET; the miss path's
+lease, fill and release; set()'s write; DEL), whose arguments are of known types, and
+the backplane listener's.
 
 Why: ``set()``'s write is one EVALSHA of ~16 arguments and ``set_many``'s of ~6 per
 item (``_scripts.write_args``). ``Redis.execute_command`` runs each argument through
