@@ -18,7 +18,7 @@ def make_config(
     backplane: bool | dict[str, Any] = True,
     timeout: str = "1s",
     connect_timeout: str = "1s",
-    busy_poll: str = "50us",  # the default; "0s" for the rows that show its effect
+    busy_poll: str | None = None,  # None: the default; "0s" for the rows without it
     **sections: Any,
 ) -> Config:
     raw: dict[str, Any] = {
@@ -29,7 +29,7 @@ def make_config(
             "timeout": timeout,
             "connect_timeout": connect_timeout,
             "max_connections": 256,
-            "busy_poll": busy_poll,
+            **({} if busy_poll is None else {"busy_poll": busy_poll}),
         },
         "backplane": backplane if isinstance(backplane, dict) else {"enabled": backplane},
         "logging": {"level": "warning"},

@@ -166,7 +166,7 @@ async def run(env: BenchEnv) -> Section:
     section.notes.append(
         f"'{UNPOLLED.removeprefix(', ')}': a third cache with redis.busy_poll = 0s: it waits "
         "for each reply asleep in the event loop's epoll, as the floors (redis-py) do. The "
-        "default (50us) polls the socket that long first (layered_cache._busypoll): on a VM "
+        "default (100us) polls the socket that long first (layered_cache._busypoll): on a VM "
         "being woken from epoll costs more than a nearby Redis's answer takes."
     )
     section.data = {"median_s": medians, "repeats_s": results, "cpu_median_s": cpu_medians, "n": n}

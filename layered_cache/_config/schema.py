@@ -86,7 +86,7 @@ class RedisConfig(_Section, frozen=True):
     max_connections: AtLeastOne = 64
     # After sending a request-path command on a single node, poll its socket this long
     # for the reply before the event loop sleeps for it (``_busypoll``); 0s: never.
-    busy_poll: Duration = Duration(0.00005)
+    busy_poll: Duration = Duration(0.0001)
     breaker: BreakerConfig = BreakerConfig()
 
     def __post_init__(self) -> None:
