@@ -144,7 +144,7 @@ demo: ensure-redis $(DEMO_STAMP)
 	deploy/local/services.sh up; \
 	$(WITH_ENV) $(BIN)/python -m examples.demo
 
-bench: $(BENCH_STAMP) services-up
+bench: $(BENCH_STAMP) services-up ensure-varnish
 	deploy/local/ensure-wrk.sh
 	$(WITH_ENV) $(BIN)/python -m bench
 
