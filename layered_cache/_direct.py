@@ -239,8 +239,11 @@ class HeldConnection:
         return self._socket
 
     async def close(self) -> None:
-        """Disconnect the held connection (if any) and return it to the pool."""
+        """Disconnect the held connection (if any) and return it to the pool. What its
+        reader and parser hold of an unread reply goes too: this object may sit in
+        ``DirectClient``'s stack for long, and a cancelled MGET's part can be megabytes."""
         connection, self._connection = self._connection, None
+        self._parser, self._socket, self._socket_of = ReplyParser(), None, None
         if connection is not None:
             try:
                 await connection.disconnect(nowait=True)

@@ -346,3 +346,45 @@ async def test_a_redis_on_a_unix_socket_serves_reads_writes_and_the_backplane() 
 
 async def _reads(cache: LayeredCache, expected: str) -> bool:
     return await cache.get("book", {"id": 1}) == expected
+
+
+_SPIN_SCRIPT = (  # keeps Redis busy for ARGV[1] µs: the rest of a reply waits behind it
+    "local s = redis.call('TIME') local t0 = s[1] * 1e6 + s[2] "
+    "while true do local n = redis.call('TIME') "
+    "if n[1] * 1e6 + n[2] - t0 > tonumber(ARGV[1]) then break end end return 1"
+)
+
+
+async def test_a_cancelled_mget_leaves_no_partial_reply_in_memory(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Found by review: a command cancelled mid-reply dropped its connection but kept
+    what its parser had read, until that kept connection next carried a command, which
+    a stack of them may never give it. With get_many's MGET on this path, megabytes of
+    values stayed pinned."""
+    client = redis.Redis.from_url(redis_server.url)
+    commands = direct.DirectClient(client, 0.0001)
+    names = [f"{prefix}big:{i}" for i in range(40)]
+    await client.mset({name: b"v" * 500_000 for name in names})  # a 20 MB reply
+    try:
+        mget = asyncio.create_task(direct.execute_command(commands, "MGET", *names))
+        await asyncio.sleep(0)  # the MGET is sent first
+        slow = asyncio.create_task(
+            direct.execute_command(commands, "EVAL", _SPIN_SCRIPT, 0, 100_000)
+        )
+        for _ in range(10_000):  # part of the reply is read and parsed meanwhile
+            await asyncio.sleep(0)
+            if mget.done():
+                break
+        mget.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await mget
+        assert await slow == 1
+        for _ in range(20):  # sequential commands take the top of the stack
+            assert await direct.execute_command(commands, "PING") == b"PONG"
+        held = sum(len(h._parser._buffer) for h in commands._idle if h._connection is None)
+        assert held == 0, f"bytes kept by dropped connections' parsers: {held}"
+    finally:
+        await commands.close()
+        await client.delete(*names)
+        await client.aclose()
