@@ -162,6 +162,12 @@ def test_busy_poll_is_written_in_microseconds_and_bounded() -> None:
     assert format_duration(50e-6) == "50us"
     with pytest.raises(ValueError, match=r"redis\.busy_poll: must be <= 1ms, got 2000us"):
         config("2ms")
+    with pytest.raises(ValueError, match=r"redis\.busy_poll: must be <= timeout / 10 \(500us\)"):
+        parse_config(
+            {"redis": {"busy_poll": "1ms", "timeout": "5ms"}, "namespaces": {"b": {"key": "b:{id}"}}},
+            source="<t>",
+            env={},
+        )
     env = {"LAYERED_CACHE_REDIS_BUSY_POLL": "0"}
     raw = {"namespaces": {"b": {"key": "b:{id}"}}}
     assert parse_config(raw, source="<t>", env=env).redis.busy_poll == 0.0

@@ -95,6 +95,11 @@ class RedisConfig(_Section, frozen=True):
         positive(self, "timeout", "connect_timeout")
         if self.busy_poll > _MAX_BUSY_POLL:
             raise bad("busy_poll", f"must be <= 1ms, got {self.busy_poll * 1e6:g}us")
+        if self.busy_poll > self.timeout / 10:
+            # A poll holds the event loop: other commands' replies wait behind it, and
+            # near ``timeout`` that would fail them.
+            raise bad("busy_poll", f"must be <= timeout / 10 ({self.timeout * 1e5:g}us), "
+                      f"got {self.busy_poll * 1e6:g}us")
         if self.nodes and not self.cluster:
             raise bad("nodes", "seed nodes are for a cluster: set cluster = true, or drop nodes")
         for node in self.nodes:
