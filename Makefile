@@ -53,7 +53,7 @@ ensure-varnish:
 # make test-valkey runs the whole suite against Valkey (docs/operations.md, "Valkey").
 VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py tests/test_direct.py \
 	tests/test_held_connection.py tests/test_stream.py tests/test_invalidation_wins.py \
-	tests/test_cluster.py
+	tests/test_cluster.py tests/test_busy_poll.py
 
 # make test ends with a second client pass: the scenarios that read replies off a
 # connection themselves (_direct, the backplane and relay readers), cancel mid-reply, or
@@ -67,7 +67,7 @@ CLIENT_SMOKE := tests/test_direct.py tests/test_held_connection.py tests/test_st
 	tests/test_backplane.py tests/test_relay.py tests/test_cancellation.py \
 	tests/test_invalidation_wins.py tests/test_core.py tests/test_batch.py \
 	tests/test_fill_notify.py tests/test_set_race.py tests/test_cluster.py \
-	tests/test_redis_py_version.py
+	tests/test_redis_py_version.py tests/test_busy_poll.py
 
 # And a RESP2 pass: every fixture server's URL asks for RESP2 (REDIS_PROTOCOL=2 adds
 # ?protocol=2), as a service behind a proxy that speaks only RESP2 would run, on the
@@ -77,7 +77,7 @@ CLIENT_SMOKE := tests/test_direct.py tests/test_held_connection.py tests/test_st
 # speaks it (about 35 s).
 RESP2_SMOKE := tests/test_direct.py tests/test_backplane.py tests/test_relay.py \
 	tests/test_stream.py tests/test_fill_notify.py tests/test_core.py tests/test_cluster.py \
-	tests/test_cancellation.py tests/test_servers.py
+	tests/test_cancellation.py tests/test_servers.py tests/test_busy_poll.py tests/test_batch.py
 
 $(CLIENT_PASS_DIR)/.installed: Makefile $(STAMP)
 	rm -rf $(CLIENT_PASS_DIR)
