@@ -62,7 +62,7 @@ class BusyPoll:
         self.spins = 0  # spins that saw the reply arrive within the budget
         self.misses = 0  # spins that gave up: the loop's epoll waits for the rest
         self._skip = 0  # commands left that don't spin
-        self._penalty = 0  # what the next miss sets ``_skip`` to, halved... doubled
+        self._penalty = 0  # commands skipped after the last miss: doubled by the next
 
     def wait(self, socket: SocketPoll) -> None:
         """Return once ``socket`` is readable or ``budget`` has passed (or at once, while
