@@ -101,8 +101,9 @@ async def _servers(redis_url: str) -> AsyncIterator[dict[str, tuple[str, int]]]:
     try:
         for label, (mode, delay) in CONFIGS.items():
             port = free_port()
-            # --loop asyncio --http h11: what uvicorn picks without uvloop/httptools (not
-            # installed here); explicit so the figures don't change if they appear.
+            # --loop asyncio --http h11: what uvicorn picks without uvloop/httptools;
+            # explicit so the figures don't change with what is installed (uvloop is, for
+            # tests/test_busy_poll.py).
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "uvicorn", "--factory", "bench.e2e_app:create_app",
                 "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
@@ -400,8 +401,7 @@ async def run(env: BenchEnv) -> Section:
     section.notes += [
         f"wrk -t{THREADS} -c{CONNECTIONS} -d{seconds}s --latency, a Lua script requesting "
         f"/books/1..{len(IDS)} in turn; each configuration {repeats}x, interleaved, medians. "
-        "One uvicorn worker per configuration (--loop asyncio --http h11: uvloop and httptools "
-        "are not installed), all four started before the first run; each warmed (every id "
+        "One uvicorn worker per configuration (--loop asyncio --http h11, pinned), all four started before the first run; each warmed (every id "
         "read twice, then a 1 s wrk run, discarded).",
         "The machine has 2 cores and is shared: the server process, wrk's two threads and "
         "Redis all compete for them, so these are figures for this box, not the server's "

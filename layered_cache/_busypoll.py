@@ -14,8 +14,9 @@ and returns without sleeping.
 
 When not to spin:
 
-- Other work is ready on the event loop: it is better spent on that (the caller checks
-  ``_readyqueue.others_are_ready``), and its own time hides the round trip anyway.
+- Other work is ready on the event loop: it is better spent on that, and its own time
+  hides the round trip anyway (``loop_is_idle``: asyncio's ready queue is empty; on a
+  loop that doesn't show its queue, uvloop, this is the only command in flight).
 - The Redis is further away (another host: a round trip of 100 µs and more), so every
   spin would burn its whole budget for nothing. The spin adapts as an adaptive mutex
   does: a spin that ends without the reply doubles the number of following commands
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import select
 import time
+
+from layered_cache._readyqueue import ready_count
 
 __all__ = ["AVAILABLE", "MAX_SKIP", "BusyPoll", "SocketPoll"]
 
@@ -61,8 +64,17 @@ class BusyPoll:
         self.budget = budget
         self.spins = 0  # spins that saw the reply arrive within the budget
         self.misses = 0  # spins that gave up: the loop's epoll waits for the rest
+        self.in_flight = 0  # commands sent and not yet answered (``DirectClient``)
         self._skip = 0  # commands left that don't spin
         self._penalty = 0  # commands skipped after the last miss: doubled by the next
+
+    def loop_is_idle(self) -> bool:
+        """Whether the event loop has nothing to do but wait for this reply. uvloop
+        (uvicorn's default event loop) hides its ready queue: there, a command alone in
+        flight stands for an idle loop; with others in flight, their replies are work
+        the spin would hold up."""
+        ready = ready_count()
+        return self.in_flight == 1 if ready is None else ready == 0
 
     def wait(self, socket: SocketPoll) -> None:
         """Return once ``socket`` is readable or ``budget`` has passed (or at once, while

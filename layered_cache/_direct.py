@@ -215,7 +215,7 @@ class HeldConnection:
             done, reply = parser.reply()
             if done:
                 return reply
-            if spin is not None and not others_are_ready():
+            if spin is not None and spin.loop_is_idle():
                 # Once, before the loop is first asked to wait: see ``_busypoll``.
                 socket = self._polled(connection)
                 if socket is not None:
@@ -281,12 +281,17 @@ class DirectClient:
     async def execute(self, args: tuple[bytes | str | int, ...]) -> Any:
         idle = self._idle
         held = idle.pop() if idle else HeldConnection(self.client, self.busy_poll)
+        polls = self.busy_poll
+        if polls is not None:
+            polls.in_flight += 1
         try:
             return await held.run(args)
         finally:
             # Even after a failure: a command that failed in flight dropped the
             # connection, and the next command on this one checks out a new one.
             idle.append(held)
+            if polls is not None:
+                polls.in_flight -= 1
 
     async def close(self) -> None:
         """Give every kept connection back to the pool (before the client closes)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-__all__ = ["others_are_ready"]
+__all__ = ["others_are_ready", "ready_count"]
 
 
 def others_are_ready() -> bool:
@@ -23,3 +23,10 @@ def others_are_ready() -> bool:
     then keep their yields, as before."""
     ready = getattr(asyncio.get_running_loop(), "_ready", None)
     return ready is None or len(ready) > 0
+
+
+def ready_count() -> int | None:
+    """How many callbacks wait in the loop's ready queue; None on a loop that doesn't
+    show it (uvloop), where the caller decides by other means."""
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    return None if ready is None else len(ready)

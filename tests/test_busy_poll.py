@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as redis
+import uvloop
 
 from layered_cache import LayeredCache, parse_config
 from layered_cache import _direct as direct
@@ -171,3 +172,30 @@ def test_busy_poll_is_written_in_microseconds_and_bounded() -> None:
     env = {"LAYERED_CACHE_REDIS_BUSY_POLL": "0"}
     raw = {"namespaces": {"b": {"key": "b:{id}"}}}
     assert parse_config(raw, source="<t>", env=env).redis.busy_poll == 0.0
+
+
+def test_under_uvloop_sequential_commands_poll_and_a_burst_does_not(
+    redis_url: str, prefix: str
+) -> None:
+    """uvloop (uvicorn's default loop) doesn't show its ready queue: there a command
+    alone in flight polls, and in a burst only a command that finds itself alone does."""
+
+    async def scenario() -> tuple[int, int]:
+        config = make_config(redis_url, prefix, NO_L1, redis={"busy_poll": "1ms"})
+        async with LayeredCache.from_config(config) as cache:
+            polls = _polls(cache)
+            for i in range(50):
+                await cache.set("book", {"id": i}, i)
+                assert await cache.get("book", {"id": i}) == i
+            alone = polls.spins
+            before = polls.spins + polls.misses
+            await asyncio.gather(*(cache.set("book", {"id": i}, -i) for i in range(100)))
+            assert await cache.get_many("book", [{"id": i} for i in range(100)]) == [
+                -i for i in range(100)
+            ]
+            return alone, polls.spins + polls.misses - before
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        alone, in_burst = runner.run(scenario())
+    assert alone > 0
+    assert in_burst < 20
