@@ -348,7 +348,7 @@ async def _reads(cache: LayeredCache, expected: str) -> bool:
     return await cache.get("book", {"id": 1}) == expected
 
 
-# Keeps the server busy for ARGV[1] loop turns (~50-100 ms for 10 million): the rest of
+# Keeps the server busy for ARGV[1] loop turns (~100-200 ms for 20 million): the rest of
 # a reply waits behind it. A loop over TIME would not do: Valkey's scripts see the time
 # of the script's start.
 _SPIN_SCRIPT = "for i = 1, tonumber(ARGV[1]) do end return 1"
@@ -369,7 +369,7 @@ async def test_a_cancelled_mget_leaves_no_partial_reply_in_memory(
         mget = asyncio.create_task(direct.execute_command(commands, "MGET", *names))
         await asyncio.sleep(0)  # the MGET is sent first
         slow = asyncio.create_task(
-            direct.execute_command(commands, "EVAL", _SPIN_SCRIPT, 0, 10_000_000)
+            direct.execute_command(commands, "EVAL", _SPIN_SCRIPT, 0, 20_000_000)
         )
         for _ in range(10_000):  # part of the reply is read and parsed meanwhile
             await asyncio.sleep(0)
