@@ -348,42 +348,52 @@ async def _reads(cache: LayeredCache, expected: str) -> bool:
     return await cache.get("book", {"id": 1}) == expected
 
 
-# Keeps the server busy for ARGV[1] loop turns (~100-200 ms for 20 million): the rest of
-# a reply waits behind it. A loop over TIME would not do: Valkey's scripts see the time
-# of the script's start.
-_SPIN_SCRIPT = "for i = 1, tonumber(ARGV[1]) do end return 1"
-
-
 async def test_a_cancelled_mget_leaves_no_partial_reply_in_memory(
     redis_server: RedisServer, prefix: str
 ) -> None:
     """Found by review: a command cancelled mid-reply dropped its connection but kept
     what its parser had read, until that kept connection next carried a command, which
     a stack of them may never give it. With get_many's MGET on this path, megabytes of
-    values stayed pinned."""
-    client = redis.Redis.from_url(redis_server.url)
+    values stayed pinned. A proxy stops the MGET's reply after 1 MB (a stalled link),
+    so the cancel lands mid-reply on any machine, Redis or Valkey."""
+    proxy = await ToxicProxy(redis_server.host, redis_server.port).start()
+    forwarded, stalled = 0, asyncio.Event()
+
+    def stall_after_1_mb(chunk: bytes) -> bytes:
+        nonlocal forwarded
+        if stalled.is_set():
+            return chunk if chunk.startswith(b"+PONG") else b""  # other connections pass
+        forwarded += len(chunk)
+        if forwarded > 1_000_000:
+            stalled.set()
+        return chunk
+
+    admin = redis.Redis.from_url(redis_server.url)
+    client = redis.Redis.from_url(proxy.url, socket_timeout=5.0)
     commands = direct.DirectClient(client, 0.0001)
     names = [f"{prefix}big:{i}" for i in range(40)]
-    await client.mset({name: b"v" * 500_000 for name in names})  # a 20 MB reply
+    await admin.mset({name: b"v" * 500_000 for name in names})  # a 20 MB reply
     try:
+        # Two kept connections, connected before the stall (their handshakes pass).
+        ping_twice = [direct.execute_command(commands, "PING") for _ in range(2)]
+        assert await asyncio.gather(*ping_twice) == [b"PONG", b"PONG"]
+        proxy.rewrite = stall_after_1_mb
         mget = asyncio.create_task(direct.execute_command(commands, "MGET", *names))
-        await asyncio.sleep(0)  # the MGET is sent first
-        slow = asyncio.create_task(
-            direct.execute_command(commands, "EVAL", _SPIN_SCRIPT, 0, 20_000_000)
-        )
-        for _ in range(10_000):  # part of the reply is read and parsed meanwhile
-            await asyncio.sleep(0)
-            if mget.done():
-                break
+        await asyncio.wait_for(stalled.wait(), 5)
+        await asyncio.sleep(0.1)  # the client reads what came through
+        ping = asyncio.create_task(direct.execute_command(commands, "PING"))
+        await asyncio.sleep(0)  # sent; its reply comes back through the proxy later
         mget.cancel()
         with pytest.raises(asyncio.CancelledError):
             await mget
-        assert await slow == 1
+        assert await ping == b"PONG"  # its connection now tops the stack
         for _ in range(20):  # sequential commands take the top of the stack
             assert await direct.execute_command(commands, "PING") == b"PONG"
         held = sum(len(h._parser._buffer) for h in commands._idle if h._connection is None)
         assert held == 0, f"bytes kept by dropped connections' parsers: {held}"
     finally:
         await commands.close()
-        await client.delete(*names)
         await client.aclose()
+        await proxy.stop()
+        await admin.delete(*names)
+        await admin.aclose()
