@@ -151,3 +151,43 @@ def test_any_replies_split_at_any_points_parse_back_to_themselves(
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
     pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
     assert parse_all(*pieces) == values
+
+
+def _outcome(pieces: list[bytes]) -> tuple[str, Any]:
+    """What parsing ``pieces`` gives: the replies (an error reply's exception by its
+    repr: two instances never compare equal), or the error's type and text."""
+    try:
+        return "replies", repr(parse_all(*pieces))
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+_PIECES = [b"*", b"%", b"~", b">", b"$", b":", b"+", b"-", b"_", b",", b"#", b"(", b"=",
+           b"1", b"2", b"-1", b"-3", b"0", b"x", b"\r\n", b"\r", b"ERR no"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    values=st.lists(_values, min_size=1, max_size=2),
+    cut=st.integers(0, 10_000),
+    junk=st.lists(st.sampled_from(_PIECES), max_size=6),
+)
+def test_a_reply_read_whole_and_one_read_byte_by_byte_agree_even_when_broken(
+    values: list[Any], cut: int, junk: list[bytes]
+) -> None:
+    """A reply that arrived whole takes a one-pass reader (``_whole``), a split one the
+    element-by-element parser: on any bytes, valid or truncated and followed by junk,
+    both give the same replies or the same error."""
+    stream = b"".join(_encode(value) for value in values)
+    stream = stream[: cut % (len(stream) + 1)] + b"".join(junk)
+    whole = _outcome([stream])
+    assert whole == _outcome([stream[i : i + 1] for i in range(len(stream))])
+
+
+def test_a_reply_nested_deeper_than_the_stack_is_read_all_the_same() -> None:
+    depth = 5_000
+    (value,) = parse_all(b"*1\r\n" * depth + b":7\r\n")
+    for _ in range(depth):  # walked down, not compared: ``==`` would recurse too
+        assert isinstance(value, list) and len(value) == 1
+        value = value[0]
+    assert value == 7
