@@ -177,7 +177,9 @@ def _whole(buffer: bytearray, start: int) -> tuple[Any, int]:
         return bytes(buffer[end + 2 : stop]), stop + 2
     if kind == 42 or kind == 126 or kind == 37:  # * ~ %
         if size < 0:
-            return _null(size, end) if kind == 42 else _not_here()
+            if kind != 42:  # only RESP2's null array is read here
+                raise _NotHere
+            return _null(size, end)
         items, position = _elements(buffer, size * 2 if kind == 37 else size, end + 2)
         value = dict(zip(items[::2], items[1::2], strict=True)) if kind == 37 else items
         return value, position
@@ -212,7 +214,9 @@ def _elements(buffer: bytearray, count: int, position: int) -> tuple[list[Any], 
         except ValueError:
             raise _NotHere from None
         if length < 0:
-            items.append(_null(length, line)[0])
+            if length != -1:
+                raise _NotHere
+            items.append(None)  # RESP2's null bulk string
             position = line + 2
             continue
         stop = line + 2 + length
@@ -227,10 +231,6 @@ def _null(size: int, end: int) -> tuple[None, int]:
     if size != -1:
         raise _NotHere
     return None, end + 2
-
-
-def _not_here() -> tuple[Any, int]:
-    raise _NotHere
 
 
 def _number(line: bytearray) -> int:
