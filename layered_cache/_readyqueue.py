@@ -21,8 +21,7 @@ def others_are_ready() -> bool:
     asyncio has no public way to ask; the default loop keeps the queue in ``_ready``
     (every CPython since 3.4). A loop without it (uvloop) counts as busy: the callers
     then keep their yields, as before."""
-    ready = getattr(asyncio.get_running_loop(), "_ready", None)
-    return ready is None or len(ready) > 0
+    return ready_count() != 0
 
 
 def ready_count() -> int | None:
