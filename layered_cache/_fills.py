@@ -6,7 +6,7 @@ whether a key is hot here, and the stale window. Shared by the hit path
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from layered_cache import _envelopes as envelopes
@@ -75,6 +75,30 @@ class Fills:
             return
         if tags:
             self._index(key, tags)
+
+    def fill_l1_many(
+        self,
+        entries: Sequence[tuple[str, Any, float]],
+        read_seq: int,
+        tags: Mapping[str, str] | None = None,
+    ) -> None:
+        """``fill_l1`` of each (key, value, soft_expiry) sharing ``read_seq`` and
+        ``tags`` (a ``set_many``): the tags checked once, L1 locked once."""
+        l1 = self._policy.l1
+        if l1 is None or not entries:
+            return
+        if tags and self.versions.known(tags) is not True:
+            self._policy.stats.l1_fill_discarded += len(entries)
+            return
+        now, draw = self._clock(), self._policy.l1_ttl_draw
+        items = [(key, value, min(draw(), soft - now)) for key, value, soft in entries]
+        stored = l1.put_many(items, read_seq)
+        # As ``fill_l1``: a TTL already spent is not a discarded fill.
+        self._policy.stats.l1_fill_discarded += sum(ttl > 0 for _, _, ttl in items) - stored
+        if tags and stored:
+            for key, _, _ in entries:
+                if key in l1:
+                    self._index(key, tags)
 
     async def fill_l1_only(
         self, loaded: list[tuple[str, int | None, Any]], tags_of: TagsOf | None, generation: int

@@ -103,6 +103,20 @@ class L1Cache:
             self._entries[key] = value
         return True
 
+    def put_many(self, items: Iterable[tuple[str, Any, float]], read_seq: int) -> int:
+        """``put`` of each (key, value, ttl) under one lock and one clock reading (a
+        ``set_many`` of 100 keys took the lock and read the clock 100 times). Returns
+        how many were stored."""
+        stored = 0
+        with self._lock, self._entries.timer as now:
+            for key, value, ttl in items:
+                if ttl <= 0 or self.invalidated_since(key, read_seq):
+                    continue
+                self._expiry = now + ttl
+                self._entries[key] = value
+                stored += 1
+        return stored
+
     def invalidated_since(self, key: str, read_seq: int) -> bool:
         """Whether ``key`` was invalidated (or L1 cleared) after ``begin_read`` returned
         ``read_seq``."""

@@ -112,8 +112,7 @@ class Writes:
         keys = [key for key, _, _ in settled]
         if not await self._write(writes, keys):
             return
-        for key, value, soft_expiry in settled:
-            self._settle(key, value, soft_expiry, read_seq, versions)
+        self._settle(settled, read_seq, versions)
 
     async def _write(self, writes: list[Write], keys: list[str]) -> bool:
         """Write L2, then announce ``keys``. On a single node the backplane append rides
@@ -197,31 +196,32 @@ class Writes:
 
     def _settle(
         self,
-        key: str,
-        value: Any,
-        soft_expiry: float,
+        settled: list[tuple[str, Any, float]],
         read_seq: int | None,
         versions: dict[str, str] | None,
     ) -> None:
-        """After our write landed: a load of this key that began while it was in flight
-        may have read the value we replaced. Detach it (later callers must not join it)
-        and tombstone the key again (its L1 fill is refused), then fill L1 with our value
-        - unless another write of the key ran since we began: a set() of it here (its
-        ``_begin`` or ``_settle`` tombstones it), a local invalidate(), or a remote one
-        heard on the backplane. We can't tell whose L2 write landed last, so an
-        overtaken set() leaves L1 empty (the next read refills from L2) rather than
-        risk keeping a value L2 no longer holds. Of two overlapping set() calls, the
-        one that began first is always overtaken (the other's ``_begin`` tombstoned the
-        key): when it settles it drops L1, whether or not the other filled it already
-        (tests/test_set_race.py). No await in here: nothing can run between the checks
-        and the fill."""
-        self._rt.flight.forget(key)
+        """After our write landed: a load of these keys that began while it was in
+        flight may have read the values we replaced. Detach it (later callers must not
+        join it) and tombstone the keys again (its L1 fill is refused), then fill L1
+        with our values - except a key another write ran for since we began: a set() of
+        it here (its ``_begin`` or ``_settle`` tombstones it), a local invalidate(), or
+        a remote one heard on the backplane. We can't tell whose L2 write landed last,
+        so an overtaken set() leaves L1 empty (the next read refills from L2) rather
+        than risk keeping a value L2 no longer holds. Of two overlapping set() calls,
+        the one that began first is always overtaken (the other's ``_begin``
+        tombstoned the key): when it settles it drops L1, whether or not the other
+        filled it already (tests/test_set_race.py). No await in here: nothing can run
+        between the checks and the fills, so the keys are dropped and filled in one go
+        each (one lock, one clock reading) rather than one at a time."""
+        flight = self._rt.flight
+        for key, _, _ in settled:
+            flight.forget(key)
         l1 = self._policy.l1
         if l1 is None:
             return
-        superseded = read_seq is not None and l1.invalidated_since(key, read_seq)
-        l1.discard([key])
-        if superseded:
-            self._policy.stats.l1_fill_discarded += 1
-            return
-        self._fills.fill_l1(key, value, soft_expiry, l1.begin_read(), versions)
+        current = settled
+        if read_seq is not None:
+            current = [s for s in settled if not l1.invalidated_since(s[0], read_seq)]
+        l1.discard([key for key, _, _ in settled])
+        self._policy.stats.l1_fill_discarded += len(settled) - len(current)
+        self._fills.fill_l1_many(current, l1.begin_read(), versions)

@@ -46,3 +46,23 @@ def test_an_invalidation_counts_only_the_entries_it_found_alive() -> None:
 
     assert l1.discard(["book:1", "book:2", "book:3"]) == 1
     assert l1.get("book:2") is MISSING
+
+
+def test_a_batch_fill_stores_what_one_fill_each_would_store() -> None:
+    """``put_many`` (set_many's L1 fill): each entry its own TTL, read on one clock
+    reading; a key invalidated since the batch's read began, and a TTL already spent,
+    are not stored; a full cache evicts as it would for single puts."""
+    clock = SteppingClock()
+    l1 = L1Cache(max_entries=3, timer=clock)
+    l1.put("book:0", "kept?", ttl=100.0)
+    read_seq = l1.begin_read()
+    l1.discard(["book:2"])  # invalidated while the batch's write was in flight
+    clock.step = 1.0  # every reading of the clock moves it: one reading for the batch
+    items = [("book:1", "one", 5.0), ("book:2", "two", 5.0), ("book:3", "three", 0.0),
+             ("book:4", "four", 50.0), ("book:5", "five", 50.0)]
+    assert l1.put_many(items, read_seq) == 3
+    clock.step = 0.0
+    assert [l1.get(f"book:{i}") for i in range(6)] == [MISSING, "one", MISSING, MISSING,
+                                                       "four", "five"]
+    expiries = [l1.remaining_ttl(f"book:{i}") for i in (1, 4, 5)]
+    assert expiries[1] == expiries[2] and expiries[1] - expiries[0] == 45.0  # type: ignore[operator]
