@@ -152,7 +152,8 @@ async def run(env: BenchEnv) -> Section:
         f"{repeats} repeats, interleaved, each a batch of ~0.15 s (at most {n:,} calls); "
         "sequential awaits on one event loop; a fresh key per call; the cache has L1 and the "
         "backplane on (the backplane listener of the same process reads every entry). "
-        "On a single node set() is one script (SET, DEL lease, XADD: one command, one reply), "
+        "On a single node set() is one script (SET, DEL lease, XADD: one command, one reply) "
+        "and set_many one MULTI/EXEC (the SETs, one DEL of the leases, the XADD), both "
         "packed by layered_cache._direct; the listener pauses backplane.coalesce (1 ms) "
         "after a read that returned entries."
     )

@@ -99,7 +99,7 @@ class BackplanePublisher:
 
     def announcement(self, keys: Sequence[str]) -> Announcement:
         """The entry for ``keys``, for a single-node ``set()`` to append in the same
-        atomic step as its SETs (``WRITE_SCRIPT``): one round trip, and still after them."""
+        atomic step as its SETs (``_write_commands``): one round trip, and still after them."""
         pairs: list[bytes | str] = []
         for field, value in self._fields(keys, None).items():
             pairs += [field, value]

@@ -44,11 +44,10 @@ from layered_cache._scripts import (
     READ_UNDER_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     WRITE_ONE_SCRIPT,
-    WRITE_SCRIPT,
     fill_args,
-    write_script_args,
 )
 from layered_cache._topology import RefreshingCluster
+from layered_cache._write_commands import Write, one_write_args, write_commands
 
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
@@ -85,7 +84,6 @@ _log = structlog.get_logger("layered_cache.l2")
 
 
 T = TypeVar("T")
-Write = tuple[Sequence[str], Sequence[str], bytes, int]  # (names, delete first, data, ms)
 
 
 async def _within(operation: Awaitable[T], seconds: float) -> T:
@@ -157,7 +155,6 @@ class L2Store:
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
         self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)
-        self._write = client.register_script(WRITE_SCRIPT)
         self._write_one = client.register_script(WRITE_ONE_SCRIPT)
         self.placement = ReplicaPlacement(client)
         # Cluster only: one overall deadline per operation (``bounded``). A single node's
@@ -285,23 +282,23 @@ class L2Store:
         (set()'s backplane entry; single node only). Returns False if the stream refused
         the append (the writes landed); raises if the writes failed.
 
-        On a single node it is one atomic script (``WRITE_SCRIPT`` says why atomic, and
-        why the SETs come first). In a cluster it is a pipeline that redis-py splits per
-        node; commands to one node keep their order, so the DEL of a key's lease (same
-        slot as the key) runs before the SET of the key. A cluster can't make names of
-        several slots atomic; there the replicas of concurrent writers may disagree
-        until their TTL (docs/hotkeys.md)."""
+        On a single node it is one atomic step, a script or a MULTI/EXEC
+        (``_write_commands`` says which, why atomic, and why the SETs come first). In a
+        cluster it is a pipeline that redis-py splits per node; commands to one node
+        keep their order, so the DEL of a key's lease (same slot as the key) runs before
+        the SET of the key. A cluster can't make names of several slots atomic; there
+        the replicas of concurrent writers may disagree until their TTL
+        (docs/hotkeys.md)."""
         if not writes:
             return True
         if not self.cluster:
-            on = () if announcement is None else (
-                announcement.stream, announcement.maxlen, announcement.fields
-            )
-            one, keys, args = write_script_args(writes, *on)  # a set() of one key: shorter
-            script = self._write_one if one else self._write
             assert self.direct is not None
-            reply = await self.guard(direct.evalsha(self.direct, script, keys, args))
-            return bool(reply == 1)
+            if (one := one_write_args(writes, announcement)) is not None:
+                script, (keys, args) = self._write_one, one  # one key, not hot: a script
+                return bool(await self.guard(direct.evalsha(self.direct, script, keys, args)) == 1)
+            commands = write_commands(writes, announcement)
+            replies = await self.guard(direct.execute_transaction(self.direct, commands))
+            return announcement is None or not isinstance(replies[-1], Exception)
         assert announcement is None, "a cluster announces after the writes"
         pipe = self.client.pipeline(transaction=False)
         for names, delete_first, data, ttl_ms in writes:

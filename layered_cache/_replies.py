@@ -94,6 +94,24 @@ class ReplyParser:
                 self._position = 0
                 return True, value
 
+    def whole_replies(self, most: int) -> list[Any]:
+        """Up to ``most`` replies that are whole in what was fed, read in one pass and
+        their bytes dropped once (a transaction's hundred ``+QUEUED`` arrive together);
+        fewer, maybe none, where the fed bytes end or a reply needs ``reply()``."""
+        replies: list[Any] = []
+        if self._open:
+            return replies
+        position = self._position
+        while len(replies) < most:
+            try:
+                value, position = _whole(self._buffer, position)
+            except (_NotHere, IndexError, RecursionError):  # as ``reply``
+                break
+            replies.append(value)
+        del self._buffer[:position]
+        self._position = 0
+        return replies
+
     def _element(self) -> tuple[Any] | None:
         """The next scalar element, in a 1-tuple; None if it is incomplete. An
         aggregate's header opens it and is not an element: the loop goes on to its

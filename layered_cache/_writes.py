@@ -4,8 +4,8 @@ A write revokes every fill in flight first (it may carry an older value): the ba
 lease, then each replica lease (``_replicas.set_plan``), in the same pipeline as the
 SETs. Then the keys are announced on the backplane, so other instances drop their L1
 copies, and only then does this instance's L1 take the new value. ``set_many`` is the
-same for many keys: one round trip (one atomic script on a single node), one
-backplane append.
+same for many keys: one round trip (one atomic step on a single node:
+``_write_commands``), one backplane append.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Writes:
 
     async def _write(self, writes: list[Write], keys: list[str]) -> bool:
         """Write L2, then announce ``keys``. On a single node the backplane append rides
-        in the SETs' script (one round trip instead of two, and it still lands after
+        in the SETs' atomic step (one round trip instead of two, and it still lands after
         them); in a cluster (the stream's slot is not the keys') or when the stream
         refused it (the SETs landed), ``_announce`` follows, falling back to pub/sub.
         Returns False when a Redis full under noeviction refused the values: then the
@@ -125,7 +125,7 @@ class Writes:
         try:
             appended = await replicas.write_many(self._rt.store, writes, announcement)
         except asyncio.CancelledError:
-            # On a single node the script appends the announcement with the SETs, or
+            # On a single node the write appends the announcement with the SETs, or
             # runs not at all; elsewhere the announcement is a round trip of its own.
             self._abandoned(keys, announce=announcement is None)
             raise

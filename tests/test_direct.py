@@ -397,3 +397,98 @@ async def test_a_cancelled_mget_leaves_no_partial_reply_in_memory(
         await proxy.stop()
         await admin.delete(*names)
         await admin.aclose()
+
+
+# -- transactions (set_many's write, a hot key's) -----------------------------------------
+
+
+async def test_a_transaction_returns_each_commands_reply_and_an_error_in_its_place(
+    one_connection: direct.DirectClient, redis_client: redis.Redis, prefix: str
+) -> None:
+    """An error while EXEC runs (WRONGTYPE) is that command's reply: the commands
+    before and after it ran, as Redis's transactions promise."""
+    await redis_client.lpush(f"{prefix}list", "x")
+    commands = direct.Packed()
+    commands.add_set(f"{prefix}a", b"\x00one\r\n", 60_000)
+    commands.add(("INCR", f"{prefix}list"))
+    commands.add(("GET", f"{prefix}a"))
+    first, failed, read = await direct.execute_transaction(one_connection, commands)
+    assert (first, read) == (b"OK", b"\x00one\r\n")
+    assert isinstance(failed, ResponseError) and "WRONGTYPE" in str(failed)
+    assert 0 < await redis_client.pttl(f"{prefix}a") <= 60_000
+    assert await direct.execute_command(one_connection, "PING") == b"PONG"
+
+
+async def test_a_command_refused_while_queued_aborts_the_transaction_and_is_raised(
+    one_connection: direct.DirectClient, redis_client: redis.Redis, prefix: str
+) -> None:
+    """A command Redis refuses to queue (here a wrong arity; on a full noeviction Redis,
+    OOM) aborts the whole transaction: nothing ran, its error is raised, and every reply
+    was read, so the connection serves the next command."""
+    commands = direct.Packed()
+    commands.add_set(f"{prefix}a", b"1", 60_000)
+    commands.add(("SET", f"{prefix}b"))
+    commands.add_set(f"{prefix}c", b"3", 60_000)
+    with pytest.raises(ResponseError, match="wrong number of arguments"):
+        await direct.execute_transaction(one_connection, commands)
+    assert await redis_client.exists(f"{prefix}a", f"{prefix}c") == 0
+    assert await direct.execute_command(one_connection, "GET", f"{prefix}a") is None
+
+
+async def test_a_transaction_of_thousands_of_commands_reads_every_reply(
+    one_connection: direct.DirectClient, redis_client: redis.Redis, prefix: str
+) -> None:
+    """Its replies (a +QUEUED per command, then EXEC's array) span many socket reads."""
+    commands = direct.Packed()
+    for i in range(5_000):
+        commands.add_set(f"{prefix}k:{i}", b"v%d" % i * 50, 60_000)
+    replies = await direct.execute_transaction(one_connection, commands)
+    assert replies == [b"OK"] * 5_000
+    assert await redis_client.get(f"{prefix}k:4999") == b"v4999" * 50
+    assert await direct.execute_command(one_connection, "GET", f"{prefix}k:7") == b"v7" * 50
+
+
+async def test_a_transaction_cancelled_at_every_await_ran_whole_or_not_at_all(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Cancelled after 0, 1, 2, ... loop turns (connecting, sending, waiting for its
+    replies): its connection is dropped, so no reply of it is read as the next
+    command's, and Redis ran either all of it or none of it (a client that goes away
+    mid-transaction has it discarded). A Redis of the test's own: the test waits until
+    the dropped connection is gone from CLIENT LIST."""
+    admin = redis.Redis.from_url(redis_server.url)
+    client = redis.Redis.from_url(redis_server.url, max_connections=1, socket_timeout=2.0)
+    commands = direct.DirectClient(client)
+    await admin.set(f"{prefix}mine", "mine")
+    outcomes = set()
+    try:
+        for turns in range(12):
+            packed = direct.Packed()
+            for i in range(200):
+                packed.add_set(f"{prefix}{turns}:{i}", b"x" * 1_000, 60_000)
+            task = asyncio.create_task(direct.execute_transaction(commands, packed))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await task
+            assert await eventually(lambda: _no_dropped_connection(admin, client), 5), turns
+            written = await admin.exists(*(f"{prefix}{turns}:{i}" for i in range(200)))
+            assert written in (0, 200), f"cancelled after {turns} turns, {written} of 200 ran"
+            outcomes.add(written)
+            assert await direct.execute_command(commands, "GET", f"{prefix}mine") == b"mine"
+    finally:
+        await commands.close()
+        await client.aclose()
+        await admin.aclose()
+    assert outcomes == {0, 200}, "the cancellations never landed both before and after EXEC"
+
+
+async def _no_dropped_connection(admin: redis.Redis, client: redis.Redis) -> bool:
+    """Redis lists no connection but ``admin``'s and the pool's connected ones: a
+    connection dropped in flight is gone, its transaction run or discarded. (A cancel
+    while connecting may leave a connected one in the pool, idle.)"""
+    pool: Any = client.connection_pool
+    pooled = [*pool._available_connections, *pool._in_use_connections]
+    connected = sum(1 for c in pooled if c.is_connected)
+    return len(await admin.client_list()) == 1 + connected

@@ -563,6 +563,29 @@ async def test_set_whose_backplane_append_fails_reaches_the_other_l1_over_pubsub
     await admin.aclose()
 
 
+async def test_set_many_whose_backplane_append_fails_reaches_the_other_l1_over_pubsub(
+    redis_url: str, prefix: str
+) -> None:
+    """The same for set_many, whose write is a MULTI/EXEC: the XADD failing inside EXEC
+    leaves the SETs in place, and the announcement takes the fallback."""
+    config = make_config(redis_url, prefix)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        for i in (1, 2, 3):
+            assert await b.get_or_load("book", {"id": i}, CountingLoader("old")) == "old"
+        stream = config.redis.prefix + config.backplane.stream
+        await admin.delete(stream)
+        await admin.set(stream, "not a stream")  # every XADD now fails (WRONGTYPE)
+        await a.set_many("book", [({"id": i}, f"new {i}") for i in (1, 2, 3)])
+        for i in (1, 2, 3):
+            assert await eventually(lambda i=i: _l1_missing(b, f"{prefix}book:{i}"))
+            assert await b.get("book", {"id": i}) == f"new {i}"
+        status = a.backplane_status()
+        assert status is not None and status.fallback_sent == 1
+        await admin.delete(stream)
+    await admin.aclose()
+
+
 async def test_set_whose_announcement_no_channel_takes_raises(redis_url: str, prefix: str) -> None:
     """Neither the stream nor pub/sub took the announcement: set() must not return as if
     the write had reached every instance."""

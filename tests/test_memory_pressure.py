@@ -187,6 +187,32 @@ async def test_invalidate_on_a_full_noeviction_redis_reaches_the_other_l1(prefix
             assert a.redis_status().breaker == "closed"  # OOM is not a dead node
 
 
+async def test_set_many_on_a_full_noeviction_redis_writes_none_and_drops_every_old_copy(
+    prefix: str,
+) -> None:
+    """set_many's write is one MULTI/EXEC: a full Redis refuses each SET as it is queued
+    and then the EXEC, so none of the values lands (not some of them), and, as for a
+    value too large to store, the old copies go everywhere instead: L2, the other
+    instance's L1. No error reaches the caller, and OOM doesn't open the breaker."""
+    with full_redis("noeviction") as server:
+        config = make_config(server.url, prefix)
+        admin = redis.Redis.from_url(server.url)
+        names = [f"{prefix}book:{i}" for i in range(4)]
+        async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+            for i in range(4):
+                assert await b.get_or_load("book", {"id": i}, CountingLoader("old")) == "old"
+            async with kept_full(server.url):
+                await over_the_limit(server.url)
+                await a.set_many("book", [({"id": i}, f"new {i}") for i in range(4)])
+                assert await admin.exists(*names) == 0, "a value landed, or an old one stayed"
+                l1 = b.namespace("book").policy.l1
+                assert l1 is not None
+                assert await eventually(lambda: all(l1.get(n) is MISSING for n in names))
+            assert a.stats()["book"]["not_cached"] == 4
+            assert a.redis_status().breaker == "closed"
+        await admin.aclose()
+
+
 async def test_instances_starting_on_a_full_redis_without_a_stream_still_hear_each_other(
     prefix: str,
 ) -> None:

@@ -191,3 +191,43 @@ def test_a_reply_nested_deeper_than_the_stack_is_read_all_the_same() -> None:
         assert isinstance(value, list) and len(value) == 1
         value = value[0]
     assert value == 7
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_values, min_size=1, max_size=6), data=st.data())
+def test_replies_taken_many_at_a_time_are_the_replies_taken_one_at_a_time(
+    values: list[Any], data: st.DataObject
+) -> None:
+    """A transaction's replies are taken with ``whole_replies`` while they are whole in
+    the buffer and with ``reply()`` where one was split (``_direct``): any split gives
+    the same replies in the same order, and nothing more than asked for."""
+    stream = b"".join(_encode(value) for value in values)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    parser, replies = ReplyParser(), []
+    for piece in pieces:
+        parser.feed(piece)
+        while len(replies) < len(values):
+            most = data.draw(st.integers(1, len(values) - len(replies)))
+            taken = parser.whole_replies(most)
+            assert len(taken) <= most
+            replies += taken
+            if taken:
+                continue
+            done, reply = parser.reply()
+            if not done:
+                break
+            replies.append(reply)
+    assert replies == values
+    assert parser.whole_replies(5) == [] and parser.reply() == (False, None)
+
+
+def test_whole_replies_stop_at_one_that_is_split_and_reply_resumes_it() -> None:
+    parser = ReplyParser()
+    parser.feed(b"+QUEUED\r\n+QUEUED\r\n*2\r\n+OK\r\n")
+    assert parser.whole_replies(5) == [b"QUEUED", b"QUEUED"]
+    assert parser.reply() == (False, None)  # the array is open now
+    assert parser.whole_replies(5) == []
+    parser.feed(b":3\r\n+QUEUED\r\n")
+    assert parser.reply() == (True, [b"OK", 3])
+    assert parser.whole_replies(5) == [b"QUEUED"]

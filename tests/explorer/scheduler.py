@@ -8,8 +8,8 @@ command fails (before it reaches Redis, or after Redis ran it and the reply was 
 
 Production code carries no hook, so the points cost nothing there: ``yield_points()``
 patches redis-py's client classes (``execute_command`` and the pipelines' ``execute``),
-and ``layered_cache._direct``'s ``execute_command`` and ``HeldConnection.execute`` (the
-commands the library packs itself), for the duration of an exploration, and only tasks whose context holds a ``Probe`` are
+and ``layered_cache._direct``'s ``execute_command``, ``execute_transaction`` and
+``HeldConnection.execute`` (the commands the library packs itself), for the duration of an exploration, and only tasks whose context holds a ``Probe`` are
 affected. The loaders of the explorer's world yield at their start and end themselves.
 
 Determinism: a seed fixes the program (which operations, on which instance) and every
@@ -121,7 +121,7 @@ REFRESHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 # Replies after which the caller updates L1 (or returns from set()): the window where a
 # concurrent invalidation must still win.
-_WRITES = frozenset({"EVALSHA", "EVAL", "PIPELINE"})
+_WRITES = frozenset({"EVALSHA", "EVAL", "PIPELINE", "MULTI"})
 
 
 def _command_name(args: tuple[Any, ...]) -> str:
@@ -138,7 +138,7 @@ def _wrap(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
         scheduler = probe.scheduler if probe is not None else None
         if probe is None or scheduler is None:
             return await original(self, *args, **kwargs)
-        name = _command_name(args) if kind == "command" else "PIPELINE"
+        name = _command_name(args) if kind == "command" else kind.upper()
         await scheduler.point()
         if name != "XREAD" and scheduler.fail():
             _note(probe, f"fault before {name}")
@@ -208,6 +208,7 @@ def yield_points() -> Iterator[None]:
         (redis_cluster.RedisCluster, "execute_command", "command"),
         (redis_cluster.ClusterPipeline, "execute", "pipeline"),
         (direct, "execute_command", "command"),  # GET and set()'s write on a single node
+        (direct, "execute_transaction", "multi"),  # set_many's, a hot key's write
         (direct.HeldConnection, "execute", "command"),  # the listener's stream commands
     ]
     saved = [(cls, attr, vars(cls)[attr]) for cls, attr, _ in targets]
