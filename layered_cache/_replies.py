@@ -70,6 +70,10 @@ class ReplyParser:
     def reply(self) -> tuple[bool, Any]:
         """``(True, reply)`` once a whole reply was fed (its bytes are then dropped), or
         ``(False, None)``: feed more."""
+        if self._position == len(self._buffer):
+            # Nothing left to read: every command asks once before its reply arrives,
+            # and a failed one-pass attempt costs a caught exception.
+            return False, None
         if not self._open:
             # A reply that arrived whole (nearly every one) in one recursive pass; the
             # element-by-element path below resumes a split one and reads the rare
