@@ -38,10 +38,11 @@ class Fills:
         soft_expiry: float,
         delta: float,
         tags: dict[str, str] | None = None,
+        now: float | None = None,
     ) -> tuple[bytes, Any] | None:
         """(envelope bytes, the value as L2 readers will decode it) or None: see
-        ``envelopes``."""
-        now = self._clock()
+        ``envelopes``. ``now``: the write's time, if the caller read the clock already."""
+        now = self._clock() if now is None else now
         return envelopes.encode(self._policy, key, value, now, soft_expiry, delta, tags)
 
     def as_read(self, key: str, value: Any) -> Any:
@@ -143,9 +144,10 @@ class Fills:
         unknown tag counts as alive here: used for fills just written by their owner)."""
         return envelope.tags is None or self.versions.known(envelope.tags) is not False
 
-    def redis_ttl_ms(self, soft_expiry: float) -> int:
+    def redis_ttl_ms(self, soft_expiry: float, now: float | None = None) -> int:
         """Hard expiry = soft expiry + the stale window the fail-safe may serve from."""
-        return max(1, int((soft_expiry - self._clock() + self._policy.stale_max_age) * 1000))
+        now = self._clock() if now is None else now
+        return max(1, int((soft_expiry - now + self._policy.stale_max_age) * 1000))
 
     def is_hot(self, key: str) -> bool:
         policy = self._policy

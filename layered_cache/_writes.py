@@ -93,14 +93,15 @@ class Writes:
         writes: list[Write] = []
         settled: list[tuple[str, Any, float]] = []
         uncacheable: list[str] = []
+        now = self._rt.clock()  # one write, one time: its values are stamped alike
         for key, value in keyed:
-            soft_expiry = policy.soft_expiry(value, self._rt.clock())
-            encoded = fills.encode(key, value, soft_expiry, 0.0, versions)
+            soft_expiry = policy.soft_expiry(value, now)
+            encoded = fills.encode(key, value, soft_expiry, 0.0, versions, now)
             if encoded is None:
                 uncacheable.append(key)
                 continue
             names, outdated = replicas.set_plan(key, policy.replicas, fills.is_hot(key))
-            writes.append((names, outdated, encoded[0], fills.redis_ttl_ms(soft_expiry)))
+            writes.append((names, outdated, encoded[0], fills.redis_ttl_ms(soft_expiry, now)))
             settled.append((key, encoded[1], soft_expiry))
         if uncacheable:
             # The new value can't be stored (not encodable, too large): the old one
