@@ -31,15 +31,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-import msgspec
+from redis._parsers import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import ExecAbortError, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from layered_cache._busypoll import AVAILABLE, BusyPoll, SocketPoll
+from layered_cache._packing import Packed, pack_command
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._replies import ReplyParser
 
@@ -56,61 +57,6 @@ __all__ = [
 _READ_SIZE = 65536
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 _EXEC = b"*1\r\n$4\r\nEXEC\r\n"
-
-
-def pack_command(args: tuple[bytes | str | int, ...]) -> list[bytes]:
-    """RESP2/3 request: an array of bulk strings. Values are not copied into one buffer
-    (the socket takes the list as it is). Exact types are dispatched by identity, half
-    the cost of an ``isinstance`` chain (set()'s 16 arguments: ~8 -> ~4 µs on the bench
-    VM); subclasses take ``_other``."""
-    chunks = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        kind = type(arg)
-        # mypy doesn't narrow on ``type(x) is T``: the casts say what the test proved.
-        if kind is bytes:
-            data = cast(bytes, arg)
-        elif kind is str:
-            data = cast(str, arg).encode()
-        elif kind is int:
-            data = b"%d" % cast(int, arg)
-        else:
-            data = _other(arg)
-        chunks += (b"$%d\r\n" % len(data), data, b"\r\n")
-    return chunks
-
-
-class Packed(msgspec.Struct):
-    """Commands packed one after another for a single send: their bytes and how many
-    commands (one reply each) they are."""
-
-    chunks: list[bytes] = msgspec.field(default_factory=list)
-    count: int = 0
-
-    def add(self, args: tuple[bytes | str | int, ...]) -> None:
-        self.chunks += pack_command(args)
-        self.count += 1
-
-    def add_set(self, name: str, data: bytes, ttl_ms: int) -> None:
-        """``SET name data PX ttl_ms``, packed in three formats rather than five
-        arguments' worth (a ``set_many`` of 100 packed its SETs in ~50 µs, not ~115)."""
-        key, ttl = name.encode(), b"%d" % ttl_ms
-        self.chunks += (
-            b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, len(data)),
-            data,
-            b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl),
-        )
-        self.count += 1
-
-
-def _other(arg: object) -> bytes:
-    if isinstance(arg, bytes):
-        return bytes(arg)
-    if isinstance(arg, str):
-        return arg.encode()  # a (str, Enum) member: its value, not str()'s "Kind.NAME"
-    if isinstance(arg, int) and not isinstance(arg, bool):
-        return b"%d" % int(arg)
-    kind = type(arg).__name__
-    raise TypeError(f"a command argument must be bytes, str or int, not {kind}")
 
 
 async def execute_command(direct: DirectClient, *args: bytes | str | int) -> Any:
@@ -144,6 +90,16 @@ async def execute_transaction(direct: DirectClient, commands: Packed) -> list[An
     refused while queued (a full ``noeviction`` Redis: ``OOM``) aborts them all: its
     error is raised and nothing ran."""
     return await direct.transaction(commands)
+
+
+def _cause(aborted: ExecAbortError) -> Exception:
+    """The error an EXECABORT names ("... discarded because of: OOM command not
+    allowed ..."), as redis-py would raise it; the EXECABORT itself if it names none."""
+    _, found, cause = str(aborted).partition("because of: ")
+    if not found:
+        return aborted
+    error: Exception = BaseParser.parse_error(cause)  # type: ignore[no-untyped-call]
+    return error
 
 
 class HeldConnection:
@@ -207,10 +163,19 @@ class HeldConnection:
             replies = await self._round_trip(chunks, commands.count + 2)
         finally:
             self._busy = False
-        for reply in replies:  # MULTI's OK, a QUEUED per command, then EXEC's list
+        for reply in replies[:-1]:  # MULTI's OK, then a QUEUED per command
             if isinstance(reply, Exception):
                 raise reply  # refused while queued (then EXEC says EXECABORT)
-        return cast(list[Any], replies[-1])
+        executed = replies[-1]
+        if isinstance(executed, ExecAbortError):
+            # Every command was queued, then EXEC itself was refused: a Redis that went
+            # over maxmemory in between (its queue takes memory too) discards it all.
+            # Redis names the cause after the EXECABORT; raised as its own error, so
+            # that a caller can tell a full Redis (``OutOfMemoryError``) from a failure.
+            raise _cause(executed) from executed
+        if isinstance(executed, Exception):
+            raise executed
+        return cast(list[Any], executed)
 
     async def _round_trip(self, chunks: list[bytes], count: int = 0) -> Any:
         """Send ``chunks`` and read their reply or, with ``count``, a list of that many."""

@@ -47,7 +47,7 @@ from layered_cache._scripts import (
     fill_args,
 )
 from layered_cache._topology import RefreshingCluster
-from layered_cache._write_commands import Write, one_write_args, write_commands
+from layered_cache._write_commands import Write, one_write_args, run_transaction
 
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
@@ -296,9 +296,7 @@ class L2Store:
             if (one := one_write_args(writes, announcement)) is not None:
                 script, (keys, args) = self._write_one, one  # one key, not hot: a script
                 return bool(await self.guard(direct.evalsha(self.direct, script, keys, args)) == 1)
-            commands = write_commands(writes, announcement)
-            replies = await self.guard(direct.execute_transaction(self.direct, commands))
-            return announcement is None or not isinstance(replies[-1], Exception)
+            return bool(await self.guard(run_transaction(self.direct, writes, announcement)))
         assert announcement is None, "a cluster announces after the writes"
         pipe = self.client.pipeline(transaction=False)
         for names, delete_first, data, ttl_ms in writes:

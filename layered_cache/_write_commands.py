@@ -24,8 +24,10 @@ Two forms, the same guarantees:
   against ~620 µs. The transaction costs the client a reply per command (``+QUEUED``),
   read in one pass (``_direct``). A full Redis refuses every write command queued
   while it is over ``maxmemory`` and then the EXEC (EXECABORT), and refuses an EXEC
-  whose transaction holds a write once it is over: either way none of it runs. An
-  XADD that fails inside EXEC is an error in its place; the SETs before it ran.
+  whose transaction holds a write once it is over (EXECABORT naming OOM: ``_direct``
+  raises the error it names): either way none of it runs, and the caller sees
+  ``OutOfMemoryError``. An XADD that fails inside EXEC is an error in its place; the
+  SETs before it ran.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from layered_cache._direct import Packed
+from layered_cache import _direct as direct
+from layered_cache._packing import Packed
 
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
 
-__all__ = ["Write", "one_write_args", "write_commands"]
+__all__ = ["Write", "one_write_args", "run_transaction", "write_commands"]
 
 Write = tuple[Sequence[str], Sequence[str], bytes, int]  # (names, delete first, data, ms)
 
@@ -71,3 +74,25 @@ def write_commands(writes: Sequence[Write], announcement: Announcement | None) -
         stream, maxlen, fields = announcement.stream, announcement.maxlen, announcement.fields
         commands.add((b"XADD", stream, b"MAXLEN", b"~", maxlen, b"*", *fields))
     return commands
+
+
+async def run_transaction(
+    client: direct.DirectClient, writes: Sequence[Write], announcement: Announcement | None
+) -> bool:
+    """The MULTI/EXEC form, sent and read back. Returns False if the stream refused the
+    append (the writes landed). A SET or the DEL that failed as EXEC ran (none can with
+    these arguments: a SET overwrites any type) raises: the others may have landed."""
+    replies = await direct.execute_transaction(client, write_commands(writes, announcement))
+    if announcement is not None:
+        appended = replies.pop()
+        if isinstance(appended, Exception):
+            _raise_any(replies)
+            return False
+    _raise_any(replies)
+    return True
+
+
+def _raise_any(replies: list[object]) -> None:
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import enum
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis.asyncio as redis
@@ -18,6 +18,8 @@ from redis.exceptions import NoScriptError, ResponseError, TimeoutError
 
 from layered_cache import LayeredCache
 from layered_cache import _direct as direct
+from layered_cache._backplane import Announcement
+from layered_cache._write_commands import run_transaction
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import eventually, make_config
 from tests.servers import RedisServer, with_protocol
@@ -451,24 +453,27 @@ async def test_a_transaction_of_thousands_of_commands_reads_every_reply(
 async def test_a_transaction_cancelled_at_every_await_ran_whole_or_not_at_all(
     redis_server: RedisServer, prefix: str
 ) -> None:
-    """Cancelled after 0, 1, 2, ... loop turns (connecting, sending, waiting for its
-    replies): its connection is dropped, so no reply of it is read as the next
-    command's, and Redis ran either all of it or none of it (a client that goes away
-    mid-transaction has it discarded). A Redis of the test's own: the test waits until
-    the dropped connection is gone from CLIENT LIST."""
+    """Cancelled after 0, 1, 2, ... loop turns and then after growing real delays
+    (connecting, sending, waiting for its replies; a loaded machine may still be
+    connecting after a dozen turns): its connection is dropped, so no reply of it is
+    read as the next command's, and Redis ran either all of it or none of it (a client
+    that goes away mid-transaction has it discarded). A Redis of the test's own: the
+    test waits until the dropped connection is gone from CLIENT LIST."""
     admin = redis.Redis.from_url(redis_server.url)
     client = redis.Redis.from_url(redis_server.url, max_connections=1, socket_timeout=2.0)
     commands = direct.DirectClient(client)
     await admin.set(f"{prefix}mine", "mine")
     outcomes = set()
     try:
-        for turns in range(12):
+        delays = [0.0] * 12 + [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
+        for turns, delay in enumerate(delays):
             packed = direct.Packed()
             for i in range(200):
                 packed.add_set(f"{prefix}{turns}:{i}", b"x" * 1_000, 60_000)
             task = asyncio.create_task(direct.execute_transaction(commands, packed))
             for _ in range(turns):
                 await asyncio.sleep(0)
+            await asyncio.sleep(delay)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await task
@@ -492,3 +497,28 @@ async def _no_dropped_connection(admin: redis.Redis, client: redis.Redis) -> boo
     pooled = [*pool._available_connections, *pool._in_use_connections]
     connected = sum(1 for c in pooled if c.is_connected)
     return len(await admin.client_list()) == 1 + connected
+
+
+async def test_a_write_whose_set_fails_as_exec_runs_raises_even_when_its_append_landed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A corner no real server reaches today (a SET overwrites any type, and its PX is
+    at least 1): were a SET of set_many's transaction to fail as EXEC ran, the write
+    must not pass for landed because the append after it did."""
+    failed = ResponseError("ERR invalid expire time in 'set' command")
+
+    async def executed(client: Any, commands: direct.Packed) -> list[Any]:
+        return [b"OK", failed, 1, b"1-1"]
+
+    monkeypatch.setattr(direct, "execute_transaction", executed)
+    writes = [(["a", "b"], ["{a}:lease", "{b}:lease"], b"v", 1_000)]
+    announcement = Announcement("stream", 1000, [b"keys", b"x"])
+    with pytest.raises(ResponseError, match="invalid expire"):
+        await run_transaction(cast(Any, None), writes, announcement)
+    refused = ResponseError("WRONGTYPE Operation against a key holding the wrong kind")
+
+    async def append_refused(client: Any, commands: direct.Packed) -> list[Any]:
+        return [b"OK", b"OK", 2, refused]
+
+    monkeypatch.setattr(direct, "execute_transaction", append_refused)
+    assert await run_transaction(cast(Any, None), writes, announcement) is False

@@ -26,6 +26,7 @@ from layered_cache.cli import main
 from layered_cache.daemon.deletes import Deleter
 from layered_cache.daemon.stats import DaemonStats
 from tests.explorer.world import VARIANTS
+from tests.faults.proxy import ToxicProxy
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
 from tests.test_explorer import _explore, _report
@@ -211,6 +212,44 @@ async def test_set_many_on_a_full_noeviction_redis_writes_none_and_drops_every_o
             assert a.stats()["book"]["not_cached"] == 4
             assert a.redis_status().breaker == "closed"
         await admin.aclose()
+
+
+async def test_set_many_whose_exec_a_full_redis_refuses_drops_every_old_copy(
+    prefix: str,
+) -> None:
+    """Found by review: every command of set_many's MULTI was queued while Redis had
+    room, then it went over maxmemory (the queue itself takes memory; here the limit is
+    lowered) and refused the EXEC: EXECABORT, naming OOM as its cause. That was taken
+    for a failed Redis - set_many raised and the old copies stayed, in L2 and in the
+    other instance's L1 - where a refused write must drop them, as for the queued case."""
+    with full_redis("noeviction") as server:
+        admin = redis.Redis.from_url(server.url)
+        proxy = await ToxicProxy(server.host, server.port).start()
+        names = [f"{prefix}book:{i}" for i in range(3)]
+        try:
+            async with (
+                LayeredCache.from_config(make_config(proxy.url, prefix)) as a,
+                LayeredCache.from_config(make_config(server.url, prefix)) as b,
+            ):
+                for i in range(3):
+                    assert await b.get_or_load("book", {"id": i}, CountingLoader("old")) == "old"
+                proxy.hold_at = b"*1\r\n$4\r\nEXEC\r\n"  # the EXEC waits: Redis fills
+                writing = asyncio.create_task(
+                    a.set_many("book", [({"id": i}, f"new {i}") for i in range(3)])
+                )
+                await asyncio.wait_for(proxy.holding.wait(), 5)
+                await over_the_limit(server.url)
+                proxy.release.set()
+                await writing  # no error: a full Redis refused the values
+                assert await admin.exists(*names) == 0, "an old value stayed in L2"
+                l1 = b.namespace("book").policy.l1
+                assert l1 is not None
+                assert await eventually(lambda: all(l1.get(n) is MISSING for n in names))
+                assert a.stats()["book"]["not_cached"] == 3
+                assert a.redis_status().breaker == "closed"
+        finally:
+            await proxy.stop()
+            await admin.aclose()
 
 
 async def test_instances_starting_on_a_full_redis_without_a_stream_still_hear_each_other(

@@ -6,6 +6,9 @@ Modes (switchable while connections are open):
 - ``blackhole``: accept connections and swallow bytes, never answer (a hung server).
 - ``cut()``: close every open connection now (a network blip).
 - ``rewrite``: a function applied to every chunk from the server (poison a reply).
+- ``hold_at``: the next chunk to the server that holds these bytes is forwarded up to
+  them, then the rest waits until ``release`` is set (``holding`` is set meanwhile):
+  the moment before a command reaches the server, made as long as a test needs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ class ToxicProxy:
         self.mode: Mode = "pass"
         self.latency = 0.0
         self.rewrite: Callable[[bytes], bytes] | None = None
+        self.hold_at: bytes | None = None
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -82,6 +88,13 @@ class ToxicProxy:
                     await asyncio.sleep(self.latency)
                 if not upstream and self.rewrite is not None:
                     data = self.rewrite(data)
+                if upstream and self.hold_at is not None and self.hold_at in data:
+                    at, self.hold_at = data.index(self.hold_at), None
+                    writer.write(data[:at])
+                    await writer.drain()
+                    self.holding.set()
+                    await self.release.wait()
+                    data = data[at:]
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
