@@ -29,19 +29,9 @@ import re
 from collections.abc import Mapping
 
 __all__ = [
-    "MAX_KEY_LENGTH",
-    "RESERVED_SEGMENT",
-    "KeyTemplate",
-    "backplane_stream_name",
-    "fill_channel",
-    "hot_report_name",
-    "lease_name",
-    "loading_set_name",
-    "replica_name",
-    "replica_names",
-    "replica_record_name",
-    "tag_version_name",
-    "validate_prefix",
+    "MAX_KEY_LENGTH", "RESERVED_SEGMENT", "KeyTemplate", "backplane_stream_name",
+    "fill_channel", "hot_report_name", "lease_name", "loading_set_name", "replica_name",
+    "replica_names", "replica_record_name", "tag_version_name", "validate_prefix",
     "validate_tag",
 ]
 
@@ -177,6 +167,11 @@ class KeyTemplate:
         # (each maps to the same key anyway), and the type is checked before the lookup
         # (``True == 1``, ``42.0 == 42``: those must still be refused).
         self._memo: dict[object, str] = {}
+
+    def single_memo(self) -> tuple[str, dict[object, str]] | None:
+        """A one-field template's field and the memo ``build`` reads first (a valid int
+        or str value -> its full key), for a caller that inlines that lookup."""
+        return None if self._single is None else (self._single, self._memo)
 
     def build(self, fields: Mapping[str, object]) -> str:
         """The full Redis name (prefix included) for these key fields."""

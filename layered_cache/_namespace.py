@@ -51,6 +51,7 @@ class Namespace:
         # don't change after startup): it is most requests' whole path, and each
         # attribute hop or call on it is a measurable share (bench/l1_hit.py).
         self._build = policy.template.build
+        self._key_memo = policy.template.single_memo()
         self._stats = policy.stats
         l1 = policy.l1 if policy.cache else None
         self._l1_entries = l1.lock_free_entries() if l1 is not None else None

@@ -315,3 +315,26 @@ async def test_set_revokes_a_fill_in_flight(redis_url: str, prefix: str) -> None
         await cache.set("book", {"id": 1}, "new")
         assert await load == "old"  # the caller that started before still gets its load
         assert await cache.get("book", {"id": 1}) == "new"
+
+
+async def test_an_l1_hit_never_serves_a_key_to_an_equal_value_of_another_type(
+    redis_url: str, prefix: str
+) -> None:
+    """The L1-hit path reads a one-field template's remembered keys inline (``_hits``):
+    ``True == 1`` and ``42.0 == 42`` hash alike, yet once books 1 and 42 sit in L1 they
+    are refused there as ``build`` refuses them, and ``"42"`` (the same key) is served."""
+    config = make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config) as cache:
+        for i in (1, 42):
+            assert await cache.get_or_load("book", {"id": i}, CountingLoader(f"book {i}"))
+        for bad in (True, 42.0, "4 2", None):
+            with pytest.raises((ValueError, TypeError)):
+                await cache.get_or_load("book", {"id": bad}, CountingLoader("wrong"))
+            with pytest.raises((ValueError, TypeError)):
+                await cache.get("book", {"id": bad})
+        with pytest.raises(KeyError):
+            await cache.get("book", {"isbn": 42})
+        assert await cache.get("book", {"id": "42"}) == "book 42"
+        never = CountingLoader("loaded")
+        assert await cache.get_or_load("book", {"id": "1"}, never) == "book 1"
+        assert never.calls == 0
