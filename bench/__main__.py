@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[Section] = []
     started = time.perf_counter()
     try:
+        env.forget_keys()  # an interrupted run's leftovers
         for name in args.only or SCENARIOS:
             t0 = time.perf_counter()
             print(f"== {name} ...", flush=True)
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 section = Section(name, name, error=f"{type(exc).__name__}: {exc}")
                 section.seconds = time.perf_counter() - t0
+            finally:
+                env.forget_keys()  # the next scenario starts on a Redis of its own size
             section.date = time.strftime("%Y-%m-%d %H:%M:%S %Z")
             sections.append(section)
             print(f"   done in {section.seconds:.1f} s", flush=True)
