@@ -216,7 +216,8 @@ class LayeredCache(HitPath):
     async def set_many(
         self, namespace: str, items: Sequence[tuple[Mapping[str, object], Any]]
     ) -> None:
-        """``set`` for many keys: one pipelined round trip, one backplane append."""
+        """``set`` for many keys: one round trip (on a single node one MULTI/EXEC), one
+        backplane append."""
         await self.namespace(namespace).set_many(items)
 
     async def set(
