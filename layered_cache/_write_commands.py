@@ -83,16 +83,8 @@ async def run_transaction(
     append (the writes landed). A SET or the DEL that failed as EXEC ran (none can with
     these arguments: a SET overwrites any type) raises: the others may have landed."""
     replies = await direct.execute_transaction(client, write_commands(writes, announcement))
-    if announcement is not None:
-        appended = replies.pop()
-        if isinstance(appended, Exception):
-            _raise_any(replies)
-            return False
-    _raise_any(replies)
-    return True
-
-
-def _raise_any(replies: list[object]) -> None:
+    appended = replies.pop() if announcement is not None else None
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
+    return not isinstance(appended, Exception)
