@@ -30,9 +30,9 @@ from collections.abc import Mapping
 
 __all__ = [
     "MAX_KEY_LENGTH", "RESERVED_SEGMENT", "KeyTemplate", "backplane_stream_name",
-    "fill_channel", "hot_report_name", "lease_name", "loading_set_name", "replica_name",
-    "replica_names", "replica_record_name", "tag_version_name", "validate_prefix",
-    "validate_tag",
+    "fill_channel", "hot_report_name", "is_tag", "lease_name", "loading_set_name",
+    "replica_name", "replica_names", "replica_record_name", "tag_version_name",
+    "validate_prefix", "validate_tag",
 ]
 
 MAX_KEY_LENGTH = 512
@@ -40,7 +40,7 @@ MAX_TAG_LENGTH = 256
 MAX_PREFIX_LENGTH = 64
 # Names the library owns live in this segment after the prefix; no template reaches it.
 RESERVED_SEGMENT = "layered_cache:"
-TAG_PATTERN = r"^[A-Za-z0-9_.:@/=+\-]+$"  # key values and tags (``_codec`` checks tags)
+TAG_PATTERN = r"^[A-Za-z0-9_.:@/=+\-]+$"  # key values and tags (``is_tag``)
 _SAFE_VALUE = re.compile(TAG_PATTERN)
 _SAFE_LITERAL = re.compile(r"[A-Za-z0-9_.:@/=+\-]*")
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -369,6 +369,11 @@ def replica_record_name(prefix: str) -> str:
     return "{" + prefix + RESERVED_SEGMENT[:-1] + "}:replicas"
 
 
+
+
+def is_tag(tag: str) -> bool:
+    """Whether ``validate_tag`` accepts ``tag``, without the error (tags read back)."""
+    return len(tag) <= MAX_TAG_LENGTH and _SAFE_VALUE.fullmatch(tag) is not None
 
 
 def validate_tag(tag: object) -> str:

@@ -41,19 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceConfig
-from layered_cache._keys import (
-    MAX_TAG_LENGTH,
-    TAG_PATTERN,
-    loading_set_name,
-    tag_version_name,
-    validate_tag,
-)
+from layered_cache._keys import is_tag, loading_set_name, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._memory_policy import refused_for_memory
 
@@ -69,14 +62,6 @@ __all__ = [
 
 # A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
 TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
-
-_TAG = re.compile(TAG_PATTERN)
-
-
-def _is_tag(tag: str) -> bool:
-    """Whether ``validate_tag`` accepts ``tag``: for tags read back from Redis, where a
-    refused one means a planted envelope, not a caller's mistake."""
-    return len(tag) <= MAX_TAG_LENGTH and _TAG.fullmatch(tag) is not None
 
 
 def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
@@ -208,7 +193,7 @@ class TagVersions:
         state = self.known(tags)
         if state is not None:
             return state
-        if not all(_is_tag(tag) for tag in tags):
+        if not all(is_tag(tag) for tag in tags):
             return False  # planted in Redis: no caller could give it (``_codec.Envelope``)
         current = await self.current(tags)
         return all(current[tag] == version for tag, version in tags.items())
@@ -221,7 +206,7 @@ class TagVersions:
         # planted envelope, dead (``valid``); the rest are fetched, all at once.
         fetch = [
             i for i, verdict in enumerate(verdicts)
-            if verdict is None and all(_is_tag(tag) for tag in entries[i])
+            if verdict is None and all(is_tag(tag) for tag in entries[i])
         ]
         current = await self.current({tag for i in fetch for tag in entries[i]}) if fetch else {}
         for i in fetch:
