@@ -231,3 +231,20 @@ def test_whole_replies_stop_at_one_that_is_split_and_reply_resumes_it() -> None:
     parser.feed(b":3\r\n+QUEUED\r\n")
     assert parser.reply() == (True, [b"OK", 3])
     assert parser.whole_replies(5) == [b"QUEUED"]
+
+
+def test_a_push_among_a_transactions_replies_is_skipped_not_counted() -> None:
+    """RESP3 pushes (client tracking, maintenance notices) may arrive between a
+    transaction's replies: ``whole_replies`` stops at one and ``reply()`` skips it, so
+    the replies counted are the transaction's own, and the next command's stays."""
+    parser = ReplyParser()
+    push = b">2\r\n$10\r\ninvalidate\r\n*1\r\n$3\r\nfoo\r\n"
+    parser.feed(b"+OK\r\n" + push + b"+QUEUED\r\n" + push + b"*1\r\n+OK\r\n+PONG\r\n")
+    replies = parser.whole_replies(3)
+    while len(replies) < 3:
+        done, reply = parser.reply()
+        assert done
+        replies.append(reply)
+        replies += parser.whole_replies(3 - len(replies))
+    assert replies == [b"OK", b"QUEUED", [b"OK"]]
+    assert parser.reply() == (True, b"PONG")
