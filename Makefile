@@ -59,15 +59,16 @@ VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py
 # connection themselves (_direct, the backplane and relay readers), cancel mid-reply, or
 # use the cluster's sharded pub/sub, on the oldest redis-py pyproject.toml allows
 # (REDIS_PY_OLDEST, _clients.MIN_REDIS_PY) with hiredis parsing replies (redis-py uses it
-# whenever it is installed): about 60 s. Both go into .run/client-pass, on PYTHONPATH for
-# that pass only; the main pass keeps the venv's newest redis-py and its Python parser.
+# whenever it is installed, and so do the library's own connections: _hiredis): about
+# 60 s. Both go into .run/client-pass, on PYTHONPATH for that pass only; the main pass
+# keeps the venv's newest redis-py and the Python parsers.
 REDIS_PY_OLDEST := 8.0.0
 CLIENT_PASS_DIR := .run/client-pass
 CLIENT_SMOKE := tests/test_direct.py tests/test_held_connection.py tests/test_stream.py \
 	tests/test_backplane.py tests/test_relay.py tests/test_cancellation.py \
 	tests/test_invalidation_wins.py tests/test_core.py tests/test_batch.py \
 	tests/test_fill_notify.py tests/test_set_race.py tests/test_cluster.py \
-	tests/test_redis_py_version.py tests/test_busy_poll.py
+	tests/test_redis_py_version.py tests/test_busy_poll.py tests/test_hiredis_replies.py
 
 # And a RESP2 pass: every fixture server's URL asks for RESP2 (REDIS_PROTOCOL=2 adds
 # ?protocol=2), as a service behind a proxy that speaks only RESP2 would run, on the
@@ -82,7 +83,7 @@ RESP2_SMOKE := tests/test_direct.py tests/test_backplane.py tests/test_relay.py 
 $(CLIENT_PASS_DIR)/.installed: Makefile $(STAMP)
 	rm -rf $(CLIENT_PASS_DIR)
 	$(BIN)/python -m pip install -q --no-deps --target $(CLIENT_PASS_DIR) \
-		'redis==$(REDIS_PY_OLDEST)' 'hiredis>=3.0'
+		'redis==$(REDIS_PY_OLDEST)' 'hiredis>=3.2'
 	touch $@
 
 test: ensure-redis ensure-varnish venv django-tests $(CLIENT_PASS_DIR)/.installed

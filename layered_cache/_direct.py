@@ -13,7 +13,8 @@ stream for every line of a reply (``_replies``). On the bench VM, all of that wa
 as much CPU as the rest of a ``set()`` (issue 17, docs/benchmarks.md).
 
 ``HeldConnection`` keeps one connection checked out of the pool between commands and
-parses its replies in one pass (``_replies``); ``DirectClient`` is a stack of them, one
+parses its replies in one pass (``_replies``, or hiredis's C reader whenever redis-py
+uses it: ``_hiredis``); ``DirectClient`` is a stack of them, one
 per command in flight at the busiest moment so far. What stays redis-py's: the pool,
 connecting (AUTH, HELLO, health checks), its error classes (``OutOfMemoryError``,
 ``NoScriptError``, ...), and the rule that a connection whose reply was not read is
@@ -40,9 +41,9 @@ from redis.exceptions import ExecAbortError, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from layered_cache._busypoll import AVAILABLE, BusyPoll, SocketPoll
+from layered_cache._hiredis import Parser, new_parser
 from layered_cache._packing import Packed, pack_command
 from layered_cache._readyqueue import others_are_ready
-from layered_cache._replies import ReplyParser
 
 __all__ = [
     "DirectClient",
@@ -125,7 +126,7 @@ class HeldConnection:
     def __init__(self, client: Redis, busy_poll: BusyPoll | None = None) -> None:
         self._client = client
         self._connection: AbstractConnection | None = None
-        self._parser = ReplyParser()
+        self._parser: Parser = new_parser()
         self._busy = False
         self._busy_poll = busy_poll  # None: a command that may block (XREAD BLOCK)
         self._socket: SocketPoll | None = None
@@ -242,7 +243,7 @@ class HeldConnection:
             await self.close()
         pool = self._client.connection_pool
         connection: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
-        self._connection, self._parser = connection, ReplyParser()
+        self._connection, self._parser = connection, new_parser()
         return connection
 
     async def _read(self, connection: AbstractConnection, poll: bool = True) -> Any:
@@ -280,7 +281,7 @@ class HeldConnection:
         reader and parser hold of an unread reply goes too: this object may sit in
         ``DirectClient``'s stack for long, and a cancelled MGET's part can be megabytes."""
         connection, self._connection = self._connection, None
-        self._parser, self._socket, self._socket_of = ReplyParser(), None, None
+        self._parser, self._socket, self._socket_of = new_parser(), None, None
         if connection is not None:
             try:
                 await connection.disconnect(nowait=True)

@@ -67,6 +67,10 @@ class ReplyParser:
     def feed(self, data: bytes) -> None:
         self._buffer += data
 
+    def buffered(self) -> int:
+        """Bytes fed and not yet dropped (what an unread reply holds in memory)."""
+        return len(self._buffer)
+
     def reply(self) -> tuple[bool, Any]:
         """``(True, reply)`` once a whole reply was fed (its bytes are then dropped), or
         ``(False, None)``: feed more."""

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis import __version__ as redis_py_version
 from redis.utils import HIREDIS_AVAILABLE
 
+from layered_cache._hiredis import USE_HIREDIS
 from tests.servers import (
     REDIS_PROTOCOL,
     REDIS_SERVER,
@@ -38,6 +39,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # test the parser the main pass already did.
     if os.environ.get("REDIS_PARSER") == "hiredis" and not HIREDIS_AVAILABLE:
         raise pytest.UsageError("REDIS_PARSER=hiredis, but redis-py can't import hiredis")
+    if os.environ.get("REDIS_PARSER") == "hiredis" and not USE_HIREDIS:
+        raise pytest.UsageError("REDIS_PARSER=hiredis, but the library's parser isn't (< 3.2?)")
     # Likewise the client pass's redis-py: PYTHONPATH must have put it first.
     wanted = os.environ.get("REDIS_PY_VERSION")
     if wanted and wanted != redis_py_version:

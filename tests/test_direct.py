@@ -391,7 +391,7 @@ async def test_a_cancelled_mget_leaves_no_partial_reply_in_memory(
         assert await ping == b"PONG"  # its connection now tops the stack
         for _ in range(20):  # sequential commands take the top of the stack
             assert await direct.execute_command(commands, "PING") == b"PONG"
-        held = sum(len(h._parser._buffer) for h in commands._idle if h._connection is None)
+        held = sum(h._parser.buffered() for h in commands._idle if h._connection is None)
         assert held == 0, f"bytes kept by dropped connections' parsers: {held}"
     finally:
         await commands.close()
