@@ -61,7 +61,8 @@ VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py
 # (REDIS_PY_OLDEST, _clients.MIN_REDIS_PY) with hiredis parsing replies (redis-py uses it
 # whenever it is installed, and so do the library's own connections: _hiredis): about
 # 60 s. Both go into .run/client-pass, on PYTHONPATH for that pass only; the main pass
-# keeps the venv's newest redis-py and the Python parsers.
+# keeps the venv's newest redis-py and the Python parsers (`make bench` installs hiredis
+# into the venv: after it, the main pass reads with hiredis too).
 REDIS_PY_OLDEST := 8.0.0
 CLIENT_PASS_DIR := .run/client-pass
 CLIENT_SMOKE := tests/test_direct.py tests/test_held_connection.py tests/test_stream.py \
