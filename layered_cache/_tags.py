@@ -51,9 +51,11 @@ from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._memory_policy import refused_for_memory
 
 __all__ = [
+    "MAX_TAGS",
     "Loading",
     "TagVersions",
     "TagsOf",
+    "entry_tags",
     "invalidate_tags",
     "tag_names",
     "take_loading",
@@ -69,7 +71,16 @@ def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
     names = tags_of(value) if callable(tags_of) else tags_of
     if isinstance(names, str):
         raise TypeError(f"tags must be a list of strings, not the string {names[:80]!r}")
-    return list(names)
+    return entry_tags(names)
+
+
+def entry_tags(names: Iterable[str]) -> list[str]:
+    """One entry's tags, each once; more than ``MAX_TAGS`` is a clear error, before
+    anything is written (a reader would take the entry for planted)."""
+    unique = list(dict.fromkeys(names))
+    if len(unique) > MAX_TAGS:
+        raise ValueError(f"an entry carries at most {MAX_TAGS:,} tags, got {len(unique):,}")
+    return unique
 
 # Take every member of the loading set and delete the set in one atomic step: a lease
 # registered after this ran belongs to a load that began after the new token was set.
@@ -80,6 +91,13 @@ return members
 """
 
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
+
+# Tags one entry may carry. A reader fetches the version of every tag of an entry it
+# hasn't seen, and a fetch creates the tag's version key when there is none: a value
+# planted in Redis with 20,000 made-up tags had each instance that read it create 20,000
+# keys. Writers refuse more (``entry_tags``), so readers take an entry with more for
+# planted (``TagVersions.valid``). A list page tags what it shows: tens, not thousands.
+MAX_TAGS = 1_000
 
 VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after its last use
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
@@ -116,6 +134,12 @@ def _entry_life(ns: NamespaceConfig) -> float:
         l1 = ns.l1 if isinstance(ns.l1, L1Config) else L1Config()
         return l1.ttl * (1 + l1.jitter)
     return 0.0
+
+
+def _writable(tags: Mapping[str, str]) -> bool:
+    """Whether a writer could have given these tags (``entry_tags``, ``validate_tag``):
+    if not, the envelope was planted, and none of its tags is fetched."""
+    return len(tags) <= MAX_TAGS and all(is_tag(tag) for tag in tags)
 
 
 def new_version() -> str:
@@ -193,7 +217,7 @@ class TagVersions:
         state = self.known(tags)
         if state is not None:
             return state
-        if not all(is_tag(tag) for tag in tags):
+        if not _writable(tags):
             return False  # planted in Redis: no caller could give it (``_codec.Envelope``)
         current = await self.current(tags)
         return all(current[tag] == version for tag, version in tags.items())
@@ -205,8 +229,7 @@ class TagVersions:
         # Undecided: a tag this instance hasn't seen. A tag no caller could give is a
         # planted envelope, dead (``valid``); the rest are fetched, all at once.
         fetch = [
-            i for i, verdict in enumerate(verdicts)
-            if verdict is None and all(is_tag(tag) for tag in entries[i])
+            i for i, verdict in enumerate(verdicts) if verdict is None and _writable(entries[i])
         ]
         current = await self.current({tag for i in fetch for tag in entries[i]}) if fetch else {}
         for i in fetch:

@@ -23,6 +23,7 @@ from layered_cache._memory_policy import refused_for_memory
 from layered_cache._policy import Policy
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._runtime import Runtime
+from layered_cache._tags import entry_tags
 
 __all__ = ["Writes"]
 
@@ -77,7 +78,7 @@ class Writes:
         self, items: Sequence[tuple[Mapping[str, object], Any]], tags: Iterable[str] | None
     ) -> None:
         policy, fills = self._policy, self._fills
-        versions = await fills.versions.current(tags) if tags is not None else None
+        versions = await fills.versions.current(entry_tags(tags)) if tags is not None else None
         # A key given twice keeps its last value, as set() calls in that order would:
         # the last one also decides whether the key is written or dropped.
         last = {policy.template.build(fields): value for fields, value in items}

@@ -267,13 +267,28 @@ async def test_a_lost_tag_version_kills_its_entries_instead_of_reviving_them(
     await admin.aclose()
 
 
-@pytest.mark.parametrize("tags", [{"bad tag": "v"}, {"": "v"}, {"é": "v"}, {"x" * 300: "v"}])
-async def test_an_envelope_planted_with_a_tag_no_caller_could_give_is_a_miss_and_repaired(
+async def _tag_version_keys(admin: redis.Redis, prefix: str) -> int:
+    return len([name async for name in admin.scan_iter(tag_version_name(prefix, "*"), count=5_000)])
+
+
+_TWENTY_THOUSAND = {f"book:{i}": "v" for i in range(20_000)}  # each one well-formed
+
+
+@pytest.mark.parametrize(
+    "tags",
+    [{"bad tag": "v"}, {"": "v"}, {"é": "v"}, {"x" * 300: "v"}, _TWENTY_THOUSAND],
+    ids=["space", "empty", "non-ascii", "too-long", "20000-tags"],
+)
+async def test_an_envelope_planted_with_tags_no_caller_could_give_is_a_miss_and_repaired(
     redis_url: str, prefix: str, tags: dict[str, str]
 ) -> None:
     """Anyone who can write Redis can plant a tagged envelope. Its tags used to be taken
     as they came: every read of the key raised (the version lookup refused the tag), and
-    get_or_load raised before loading, so nothing could ever repair the key."""
+    get_or_load raised before loading, so nothing could ever repair the key. And a
+    reader fetches every tag of an entry it hasn't seen, creating the version key of a
+    tag that has none: 20,000 well-formed made-up tags had every instance that read the
+    entry write 20,000 keys, each living a day. An entry carries at most ``MAX_TAGS``,
+    so one with more was planted: no tag of it is fetched."""
 
     async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
         return ["fresh"] * len(missing)
@@ -291,6 +306,8 @@ async def test_an_envelope_planted_with_a_tag_no_caller_could_give_is_a_miss_and
         assert await cache.get_or_load_many("category", fields, load_many, tags=["t"]) == [
             "fresh"
         ]
+        assert loader.calls == 1
+        assert await _tag_version_keys(admin, prefix) == 1  # "t", the loads' own tag
         cache.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
         assert await cache.get("category", {"slug": "c"}) == "fresh"  # repaired in L2
     await admin.aclose()
@@ -314,6 +331,29 @@ async def test_a_planted_envelope_in_a_batch_is_a_miss_beside_live_tagged_entrie
         # This instance knows no tag yet: every one is checked, the good ones fetched.
         assert await fresh.get_many("category", fields) == ["page a", "page b", None]
         assert await fresh.get("category", {"slug": "c"}) is None
+    await admin.aclose()
+
+
+async def test_an_entry_may_carry_max_tags_and_one_more_is_a_clear_error(
+    redis_url: str, prefix: str
+) -> None:
+    """Writers refuse what readers would take for planted: set()'s tags and a load's,
+    before anything is written; at the limit the entry is served, and
+    dies with any one of its tags."""
+    most = [f"book:{i}" for i in range(_tags.MAX_TAGS)]
+    too_many = [*most, "book:extra"]
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        with pytest.raises(ValueError, match="at most 1,000 tags, got 1,001"):
+            await cache.set("category", {"slug": "a"}, "page", tags=too_many)
+        with pytest.raises(ValueError, match="at most 1,000 tags"):
+            await cache.get_or_load("category", {"slug": "a"}, CountingLoader("page"), tags=too_many)
+        assert await admin.exists(cache.key("category", {"slug": "a"})) == 0
+        await cache.set("category", {"slug": "a"}, "page", tags=[*most, *most])  # duplicates
+        cache.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
+        assert await cache.get("category", {"slug": "a"}) == "page"
+        await cache.invalidate_tag("book:999")
+        assert await cache.get("category", {"slug": "a"}) is None
     await admin.aclose()
 
 
