@@ -1,7 +1,10 @@
-"""``python -m bench [--quick] [--only NAME ...]``: run the scenarios, write the report.
+"""``python -m bench [--quick] [--only NAME ...] [--no-write]``: run the scenarios, write
+the report.
 
 With ``--only``, the report keeps the last run's other sections (each says when it was
-measured), so one scenario can be re-run without re-running (and re-dating) the rest."""
+measured), so one scenario can be re-run without re-running (and re-dating) the rest.
+With ``--no-write`` (experiments) nothing in bench/results/ changes: the headline is
+printed, and the plots go to a scratch directory (``BenchEnv.plots``)."""
 
 from __future__ import annotations
 
@@ -53,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer repeats (~90 s)")
     parser.add_argument("--only", nargs="*", choices=SCENARIOS, help="run only these")
-    parser.add_argument("--no-write", action="store_true", help="print, don't write results")
+    parser.add_argument("--no-write", action="store_true", help="print; results and plots untouched")
     args = parser.parse_args(argv)
     _quiet_logs()
-    env = BenchEnv(quick=args.quick)
+    env = BenchEnv(quick=args.quick, write=not args.no_write)
     sections: list[Section] = []
     started = time.perf_counter()
     try:

@@ -444,7 +444,7 @@ async def run(env: BenchEnv) -> Section:
             },
         },
         "GET /books/{id} under wrk: (a) L1 hit, (b) L2 hit, (c) no cache, (c0) no cache, no DB delay",
-        "e2e_wrk.png",
+        env.plot_path("e2e_wrk.png"),
         note=f"uvicorn 1 worker, wrk -t{THREADS} -c{CONNECTIONS} -d{seconds}s, 16 hot ids, "
         "SQLite in memory (c: +20 ms per query, the example's default); server, wrk and "
         "Redis share a 2-core machine.",

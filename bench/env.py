@@ -20,11 +20,14 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
+from bench.report import RESULTS
 from tests.servers import KafkaBroker, RedisClusterServers, RedisServer, redis_reachable
 
 __all__ = ["BenchEnv", "machine_info", "unique_prefix"]
@@ -35,8 +38,11 @@ def unique_prefix(name: str) -> str:
 
 
 class BenchEnv:
-    def __init__(self, quick: bool) -> None:
+    def __init__(self, quick: bool, write: bool = True) -> None:
         self.quick = quick
+        # Where the plots go: bench/results/ with the report, or, for a run that writes
+        # no results (``--no-write``), a scratch directory: the committed plots stay.
+        self.plots = RESULTS if write else Path(tempfile.mkdtemp(prefix="bench-plots-"))
         self._started: list[Any] = []
         self._redis_url: str | None = None
         self._cluster: RedisClusterServers | None = None
@@ -89,6 +95,9 @@ class BenchEnv:
             self._kafka = KafkaBroker().start()
             self._started.append(self._kafka)
         return self._kafka
+
+    def plot_path(self, name: str) -> Path:
+        return self.plots / name
 
     def close(self) -> None:
         for server in reversed(self._started):

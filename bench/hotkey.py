@@ -28,6 +28,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -231,7 +232,7 @@ def per_node_rates(run: dict[str, Any]) -> dict[str, float]:
     return {f"node {i + 1}": count / seconds for i, count in enumerate(gets.values())}
 
 
-def plot_per_node(without: dict[str, Any], with_replicas: dict[str, Any]) -> str:
+def plot_per_node(without: dict[str, Any], with_replicas: dict[str, Any], path: Path) -> str:
     """GETs/s per node over the windows, each case labelled with the requests/s the
     clients got answered."""
     window = with_replicas.get("seconds") or sum(
@@ -242,7 +243,7 @@ def plot_per_node(without: dict[str, Any], with_replicas: dict[str, Any]) -> str
             for label, r in (("no replicas", without), ("8 replicas", with_replicas))
         },
         f"Hot key: GETs/s per cluster node, {window:.0f} s of windows (L1 off)",
-        "GETs/s on the node", "hotkey_per_node.png",
+        "GETs/s on the node", path,
         note="Replicas spread the hot key's GETs over the nodes (windows of both fleets "
         "interleaved; one Python process on 2 cores runs all 16 instances, so the fleet's "
         "reads/s measure that process, not Redis).",
@@ -325,7 +326,7 @@ async def run(env: BenchEnv) -> Section:
                 " / ".join(f"{v:,}" for v in r["gets_per_node"].values()),
                 f"{r['gets_per_s']:,.0f} ({r['reads_per_s']:,.0f}); {r['ratio']:.3f}x the floor",
             ])
-        plot = plot_per_node(without, with_replicas)
+        plot = plot_per_node(without, with_replicas, env.plot_path("hotkey_per_node.png"))
         section.data["plots"] = [plot]
         section.rows.append(
             ["one client: ReplicaPlacement.pick() alone", "", "",

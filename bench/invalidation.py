@@ -288,7 +288,7 @@ async def run(env: BenchEnv) -> Section:
     plot = cdf({"-> L2 keys gone": [x * 1000 for x in lat["l2"]],
                 "-> L1 dropped (other instance)": [x * 1000 for x in lat["l1"]]},
                "Invalidation latency at 1,000 events/s", "ms after the event was produced",
-               "invalidation_cdf.png")
+               env.plot_path("invalidation_cdf.png"))
     throughput = []
     for max_batch in ((1000,) if env.quick else (1000, 100)):
         try:

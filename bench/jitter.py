@@ -84,7 +84,7 @@ async def run(env: BenchEnv) -> Section:
         "stale window, 0 here). Target from the core issue: busiest second <= 130 at 600 s +- 10%."
     )
     plot = expiry_histogram(series, "Keys expiring per second, 10,000 keys warmed together",
-                            "expiry_histogram.png")
+                            env.plot_path("expiry_histogram.png"))
     fixed, jit = stats["fixed TTL (jitter 0)"], stats["jittered TTL (+-10%)"]
     section.headline.append(
         Headline(

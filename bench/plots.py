@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -11,14 +12,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench.report import RESULTS
-
 __all__ = ["bar_chart", "bar_panels", "cdf", "expiry_histogram", "grouped_bars"]
 
 
-def _save(fig: Any, name: str, tight: bool = True) -> str:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+def _save(fig: Any, path: Path, tight: bool = True) -> str:
+    """Write ``fig`` to ``path`` (``BenchEnv.plot_path``: bench/results/, or a scratch
+    directory under ``--no-write``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     if tight:
         fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -34,7 +34,7 @@ def _note(fig: Any, note: str) -> None:
                  color="dimgray")
 
 
-def expiry_histogram(series: dict[str, list[int]], title: str, name: str) -> str:
+def expiry_histogram(series: dict[str, list[int]], title: str, path: Path) -> str:
     """Keys expiring per second, one line per series (fixed vs jittered TTL).
 
     ``series``: label -> each key's expiry in whole seconds *after the warm-up* (PTTL
@@ -52,11 +52,11 @@ def expiry_histogram(series: dict[str, list[int]], title: str, name: str) -> str
     ax.set_ylabel("keys expiring in that second (log)")
     ax.set_title(title)
     ax.legend()
-    return _save(fig, name)
+    return _save(fig, path)
 
 
 def bar_chart(
-    values: dict[str, float], title: str, ylabel: str, name: str, log: bool = False,
+    values: dict[str, float], title: str, ylabel: str, path: Path, log: bool = False,
     note: str = "",
 ) -> str:  # fmt: skip
     """One bar per label; ``note`` is printed under the chart (say what is missing, why)."""
@@ -72,11 +72,11 @@ def bar_chart(
     ax.set_title(title)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     _note(fig, note)
-    return _save(fig, name, tight=not note)
+    return _save(fig, path, tight=not note)
 
 
 def bar_panels(
-    panels: dict[str, dict[str, float]], title: str, name: str, note: str = ""
+    panels: dict[str, dict[str, float]], title: str, path: Path, note: str = ""
 ) -> str:
     """One bar chart per panel, side by side, same labels in each (e.g. requests/s and
     p99 of the same configurations); ``panels``: y label -> {label: value}."""
@@ -95,11 +95,11 @@ def bar_panels(
         ax.set_ylabel(ylabel)
     fig.suptitle(title)
     _note(fig, note)
-    return _save(fig, name, tight=not note)
+    return _save(fig, path, tight=not note)
 
 
 def grouped_bars(
-    groups: dict[str, dict[str, float]], title: str, ylabel: str, name: str, note: str = ""
+    groups: dict[str, dict[str, float]], title: str, ylabel: str, path: Path, note: str = ""
 ) -> str:
     """``groups``: series label -> {category: value}; ``note`` under the chart."""
     fig, ax = plt.subplots(figsize=(8, 4.6 if note else 4))
@@ -114,10 +114,10 @@ def grouped_bars(
     ax.set_title(title)
     ax.legend()
     _note(fig, note)
-    return _save(fig, name, tight=not note)
+    return _save(fig, path, tight=not note)
 
 
-def cdf(series: dict[str, list[float]], title: str, xlabel: str, name: str) -> str:
+def cdf(series: dict[str, list[float]], title: str, xlabel: str, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, values in series.items():
         if not values:
@@ -130,4 +130,4 @@ def cdf(series: dict[str, list[float]], title: str, xlabel: str, name: str) -> s
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, name)
+    return _save(fig, path)

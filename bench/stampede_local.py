@@ -19,6 +19,7 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -180,11 +181,11 @@ def missing_note(failed: dict[str, str]) -> str:
     return " ".join(notes)
 
 
-def plot_loads(loads: dict[str, list[int]], failed: dict[str, str]) -> str:
+def plot_loads(loads: dict[str, list[int]], failed: dict[str, str], path: Path) -> str:
     return bar_chart(
         {name.split(" (")[0]: median([float(c) for c in counts]) for name, counts in loads.items()},
         "Loads per stampede, 1 process x 200 concurrent (cold key)", "loader calls (log)",
-        "stampede_1proc_loads.png", log=True, note=missing_note(failed),
+        path, log=True, note=missing_note(failed),
     )
 
 
@@ -220,7 +221,7 @@ async def run(env: BenchEnv) -> Section:
     section.notes.append(
         f"{repeats} repeat(s), each on a fresh key; wall = first request issued to last answered."
     )
-    plot = plot_loads(loads, failed)
+    plot = plot_loads(loads, failed, env.plot_path("stampede_1proc_loads.png"))
     section.data = {"loads": loads, "walls_s": walls, "failed": failed, "plots": [plot]}
     ours = loads.get("layered_cache", [])
     plain_loads = loads.get("plain cache-aside (redis.asyncio)", [])

@@ -286,7 +286,7 @@ async def run(env: BenchEnv) -> Section:
     plot = bar_chart(
         {LIBS[lib].split(" (")[0]: float(s["loads"]) for lib, s in summary.items()},
         "Loads per stampede, 4 processes x 50 (cold key)", "loader calls (log)",
-        "stampede_4proc_loads.png", log=True,
+        env.plot_path("stampede_4proc_loads.png"), log=True,
     )
     section.data = {"summary": summary, "runs": runs, "plots": [plot]}
     ours = summary.get("layered_cache")

@@ -25,3 +25,15 @@ def test_the_runner_deletes_every_bench_key_and_nothing_else(
         assert client.exists(f"{bench_prefix}0", f"{bench_prefix}24999") == 0
         assert client.get(f"{prefix}mine") == b"kept"
         client.delete(f"{prefix}mine")
+
+
+def test_a_run_that_writes_no_results_draws_its_plots_outside_bench_results() -> None:
+    """``python -m bench --only jitter --no-write`` used to rewrite the committed
+    ``bench/results/expiry_histogram.png``: the plots ignored ``--no-write``. Every
+    scenario now draws at ``env.plot_path`` (matplotlib is the bench extra's: not
+    drawn here)."""
+    from bench.report import RESULTS
+
+    scratch = BenchEnv(quick=True, write=False).plot_path("expiry_histogram.png")
+    assert RESULTS not in scratch.parents and scratch.parent.is_dir()
+    assert BenchEnv(quick=True).plot_path("expiry_histogram.png").parent == RESULTS
