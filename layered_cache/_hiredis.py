@@ -39,6 +39,11 @@ except ImportError:  # not installed: the pure-Python parser
     USE_HIREDIS = False
 
 _MORE = object()  # hiredis's "not enough data" answer
+# Bytes fed after which a reader that has read all it was fed is replaced by a new one:
+# hiredis keeps its buffer's allocation (one reply's size) after the reply is read, and
+# frees it only on the next feed, so a connection idle in ``DirectClient``'s stack after
+# a 20 MB MGET held 20 MB (ten of them +219 MB RSS; ``ReplyParser`` drops its bytes).
+_FRESH_AFTER = 1 << 20
 
 
 class Parser(Protocol):
@@ -59,18 +64,16 @@ class HiredisParser:
     does), a push frame is skipped, anything malformed raises ``ProtocolError`` (the
     caller drops the connection)."""
 
-    __slots__ = ("_push", "_reader")
+    __slots__ = ("_fed", "_push", "_reader")
 
     def __init__(self) -> None:
         self._push = hiredis.PushNotification
-        self._reader = hiredis.Reader(
-            protocolError=ProtocolError,
-            replyError=BaseParser.parse_error,
-            notEnoughData=_MORE,
-        )
+        self._reader = _new_reader()
+        self._fed = 0  # bytes fed to this reader
 
     def feed(self, data: bytes) -> None:
         self._reader.feed(data)
+        self._fed += len(data)
 
     def buffered(self) -> int:
         """Bytes the reader holds: hiredis lets go of read ones in chunks, not at once."""
@@ -84,6 +87,8 @@ class HiredisParser:
             if value is _MORE:
                 return False, None
             if type(value) is not push:  # an out-of-band push: not the reply
+                if self._fed > _FRESH_AFTER and not self._reader.len():
+                    self._reader, self._fed = _new_reader(), 0  # see _FRESH_AFTER
                 return True, value
 
     def whole_replies(self, most: int) -> list[Any]:
@@ -95,6 +100,12 @@ class HiredisParser:
                 break
             replies.append(value)
         return replies
+
+
+def _new_reader() -> Any:
+    return hiredis.Reader(
+        protocolError=ProtocolError, replyError=BaseParser.parse_error, notEnoughData=_MORE
+    )
 
 
 def new_parser() -> Parser:

@@ -8,6 +8,8 @@ changes them shows up here. Runs in make test's hiredis pass (skipped without hi
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,3 +181,27 @@ def test_where_hiredis_reads_differently_kinds_no_server_sends_the_library() -> 
     deep.feed(b"*1\r\n" * 5_000 + b":7\r\n")
     with pytest.raises(ProtocolError):
         deep.reply()
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+def test_a_parser_idle_after_a_20_mb_reply_does_not_keep_its_memory() -> None:
+    """hiredis keeps its buffer's allocation after a reply is read, until the next
+    feed: ten connections idle in ``DirectClient``'s stack after a 20 MB MGET each held
+    +219 MB of RSS (found by an adversarial review; ``ReplyParser`` drops its bytes at
+    once). A reader that has read more than 1 MiB is replaced once it is empty."""
+
+    def rss_mb() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+    value = os.urandom(20 << 20)
+    reply = b"$%d\r\n%b\r\n" % (len(value), value)
+    before, idle = rss_mb(), []
+    for _ in range(10):
+        parser = HiredisParser()
+        for start in range(0, len(reply), 65_536):  # as a socket delivers it
+            parser.feed(reply[start : start + 65_536])
+            done, read = parser.reply()
+        assert done and read == value
+        del read
+        idle.append(parser)
+    assert rss_mb() - before < 100, f"ten idle parsers hold {rss_mb() - before} MB"
