@@ -334,6 +334,54 @@ async def test_a_planted_envelope_in_a_batch_is_a_miss_beside_live_tagged_entrie
     await admin.aclose()
 
 
+async def test_a_batch_of_planted_entries_of_1000_tags_each_makes_no_tag_key(
+    redis_url: str, prefix: str
+) -> None:
+    """``MAX_TAGS`` bounds one entry, not a read: one get_many of 100 planted entries,
+    each with 1,000 well-formed made-up tags, made 100,000 version keys living a day,
+    and the fetch of so many made the instance forget the versions it held (found by an
+    adversarial review). Readers now create no version key: a tag without one kills
+    the entry (a new random token could never match it), and only writers make them."""
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        await cache.set("category", {"slug": "live"}, "page", tags=["book:1"])
+        for n in range(20):
+            tags = {f"made-up:{n}:{i}": "v" for i in range(_tags.MAX_TAGS)}
+            planted = msgspec.msgpack.encode([1, "poison", 1.0, 9e18, 0.0, tags])
+            await admin.set(cache.key("category", {"slug": f"p{n}"}), planted)
+        fields = [{"slug": "live"}, *({"slug": f"p{n}"} for n in range(20))]
+        cache.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
+        assert await cache.get_many("category", fields) == ["page", *[None] * 20]
+        assert await cache.get("category", {"slug": "p0"}) is None
+        assert await _tag_version_keys(admin, prefix) == 1  # book:1, the writer's
+        assert cache._rt.versions.known({"book:1": "x"}) is False  # its version still held
+    await admin.aclose()
+
+
+async def test_a_reader_that_finds_a_tags_version_key_gone_does_not_make_one(
+    redis_url: str, prefix: str
+) -> None:
+    """The entry is dead (as when a reader made a new random token for it), and the
+    version key is made by the next writer, the load that replaces the entry."""
+    admin = redis.Redis.from_url(redis_url)
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as writer:
+        await writer.set("category", {"slug": "a"}, "old page", tags=["book:42"])
+    await admin.delete(tag_version_name(prefix, "book:42"))  # expired, or evicted
+    async with LayeredCache.from_config(config) as reader:
+        assert await reader.get("category", {"slug": "a"}) is None
+        assert await reader.get_many("category", [{"slug": "a"}]) == [None]
+        assert await admin.exists(tag_version_name(prefix, "book:42")) == 0
+        loader = CountingLoader("new page")
+        assert await reader.get_or_load("category", {"slug": "a"}, loader, tags=["book:42"]) == (
+            "new page"
+        )
+        assert await admin.exists(tag_version_name(prefix, "book:42")) == 1
+        reader.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
+        assert await reader.get("category", {"slug": "a"}) == "new page"
+    await admin.aclose()
+
+
 async def test_an_entry_may_carry_max_tags_and_one_more_is_a_clear_error(
     redis_url: str, prefix: str
 ) -> None:
