@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,9 +19,9 @@ def figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every figure a plot function saves, kept open for the test to read."""
     saved: list[Any] = []
 
-    def keep(fig: Any, name: str, tight: bool = True) -> str:
+    def keep(fig: Any, path: Path, tight: bool = True) -> str:
         saved.append(fig)
-        return name
+        return str(path)
 
     monkeypatch.setattr(plots, "_save", keep)
     return saved
@@ -33,7 +34,7 @@ def _texts(fig: Any) -> str:
 
 def test_the_expiry_histogram_is_in_seconds_after_the_warm_up(figures: list[Any]) -> None:
     plots.expiry_histogram(
-        {"fixed": [600] * 50 + [601] * 30, "jittered": list(range(540, 661))}, "t", "x.png"
+        {"fixed": [600] * 50 + [601] * 30, "jittered": list(range(540, 661))}, "t", Path("x.png")
     )
     [fig] = figures
     ax = fig.axes[0]
@@ -51,9 +52,9 @@ async def test_the_jitter_scenario_plots_seconds_after_its_warm_up(
 
     captured: dict[str, list[int]] = {}
 
-    def histogram(series: dict[str, list[int]], title: str, name: str) -> str:
+    def histogram(series: dict[str, list[int]], title: str, path: Path) -> str:
         captured.update(series)
-        return name
+        return str(path)
 
     monkeypatch.setattr(jitter, "KEYS", 300)
     monkeypatch.setattr(jitter, "expiry_histogram", histogram)
@@ -65,6 +66,9 @@ async def test_the_jitter_scenario_plots_seconds_after_its_warm_up(
     class Env:
         def redis_url(self) -> str:
             return redis_url
+
+        def plot_path(self, name: str) -> Path:
+            return Path(name)
 
     section = await jitter.run(Env())  # type: ignore[arg-type]
     fixed, jittered = captured["fixed TTL (jitter 0)"], captured["jittered TTL (+-10%)"]
@@ -82,7 +86,7 @@ def test_the_hot_key_plot_shows_rates_per_node_over_its_window(figures: list[Any
     # an older result without "seconds": the window is total GETs / GETs per second
     with_replicas = {"gets_per_node": dict(zip(nodes, (3_000, 3_000, 3_000), strict=True)),
                      "gets_per_s": 3_000.0, "reads_per_s": 12_000.0}  # fmt: skip
-    plot_per_node(without, with_replicas)
+    plot_per_node(without, with_replicas, Path("x.png"))
     [fig] = figures
     ax = fig.axes[0]
     assert ax.get_title() == "Hot key: GETs/s per cluster node, 3 s of windows (L1 off)"
@@ -102,7 +106,7 @@ def test_the_1_process_stampede_plot_says_why_a_contender_is_missing(
 
     loads = {"plain cache-aside (redis.asyncio)": [200, 200], "layered_cache": [1, 1]}
     failed = {"dogpile.cache (redis, 200 threads)": "MaxConnectionsError: Too many connections"}
-    plot_loads(loads, failed)
+    plot_loads(loads, failed, Path("x.png"))
     [fig] = figures
     labels = [label.get_text() for label in fig.axes[0].get_xticklabels()]
     assert labels == ["plain cache-aside", "layered_cache"]
@@ -111,14 +115,14 @@ def test_the_1_process_stampede_plot_says_why_a_contender_is_missing(
     assert "100 connections" in note
 
     figures.clear()
-    plot_loads(loads, {})  # nothing missing: no note
+    plot_loads(loads, {}, Path("x.png"))  # nothing missing: no note
     assert _texts(figures[0]) == ""
 
 
 def test_bar_panels_draw_the_same_configurations_in_each_panel(figures: list[Any]) -> None:
     plots.bar_panels(
         {"requests/s": {"(a)": 2000.0, "(b)": 1000.0}, "p99, ms": {"(a)": 30.0, "(b)": 90.0}},
-        "t", "x.png", note="server and wrk share 2 cores",
+        "t", Path("x.png"), note="server and wrk share 2 cores",
     )  # fmt: skip
     [fig] = figures
     rates, p99 = fig.axes
