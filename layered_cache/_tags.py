@@ -45,6 +45,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from layered_cache._codec import MAX_TAGS
 from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceConfig
 from layered_cache._keys import is_tag, loading_set_name, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
@@ -92,12 +93,11 @@ return members
 
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
 
-# Tags one entry may carry. A reader fetches the version of every tag of an entry it
-# hasn't seen, and a fetch creates the tag's version key when there is none: a value
-# planted in Redis with 20,000 made-up tags had each instance that read it create 20,000
-# keys. Writers refuse more (``entry_tags``), so readers take an entry with more for
-# planted (``TagVersions.valid``). A list page tags what it shows: tens, not thousands.
-MAX_TAGS = 1_000
+# MAX_TAGS (``_codec``): tags one entry may carry. Readers fetched the version of every
+# tag of an entry they hadn't seen, creating the keys of tags without one: a value
+# planted in Redis with 20,000 made-up tags made 20,000 keys. Writers refuse more
+# (``entry_tags``); an envelope with more was planted, and doesn't decode. A list page
+# tags what it shows: tens, not thousands.
 
 VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after its last use
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
@@ -222,7 +222,7 @@ class TagVersions:
     async def valid(self, tags: Mapping[str, str]) -> bool:
         """Whether an entry carrying ``tags`` is alive (fetching unknown tags; a tag
         with no token in Redis kills it, and none is created)."""
-        state = self.known(tags) if len(tags) <= MAX_TAGS else False
+        state = self.known(tags)
         if state is not None:
             return state
         if not _writable(tags):
@@ -233,7 +233,7 @@ class TagVersions:
     async def valid_many(self, entries: Sequence[Mapping[str, str]]) -> list[bool]:
         """``valid`` for each of many entries, every unknown tag fetched in one round
         trip (the batches)."""
-        verdicts = [self.known(tags) if len(tags) <= MAX_TAGS else False for tags in entries]
+        verdicts = [self.known(tags) for tags in entries]
         # Undecided: a tag this instance hasn't seen. A tag no caller could give is a
         # planted envelope, dead (``valid``); the rest are fetched, all at once.
         fetch = [
