@@ -21,15 +21,19 @@
   backplane append - as one step (``_write_commands`` says why one step, and why a
   write of more names is a MULTI/EXEC instead). Redis ran it in ~18 µs
   (``INFO commandstats``, bench VM).
+- ``FETCH`` / ``PEEK`` / ``TAKE_ALL``: tags (``_tags`` says why each is one step).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "FETCH_SCRIPT",
     "FILL_SCRIPT",
     "NOTIFY_INLINE_MAX",
+    "PEEK_SCRIPT",
     "READ_UNDER_LEASE_SCRIPT",
     "RELEASE_SCRIPT",
+    "TAKE_ALL_SCRIPT",
     "WRITE_ONE_SCRIPT",
     "fill_args",
 ]
@@ -114,4 +118,39 @@ if type(reply) == 'table' and reply.err then
   return reply.err
 end
 return 1
+"""
+
+
+# Tags (``_tags``).
+
+# Take every member of the loading set and delete the set in one atomic step: a lease
+# registered after this ran belongs to a load that began after the new token was set.
+TAKE_ALL_SCRIPT = """
+local members = redis.call('SMEMBERS', KEYS[1])
+redis.call('DEL', KEYS[1])
+return members
+"""
+
+# Fetch a tag's token, creating one if the tag has none, and extend the key's life to at
+# least ARGV[2] ms (never shorten it: another instance's entries may live longer; a key
+# from before tokens expired, with no TTL, gets one).
+FETCH_SCRIPT = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('GET', KEYS[1])
+"""
+
+# A reader's fetch: the tag's token if it has one (its key's life extended as FETCH's,
+# ARGV[1] ms), nil if not. Readers create no token key: an entry whose tag has none is
+# dead anyway (no new random token could match it), and a reader that created them let
+# a value planted with made-up tags fill Redis with a day's keys per tag: one get_many
+# of 100 planted entries of 1,000 tags each made 100,000.
+PEEK_SCRIPT = """
+local version = redis.call('GET', KEYS[1])
+if version and redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return version
 """

@@ -50,6 +50,7 @@ from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceCo
 from layered_cache._keys import is_tag, loading_set_name, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._memory_policy import refused_for_memory
+from layered_cache._scripts import FETCH_SCRIPT, PEEK_SCRIPT, TAKE_ALL_SCRIPT
 
 __all__ = [
     "MAX_TAGS",
@@ -83,14 +84,6 @@ def entry_tags(names: Iterable[str]) -> list[str]:
         raise ValueError(f"an entry carries at most {MAX_TAGS:,} tags, got {len(unique):,}")
     return unique
 
-# Take every member of the loading set and delete the set in one atomic step: a lease
-# registered after this ran belongs to a load that began after the new token was set.
-TAKE_ALL_SCRIPT = """
-local members = redis.call('SMEMBERS', KEYS[1])
-redis.call('DEL', KEYS[1])
-return members
-"""
-
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
 
 # MAX_TAGS (``_codec``): tags one entry may carry. Readers fetched the version of every
@@ -103,30 +96,6 @@ VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after 
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
 # is loads until every instance asks again, so not a quarter of a 30-day entry's life.
 _MAX_TRUST = 3_600.0
-
-# Fetch a tag's token, creating one if the tag has none, and extend the key's life to at
-# least ARGV[2] ms (never shorten it: another instance's entries may live longer; a key
-# from before tokens expired, with no TTL, gets one).
-FETCH_SCRIPT = """
-redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return redis.call('GET', KEYS[1])
-"""
-
-# A reader's fetch: the tag's token if it has one (its key's life extended as above,
-# ARGV[1] ms), nil if not. Readers create no token key: an entry whose tag has none is
-# dead anyway (no new random token could match it), and a reader that created them let
-# a value planted with made-up tags fill Redis with a day's keys per tag: one get_many
-# of 100 planted entries of 1,000 tags each made 100,000.
-PEEK_SCRIPT = """
-local version = redis.call('GET', KEYS[1])
-if version and redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-end
-return version
-"""
 
 
 def version_ttl(config: Config) -> float:
