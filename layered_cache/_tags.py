@@ -10,7 +10,9 @@ Design (chosen over a set of member keys per tag; docs/tags.md has the measureme
   (``TagVersions``) and learns new ones from the backplane, exactly as L1 learns about
   deleted keys, so an L2 hit of a tagged entry costs no extra round trip and a tag
   invalidation reaches every instance within the backplane's bound. A token this
-  instance has never seen is fetched once (one round trip per tag per instance).
+  instance has never seen is fetched once (one round trip per tag per instance); a
+  reader makes no token key, and a tag it finds without one is dead here for
+  ``_ABSENT_FOR`` before it asks again.
 - **Loads in flight can't land after an invalidation.** A tagged load registers its
   lease (with its token) in ``{prefix}layered_cache:loading`` before it calls the
   loader (its tags come from the loaded value, so they aren't known before).
@@ -85,12 +87,17 @@ def entry_tags(names: Iterable[str]) -> list[str]:
     return unique
 
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
+# How long a reader takes a tag it found without a version key for dead without asking
+# Redis again: readers make no key, so an entry carrying such a tag (its key lost, or
+# planted with made-up tags) cost a round trip on every read (1,000 EVALs per read of a
+# 1,000-tag plant; found by an adversarial review). The price: for as long, this
+# instance refuses entries a writer elsewhere writes with the tag's new key (a get()
+# misses; a get_or_load loads, and its write fetches the key, which ends the wait).
+_ABSENT_FOR = 5.0
 
-# MAX_TAGS (``_codec``): tags one entry may carry. Readers fetched the version of every
-# tag of an entry they hadn't seen, creating the keys of tags without one: a value
-# planted in Redis with 20,000 made-up tags made 20,000 keys. Writers refuse more
-# (``entry_tags``); an envelope with more was planted, and doesn't decode. A list page
-# tags what it shows: tens, not thousands.
+# MAX_TAGS (``_codec``): tags one entry may carry; writers refuse more (``entry_tags``),
+# so an envelope with more was planted, and doesn't decode. A list page tags what it
+# shows: tens, not thousands.
 
 VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after its last use
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
@@ -155,6 +162,7 @@ class TagVersions:
         self._generation = 0  # bumped by every forget
         self._forgotten: dict[str, int] = {}  # tag -> generation of its last forget
         self._floor = 0  # fetches begun before this generation are not remembered
+        self._absent: dict[str, float] = {}  # tag -> until when it has no key (readers)
 
     @property
     def generation(self) -> int:
@@ -174,10 +182,12 @@ class TagVersions:
         versions = self._trusted()
         if tags.items() <= versions.items():  # the common case, in one C loop
             return True
-        unknown = False
+        unknown, now = False, self._clock()
         for tag, version in tags.items():
             current = versions.get(tag)
             if current is None:
+                if self._absent.get(tag, 0.0) > now:
+                    return False  # found without a key moments ago (``_ABSENT_FOR``)
                 unknown = True
             elif current != version:
                 return False
@@ -251,14 +261,32 @@ class TagVersions:
             for tag, version in zip(tags, results, strict=True)
             if version is not None
         }
+        # Remembered unless an invalidation of the tag was applied after this fetch began
+        # (its reply may predate it); one applied before it began is in it.
+        fresh = [
+            tag for tag in tags
+            if generation >= self._floor and self._forgotten.get(tag, -1) <= generation
+        ]
+        if create:  # every key asked for exists now
+            for tag in tags:
+                self._absent.pop(tag, None)
+        else:
+            self._note_absent([tag for tag in fresh if tag not in fetched])
         if len(self._versions) + len(fetched) > _LIMIT:
             self._versions.clear()
-        for tag, version in fetched.items():
-            # Remembered unless an invalidation of the tag was applied after this fetch
-            # began (its reply may predate it); one applied before it began is in it.
-            if generation >= self._floor and self._forgotten.get(tag, -1) <= generation:
-                self._versions[tag] = version
+        for tag in fresh:
+            if tag in fetched:
+                self._versions[tag] = fetched[tag]
         return fetched
+
+    def _note_absent(self, tags: list[str]) -> None:
+        """Tags a reader's fetch found without a key: dead here for ``_ABSENT_FOR``, or
+        until a writer's fetch here makes their key or an invalidation reaches us."""
+        if len(self._absent) + len(tags) > _LIMIT:
+            self._absent.clear()
+        until = self._clock() + _ABSENT_FOR
+        for tag in tags:
+            self._absent[tag] = until
 
     def apply(self, versions: Mapping[str, str]) -> None:
         """Tags invalidated (by us, or by another via the backplane): forget them."""
@@ -268,12 +296,14 @@ class TagVersions:
             self._floor = self._generation
         for tag in versions:
             self._versions.pop(tag, None)
+            self._absent.pop(tag, None)  # it has a key now
             self._forgotten[tag] = self._generation
 
     def forget_all(self) -> None:
         """The backplane lost track: every remembered version may be outdated."""
         self._generation += 1
         self._versions.clear()
+        self._absent.clear()
         self._forgotten.clear()
         self._floor = self._generation
 

@@ -397,6 +397,48 @@ def test_an_envelope_with_more_than_max_tags_is_refused_by_the_decoder() -> None
         decode_meta(planted)
 
 
+async def _evals(admin: redis.Redis) -> int:
+    stats = await admin.info("commandstats")
+    return int(stats.get("cmdstat_eval", {}).get("calls", 0))
+
+
+async def test_reads_of_an_entry_whose_tag_has_no_key_ask_redis_once_not_every_time(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readers make no version key, so nothing remembered a tag found without one, and
+    every read of its entries asked Redis again: 100 gets, ~124 EVALs; a planted entry
+    of 1,000 made-up tags, 1,000 EVALs per get (found by an adversarial review). Such a
+    tag is now dead here for ``_ABSENT_FOR``; a writer's key (a load, here) or its
+    invalidation ends that at once. A Redis of its own: EVALs are counted."""
+    monkeypatch.setattr(_tags, "_ABSENT_FOR", 0.5)
+    redis_url = redis_server.url
+    admin = redis.Redis.from_url(redis_url)
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as writer:
+        await writer.set("category", {"slug": "a"}, "old page", tags=["book:42"])
+    await admin.delete(tag_version_name(prefix, "book:42"))  # expired, or evicted
+    planted = msgspec.msgpack.encode(
+        [1, "poison", 1.0, 9e18, 0.0, {f"made-up:{i}": "v" for i in range(_tags.MAX_TAGS)}]
+    )
+    async with LayeredCache.from_config(config) as reader:
+        await admin.set(reader.key("category", {"slug": "p"}), planted)
+        before = await _evals(admin)
+        for _ in range(100):
+            assert await reader.get("category", {"slug": "a"}) is None
+            assert await reader.get("category", {"slug": "p"}) is None
+        assert await _evals(admin) - before == 1 + _tags.MAX_TAGS  # one lookup each
+        await asyncio.sleep(0.6)  # the absence is looked up again once it has passed
+        assert await reader.get("category", {"slug": "a"}) is None
+        assert await _evals(admin) - before == 2 + _tags.MAX_TAGS
+        loader = CountingLoader("new page")  # a writer here: its fetch makes the key
+        assert await reader.get_or_load("category", {"slug": "a"}, loader, tags=["book:42"]) == (
+            "new page"
+        )
+        reader.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
+        assert await reader.get("category", {"slug": "a"}) == "new page"
+    await admin.aclose()
+
+
 async def test_an_entry_may_carry_max_tags_and_one_more_is_a_clear_error(
     redis_url: str, prefix: str
 ) -> None:
