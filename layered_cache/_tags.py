@@ -79,12 +79,14 @@ def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
 
 
 def entry_tags(names: Iterable[str]) -> list[str]:
-    """One entry's tags, each once; more than ``MAX_TAGS`` is a clear error, before
-    anything is written (a reader would take the entry for planted)."""
+    """One entry's tags, each once; more than ``MAX_TAGS`` (``_codec``: an envelope with
+    more doesn't decode, it was planted) is a clear error, before anything is written.
+    A list page tags what it shows: tens, not thousands."""
     unique = list(dict.fromkeys(names))
     if len(unique) > MAX_TAGS:
         raise ValueError(f"an entry carries at most {MAX_TAGS:,} tags, got {len(unique):,}")
     return unique
+
 
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
 # How long a reader takes a tag it found without a version key for dead without asking
@@ -94,10 +96,6 @@ _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're re
 # instance refuses entries a writer elsewhere writes with the tag's new key (a get()
 # misses; a get_or_load loads, and its write fetches the key, which ends the wait).
 _ABSENT_FOR = 5.0
-
-# MAX_TAGS (``_codec``): tags one entry may carry; writers refuse more (``entry_tags``),
-# so an envelope with more was planted, and doesn't decode. A list page tags what it
-# shows: tens, not thousands.
 
 VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after its last use
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
