@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import time
 from typing import Any, cast
 
@@ -522,3 +523,30 @@ async def test_a_write_whose_set_fails_as_exec_runs_raises_even_when_its_append_
 
     monkeypatch.setattr(direct, "execute_transaction", append_refused)
     assert await run_transaction(cast(Any, None), writes, announcement) is False
+
+
+@pytest.mark.parametrize("busy_poll", [0.0001, None], ids=["request-path", "listener"])
+async def test_a_kept_connection_whose_redis_restarted_before_the_loop_noticed_is_replaced(
+    redis_server: RedisServer, busy_poll: float | None
+) -> None:
+    """A kept connection is checked before each command, but the check read what the
+    event loop had taken in: a Redis restarted while nothing awaited (a busy loop, or
+    this test's blocking restart) left its FIN unread, and the next command went out on
+    the dead connection and failed. An idle kept connection with anything to read (its
+    server's FIN or RST: no reply is pending) is replaced before the command."""
+    client = redis.Redis.from_url(with_protocol(redis_server.url), socket_timeout=2.0)
+    if busy_poll is None:
+        held = direct.HeldConnection(client)  # the backplane listener's kind
+        run = held.execute
+    else:
+        commands = direct.DirectClient(client, busy_poll)
+        run = functools.partial(direct.execute_command, commands)
+    try:
+        assert await run("SET", "k", "before") == b"OK"
+        redis_server.stop()  # blocking: the loop runs nothing until the PING below
+        redis_server.start()
+        assert await run("PING") == b"PONG"
+        assert await run("GET", "k") in (b"before", None)  # whatever the restart kept
+    finally:
+        await (held.close() if busy_poll is None else commands.close())
+        await client.aclose()
