@@ -224,6 +224,10 @@ def test_inspect_absent_key_and_undecodable_value(
     admin.set(f"{prefix}book:8", b"\x80\x04pickle")
     assert main(["inspect", "book", "id=8", "--config", config]) == 0
     assert "not a layered_cache envelope" in capsys.readouterr().out
+    tags = {f"book:{i}": "v" for i in range(1_001)}  # written before the limit, or planted
+    admin.set(f"{prefix}book:9", msgspec.msgpack.encode([1, "page", 1.0, 2.0, 0.0, tags]))
+    assert main(["inspect", "book", "id=9", "--config", config]) == 0
+    assert "1,001 tags, more than the 1,000 an entry may carry" in capsys.readouterr().out
 
 
 def test_inspect_json_of_an_absent_key_keeps_the_report_shape(

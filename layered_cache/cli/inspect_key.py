@@ -11,13 +11,14 @@ the live masters, listing replicas on the dead one as unknown.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import TextIO
 
 import msgspec
 
-from layered_cache._codec import CodecError, decode_meta
+from layered_cache._codec import MAX_TAGS, CodecError, decode_meta
 from layered_cache._config import Config
 from layered_cache._keys import lease_name, replica_names
 from layered_cache.cli.common import (
@@ -98,11 +99,22 @@ class InspectReport(msgspec.Struct, frozen=True):
     lease: LeaseReport
 
 
+def _why(data: bytes, exc: CodecError) -> str:
+    """The decoder's complaint, or, for an envelope whose only fault is its number of
+    tags (written before the limit, or planted), that number."""
+    with contextlib.suppress(msgspec.DecodeError):
+        fields = msgspec.msgpack.decode(data)
+        tags = fields[5] if isinstance(fields, list) and len(fields) == 6 else None
+        if isinstance(tags, dict) and len(tags) > MAX_TAGS:
+            return f"{len(tags):,} tags, more than the {MAX_TAGS:,} an entry may carry"
+    return str(exc)
+
+
 def _envelope(data: bytes, now: float) -> EnvelopeReport | EnvelopeError:
     try:
         meta = decode_meta(data)
     except CodecError as exc:
-        return EnvelopeError(f"not a layered_cache envelope: {exc}")
+        return EnvelopeError(f"not a layered_cache envelope: {_why(data, exc)}")
     return EnvelopeReport(
         format=meta.format,
         written_at=iso(meta.written_at),
