@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoPermissionError, ResponseError
 
 from layered_cache._backplane import BackplaneListener
 from layered_cache._clients import REDIS_FAILURES, RedisClient
@@ -23,6 +24,7 @@ from layered_cache._wiring import CacheParts
 __all__ = [
     "check_memory_policy",
     "check_replicas",
+    "check_transactions",
     "followers",
     "learn_slots",
     "listening",
@@ -65,6 +67,39 @@ async def check_memory_policy(client: RedisClient, redis: RedisConfig) -> None:
     """Log what a full Redis will do to the cache (``_memory_policy``): once, bounded,
     never failing the start."""
     await log_memory_policies(client, 2 * (redis.connect_timeout + redis.timeout))
+
+
+async def check_transactions(client: RedisClient, redis: RedisConfig) -> bool:
+    """Whether the cache's Redis user may run MULTI/EXEC, which set_many, a hot key's
+    set() and replica reservations send on a single node (``_write_commands``). An ACL
+    that refuses MULTI lets the commands after it run one by one, not atomically, and
+    set_many then raises NOPERM: said once at start, as an error with the fix, rather
+    than at the first set_many. Never fails the start (a Redis that doesn't answer is
+    left to the breaker)."""
+    if isinstance(client, RedisCluster):
+        return True  # a cluster's writes are scripts per slot: no MULTI
+    pipe = client.pipeline(transaction=True)
+    pipe.ping()
+    try:
+        await asyncio.wait_for(pipe.execute(), 2 * (redis.connect_timeout + redis.timeout))
+    except ResponseError as exc:
+        # redis-py reports a refused MULTI by what follows it (the PING ran on its own,
+        # and EXEC found no transaction), a refused EXEC as an EXECABORT naming NOPERM.
+        text = str(exc)
+        if not isinstance(exc, NoPermissionError) and not (
+            "NOPERM" in text or "EXEC without MULTI" in text
+        ):
+            return True
+        _log.error(
+            "redis_transactions_refused",
+            error=str(exc),
+            fix="grant the cache's Redis user +multi +exec (set_many and hot-key writes "
+            "are MULTI/EXEC on a single node)",
+        )
+        return False
+    except REDIS_FAILURES:
+        return True  # unknown: nothing to say
+    return True
 
 
 async def listening(

@@ -1,0 +1,55 @@
+"""A Redis user whose ACL refuses what the cache needs is said at start, with the fix.
+
+set_many, a hot key's set() and replica reservations are MULTI/EXEC on a single node
+(``_write_commands``). An ACL that refuses MULTI makes Redis run the commands after it
+one by one, not atomically, and set_many then raises NOPERM after its SETs landed: the
+cache says so once at start, as an error naming the grant, instead of leaving it to
+the first set_many. Each test runs a Redis of its own (ACL users are server-wide)."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+import pytest
+import redis
+import structlog
+
+from layered_cache import LayeredCache
+from tests.helpers import CountingLoader, eventually, make_config
+from tests.servers import RedisServer
+
+
+def _user_url(server: RedisServer, user: str, *rules: str) -> str:
+    with redis.Redis.from_url(server.url) as admin:
+        admin.execute_command("ACL", "SETUSER", user, "on", ">secret", "~*", "&*", "+@all", *rules)
+    parts = urllib.parse.urlsplit(server.url)
+    return parts._replace(netloc=f"{user}:secret@{parts.hostname}:{parts.port}").geturl()
+
+
+@pytest.mark.parametrize(
+    ("rules", "refused"),
+    [((), False), (("-multi",), True), (("-exec",), True)],
+    ids=["all-granted", "no-multi", "no-exec"],
+)
+async def test_a_user_refused_transactions_is_said_at_start_and_the_cache_still_serves(
+    prefix: str, rules: tuple[str, ...], refused: bool
+) -> None:
+    with RedisServer() as server, structlog.testing.capture_logs() as logs:
+        url = _user_url(server, "cache", *rules)
+        async with LayeredCache.from_config(make_config(url, prefix)) as cache:
+            assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v")) == "v"
+            await cache.set("book", {"id": 2}, "w")  # one key: a script, no MULTI
+            assert await cache.get("book", {"id": 2}) == "w"
+            if refused:
+                assert await eventually(
+                    lambda: any(e["event"] == "redis_transactions_refused" for e in logs)
+                )
+            else:  # the check ran (its PING is in the server's stats) and said nothing
+                with redis.Redis.from_url(server.url) as admin:
+                    assert await eventually(
+                        lambda: "cmdstat_exec" in admin.info("commandstats")
+                    )
+    said = [e for e in logs if e["event"] == "redis_transactions_refused"]
+    assert len(said) == (1 if refused else 0)
+    if refused:
+        assert said[0]["log_level"] == "error" and "+multi +exec" in said[0]["fix"]
