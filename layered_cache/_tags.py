@@ -124,9 +124,10 @@ def _entry_life(ns: NamespaceConfig) -> float:
 
 
 def _writable(tags: Mapping[str, str]) -> bool:
-    """Whether a writer could have given these tags (``entry_tags``, ``validate_tag``):
-    if not, the envelope was planted, and none of its tags is fetched."""
-    return len(tags) <= MAX_TAGS and all(is_tag(tag) for tag in tags)
+    """Whether a writer could have given these tags (``validate_tag``): if not, the
+    envelope was planted, and none of its tags is fetched. (Their number is bounded
+    where an envelope is decoded: ``_codec.MAX_TAGS``.)"""
+    return all(is_tag(tag) for tag in tags)
 
 
 def new_version() -> str:
