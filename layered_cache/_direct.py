@@ -123,8 +123,14 @@ class HeldConnection:
     ``tests/test_held_connection.py``, which ``make test`` also runs on the oldest
     redis-py it supports, with hiredis."""
 
-    def __init__(self, client: Redis, busy_poll: BusyPoll | None = None) -> None:
+    def __init__(
+        self, client: Redis, busy_poll: BusyPoll | None = None, *, quiet_reconnect: bool = True
+    ) -> None:
         self._client = client
+        # False for the backplane listener: a connection the server closed between its
+        # reads is an error it must see (it then checks the stream for a gap: a relay
+        # closes its clients for exactly that), not one to swap for a new one unseen.
+        self._quiet_reconnect = quiet_reconnect
         self._connection: AbstractConnection | None = None
         self._parser: Parser = new_parser()
         self._busy = False
@@ -248,6 +254,8 @@ class HeldConnection:
             ):
                 return held
             await self.close()
+            if not self._quiet_reconnect:
+                raise RedisConnectionError("Connection closed by server while idle.")
         pool = self._client.connection_pool
         connection: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
         self._connection, self._parser = connection, new_parser()

@@ -33,7 +33,11 @@ class StreamLink:
         # single node or a relay (``_clients.listener_connection``): this is the only
         # bound there.
         self._deadline = deadline
-        self._held = None if is_cluster(client) else direct.HeldConnection(as_single_node(client))
+        self._held = (
+            None
+            if is_cluster(client)
+            else direct.HeldConnection(as_single_node(client), quiet_reconnect=False)
+        )
 
     async def xread(self, after: bytes) -> list[Entry]:
         """One blocking XREAD; its entries (none when the block timed out).

@@ -533,10 +533,13 @@ async def test_a_kept_connection_whose_redis_restarted_before_the_loop_noticed_i
     event loop had taken in: a Redis restarted while nothing awaited (a busy loop, or
     this test's blocking restart) left its FIN unread, and the next command went out on
     the dead connection and failed. An idle kept connection with anything to read (its
-    server's FIN or RST: no reply is pending) is replaced before the command."""
+    server's FIN or RST: no reply is pending) is replaced before the command: unseen on
+    the request path; the backplane listener's raises ConnectionError instead (it must
+    check the stream for a gap: a relay closes its clients for that), and its next
+    command goes out on a new connection."""
     client = redis.Redis.from_url(with_protocol(redis_server.url), socket_timeout=2.0)
     if busy_poll is None:
-        held = direct.HeldConnection(client)  # the backplane listener's kind
+        held = direct.HeldConnection(client, quiet_reconnect=False)  # the listener's kind
         run = held.execute
     else:
         commands = direct.DirectClient(client, busy_poll)
@@ -545,6 +548,9 @@ async def test_a_kept_connection_whose_redis_restarted_before_the_loop_noticed_i
         assert await run("SET", "k", "before") == b"OK"
         redis_server.stop()  # blocking: the loop runs nothing until the PING below
         redis_server.start()
+        if busy_poll is None:
+            with pytest.raises(redis.ConnectionError, match="closed by server while idle"):
+                await run("PING")
         assert await run("PING") == b"PONG"
         assert await run("GET", "k") in (b"before", None)  # whatever the restart kept
     finally:
