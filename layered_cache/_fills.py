@@ -77,26 +77,27 @@ class Fills:
         if tags:
             self._index(key, tags)
 
-    def fill_l1_many(
+    def settle_l1(
         self,
         entries: Sequence[tuple[str, Any, float]],
         read_seq: int,
         tags: Mapping[str, str] | None = None,
     ) -> None:
-        """``fill_l1`` of each (key, value, soft_expiry) sharing ``read_seq`` and
-        ``tags`` (a ``set_many``): the tags checked once, L1 locked once."""
+        """After a write landed (``set``, ``set_many``): L1 takes each (key, value,
+        soft_expiry) in place of what it held (``L1Cache.replace_many``), the tags
+        checked once; a key the write was overtaken on, or all of them when a tag was
+        invalidated since, is dropped instead (and counted as a discarded fill)."""
         l1 = self._policy.l1
         if l1 is None or not entries:
             return
         if tags and self.versions.known(tags) is not True:
+            l1.replace_many([(key, value, 0.0) for key, value, _ in entries], read_seq)
             self._policy.stats.l1_fill_discarded += len(entries)
             return
         now, draw = self._clock(), self._policy.l1_ttl_draw
         items = [(key, value, min(draw(), soft - now)) for key, value, soft in entries]
-        stored = l1.put_many(items, read_seq)
-        # As ``fill_l1``: a TTL already spent is not a discarded fill.
-        self._policy.stats.l1_fill_discarded += sum(ttl > 0 for _, _, ttl in items) - stored
-        if tags and stored:
+        self._policy.stats.l1_fill_discarded += l1.replace_many(items, read_seq)
+        if tags:
             for key, _, _ in entries:
                 if key in l1:
                     self._index(key, tags)

@@ -103,19 +103,33 @@ class L1Cache:
             self._entries[key] = value
         return True
 
-    def put_many(self, items: Iterable[tuple[str, Any, float]], read_seq: int) -> int:
-        """``put`` of each (key, value, ttl) under one lock and one clock reading (a
-        ``set_many`` of 100 keys took the lock and read the clock 100 times). Returns
-        how many were stored."""
-        stored = 0
-        with self._lock, self._entries.timer as now:
-            for key, value, ttl in items:
-                if ttl <= 0 or self.invalidated_since(key, read_seq):
-                    continue
-                self._expiry = now + ttl
-                self._entries[key] = value
-                stored += 1
-        return stored
+    def replace_many(self, items: Iterable[tuple[str, Any, float]], read_seq: int) -> int:
+        """A write's last step in L1 (``set``, ``set_many``), under one lock and one clock
+        reading: each (key, value, ttl) takes the key's place and tombstones it, so a
+        fill that began while the write was in flight (it may carry the value the write
+        replaced) is refused. A key invalidated since ``read_seq`` (another write or an
+        invalidation overtook this one: whose L2 write landed last is unknown) or whose
+        TTL is spent is dropped and tombstoned instead. One pass, where a ``discard`` and
+        then a fill each took the lock and the clock: the keys' ``in``, their tombstones
+        and TLRUCache's clock once per key, not twice. Returns how many were overtaken."""
+        overtaken = 0
+        with self._lock:
+            self._seq += 1
+            seq, entries, tombstones = self._seq, self._entries, self._tombstones
+            with entries.timer as now:  # frozen: see ``discard``
+                for key, value, ttl in items:
+                    if self.invalidated_since(key, read_seq):
+                        overtaken += 1
+                    elif ttl > 0:
+                        self._expiry = now + ttl
+                        entries[key] = value
+                        tombstones[key] = seq
+                        continue
+                    if key in entries:
+                        del entries[key]
+                    tombstones[key] = seq
+            self._bound_tombstones(seq)
+        return overtaken
 
     def invalidated_since(self, key: str, read_seq: int) -> bool:
         """Whether ``key`` was invalidated (or L1 cleared) after ``begin_read`` returned
@@ -143,10 +157,14 @@ class L1Cache:
                         del entries[key]
                         dropped += 1
                     self._tombstones[key] = seq
-            if len(self._tombstones) > _MAX_TOMBSTONES:
-                self._tombstones.clear()
-                self._floor = seq
+            self._bound_tombstones(seq)
         return dropped
+
+    def _bound_tombstones(self, seq: int) -> None:
+        """Too many tombstones become a floor at ``seq`` (under ``_lock``)."""
+        if len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.clear()
+            self._floor = seq
 
     def clear(self) -> None:
         """Drop everything (the backplane fell behind): every in-flight fill is discarded."""

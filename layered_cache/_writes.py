@@ -214,16 +214,9 @@ class Writes:
         tombstoned the key): when it settles it drops L1, whether or not the other
         filled it already (tests/test_set_race.py). No await in here: nothing can run
         between the checks and the fills, so the keys are dropped and filled in one go
-        each (one lock, one clock reading) rather than one at a time."""
+        each (``Fills.settle_l1``: one lock, one clock reading) rather than one at a time."""
         flight = self._rt.flight
         for key, _, _ in settled:
             flight.forget(key)
-        l1 = self._policy.l1
-        if l1 is None:
-            return
-        current = settled
-        if read_seq is not None:
-            current = [s for s in settled if not l1.invalidated_since(s[0], read_seq)]
-        l1.discard([key for key, _, _ in settled])
-        self._policy.stats.l1_fill_discarded += len(settled) - len(current)
-        self._fills.fill_l1_many(current, l1.begin_read(), versions)
+        if read_seq is not None:  # None: no L1
+            self._fills.settle_l1(settled, read_seq, versions)

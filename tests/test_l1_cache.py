@@ -48,21 +48,28 @@ def test_an_invalidation_counts_only_the_entries_it_found_alive() -> None:
     assert l1.get("book:2") is MISSING
 
 
-def test_a_batch_fill_stores_what_one_fill_each_would_store() -> None:
-    """``put_many`` (set_many's L1 fill): each entry its own TTL, read on one clock
-    reading; a key invalidated since the batch's read began, and a TTL already spent,
-    are not stored; a full cache evicts as it would for single puts."""
+def test_a_write_replaces_each_entry_in_one_pass_and_refuses_fills_begun_before_it() -> None:
+    """``replace_many`` (a write's L1 step): each entry its own TTL, read on one clock
+    reading; a key invalidated since the write began and a TTL already spent are
+    dropped, not stored; a full cache evicts as single puts would; and a fill that
+    began before it (it may carry the value the write replaced) is refused."""
     clock = SteppingClock()
     l1 = L1Cache(max_entries=3, timer=clock)
     l1.put("book:0", "kept?", ttl=100.0)
+    l1.put("book:3", "old three", ttl=100.0)
     read_seq = l1.begin_read()
+    l1.put("book:2", "someone else's", ttl=100.0)
     l1.discard(["book:2"])  # invalidated while the batch's write was in flight
+    l1.put("book:2", "refilled since", ttl=100.0)
+    fill_seq = l1.begin_read()  # a load that read L2 while the write was in flight
     clock.step = 1.0  # every reading of the clock moves it: one reading for the batch
     items = [("book:1", "one", 5.0), ("book:2", "two", 5.0), ("book:3", "three", 0.0),
              ("book:4", "four", 50.0), ("book:5", "five", 50.0)]
-    assert l1.put_many(items, read_seq) == 3
+    assert l1.replace_many(items, read_seq) == 1  # book:2 was overtaken
     clock.step = 0.0
     assert [l1.get(f"book:{i}") for i in range(6)] == [MISSING, "one", MISSING, MISSING,
                                                        "four", "five"]
     expiries = [l1.remaining_ttl(f"book:{i}") for i in (1, 4, 5)]
     assert expiries[1] == expiries[2] and expiries[1] - expiries[0] == 45.0  # type: ignore[operator]
+    assert not l1.put("book:4", "what the load read", ttl=50.0, read_seq=fill_seq)
+    assert l1.get("book:4") == "four"
