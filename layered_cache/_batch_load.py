@@ -146,8 +146,12 @@ class BatchLoader:
         started = time.monotonic()
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in todo])
-        except Exception as exc:
+        except asyncio.CancelledError:
+            raise  # the batch's caller gives every won lease back (``_get_or_load``)
+        except BaseException as exc:  # as ``MissPath.load_and_fill``
             await self._release([r.key for r in todo], token)
+            if not isinstance(exc, Exception):
+                raise
             found.update(await self._miss.failsafe.serve_all_or_raise(todo, exc))
             return found
         else:

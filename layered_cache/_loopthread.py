@@ -17,6 +17,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from layered_cache._sync_loaders import LoaderInterrupted
+
 __all__ = ["LoopThread", "SyncTimeoutError"]
 
 T = TypeVar("T")
@@ -72,6 +74,8 @@ class LoopThread:
             self._calls.add(future)
         try:
             return future.result(timeout)
+        except LoaderInterrupted as exc:  # see ``_sync_loaders``: raised here, as it was
+            raise exc.error from None
         except concurrent.futures.TimeoutError:
             future.cancel()  # the task is cancelled on the loop: no orphan keeps running
             raise SyncTimeoutError(

@@ -102,13 +102,8 @@ class MissPath:
             )
 
         result = await self._rt.leases.wait_for_fill(
-            read.key,
-            lease_name(read.key),
-            policy.lease_ttl,
-            policy.reread_pause,
-            policy.max_wait,
-            usable,
-            token,
+            read.key, lease_name(read.key), policy.lease_ttl, policy.reread_pause,
+            policy.max_wait, usable, token,
         )
         if result.data is None:
             return result.token
@@ -176,9 +171,13 @@ class MissPath:
             # get its value instead of loading again after ``max_wait``.
             self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            # Nobody will fill: the lease goes back, or every reader of the key, in every
+            # process, would wait ``max_wait`` for nothing.
             await self.release(read.key, token)
             self._unregister(read, token)
+            if not isinstance(exc, Exception):
+                raise  # not an error to serve stale for (GreenletExit, an app's abort)
             return await self.failsafe.serve_or_raise(read, exc)
         return await self.fill(read, token, value, time.monotonic() - started)
 
@@ -202,9 +201,9 @@ class MissPath:
     ) -> None:
         try:
             value = await task
-        except (Exception, asyncio.CancelledError) as exc:
-            # A failed load, or a cancelled one (a loader that raised CancelledError, or
-            # close() stopping us): either way nobody will fill, so the lease goes back.
+        except BaseException as exc:
+            # A failed load (whatever it raised), or a cancelled one (a loader that raised
+            # CancelledError, or close() stopping us): nobody will fill, the lease goes back.
             await self.release(read.key, token)
             self._unregister(read, token)
             current = asyncio.current_task()

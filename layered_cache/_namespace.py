@@ -111,8 +111,7 @@ class Namespace:
         self, key: str, loader: Callable[[], Awaitable[T]], tags: TagsOf | None
     ) -> T:
         policy = self.policy
-        if tags is not None and not policy.tags:
-            raise self._untagged()
+        self._check_tags(tags)
         if not policy.cache:
             policy.stats.miss += 1
             policy.stats.load += 1
@@ -219,16 +218,18 @@ class Namespace:
         """Write ``value`` to L2 (base and replicas) and this instance's L1; other
         instances drop their L1 copy through the backplane. Raises ``L2Unavailable``
         if Redis fails (see ``_writes``)."""
-        if tags is not None and not self.policy.tags:
-            raise self._untagged()
+        self._check_tags(tags)
         if isinstance(tags, str):  # its characters would each be a tag
             raise TypeError(f"tags must be a list of strings, not the string {tags[:80]!r}")
         await self._writes.set_many([(fields, value)], tags)
 
-    def _untagged(self) -> ValueError:
-        return ValueError(
-            f"namespace {self.name!r} takes no tags: declare tags = true in its config"
-        )
+    def _check_tags(self, tags: object) -> None:
+        """Tags given to a namespace that takes none are a ``ValueError``, whichever layer
+        would have answered (the sync API checks before its L1 hit, too)."""
+        if tags is not None and not self.policy.tags:
+            raise ValueError(
+                f"namespace {self.name!r} takes no tags: declare tags = true in its config"
+            )
 
     async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
         """``set`` for many keys: one pipelined round trip, one backplane append."""
@@ -248,8 +249,7 @@ class Namespace:
     ) -> list[Any]:
         """Values in order: L1, else L2 (one MGET), else one ``load_many(missing)``
         call that returns one value per missing key, in order."""
-        if tags is not None and not self.policy.tags:
-            raise self._untagged()
+        self._check_tags(tags)
         return await self._batch.get_or_load_many(fields_list, load_many, tags)
 
     def _forget_tag(self, tag: str) -> int:

@@ -5,7 +5,19 @@ behind the pool its caller occupies could wait forever. For the same reason, whe
 nested call begins, the loaders still queued for the pool get threads of their own too:
 the nested call may join one of them (single-flight), and it would wait behind the very
 pool thread that waits for it. A loader that needs its own key is refused
-(``RecursionError``) rather than waiting for itself."""
+(``RecursionError``) rather than waiting for itself.
+
+A call is nested when its thread runs a loader, or when it runs in a loader's context (a
+helper thread started with ``contextvars.copy_context().run``, ``asyncio.to_thread``).
+A loader that hands work to threads of its own without its context can't be told from
+any other caller; so that such loaders can't fill the pool with threads that all wait
+for loads queued behind them, a top-level loader finding every pool thread taken runs on
+a thread of its own rather than queueing (there are at most as many as callers blocked).
+
+A loader that raises what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
+gevent's ``GreenletExit``) would stop the loop thread itself if handed to it as is
+(asyncio re-raises the first two out of the loop): it crosses as ``LoaderInterrupted``
+and the sync call raises the original in the caller's thread."""
 
 from __future__ import annotations
 
@@ -13,27 +25,47 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LoaderThreads"]
+__all__ = ["LoaderInterrupted", "LoaderThreads"]
 
 T = TypeVar("T")
 
+# The keys whose loaders the current context is running: seen by a helper thread that
+# runs in a loader's context, where the thread-local mark (``LoaderThreads._loading``)
+# is not.
+_CHAIN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "layered_cache_loading", default=()
+)
+
+
+class LoaderInterrupted(Exception):
+    """A sync loader raised ``error``, a ``BaseException`` that is not an ``Exception``:
+    carried to the loop as an ordinary failure (the lease goes back, nothing is cached),
+    raised again as ``error`` in the caller's thread (``SyncLayeredCache``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"the loader raised {type(error).__name__}")
+        self.error = error
+
 
 class LoaderThreads:
-    def __init__(self) -> None:
+    def __init__(self, pool_size: int) -> None:
         # Per thread: the keys whose loaders this thread is running (outermost first).
         # Set only on loader threads; nested calls from them take the nested path.
         self._loading = threading.local()
         self._queued: set[_Job[Any]] = set()  # top-level loaders waiting for the pool
         self._queued_lock = threading.Lock()
+        self._pool_size = pool_size
+        self._on_pool = 0  # loaders handed to the pool, not yet done (under _queued_lock)
 
     def chain(self) -> tuple[str, ...]:
         keys: tuple[str, ...] = getattr(self._loading, "keys", ())
-        return keys
+        return keys or _CHAIN.get()
 
     def check_not_own_key(self, key: str) -> None:
         chain = self.chain()
@@ -75,7 +107,7 @@ class LoaderThreads:
         def run_marked() -> T:
             self._loading.keys = chain
             try:
-                return context.run(loader)
+                return context.run(_call_marked, chain, loader)
             finally:
                 self._loading.keys = ()
 
@@ -85,8 +117,13 @@ class LoaderThreads:
                 return await _in_own_thread(loop, run_marked)
             job = _Job(run_marked, loop)
             with self._queued_lock:
-                self._queued.add(job)
-            loop.run_in_executor(executor, job.run)
+                spare = self._on_pool < self._pool_size
+                if spare:
+                    self._on_pool += 1
+                    self._queued.add(job)
+            if not spare:  # every pool thread taken: see the module doc
+                return await _in_own_thread(loop, run_marked)
+            loop.run_in_executor(executor, self._run_on_pool, job)
             try:
                 return await job.done
             finally:
@@ -97,6 +134,14 @@ class LoaderThreads:
         if outer:  # a nested call begins: see the module doc
             self._unblock_queued()
         return load
+
+    def _run_on_pool(self, job: _Job[Any]) -> None:
+        """A pool thread's turn at ``job`` (it ran already if another thread took it)."""
+        try:
+            job.run()
+        finally:
+            with self._queued_lock:
+                self._on_pool -= 1
 
     def _unblock_queued(self) -> None:
         with self._queued_lock:
@@ -129,11 +174,28 @@ class _Job(Generic[T]):
         try:
             result = self._fn()
         except BaseException as exc:  # handed to the awaiting task, not lost in the thread
-            outcome = functools.partial(done.set_exception, exc)
+            carried = exc if isinstance(exc, Exception) else LoaderInterrupted(exc)
+            outcome = functools.partial(done.set_exception, carried)
         else:
             outcome = functools.partial(done.set_result, result)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (close())
             self._loop.call_soon_threadsafe(_settle, done, outcome)
+
+
+def _call_marked(chain: tuple[str, ...], loader: Callable[[], T]) -> T:
+    """``loader()`` in its context, marked as loading ``chain``; an awaitable where a
+    value was due (an async function passed to the sync API) is a clear error, not a
+    coroutine object cached as the value."""
+    _CHAIN.set(chain)
+    result = loader()
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()  # never awaited: no "coroutine was never awaited" warning
+        raise TypeError(
+            "the sync API's loader returned an awaitable: pass a plain function, or use "
+            "LayeredCache (the async API) for async loaders"
+        )
+    return result
 
 
 def _settle(future: asyncio.Future[Any], outcome: Callable[[], None]) -> None:

@@ -99,7 +99,8 @@ class SyncLayeredCache:
         timeout: float | None = DEFAULT_TIMEOUT,
         **cache_kwargs: Any,
     ) -> None:
-        """``max_workers``: threads for sync loaders; ``timeout``: seconds a call may
+        """``max_workers``: threads kept for sync loaders (one that finds them all busy
+        runs on a thread of its own: ``_sync_loaders``); ``timeout``: seconds a call may
         block before ``SyncTimeoutError`` (a ``TimeoutError``); None waits without bound."""
         self.config = config
         self._cache_kwargs = cache_kwargs
@@ -109,7 +110,7 @@ class SyncLayeredCache:
         self._runner: LoopThread | None = None
         self._cache: LayeredCache | None = None
         self._started = False  # start() called and close() not: a forked child rebuilds
-        self._loaders = LoaderThreads()
+        self._loaders = LoaderThreads(self._max_workers)
         _forget_parent_after_fork(self)
 
     @classmethod
@@ -173,7 +174,7 @@ class SyncLayeredCache:
             self._runner.abandon(self._cache)
         self._runner = self._cache = None
         self._lock = threading.Lock()
-        self._loaders = LoaderThreads()
+        self._loaders = LoaderThreads(self._max_workers)
 
     @property
     def cache(self) -> LayeredCache:
@@ -228,11 +229,13 @@ class SyncLayeredCache:
     ) -> T:
         """The value from L1, else L2, else ``loader()`` (one load per key fleet-wide)."""
         _refuse_running_loop()
-        policy = self.cache.namespace(namespace).policy
-        value = self._l1_hit(policy, fields)
+        _refuse_async(loader, "get_or_load")
+        ns = self.cache.namespace(namespace)
+        ns._check_tags(tags)
+        value = self._l1_hit(ns.policy, fields)
         if value is not MISSING:
             return typing.cast(T, value)
-        key = policy.template.build(fields)
+        key = ns.policy.template.build(fields)
         self._loaders.check_not_own_key(key)
         load = self._loaders.wrap(key, loader, self._pool())
         return self._run(
@@ -271,6 +274,7 @@ class SyncLayeredCache:
     ) -> list[Any]:
         """``LayeredCache.get_or_load_many`` with a sync ``load_many`` (on the pool)."""
         _refuse_running_loop()
+        _refuse_async(load_many, "get_or_load_many")
         ns = self.cache.namespace(namespace)
         keys = [ns.key(fields) for fields in fields_list]
         for key in keys:
@@ -342,6 +346,18 @@ async def _open_cache(config: Config, kwargs: Mapping[str, Any]) -> LayeredCache
     cache = LayeredCache.from_config(config, **kwargs)
     await cache.start()
     return cache
+
+
+def _refuse_async(loader: Callable[..., Any], call: str) -> None:
+    """An async function as a sync loader would return a coroutine object where a value
+    is due: refused before anything runs (``_sync_loaders`` also refuses any awaitable a
+    loader returns)."""
+    if inspect.iscoroutinefunction(loader):
+        raise TypeError(
+            f"SyncLayeredCache.{call}() takes a plain function as loader, not the async "
+            f"function {getattr(loader, '__qualname__', loader)!r}: use LayeredCache (the "
+            "async API) for async loaders"
+        )
 
 
 def _refuse_running_loop() -> None:

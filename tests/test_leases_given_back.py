@@ -154,3 +154,43 @@ async def test_a_batch_whose_tag_function_raises_gives_every_lease_back(
             b.get_or_load("category", {"slug": "a"}, lambda: _slow("page", 0), tags=["t"])
         )
         assert value == "page" and took < PROMPT
+
+
+class Abort(BaseException):
+    """Not an ``Exception``: gevent's ``GreenletExit``, a framework's own abort."""
+
+
+@pytest.mark.parametrize("namespace", ["book", "category"])
+async def test_a_loader_raising_what_is_not_an_exception_gives_the_lease_back(
+    redis_url: str, prefix: str, namespace: str
+) -> None:
+    """Nothing to serve stale for and nothing will fill: the abort reaches the caller
+    and the lease goes back, so another instance loads at once (a tagged namespace also
+    leaves its loading set)."""
+
+    async def aborts() -> str:
+        raise Abort("request aborted")
+
+    config = make_config(redis_url, prefix, NAMESPACES)
+    fields = {"id": 1} if namespace == "book" else {"slug": "scifi"}
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        with pytest.raises(Abort):
+            await a.get_or_load(namespace, fields, aborts)
+        value, took = await _timed(b.get_or_load(namespace, fields, lambda: _slow("db", 0)))
+        assert value == "db" and took < PROMPT
+
+
+async def test_a_batch_loader_raising_what_is_not_an_exception_gives_every_lease_back(
+    redis_url: str, prefix: str
+) -> None:
+    async def aborts(missing: list[dict[str, Any]]) -> list[str]:
+        raise Abort("request aborted")
+
+    config = make_config(redis_url, prefix, NAMESPACES)
+    fields = [{"id": i} for i in range(5)]
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        with pytest.raises(Abort):
+            await a.get_or_load_many("book", fields, aborts)
+        started = time.monotonic()
+        values = await b.get_or_load_many("book", fields, lambda missing: _slow(["db"] * len(missing), 0))
+        assert values == ["db"] * 5 and time.monotonic() - started < PROMPT

@@ -1,0 +1,204 @@
+"""The sync API's loaders at their edges: what they raise, what they return, the threads
+they start of their own, and calls that are wrong whichever layer would answer them."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+
+from layered_cache.sync import SyncLayeredCache
+from tests.helpers import make_config
+
+NAMESPACES = {
+    "book": {"key": "book:{id}", "stampede": {"lease_ttl": "10s", "max_wait": "3s"}},
+    "outer": {"key": "outer:{id}"},
+    "inner": {"key": "inner:{id}"},
+}
+PROMPT = 1.0  # seconds: well under max_wait and the call timeout
+
+
+class Abort(BaseException):
+    """Not an ``Exception``: gevent's ``GreenletExit``, a framework's own abort."""
+
+
+def _leases(redis_url: str, prefix: str) -> list[bytes]:
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        return [k for k in admin.scan_iter(f"{prefix}*lease*")]
+    finally:
+        admin.close()
+
+
+@pytest.fixture
+def cache(redis_url: str, prefix: str) -> Iterator[SyncLayeredCache]:
+    config = make_config(redis_url, prefix, NAMESPACES)
+    with SyncLayeredCache.from_config(config, timeout=4) as sync_cache:
+        yield sync_cache
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), Abort("aborted")])
+def test_a_loader_raising_what_is_not_an_exception_fails_its_call_and_the_cache_goes_on(
+    cache: SyncLayeredCache, redis_url: str, prefix: str, raised: BaseException
+) -> None:
+    """Handed to the loop as is, SystemExit or KeyboardInterrupt stopped the loop thread
+    (asyncio re-raises both out of the loop): that call and every later one in the
+    process waited out the timeout. Now the caller's thread gets what the loader raised,
+    the lease goes back, and the next call loads at once."""
+
+    def loader() -> str:
+        raise raised
+
+    with pytest.raises(type(raised)):
+        cache.get_or_load("book", {"id": 1}, loader)
+    assert _leases(redis_url, prefix) == []
+    started = time.monotonic()
+    assert cache.get_or_load("book", {"id": 1}, lambda: "fresh") == "fresh"
+    assert cache.get_or_load("book", {"id": 2}, lambda: "other") == "other"
+    assert time.monotonic() - started < PROMPT
+
+
+def test_a_batch_loader_raising_what_is_not_an_exception_fails_its_call_only(
+    cache: SyncLayeredCache, redis_url: str, prefix: str
+) -> None:
+    def load_many(missing: list[Any]) -> list[str]:
+        raise SystemExit(3)
+
+    with pytest.raises(SystemExit):
+        cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many)
+    assert _leases(redis_url, prefix) == []
+    assert cache.get_or_load_many("book", [{"id": 1}], lambda m: ["ok"] * len(m)) == ["ok"]
+
+
+def test_an_async_function_given_to_the_sync_api_is_a_clear_error(
+    cache: SyncLayeredCache,
+) -> None:
+    """It returned a coroutine object as "the value" (nothing cached, the database never
+    asked); now a TypeError before anything runs, naming the async API."""
+
+    async def load_book() -> dict[str, Any]:
+        return {"title": "Dune"}
+
+    async def load_books(missing: list[Any]) -> list[Any]:
+        return [{"title": "Dune"}] * len(missing)
+
+    with pytest.raises(TypeError, match="async API"):
+        cache.get_or_load("book", {"id": 1}, load_book)
+    with pytest.raises(TypeError, match="async API"):
+        cache.get_or_load_many("book", [{"id": 1}], load_books)
+    assert cache.get("book", {"id": 1}) is None
+
+
+def test_a_loader_returning_an_awaitable_is_a_clear_error_and_caches_nothing(
+    cache: SyncLayeredCache, redis_url: str, prefix: str
+) -> None:
+    """A plain function (a lambda, a partial) that returns a coroutine: refused where the
+    value comes back, the coroutine closed (no "never awaited" warning), the lease back."""
+
+    async def load_book() -> str:
+        return "Dune"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited would warn
+        with pytest.raises(TypeError, match="returned an awaitable"):
+            cache.get_or_load("book", {"id": 1}, lambda: load_book())
+    assert cache.get("book", {"id": 1}) is None
+    assert _leases(redis_url, prefix) == []
+
+
+def test_a_loader_fanning_out_to_threads_of_its_own_does_not_wait_on_the_pool_it_fills(
+    redis_url: str, prefix: str
+) -> None:
+    """A loader that fetches its parts on a ThreadPoolExecutor of its own: those threads'
+    calls can't be told from any other caller's. With every pool thread taken by such
+    loaders (one thread here), their parts' loads queued behind them for good; a load
+    that finds the pool full now runs on a thread of its own."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    with SyncLayeredCache.from_config(config, max_workers=1, timeout=4) as cache:
+
+        def part(j: int) -> int:
+            return cache.get_or_load("inner", {"id": j}, lambda: j * 10)
+
+        def load_outer() -> int:
+            with ThreadPoolExecutor(2) as fan:
+                return sum(fan.map(part, range(3)))
+
+        started = time.monotonic()
+        assert cache.get_or_load("outer", {"id": 1}, load_outer) == 30
+        assert time.monotonic() - started < PROMPT
+
+
+def test_32_threads_of_loaders_fanning_out_all_finish(redis_url: str, prefix: str) -> None:
+    """A cold start after a deploy: every pool thread runs such a loader at once."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    with SyncLayeredCache.from_config(config, max_workers=4, timeout=10) as cache:
+
+        def load_outer(i: int) -> int:
+            with ThreadPoolExecutor(2) as fan:
+                parts = fan.map(
+                    lambda j: cache.get_or_load("inner", {"id": i * 10 + j}, lambda: j), range(2)
+                )
+                return sum(parts)
+
+        with ThreadPoolExecutor(32) as callers:
+            results = list(
+                callers.map(
+                    lambda i: cache.get_or_load("outer", {"id": i}, lambda: load_outer(i)),
+                    range(32),
+                )
+            )
+        assert results == [1] * 32
+
+
+def test_a_loader_needing_its_own_key_through_a_thread_in_its_context_raises(
+    cache: SyncLayeredCache,
+) -> None:
+    """A helper thread that runs in the loader's context (``copy_context().run``, as
+    ``asyncio.to_thread`` does) carries the loader's mark: asking for the key being
+    loaded is a RecursionError, not a wait for itself until the timeout."""
+
+    def itself() -> int:
+        context = contextvars.copy_context()
+        with ThreadPoolExecutor(1) as helper:
+            future = helper.submit(
+                context.run, cache.get_or_load, "outer", {"id": 1}, lambda: 1
+            )
+            return future.result()
+
+    started = time.monotonic()
+    with pytest.raises(RecursionError, match=r"outer:1' itself"):
+        cache.get_or_load("outer", {"id": 1}, itself)
+    assert time.monotonic() - started < PROMPT
+
+
+def test_tags_given_to_a_namespace_without_tags_are_refused_on_an_l1_hit_too(
+    cache: SyncLayeredCache,
+) -> None:
+    """The sync API answers L1 hits in the calling thread; the same wrong call raised on
+    a miss and passed on a hit."""
+    with pytest.raises(ValueError, match="takes no tags"):
+        cache.get_or_load("book", {"id": 1}, lambda: "v", tags=["book:1"])
+    cache.set("book", {"id": 1}, "v")
+    assert cache.get_or_load("book", {"id": 1}, lambda: "v") == "v"  # an L1 hit
+    with pytest.raises(ValueError, match="takes no tags"):
+        cache.get_or_load("book", {"id": 1}, lambda: "v", tags=["book:1"])
+
+
+def test_the_loop_thread_survives_every_loader_above(cache: SyncLayeredCache) -> None:
+    """After a loader raised SystemExit, the cache's own thread still runs."""
+
+    def loader() -> str:
+        raise SystemExit(1)
+
+    with pytest.raises(SystemExit):
+        cache.get_or_load("book", {"id": 9}, loader)
+    names = {thread.name for thread in threading.enumerate()}
+    assert "layered-cache-loop" in names
+    assert cache.get_or_load("book", {"id": 9}, lambda: "after") == "after"
