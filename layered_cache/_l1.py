@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from cachetools import TLRUCache
@@ -103,30 +103,36 @@ class L1Cache:
             self._entries[key] = value
         return True
 
-    def replace_many(self, items: Iterable[tuple[str, Any, float]], read_seq: int) -> int:
+    def replace_many(self, items: Sequence[tuple[str, Any, float]], read_seq: int) -> int:
         """A write's last step in L1 (``set``, ``set_many``), under one lock and one clock
         reading: each (key, value, ttl) takes the key's place and tombstones it, so a
         fill that began while the write was in flight (it may carry the value the write
         replaced) is refused. A key invalidated since ``read_seq`` (another write or an
         invalidation overtook this one: whose L2 write landed last is unknown) or whose
-        TTL is spent is dropped and tombstoned instead. One pass, where a ``discard`` and
-        then a fill each took the lock and the clock: the keys' ``in``, their tombstones
-        and TLRUCache's clock once per key, not twice. Returns how many were overtaken."""
-        overtaken = 0
+        TTL is spent is dropped and tombstoned instead, before anything is stored (a
+        full L1 then has their room, rather than evicting an unrelated entry). Under one
+        lock and one clock, where a ``discard`` and then a fill each took both. Returns
+        how many were overtaken. ``items`` holds each key once."""
         with self._lock:
             self._seq += 1
             seq, entries, tombstones = self._seq, self._entries, self._tombstones
+            overtaken, dropped, kept = 0, [], []
+            for key, value, ttl in items:  # judged before any tombstone of this pass
+                if self.invalidated_since(key, read_seq):
+                    overtaken += 1
+                    dropped.append(key)
+                elif ttl > 0:
+                    kept.append((key, value, ttl))
+                else:
+                    dropped.append(key)
             with entries.timer as now:  # frozen: see ``discard``
-                for key, value, ttl in items:
-                    if self.invalidated_since(key, read_seq):
-                        overtaken += 1
-                    elif ttl > 0:
-                        self._expiry = now + ttl
-                        entries[key] = value
-                        tombstones[key] = seq
-                        continue
+                for key in dropped:
                     if key in entries:
                         del entries[key]
+                    tombstones[key] = seq
+                for key, value, ttl in kept:
+                    self._expiry = now + ttl
+                    entries[key] = value
                     tombstones[key] = seq
             self._bound_tombstones(seq)
         return overtaken

@@ -73,3 +73,17 @@ def test_a_write_replaces_each_entry_in_one_pass_and_refuses_fills_begun_before_
     assert expiries[1] == expiries[2] and expiries[1] - expiries[0] == 45.0  # type: ignore[operator]
     assert not l1.put("book:4", "what the load read", ttl=50.0, read_seq=fill_seq)
     assert l1.get("book:4") == "four"
+
+
+def test_a_write_into_a_full_l1_drops_its_overtaken_keys_before_storing_the_others() -> None:
+    """A write of ``a`` and ``b`` where ``b`` was overtaken (invalidated, then refilled,
+    while the write was in flight): storing ``a`` first made the full L1 evict an
+    unrelated entry that dropping ``b`` would have made room for."""
+    l1 = L1Cache(max_entries=2)
+    l1.put("other", "kept", ttl=100.0)
+    l1.discard(["a", "b"])  # the write begins
+    read_seq = l1.begin_read()
+    l1.discard(["b"])  # an invalidation of b overtakes it...
+    l1.put("b", "reloaded", ttl=100.0, read_seq=l1.begin_read())  # ...and a read refills b
+    assert l1.replace_many([("a", "A", 100.0), ("b", "B", 100.0)], read_seq) == 1
+    assert [l1.get(key) for key in ("a", "b", "other")] == ["A", MISSING, "kept"]
