@@ -163,11 +163,20 @@ class Writes:
             await self._announce(keys)
 
     async def _drop(self, keys: list[str]) -> None:
+        """A write whose new values can't be stored drops the keys everywhere instead, as
+        ``invalidate()`` does: to completion (a DEL without its announcement would leave
+        the other instances their old copies) and dropped from our L1 again after the
+        DEL (a read that read L2 before it may have filled the old value; our listener
+        skips our own announcement)."""
         try:
-            await self._rt.invalidator.invalidate((key, self._policy.replicas) for key in keys)
+            await self._rt.tasks.to_completion(self._drop_steps(keys))
         except REDIS_FAILURES as exc:
             self._policy.stats.redis_error += 1
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _drop_steps(self, keys: list[str]) -> None:
+        await self._rt.invalidator.invalidate((key, self._policy.replicas) for key in keys)
+        self._forget(keys)
 
     def _begin(self, keys: list[str]) -> int | None:
         """Detach in-flight loads and drop our L1 copies before writing. Like every other

@@ -656,3 +656,59 @@ async def test_set_of_a_value_that_cannot_be_stored_drops_the_old_one_everywhere
                 break
             await asyncio.sleep(0.02)
         assert await reader.get("book", {"id": 1}) is None
+
+
+def _l1_value(cache: LayeredCache, fields: dict[str, Any]) -> Any:
+    l1 = cache.namespace("book").policy.l1
+    assert l1 is not None
+    return l1.get(cache.namespace("book").key(fields))
+
+
+@pytest.mark.parametrize("refused", ["not encodable", "redis full"])
+async def test_a_set_whose_value_is_refused_leaves_no_old_copy_in_the_l1_of_a_racing_read(
+    prefix: str, refused: str
+) -> None:
+    """A set() whose new value can't be stored drops the key everywhere instead. A read
+    that began after the set() did and read L2 before its DEL filled the old value into
+    this instance's L1, and nothing dropped it again (our listener skips our own
+    announcement): after set() returned, L2 was empty and L1 served the old value."""
+    with RedisServer(extra_args=["--maxmemory-policy", "noeviction"]) as server:
+        admin = redis.Redis.from_url(server.url)
+        async with LayeredCache.from_config(make_config(server.url, prefix)) as cache:
+            await cache.set("book", {"id": 1}, "old")
+            cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+            if refused == "redis full":
+                await admin.config_set("maxmemory", 1)  # every write refused
+            invalidator = cache._rt.invalidator
+            gate = Gate(invalidator.invalidate)  # the drop's DEL not sent yet
+            invalidator.invalidate = gate  # type: ignore[method-assign]
+            new = object() if refused == "not encodable" else "new"
+            setting = asyncio.ensure_future(cache.set("book", {"id": 1}, new))
+            await asyncio.wait_for(gate.entered.wait(), 5)
+            assert await cache.get("book", {"id": 1}) == "old"  # read during the set()
+            gate.release()
+            await setting
+            assert await admin.get(cache.namespace("book").key({"id": 1})) is None
+            assert await cache.get("book", {"id": 1}) is None
+        await admin.aclose()
+
+
+async def test_a_set_whose_value_is_refused_cancelled_after_its_delete_still_tells_the_others(
+    redis_url: str, prefix: str
+) -> None:
+    """The drop's DEL and its announcement run to completion, as invalidate()'s do: a
+    caller that timed out between the two left the other instances their old copies."""
+    config = make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await a.set("book", {"id": 1}, "old")
+        assert await b.get("book", {"id": 1}) == "old"  # in b's L1
+        invalidator = a._rt.invalidator
+        gate = Gate(invalidator.announce)  # the DEL landed, the announcement not sent
+        invalidator.announce = gate  # type: ignore[method-assign]
+        setting = asyncio.ensure_future(a.set("book", {"id": 1}, object()))
+        await asyncio.wait_for(gate.entered.wait(), 5)
+        setting.cancel()  # the caller timed out
+        await asyncio.gather(setting, return_exceptions=True)
+        gate.release()
+        assert await a._store.get(a.namespace("book").key({"id": 1})) is None
+        assert await eventually(lambda: _l1_value(b, {"id": 1}) is MISSING, timeout=1.5)
