@@ -275,8 +275,8 @@ class SyncLayeredCache:
         """``LayeredCache.get_or_load_many`` with a sync ``load_many`` (on the pool)."""
         _refuse_running_loop()
         _refuse_async(load_many, "get_or_load_many")
-        ns = self.cache.namespace(namespace)
-        keys = [ns.key(fields) for fields in fields_list]
+        fields_list = list(fields_list)  # read once: the keys here, the call below
+        keys = [self.cache.namespace(namespace).key(fields) for fields in fields_list]
         for key in keys:
             self._loaders.check_not_own_key(key)
         load = self._loaders.wrap_many(keys, load_many, self._pool())

@@ -202,3 +202,14 @@ def test_the_loop_thread_survives_every_loader_above(cache: SyncLayeredCache) ->
     names = {thread.name for thread in threading.enumerate()}
     assert "layered-cache-loop" in names
     assert cache.get_or_load("book", {"id": 9}, lambda: "after") == "after"
+
+
+def test_get_or_load_many_reads_a_generator_of_fields_once(cache: SyncLayeredCache) -> None:
+    """The sync API built the keys from it first, then handed the spent generator to the
+    async call: [] and no error."""
+
+    def load_many(fields_list: list[Any]) -> list[str]:
+        return [f"v{f['id']}" for f in fields_list]
+
+    fields = ({"id": i} for i in range(3))
+    assert cache.get_or_load_many("book", fields, load_many) == ["v0", "v1", "v2"]
