@@ -51,6 +51,8 @@ class Writes:
         was taken: then other instances may still serve their old L1 copies for their
         TTL, and returning normally would promise otherwise. A Redis full under
         noeviction refuses the values: the keys are dropped everywhere instead."""
+        if not isinstance(items, list):
+            items = list(items)  # read once: written, then purged (an iterator is taken)
         async with self._rt.admission:  # see Runtime.admission
             # Once more to the back of the loop's queue: in a burst, every other call
             # parks at the admission first, so the timeouts of our Redis round trips
