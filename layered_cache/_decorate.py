@@ -49,16 +49,18 @@ def bind_key_fields(
     missing = [f for f in template.fields if f not in parameters or parameters[f].kind in _VARIADIC]
     if missing:
         raise KeyError(
-            f"namespace {namespace.name!r}: {fn.__qualname__} has no parameter for key "
+            f"namespace {namespace.name!r}: {_name(fn)} has no parameter for key "
             f"field(s) {missing} of template {template.template!r}"
         )
     ignored = _ignored(namespace, fn, signature, ignore)
     _refuse_unkeyed_parameters(namespace, fn, signature, ignored)
     declared = value_type
     if declared is None:
-        declared = typing.get_type_hints(fn).get("return")
+        # A ``functools.partial`` keeps its function's return annotation there.
+        annotated = fn.func if isinstance(fn, functools.partial) else fn
+        declared = typing.get_type_hints(annotated).get("return")
     if declared is not None:
-        namespace._declare_type(declared, by=fn.__qualname__)
+        namespace._declare_type(declared, by=_name(fn))
     return signature
 
 
@@ -74,7 +76,7 @@ def _ignored(
     if isinstance(ignore, str):
         raise TypeError(f"ignore must be a list of parameter names, not the string {ignore!r}")
     names = set(ignore)
-    where = f"namespace {namespace.name!r}: {fn.__qualname__}"
+    where = f"namespace {namespace.name!r}: {_name(fn)}"
     for name in sorted(names):
         parameter = signature.parameters.get(name)
         if parameter is None or parameter.kind in _VARIADIC:
@@ -99,7 +101,7 @@ def _refuse_unkeyed_parameters(
         params = params[1:]
     variadic = [_shown(p) for p in params if p.kind in _VARIADIC]
     named = [p.name for p in params if p.kind not in _VARIADIC and p.name not in keyed]
-    where = f"namespace {namespace.name!r}: {fn.__qualname__}"
+    where = f"namespace {namespace.name!r}: {_name(fn)}"
     why = (
         f"key template {template.template!r}, so calls that differ only in them "
         "would share one cache entry"
@@ -133,7 +135,7 @@ def cached(
 ) -> Callable[P, Awaitable[T]]:
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(
-            f"{fn.__qualname__} is not an async function: LayeredCache.cached caches "
+            f"{_name(fn)} is not an async function: LayeredCache.cached caches "
             "`async def` functions (for a plain `def`, use SyncLayeredCache.cached)"
         )
     signature = bind_key_fields(namespace, fn, value_type, ignore)
@@ -145,3 +147,9 @@ def cached(
         return await namespace.get_or_load(bound.arguments, lambda: fn(*args, **kwargs))
 
     return wrapper
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """How errors name ``fn``: a ``functools.partial`` or a callable object has no
+    ``__qualname__`` of its own."""
+    return str(getattr(fn, "__qualname__", None) or repr(fn))

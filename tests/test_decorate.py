@@ -113,3 +113,21 @@ def test_a_wrong_ignore_is_refused_at_decoration(ignore: object, error: str) -> 
         @cache.cached("book", ignore=ignore)  # type: ignore[arg-type]
         async def book_detail(id: int, session: object) -> str:
             return f"book {id}"
+
+
+async def test_a_partial_is_cached_by_the_parameters_it_leaves(redis_url: str, prefix: str) -> None:
+    """A ``functools.partial`` (the session bound) has no ``__qualname__``: the decorator
+    failed with AttributeError while naming it."""
+    import functools
+
+    calls = 0
+
+    async def by_session(session: object, id: int) -> str:
+        nonlocal calls
+        calls += 1
+        return f"v{id}"
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        book = cache.cached("book")(functools.partial(by_session, None))
+        assert await book(id=1) == "v1" and await book(id=1) == "v1"
+        assert calls == 1
