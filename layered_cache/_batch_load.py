@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from layered_cache._batch_read import BatchReader
@@ -108,10 +108,8 @@ class BatchLoader:
         policy.stats.lease_lost += len(lost)
         waits = [self._get_or_load_lost(r, fields_of[r.key], load_many) for r in lost]
         try:
-            results = await asyncio.gather(
-                self._load_won(won, fields_of, load_many, token), *waits
-            )
-        except asyncio.CancelledError:
+            results = await all_or_none([self._load_won(won, fields_of, load_many, token), *waits])
+        except BaseException:
             # The lost keys' waits give back their own (``MissPath.load_under_lease``).
             self._give_back(won, token)
             raise
@@ -150,8 +148,8 @@ class BatchLoader:
             raise  # the batch's caller gives every won lease back (``_get_or_load``)
         except BaseException as exc:  # as ``MissPath.load_and_fill``
             await self._release([r.key for r in todo], token)
-            if not isinstance(exc, Exception):
-                raise
+            if not isinstance(exc, Exception) or isinstance(exc, Misshapen):
+                raise  # a load_many of the wrong shape is a bug to see, not to serve stale for
             found.update(await self._miss.failsafe.serve_all_or_raise(todo, exc))
             return found
         else:
@@ -282,18 +280,38 @@ class BatchLoader:
         return values
 
 
+async def all_or_none(parts: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Every part's result, or the first error with the others cancelled: a batch's
+    wait for a key another process loads must not run on after its caller has an error
+    (it would call ``load_many`` for nobody once ``max_wait`` passed)."""
+    tasks = [asyncio.ensure_future(part) for part in parts]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+class Misshapen(TypeError, ValueError):
+    """``load_many`` returned something other than one value per key, in order: a bug in
+    it, raised even where a stale value could be served (that would hide the bug). Both a
+    TypeError (a return that is no list) and a ValueError (a wrong count), as before."""
+
+
 async def checked(name: str, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:
     """``load_many(fields_list)``, refused with a clear error unless it is one value per key."""
+    keys = len(fields_list)  # before the call: a load_many may consume its argument
     values = await awaited(name, lambda: load_many(fields_list))
     if not isinstance(values, Sequence) or isinstance(values, str | bytes):
-        raise TypeError(
+        raise Misshapen(
             f"namespace {name!r}: load_many must return a list of values "
             f"(one per key, in order), not {type(values).__name__}"
         )
-    if len(values) != len(fields_list):
-        raise ValueError(
+    if len(values) != keys:
+        raise Misshapen(
             f"namespace {name!r}: load_many returned {len(values)} values "
-            f"for {len(fields_list)} keys; it must return one value per key, in order"
+            f"for {keys} keys; it must return one value per key, in order"
         )
     return values
 

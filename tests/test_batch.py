@@ -404,3 +404,93 @@ async def test_a_set_many_of_2500_keys_revokes_every_lease_and_replica_it_outdat
         assert await cache.get_many("book", _ids(2_500, start=0)) == [f"v{i}" for i in range(2_500)]
     await admin.aclose()
 
+
+
+async def test_a_batch_that_raised_leaves_nothing_running_that_calls_load_many(
+    redis_url: str, prefix: str
+) -> None:
+    """Key 2's lease is held by another process (waited for), key 1's load raises: the
+    call raised at once, but its wait for key 2 ran on and called load_many([key 2])
+    after max_wait, for nobody (the request and its database session long gone)."""
+    ns = {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "2s", "max_wait": "500ms"}}}
+    calls: list[list[object]] = []
+
+    async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
+        calls.append([f["id"] for f in missing])
+        if 1 in calls[-1]:
+            raise RuntimeError("database error for key 1")
+        return [f"v{f['id']}" for f in missing]
+
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix, ns)) as cache:
+        await admin.set(lease_name(cache.key("book", {"id": 2})), "another process", px=2000)
+        with pytest.raises(RuntimeError, match="key 1"):
+            await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many)
+        await asyncio.sleep(1.0)  # past max_wait
+        assert calls == [[1]]
+        assert await admin.exists(lease_name(cache.key("book", {"id": 1}))) == 0
+    await admin.aclose()
+
+
+async def test_a_load_many_of_the_wrong_shape_raises_even_with_stale_values_at_hand(
+    redis_url: str, prefix: str
+) -> None:
+    """A wrong count is a bug in load_many, not a failure to serve stale values for:
+    served stale, it stayed invisible for up to stale.max_age."""
+    ns = {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "200ms", "jitter": 0},
+                   "stale": {"max_age": "1m"}}}
+    async with LayeredCache.from_config(make_config(redis_url, prefix, ns)) as cache:
+        await cache.set_many("book", [({"id": 1}, "old1"), ({"id": 2}, "old2")])
+        await asyncio.sleep(0.4)  # both stale now
+
+        async def wrong(missing: list[Mapping[str, object]]) -> list[str]:
+            return ["only one"]
+
+        with pytest.raises(ValueError, match="load_many returned 1 values for 2 keys"):
+            await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], wrong)
+
+        async def failing(missing: list[Mapping[str, object]]) -> list[str]:
+            raise ConnectionError("database down")
+
+        # A load that fails (not a bug in its shape) still gets the stale values.
+        assert await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], failing) == [
+            "old1", "old2"]
+
+
+async def test_a_load_many_that_empties_its_argument_gets_the_clear_error(
+    redis_url: str, prefix: str
+) -> None:
+    async def popping(missing: list[Mapping[str, object]]) -> list[str]:
+        while missing:
+            missing.pop()
+        return []
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        with pytest.raises(ValueError, match="load_many returned 0 values for 2 keys"):
+            await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], popping)
+
+
+class _RecordingPurger:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], list[str]]] = []
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls.append((list(keys), list(tags)))
+
+
+async def test_set_many_of_an_iterator_writes_and_purges_its_keys(
+    redis_url: str, prefix: str
+) -> None:
+    """The iterator was read by the write, and the HTTP purge after it found it empty:
+    the gateways kept the old pages."""
+    purger = _RecordingPurger()
+    config = make_config(redis_url, prefix, purge={"repeat_after": "0s"})
+    async with LayeredCache.from_config(config, purger=purger) as cache:
+        await cache.set_many("book", (({"id": i}, "new") for i in (1, 2)))
+        assert await cache.get_many("book", [{"id": 1}, {"id": 2}]) == ["new", "new"]
+        keys = [cache.key("book", {"id": 1}), cache.key("book", {"id": 2})]
+        for _ in range(50):
+            if purger.calls:
+                break
+            await asyncio.sleep(0.02)
+        assert purger.calls == [(keys, [])]
