@@ -81,13 +81,13 @@ def test_every_field_has_a_default() -> None:
 
 def test_env_overrides_connection_settings(tmp_path: Path) -> None:
     env = {
-        "LAYERED_CACHE_REDIS_URL": "redis://10.0.0.1:7000/1",
+        "LAYERED_CACHE_REDIS_URL": "redis://10.0.0.1:7000/0",
         "LAYERED_CACHE_REDIS_CLUSTER": "true",
         "LAYERED_CACHE_KAFKA_BOOTSTRAP_SERVERS": "kafka:9092",
         "LAYERED_CACHE_REDIS_TIMEOUT": "250ms",
     }
     config = load_config(write(tmp_path, FULL), env=env)
-    assert config.redis.url == "redis://10.0.0.1:7000/1"
+    assert config.redis.url == "redis://10.0.0.1:7000/0"
     assert config.redis.cluster is True
     assert config.redis.timeout == pytest.approx(0.25)
     assert config.kafka.bootstrap_servers == "kafka:9092"
@@ -460,3 +460,48 @@ def test_a_bad_value_from_the_environment_names_the_variable() -> None:
     env = {"LAYERED_CACHE_REDIS_TIMEOUT": "5x"}
     with pytest.raises(ConfigError, match=r"redis\.timeout: .*from the environment: LAYERED_CACHE_REDIS_TIMEOUT"):
         parse_config({}, env=env)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://h:7000/1", "redis://h:7000/0?db=2", "unix:///tmp/redis.sock"]
+)
+def test_a_cluster_url_the_cluster_client_refuses_is_refused_at_load(url: str) -> None:
+    """It passed `config check`; then the cache failed to start with redis-py's
+    RedisClusterException (a cluster has only database 0 and no unix sockets)."""
+    with pytest.raises(ConfigError, match=r"redis\.url: .*(database 0|over TCP)"):
+        parse_config({"redis": {"url": url, "cluster": True}}, env={})
+    assert parse_config({"redis": {"url": url}}, env={}).redis.url == url  # a single node
+
+
+@pytest.mark.parametrize(
+    ("url", "env"),
+    [
+        ("redis://olduser:oldpw@h:6379/0", {"LAYERED_CACHE_REDIS_PASSWORD": "newpw"}),
+        ("redis://:oldpw@h:6379/0", {"LAYERED_CACHE_REDIS_PASSWORD": "newpw"}),
+        ("redis://h:6379/0?password=oldpw", {"LAYERED_CACHE_REDIS_PASSWORD": "newpw"}),
+        ("redis://olduser@h:6379/0", {"LAYERED_CACHE_REDIS_USERNAME": "newuser"}),
+    ],
+)
+def test_credentials_in_both_the_url_and_the_env_are_refused_not_silently_the_urls(
+    url: str, env: dict[str, str]
+) -> None:
+    """redis-py lets the URL's password beat the one given beside it: a password rotated
+    through LAYERED_CACHE_REDIS_PASSWORD showed in the config and was never used."""
+    with pytest.raises(ConfigError, match=r"redis\.url: the URL holds a .* keep one") as error:
+        parse_config({"redis": {"url": url}}, env=env)
+    assert "oldpw" not in str(error.value) and "newpw" not in str(error.value)
+    config = parse_config({"redis": {"url": "redis://h:6379/0"}}, env=env)  # one place: fine
+    assert (config.redis.password, config.redis.username) == (
+        env.get("LAYERED_CACHE_REDIS_PASSWORD"), env.get("LAYERED_CACHE_REDIS_USERNAME"))
+
+
+@pytest.mark.parametrize("servers", ["127.0.0.1:notaport", ",", "kafka", "k:99999", "a:1,b"])
+def test_kafka_bootstrap_servers_the_daemon_could_not_parse_are_refused_at_load(
+    servers: str,
+) -> None:
+    """"127.0.0.1:notaport" passed `config check`; the daemon then died inside aiokafka
+    with a traceback ("," retried for ever against an empty host)."""
+    with pytest.raises(ConfigError, match=r"kafka\.bootstrap_servers: expected"):
+        parse_config({"kafka": {"bootstrap_servers": servers}}, env={})
+    fine = "k1:9092, k2:9093,[::1]:9094"
+    assert parse_config({"kafka": {"bootstrap_servers": fine}}, env={}).kafka.bootstrap_servers == fine

@@ -358,3 +358,17 @@ def test_a_health_port_out_of_range_is_a_usage_error(
         main(["--config", "unused.toml", "--health-port", port])
     assert exit_.value.code == 2
     assert "--health-port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["99999", "-5", "http"])
+def test_a_health_port_out_of_range_is_a_usage_error_from_the_cli_too(
+    port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``layered-cache daemon`` took any integer: 99999 crashed with OverflowError and a
+    traceback from bind()."""
+    from layered_cache.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["daemon", "--config", "unused.toml", "--health-port", port])
+    assert exit_.value.code == 2
+    assert "--health-port: must be -1 (off)" in capsys.readouterr().err

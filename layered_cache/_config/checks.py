@@ -22,6 +22,8 @@ __all__ = [
     "Port",
     "bad",
     "check_jitter",
+    "cluster_url_problem",
+    "credentials_clash",
     "positive",
     "url_problem",
 ]
@@ -112,3 +114,37 @@ def _query_problem(query: str) -> str | None:
         if name == "db" and not value.isdigit():
             return "?db= must be a database number"
     return None
+
+
+def cluster_url_problem(url: str) -> str | None:
+    """What a cluster client refuses of a URL that a single node takes (redis-py's
+    cluster client raised it at start, after ``config check`` had passed)."""
+    parsed = urlsplit(url)
+    if parsed.scheme == "unix":
+        return "a cluster is reached over TCP: unix:// is for a single node"
+    databases = [parsed.path.strip("/")] + [
+        value for name, value in parse_qsl(parsed.query) if name == "db"
+    ]
+    if any(database not in ("", "0") for database in databases):
+        return "a cluster has only database 0: drop the URL's /N or ?db=N"
+    return None
+
+
+def credentials_clash(url: str, username: str | None, password: str | None) -> str | None:
+    """The URL names a user or password and so do ``redis.username``/``redis.password``
+    (or their env variables): redis-py lets the URL's win, so a password rotated
+    through the environment would be silently ignored. Set them in one place."""
+    parsed = urlsplit(url)
+    query = {name for name, _ in parse_qsl(parsed.query)}
+    in_url = {
+        "username": bool(parsed.username) or "username" in query,
+        "password": parsed.password is not None or "password" in query,
+    }
+    given = {"username": username is not None, "password": password is not None}
+    clash = [name for name in ("username", "password") if in_url[name] and given[name]]
+    if not clash:
+        return None
+    return (
+        f"the URL holds a {clash[0]} and so does redis.{clash[0]} (or "
+        f"LAYERED_CACHE_REDIS_{clash[0].upper()}): the URL's would win; keep one"
+    )

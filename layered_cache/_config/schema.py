@@ -19,6 +19,8 @@ from layered_cache._config.checks import (
     Port,
     bad,
     check_jitter,
+    cluster_url_problem,
+    credentials_clash,
     positive,
     url_problem,
 )
@@ -92,6 +94,10 @@ class RedisConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         if problem := url_problem(self.url):
             raise bad("url", f"{problem}, got {redact_url(self.url)!r}")
+        if self.cluster and (problem := cluster_url_problem(self.url)):
+            raise bad("url", f"{problem}, got {redact_url(self.url)!r}")
+        if problem := credentials_clash(self.url, self.username, self.password):
+            raise bad("url", problem)
         positive(self, "timeout", "connect_timeout")
         if self.busy_poll > _MAX_BUSY_POLL:
             raise bad("busy_poll", f"must be <= 1ms, got {self.busy_poll * 1e6:g}us")
@@ -142,6 +148,11 @@ class KafkaConfig(_Section, frozen=True):
     retry_max_backoff: Duration = Duration(5.0)
 
     def __post_init__(self) -> None:
+        for server in self.bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise bad("bootstrap_servers", f'expected "host:port[,host:port...]", '
+                          f"got {redact(self.bootstrap_servers)!r}")
         positive(
             self, "session_timeout", "heartbeat_interval", "rebalance_timeout", "retry_max_backoff"
         )

@@ -114,9 +114,23 @@ def _add_daemon(commands: _Commands) -> None:
     daemon.add_argument("--config", dest="daemon_config", required=True, metavar="FILE")
     daemon.add_argument("--log-format", choices=["json", "console"], default=None,
                         help="override logging.format (and LAYERED_CACHE_LOG_FORMAT)")  # fmt: skip
-    daemon.add_argument("--health-port", type=int, default=None,
+    daemon.add_argument("--health-port", type=_health_port, default=None,
                         help="override kafka.health_port (0 = ephemeral, -1 = off)")  # fmt: skip
     daemon.set_defaults(handler=cmd_daemon)
+
+
+def _health_port(text: str) -> int:
+    """-1 (off), 0 (ephemeral) or a TCP port: a port past 65535 failed at bind time
+    with a traceback."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -2
+    if not -1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be -1 (off), 0 (ephemeral) or a port up to 65535, got {text!r}"
+        )
+    return port
 
 
 def _add_relay(commands: _Commands) -> None:
