@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from layered_cache._batch import BatchPath, LoadMany
 from layered_cache._codec import Codec, Envelope
 from layered_cache._fills import Fills
+from layered_cache._keys import validate_tag
 from layered_cache._l1 import MISSING
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._miss import MissPath, Read, TagsOf, awaited
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
+from layered_cache._tags import tag_names
 from layered_cache._writes import Writes
 
 __all__ = ["Namespace"]
@@ -224,12 +226,19 @@ class Namespace:
         await self._writes.set_many([(fields, value)], tags)
 
     def _check_tags(self, tags: object) -> None:
-        """Tags given to a namespace that takes none are a ``ValueError``, whichever layer
-        would have answered (the sync API checks before its L1 hit, too)."""
-        if tags is not None and not self.policy.tags:
+        """Tags given to a namespace that takes none are a ``ValueError``, and a list of
+        tags that no entry may carry (a string, a bad name, too many) a clear error, before
+        anything runs and whichever layer would have answered (the sync API checks
+        before its L1 hit, too). A function of the value is checked once it has one."""
+        if tags is None:
+            return
+        if not self.policy.tags:
             raise ValueError(
                 f"namespace {self.name!r} takes no tags: declare tags = true in its config"
             )
+        if not callable(tags):
+            for tag in tag_names(cast(Iterable[str], tags), None):
+                validate_tag(tag)
 
     async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
         """``set`` for many keys: one pipelined round trip, one backplane append."""

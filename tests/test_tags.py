@@ -734,3 +734,34 @@ async def test_a_slow_load_leaving_does_not_unregister_a_newer_load_of_the_same_
         new = CountingLoader(_page("scifi", [42], edition=2))
         got = await z.get_or_load("category", fields, new, tags=_tags_of)
         assert got["edition"] == 2
+
+
+@pytest.mark.parametrize(
+    "tags", ["book:1", ["bad tag"], [1], [f"book:{i}" for i in range(MAX_TAGS + 1)]],
+    ids=["a-string", "a-bad-name", "not-a-string", "too-many"],
+)
+async def test_a_list_of_tags_no_entry_may_carry_is_refused_before_the_load_and_on_a_hit(
+    redis_url: str, prefix: str, tags: Any
+) -> None:
+    """set() refused them up front; get_or_load and get_or_load_many ran the loader
+    first and raised after it, and on a hit took them without a word."""
+    loads: list[int] = []
+
+    async def load() -> str:
+        loads.append(1)
+        return "page"
+
+    async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
+        loads.append(len(missing))
+        return ["page"] * len(missing)
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        page = {"slug": "scifi"}
+        with pytest.raises((TypeError, ValueError)):
+            await cache.get_or_load("category", page, load, tags=tags)
+        with pytest.raises((TypeError, ValueError)):
+            await cache.get_or_load_many("category", [page], load_many, tags=tags)
+        assert loads == []
+        await cache.set("category", page, "page", tags=["book:1"])
+        with pytest.raises((TypeError, ValueError)):  # an L1 hit
+            await cache.get_or_load("category", page, load, tags=tags)
