@@ -151,6 +151,7 @@ class LayeredCache(HitPath):
         # In the background: a log line, not worth delaying the start on a slow Redis.
         self._rt.tasks.spawn(startup.check_memory_policy(self._parts.client, self.config.redis))
         self._rt.tasks.spawn(startup.check_transactions(self._parts.client, self.config.redis))
+        self._rt.tasks.spawn(startup.check_database(self._parts.client, self.config.redis))
         if self._backplane is not None and self._fallback is not None:
             self._backplane.start()
             self._fallback.start()

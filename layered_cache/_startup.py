@@ -69,6 +69,25 @@ async def check_memory_policy(client: RedisClient, redis: RedisConfig) -> None:
     await log_memory_policies(client, 2 * (redis.connect_timeout + redis.timeout))
 
 
+async def check_database(client: RedisClient, redis: RedisConfig) -> None:
+    """A database the server doesn't have (``/16`` where ``databases`` is 16) fails every
+    command (each logged per key as ``l2_key_error``) and nothing is ever cached, while
+    the breaker stays closed: the server answers. Said once at start, as an error with
+    the fix. Never fails the start."""
+    try:
+        await asyncio.wait_for(client.ping(), 2 * (redis.connect_timeout + redis.timeout))
+    except ResponseError as exc:
+        if "DB index" in str(exc):
+            _log.error(
+                "redis_database_refused",
+                error=str(exc),
+                fix="use a database the server has: its `databases` setting (16 by "
+                "default) counts them from 0",
+            )
+    except REDIS_FAILURES:
+        pass  # unknown: nothing to say
+
+
 async def check_transactions(client: RedisClient, redis: RedisConfig) -> bool:
     """Whether the cache's Redis user may run MULTI/EXEC, which set_many, a hot key's
     set() and replica reservations send on a single node (``_write_commands``). An ACL

@@ -1,4 +1,5 @@
-"""A Redis user whose ACL refuses what the cache needs is said at start, with the fix.
+"""What the cache's Redis refuses it for good is said at start, with the fix: an ACL
+that refuses what the cache needs, a database the server doesn't have.
 
 set_many, a hot key's set() and replica reservations are MULTI/EXEC on a single node
 (``_write_commands``). An ACL that refuses MULTI makes Redis run the commands after it
@@ -53,3 +54,27 @@ async def test_a_user_refused_transactions_is_said_at_start_and_the_cache_still_
     assert len(said) == (1 if refused else 0)
     if refused:
         assert said[0]["log_level"] == "error" and "+multi +exec" in said[0]["fix"]
+
+
+async def test_a_database_the_server_does_not_have_is_said_at_start(prefix: str) -> None:
+    """``/16`` on a Redis with 16 databases: every command failed, each logged per key,
+    nothing was ever cached, and nothing said why. Now one error at start, with the fix
+    (the cache still serves, from the loader)."""
+    with RedisServer() as server, structlog.testing.capture_logs() as logs:
+        url = server.url.rsplit("/", 1)[0] + "/16"
+        async with LayeredCache.from_config(make_config(url, prefix)) as cache:
+            assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v")) == "v"
+            assert await eventually(
+                lambda: any(e["event"] == "redis_database_refused" for e in logs)
+            )
+    said = [e for e in logs if e["event"] == "redis_database_refused"]
+    assert len(said) == 1 and said[0]["log_level"] == "error"
+    assert "databases" in said[0]["fix"]
+
+
+def test_a_database_number_no_redis_accepts_is_refused_at_load() -> None:
+    from layered_cache import ConfigError, parse_config
+
+    for url in ("redis://h:6379/99999999999999999999", "unix:///tmp/r.sock?db=4294967296"):
+        with pytest.raises(ConfigError, match=r"redis\.url: .*(at most|up to) 2147483647"):
+            parse_config({"redis": {"url": url}}, env={})

@@ -85,7 +85,12 @@ def url_problem(url: str) -> str | None:
     database = parsed.path.strip("/")
     if database and not database.isdigit():
         return "the path must be a database number such as /0"
+    if database and int(database) > _MAX_DATABASE:
+        return f"a database number is at most {_MAX_DATABASE} (Redis's own limit)"
     return None
+
+
+_MAX_DATABASE = 2**31 - 1  # Redis counts its databases in a C int
 
 
 # What a URL's query may set: redis-py's ``from_url`` turns every parameter into a
@@ -111,8 +116,8 @@ def _query_problem(query: str) -> str | None:
         allowed = _QUERY_VALUES[name]
         if allowed is not None and value not in allowed:
             return f"?{name}= must be one of {', '.join(allowed)}"
-        if name == "db" and not value.isdigit():
-            return "?db= must be a database number"
+        if name == "db" and (not value.isdigit() or int(value) > _MAX_DATABASE):
+            return f"?db= must be a database number up to {_MAX_DATABASE}"
     return None
 
 
