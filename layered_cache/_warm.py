@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -153,7 +154,7 @@ class JsonlReader:
 
     def _parse(self, number: int, raw: bytes) -> Entry | Failure:
         try:
-            record = json.loads(raw.decode("utf-8"))
+            record = json.loads(raw.decode("utf-8"), parse_constant=_refuse, parse_float=_finite)
         except UnicodeDecodeError:
             return Failure(number, "not UTF-8")
         except json.JSONDecodeError as exc:
@@ -172,8 +173,12 @@ class JsonlReader:
         return Entry(number, fields, record["value"], len(raw))
 
     def _key_problem(self, fields: dict[str, object]) -> str | None:
+        template = self._policy.template
+        unknown = sorted(set(fields) - set(template.fields))
+        if unknown:  # two lines differing only there would write one key, the last wins
+            return f"unknown key field(s) {unknown} (template {template.template!r})"
         try:
-            self._policy.template.build(fields)
+            template.build(fields)
         except (KeyError, ValueError) as exc:
             return str(exc.args[0]) if exc.args else str(exc)
         return None
@@ -186,6 +191,19 @@ class JsonlReader:
         if size > self._policy.max_value_bytes:
             return f"value too large: {size} bytes > max_value_bytes {self._policy.max_value_bytes}"
         return None
+
+
+def _refuse(constant: str) -> Any:
+    """Python's ``json`` takes NaN and Infinity, which JSON has not."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """A JSON number too large for a float (``1e400``) would be stored as infinity."""
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"{text[:40]} is too large for a float")
+    return number
 
 
 # A writer's set_many chunk: up to this many entries or bytes of input, whichever comes

@@ -429,6 +429,35 @@ def test_warm_reports_bad_lines_by_number_and_warms_the_rest(
     assert admin.exists(f"{prefix}big:5") == 0 and admin.exists(f"{prefix}big:6") == 1
 
 
+def test_warm_refuses_what_json_has_not_and_key_fields_the_template_has_not(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    admin: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Python's json took NaN, Infinity and 1e400 (stored as msgpack nan/inf), and key
+    fields the template lacks were dropped: two lines differing only in one wrote the
+    same key, the last one winning, and the run said all was warmed."""
+    config = str(write_config(tmp_path, redis_url, prefix))
+    source = tmp_path / "odd.jsonl"
+    lines = [
+        '{"key": {"id": 1}, "value": NaN}',
+        '{"key": {"id": 2}, "value": [Infinity]}',
+        '{"key": {"id": 3}, "value": 1e400}',
+        '{"key": {"id": 4, "lang": "en"}, "value": "en"}',
+        '{"key": {"id": 5}, "value": 1.5e300}',
+    ]
+    source.write_text("\n".join(lines) + "\n")
+    assert main(["warm", "book", "--from", str(source), "--config", config]) == 1
+    captured = capsys.readouterr()
+    assert "warmed 1 of 5 book entries; 4 failed" in captured.out
+    for line in (1, 2, 3):
+        assert f"{source}:{line}: not valid JSON" in captured.err
+    assert f"{source}:4: unknown key field(s) ['lang']" in captured.err
+    assert [admin.exists(f"{prefix}book:{i}") for i in range(1, 6)] == [0, 0, 0, 0, 1]
+
+
 def test_warm_lists_only_the_first_failures_and_counts_the_rest(
     tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
