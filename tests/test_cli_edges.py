@@ -159,6 +159,19 @@ def test_inspect_and_invalidate_of_a_never_cached_namespace_exit_2_saying_so(
     assert "announced on the backplane" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["inspect", "invalidate"])
+def test_a_key_field_of_5000_digits_is_a_one_line_error_naming_the_field(
+    tmp_path: Path, redis_url: str, prefix: str, command: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Python's int() refuses more than 4,300 digits: the message was its own, naming
+    sys.set_int_max_str_digits and neither the field nor the namespace."""
+    config = str(write_config(tmp_path, redis_url, prefix))
+    assert main([command, "book", "id=" + "9" * 5000, "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "field 'id': a number of 5,000 digits" in err and "Traceback" not in err
+
+
 # -- warm's progress -------------------------------------------------------------------
 
 

@@ -114,7 +114,10 @@ def parse_fields(items: Sequence[str], policy: Policy) -> tuple[dict[str, object
             raise CliError(f"expected field=value, got {item!r}")
         if name in fields:
             raise CliError(f"field {name!r} given twice")
-        fields[name] = int(value) if _INT.fullmatch(value) else value
+        try:
+            fields[name] = int(value) if _INT.fullmatch(value) else value
+        except ValueError:  # more digits than Python turns into an int (4,300)
+            raise CliError(f"field {name!r}: a number of {len(value):,} digits") from None
     template = policy.template
     unknown = sorted(set(fields) - set(template.fields))
     if unknown:
