@@ -505,3 +505,14 @@ def test_kafka_bootstrap_servers_the_daemon_could_not_parse_are_refused_at_load(
         parse_config({"kafka": {"bootstrap_servers": servers}}, env={})
     fine = "k1:9092, k2:9093,[::1]:9094"
     assert parse_config({"kafka": {"bootstrap_servers": fine}}, env={}).kafka.bootstrap_servers == fine
+
+
+def test_a_key_template_that_can_build_no_key_is_refused_at_load() -> None:
+    """It loaded, and then every build raised "key is 607 characters, over the limit"."""
+    namespaces = {"book": {"key": "book:" + "x" * 600 + ":{id}"}}
+    with pytest.raises(ConfigError, match=r"namespaces\.book\.key: builds keys of at least 607"):
+        parse_config({"namespaces": namespaces}, env={})
+    fits = {"book": {"key": "book:" + "x" * 490 + ":{id}"}}  # 497 + the prefix
+    with pytest.raises(ConfigError, match=r"at least 518 characters with redis\.prefix"):
+        parse_config({"redis": {"prefix": "p" * 20 + ":"}, "namespaces": fits}, env={})
+    assert parse_config({"namespaces": fits}, env={}).namespaces["book"].key == fits["book"]["key"]

@@ -583,6 +583,19 @@ def test_a_route_target_is_a_key_or_a_tag_never_both() -> None:
             parse_config(raw, env={})
 
 
+def test_a_route_whose_tags_would_all_be_too_long_is_refused_at_load() -> None:
+    """It loaded, and then every such event was a poison event (a tag is at most 256
+    characters)."""
+    from layered_cache import ConfigError, parse_config
+
+    route = {"tag": "t" * 300 + ":{book_id}"}
+    raw = {"namespaces": NAMESPACES, "events": [{"type": "E", "invalidate": [route]}]}
+    with pytest.raises(ConfigError, match=r"invalidate\[0\]\.tag: builds tags of at least 302"):
+        parse_config(raw, env={})
+    route["tag"] = "t" * 250 + ":{book_id}"  # fits
+    assert parse_config(raw, env={}).events[0].invalidate[0].tag == route["tag"]
+
+
 async def test_an_instance_that_waited_for_another_ones_tagged_fill_keeps_it_in_l1(
     redis_url: str, prefix: str
 ) -> None:

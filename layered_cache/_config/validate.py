@@ -20,7 +20,7 @@ from layered_cache._config.schema import (
     L2Config,
     NamespaceConfig,
 )
-from layered_cache._keys import KeyTemplate
+from layered_cache._keys import MAX_KEY_LENGTH, MAX_TAG_LENGTH, KeyTemplate
 
 __all__ = ["CACHE_INVALIDATE", "check_cross_references"]
 
@@ -37,6 +37,11 @@ def check_cross_references(config: Config) -> list[str]:
             templates[name] = KeyTemplate(name, ns.key, config.redis.prefix)
         except ValueError as exc:
             raise ConfigError(f"{source}: namespaces.{name}.key: {exc}") from None
+        if (shortest := _shortest_key(templates[name])) > MAX_KEY_LENGTH:
+            raise ConfigError(
+                f"{source}: namespaces.{name}.key: builds keys of at least {shortest} "
+                f"characters with redis.prefix, over the limit of {MAX_KEY_LENGTH}"
+            )
     _check_disjoint_namespaces(source, {n: ns.key for n, ns in config.namespaces.items()})
     for name, ns in config.namespaces.items():
         _check_static_hot_keys(source, name, ns)
@@ -147,6 +152,12 @@ def _check_disjoint_namespaces(source: str, templates: dict[str, str]) -> None:
 _TAG_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
 
 
+def _shortest_key(template: KeyTemplate) -> int:
+    """The prefix, the literal text and one character per field."""
+    literal = len(template.template) - sum(len(field) + 2 for field in template.fields)
+    return len(template.prefix) + literal + len(template.fields)
+
+
 def _check_tag_target(source: str, path: str, target: InvalidateTarget) -> None:
     """A target is a key (namespace + key) or a tag template, never both or neither;
     a tag template's literal text obeys the key character rules."""
@@ -160,4 +171,9 @@ def _check_tag_target(source: str, path: str, target: InvalidateTarget) -> None:
         raise ConfigError(
             f"{source}: {path}.tag: {target.tag!r} must be letters, digits and "
             "_ . : @ / = + - with event fields in braces, like \"book:{book_id}\""
+        )
+    if len(literal) > MAX_TAG_LENGTH:  # each field at least one character: "x"
+        raise ConfigError(
+            f"{source}: {path}.tag: builds tags of at least {len(literal)} characters, "
+            f"over the limit of {MAX_TAG_LENGTH}: every such event would be refused"
         )
