@@ -27,6 +27,7 @@ from layered_cache._clients import (
     resurface_cancel,
     stop_if_cancelled,
 )
+from layered_cache._codec import UNDECODABLE
 from layered_cache._stream import (
     FUTURE_SLACK,
     Entry,
@@ -252,7 +253,7 @@ class BackplaneListener:
             return
         try:
             versions = msgspec.msgpack.decode(raw, type=dict[str, str])
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except UNDECODABLE:
             self._unreadable()
             return
         self._on_tags(versions)
@@ -353,7 +354,7 @@ class BackplaneListener:
                 continue
             try:
                 keys = msgspec.msgpack.decode(raw, type=list[str])
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except UNDECODABLE:
                 self._unreadable()
                 continue
             self._on_keys(keys)

@@ -14,7 +14,9 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 
-__all__ = ["ENVELOPE_FORMAT", "MAX_TAGS", "Codec", "CodecError", "Envelope", "EnvelopeMeta"]
+__all__ = [
+    "ENVELOPE_FORMAT", "MAX_TAGS", "UNDECODABLE", "Codec", "CodecError", "Envelope", "EnvelopeMeta",
+]
 
 T = TypeVar("T")
 
@@ -25,6 +27,15 @@ ENVELOPE_FORMAT: Literal[1] = 1
 # to decode before its count was looked at; with the bound, ~0.02 ms to refuse.
 MAX_TAGS = 1_000
 Tags = Annotated[dict[str, str], msgspec.Meta(max_length=MAX_TAGS)]
+# A time or a duration: NaN (every comparison false) made a planted envelope fresh for
+# get() and stale for get_or_load(), and an early refresh retry on every read; infinity
+# an entry that never goes stale. Bounds far past any real time refuse both.
+Finite = Annotated[float, msgspec.Meta(ge=-1e300, le=1e300)]
+
+# What decoding bytes from Redis (or the backplane) may raise: msgspec's errors, and
+# RecursionError for a value nested deeper than the interpreter's stack (~1 KB of
+# "[[[[..."). Each means "not ours": a miss, counted, never an exception out of a read.
+UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 class CodecError(ValueError):
@@ -38,9 +49,9 @@ class Envelope(msgspec.Struct, Generic[T], array_like=True, frozen=True):
 
     format: Literal[1]
     value: T
-    written_at: float  # Redis' clock (``_redisclock``): one time scale for every host
-    soft_expiry: float  # Redis' clock; past it the value is stale
-    delta: float  # seconds the load took: XFetch's delta
+    written_at: Finite  # Redis' clock (``_redisclock``): one time scale for every host
+    soft_expiry: Finite  # Redis' clock; past it the value is stale
+    delta: Finite  # seconds the load took: XFetch's delta
     # tag -> its version when the entry was loaded. The names are not checked here (a
     # regex per tag: 8 µs of a 20-tag page's L2 hit): the tags this instance holds
     # versions of were checked when it fetched them, and an unknown one is checked
@@ -54,9 +65,9 @@ class EnvelopeMeta(msgspec.Struct, array_like=True, frozen=True):
 
     format: Literal[1]
     value: msgspec.Raw
-    written_at: float
-    soft_expiry: float
-    delta: float
+    written_at: Finite
+    soft_expiry: Finite
+    delta: Finite
     tags: Tags | None = None
 
 
@@ -92,7 +103,7 @@ class Codec(Generic[T]):
     def decode(self, data: bytes) -> Envelope[T]:
         try:
             return self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             raise CodecError(str(exc)) from None
 
 
@@ -102,5 +113,5 @@ _META_DECODER = msgspec.msgpack.Decoder(EnvelopeMeta)
 def decode_meta(data: bytes) -> EnvelopeMeta:
     try:
         return _META_DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except UNDECODABLE as exc:
         raise CodecError(str(exc)) from None

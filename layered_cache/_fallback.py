@@ -26,6 +26,7 @@ import structlog
 
 from layered_cache._backoff import Backoff
 from layered_cache._clients import RedisClient, is_redis_failure, stop_if_cancelled
+from layered_cache._codec import UNDECODABLE
 
 __all__ = [
     "FallbackChannel",
@@ -155,7 +156,7 @@ class FallbackSubscriber:
     def _apply(self, data: bytes) -> None:
         try:
             message = msgspec.msgpack.decode(data, type=FallbackMessage)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except UNDECODABLE:
             _log.warning("backplane_bad_fallback_message")
             return
         if self._origin and message.origin == self._origin:

@@ -26,6 +26,7 @@ import msgspec
 import structlog
 
 from layered_cache._clients import REDIS_FAILURES, RedisClient, is_redis_failure, stop_if_cancelled
+from layered_cache._codec import UNDECODABLE
 from layered_cache._keys import hot_report_name
 
 __all__ = ["HotKeyReporter", "fleet_hot_keys"]
@@ -125,7 +126,7 @@ async def _report(client: RedisClient, name: Any) -> dict[str, float]:
             return {}  # expired meanwhile
         try:
             report = msgspec.msgpack.decode(data, type=dict[str, float])
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except UNDECODABLE:
             return {}  # not a report: skipped, the CLI shows the others
     # A rate is finite and not negative (``inf`` would make ``--json`` print invalid JSON).
     return {field: rate for field, rate in report.items() if 0.0 <= rate < math.inf}

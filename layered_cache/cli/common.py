@@ -98,8 +98,12 @@ def relative(seconds: float) -> str:
 
 
 def iso(timestamp: float) -> str:
-    """UTC, milliseconds: envelope timestamps compared across hosts."""
-    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+    """UTC, milliseconds: envelope timestamps compared across hosts. One no calendar
+    holds (a planted year 33658) is shown as the number it is, not an error."""
+    try:
+        return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+    except (ValueError, OverflowError, OSError):
+        return f"{timestamp!r} (not a date)"
 
 
 def parse_fields(items: Sequence[str], policy: Policy) -> tuple[dict[str, object], str]:

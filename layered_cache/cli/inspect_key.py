@@ -102,7 +102,7 @@ class InspectReport(msgspec.Struct, frozen=True):
 def _why(data: bytes, exc: CodecError) -> str:
     """The decoder's complaint, or, for an envelope whose only fault is its number of
     tags (written before the limit, or planted), that number."""
-    with contextlib.suppress(msgspec.DecodeError):
+    with contextlib.suppress(msgspec.DecodeError, RecursionError):
         fields = msgspec.msgpack.decode(data)
         tags = fields[5] if isinstance(fields, list) and len(fields) == 6 else None
         if isinstance(tags, dict) and len(tags) > MAX_TAGS:

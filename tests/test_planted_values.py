@@ -1,0 +1,156 @@
+"""Whatever bytes sit at a key are read as a miss, counted, and overwritten by the next
+fill: a value nested deeper than the interpreter's stack, timestamps no clock shows
+(NaN, infinity), a fallback message built to exhaust the decoder. Each of these once
+raised out of a read, or made the layers disagree about one key."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+
+from layered_cache import LayeredCache
+from layered_cache._codec import Codec, CodecError
+from layered_cache.cli import main
+from layered_cache.sync import SyncLayeredCache
+from tests.helpers import CountingLoader, eventually, in_l1, make_config
+
+ENC = msgspec.msgpack.encode
+DEEP = b"\x91" * 2000 + b"\xc0"  # a list in a list ... 2,000 deep: ~2 KB
+
+
+def nested_envelope() -> bytes:
+    """A valid envelope header around a value nested 2,000 deep."""
+    now = time.time()
+    return b"\x95\x01" + DEEP + ENC(now) + ENC(now + 300) + ENC(0.01)
+
+
+def envelope(value: Any, written_at: float, soft_expiry: float, delta: float) -> bytes:
+    return ENC((1, value, written_at, soft_expiry, delta))
+
+
+@pytest.fixture
+def admin(redis_url: str) -> Any:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+class Book(msgspec.Struct):
+    id: int
+    title: str
+
+
+def test_the_codec_reads_a_value_nested_past_the_stack_as_not_an_envelope() -> None:
+    """msgspec recursed into it and RecursionError escaped every read; a declared type
+    recurses too, to skip an unknown field or an extra element (Django's entries)."""
+    from layered_cache._django_values import Entry
+
+    unknown_field = b"\x83" + ENC("id") + ENC(1) + ENC("title") + ENC("t") + ENC("junk") + DEEP
+    extra_element = b"\x93" + ENC(b"payload") + ENC(None) + DEEP
+    tail = ENC(1.0) + ENC(2e9) + ENC(0.1)
+    cases: list[tuple[Codec[Any], bytes]] = [
+        (Codec(), DEEP), (Codec(Book), unknown_field), (Codec(Entry), extra_element)]
+    for codec, value in cases:
+        with pytest.raises(CodecError):
+            codec.decode(b"\x95\x01" + value + tail)
+
+
+async def test_a_value_nested_past_the_stack_is_a_miss_for_every_read_then_overwritten(
+    redis_url: str, prefix: str, admin: Any
+) -> None:
+    for i in range(1, 5):
+        admin.set(f"{prefix}book:{i}", nested_envelope())
+
+    async def load_many(missing: list[dict[str, Any]]) -> list[Any]:
+        return [f"v{f['id']}" for f in missing]
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        assert await cache.get("book", {"id": 1}) is None
+        assert await cache.get_many("book", [{"id": 2}]) == [None]
+        assert await cache.get_or_load("book", {"id": 3}, CountingLoader("fresh")) == "fresh"
+        assert await cache.get_or_load_many("book", [{"id": 4}], load_many) == ["v4"]
+        assert cache.stats()["book"]["decode_error"] >= 4
+    assert msgspec.msgpack.decode(admin.get(f"{prefix}book:3"))[1] == "fresh"  # repaired
+    assert msgspec.msgpack.decode(admin.get(f"{prefix}book:4"))[1] == "v4"
+
+
+def test_a_value_nested_past_the_stack_is_a_miss_for_the_sync_api(
+    redis_url: str, prefix: str, admin: Any
+) -> None:
+    admin.set(f"{prefix}book:6", nested_envelope())
+    with SyncLayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        assert cache.get("book", {"id": 6}) is None
+        assert cache.get_or_load("book", {"id": 6}, lambda: "fresh") == "fresh"
+
+
+@pytest.mark.parametrize("field", ["written_at", "soft_expiry", "delta"])
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")])
+async def test_an_envelope_with_a_time_no_clock_shows_is_a_miss_for_every_read(
+    redis_url: str, prefix: str, admin: Any, field: str, number: float
+) -> None:
+    """soft_expiry NaN was fresh for get() (``now >= NaN`` is false), stale for
+    get_many(), and get() put it in L1, where get_or_load() then served it; written_at
+    NaN made an early refresh take the lease and stand down on every read (NaN != NaN
+    read as "refreshed meanwhile")."""
+    now = time.time()
+    times = {"written_at": now, "soft_expiry": now + 300, "delta": 0.01, field: number}
+    admin.set(f"{prefix}book:9", envelope("planted", *times.values()), px=60_000)
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        assert await cache.get("book", {"id": 9}) is None
+        assert await cache.get_many("book", [{"id": 9}]) == [None]
+        assert await cache.get_or_load("book", {"id": 9}, CountingLoader("fresh")) == "fresh"
+    assert msgspec.msgpack.decode(admin.get(f"{prefix}book:9"))[1] == "fresh"
+
+
+def _cli_config(tmp_path: Path, redis_url: str, prefix: str) -> str:
+    path = tmp_path / "layered_cache.toml"
+    path.write_text(
+        f'[redis]\nurl = "{redis_url}"\nprefix = "{prefix}"\ntimeout = "3s"\n'
+        f'connect_timeout = "3s"\n\n[namespaces.book]\nkey = "book:{{id}}"\n'
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("written_at", "shown"),
+    [(1e12, "(not a date)"), (1e17, "(not a date)"), (float("nan"), "not a layered_cache envelope"),
+     (None, "not a layered_cache envelope")],
+)
+def test_inspect_of_a_planted_envelope_reports_it(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any,
+    capsys: pytest.CaptureFixture[str], written_at: float | None, shown: str,
+) -> None:
+    """A year no calendar holds ended in "Redis failed: OSError" or a traceback; a value
+    nested past the stack in a traceback."""
+    data = nested_envelope() if written_at is None else envelope("v", written_at, 2e9, 0.1)
+    admin.set(f"{prefix}book:8", data)
+    assert main(["inspect", "book", "id=8", "--config", _cli_config(tmp_path, redis_url, prefix)]) == 0
+    captured = capsys.readouterr()
+    assert shown in captured.out and "Traceback" not in captured.err
+
+
+async def test_a_fallback_message_nested_past_the_stack_does_not_end_the_subscriber(
+    redis_url: str, prefix: str
+) -> None:
+    """It did: this instance never again heard an invalidation sent over the fallback."""
+    from layered_cache._fallback import FallbackMessage, fallback_channel
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        assert cache._fallback is not None
+        assert await eventually(cache._fallback.subscribed.is_set)
+        channel = fallback_channel(prefix + cache.config.backplane.stream)
+        client = cache._store.client
+        poison = b"\x82" + ENC("keys") + ENC([]) + ENC("junk") + DEEP  # skipped: recursed
+        await client.publish(channel, poison)
+        await asyncio.sleep(0.3)
+        await cache.get_or_load("book", {"id": 20}, CountingLoader("v"))
+        assert in_l1(cache, 20)
+        message = FallbackMessage(keys=[f"{prefix}book:20"], origin="another")
+        await client.publish(channel, ENC(message))
+        assert await eventually(lambda: not in_l1(cache, 20), timeout=3)
