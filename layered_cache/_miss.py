@@ -74,7 +74,12 @@ class MissPath:
             if filled is not None:
                 return filled.value
         except L2Unavailable:
+            # A SET NX whose reply was late may have taken the lease, and a check after
+            # a won one may have failed: either way it is given back (compare-and-delete,
+            # a no-op where we hold nothing), or every reader of the key, in every
+            # process, would wait max_wait and load without filling L2.
             policy.stats.redis_error += 1
+            self.give_back(key, mine)
             return await self.load_unleased(read, loader)
         except asyncio.CancelledError:
             self.give_back(key, mine)

@@ -19,6 +19,7 @@ from layered_cache._l2 import L2Unavailable
 from layered_cache._miss import MissPath, Read
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
+from layered_cache._stampede import new_token
 from layered_cache._xfetch import should_refresh_early
 
 __all__ = ["Refresher"]
@@ -55,8 +56,9 @@ class Refresher:
     ) -> None:
         """XFetch refresh under the lease: one per key for the whole fleet."""
         policy, key = self._policy, request.key
+        mine = new_token()
         try:
-            token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl)
+            token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl, mine)
             if token is None:
                 return  # someone else is refreshing (or loading) it
             if await self._refreshed_meanwhile(key, envelope):
@@ -69,8 +71,9 @@ class Refresher:
             read = Read(key, seq, None, request.tags_of)
             with contextlib.suppress(Exception):
                 await self._miss.load_and_fill(read, token, loader)
-        except L2Unavailable:
+        except L2Unavailable:  # the lease may be ours: see ``MissPath.load_under_lease``
             policy.stats.redis_error += 1
+            self._miss.give_back(key, mine)
         finally:
             self._refreshing.discard(key)
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
+import redis.asyncio as redis
 
 from layered_cache import LayeredCache
 from layered_cache._keys import lease_name
-from tests.helpers import make_config
+from tests.faults.reply_delay import ReplyDelayProxy
+from tests.helpers import CountingLoader, eventually, make_config
 
 NAMESPACES = {
     "book": {"key": "book:{id}", "stampede": {"lease_ttl": "4s", "max_wait": "3s"}},
@@ -194,3 +196,54 @@ async def test_a_batch_loader_raising_what_is_not_an_exception_gives_every_lease
         started = time.monotonic()
         values = await b.get_or_load_many("book", fields, lambda missing: _slow(["db"] * len(missing), 0))
         assert values == ["db"] * 5 and time.monotonic() - started < PROMPT
+
+
+@pytest.fixture
+async def late_replies(redis_url: str) -> AsyncIterator[ReplyDelayProxy]:
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = await ReplyDelayProxy(port).start()
+    yield proxy
+    await proxy.stop()
+
+
+SLOW_A = {"timeout": "200ms", "connect_timeout": "200ms", "breaker": {"failures": 100}}
+LONG_LEASE = {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "5s", "max_wait": "1500ms"}}}
+
+
+@pytest.mark.parametrize("late", ["the SET NX", "the check after a won SET NX"])
+async def test_a_lease_a_timed_out_read_may_hold_is_given_back(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy, late: str
+) -> None:
+    """Instance A's SET NX lands but its reply comes after redis.timeout (or it wins and
+    the GET right after times out): A loads without writing L2, and the lease it holds
+    stayed for lease_ttl. Instance B, on a healthy Redis, then waited max_wait for a
+    fill nobody runs and loaded without filling L2, as did every reader until then."""
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SLOW_A)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(a_config) as a,
+        LayeredCache.from_config(make_config(redis_url, prefix, LONG_LEASE)) as b,
+    ):
+        if late == "the SET NX":
+            late_replies.match, late_replies.delay = b"NX", 0.5
+        else:
+            acquire = a._store.acquire_lease
+
+            async def won_then_late(*args: Any) -> bool:
+                won: bool = await acquire(*args)
+                late_replies.match, late_replies.delay = b"GET", 0.5
+                return won
+
+            a._store.acquire_lease = won_then_late  # type: ignore[method-assign]
+        assert await a.get_or_load("book", {"id": 1}, CountingLoader("from A")) == "from A"
+        late_replies.match = None
+        lease = lease_name(a.key("book", {"id": 1}))
+        assert await eventually(lambda: _gone(admin, lease), timeout=1.0)
+        value, took = await _timed(b.get_or_load("book", {"id": 1}, CountingLoader("from B")))
+        assert value == "from B" and took < 0.5
+        assert await admin.exists(a.key("book", {"id": 1})) == 1  # B filled L2
+    await admin.aclose()
+
+
+async def _gone(admin: Any, name: str) -> bool:
+    return bool(await admin.exists(name) == 0)
