@@ -9,9 +9,10 @@ not per request.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -38,6 +39,7 @@ class CircuitBreaker:
         self._state: State = "closed"
         self._opened_at = 0.0
         self._probing = False
+        self._probe: asyncio.Task[Any] | None = None  # the task of the probe in flight
         self.transitions = 0
         # Called on every failure: a Redis Cluster client refreshes its slot map (a
         # failed node may have been replaced; ``_topology``).
@@ -65,11 +67,12 @@ class CircuitBreaker:
         if self._probing:
             return False
         self._probing = True
+        self._probe = _current_task()
         return True
 
     def success(self) -> None:
         self._failures = 0
-        self._probing = False
+        self._probing, self._probe = False, None
         if self._state != "closed":
             self._transition("closed")
 
@@ -77,13 +80,17 @@ class CircuitBreaker:
         """The request ended without an answer from Redis (cancelled: a client timeout or
         disconnect, or any other BaseException). It proves nothing either way, but if it
         was the half-open probe the probe is over: without this ``_probing`` would stay
-        True and no request would ever be let through again."""
-        self._probing = False
+        True and no request would ever be let through again. Only the probe's own task
+        ends it: a request let through before the breaker opened, cancelled now, would
+        otherwise let a second probe through beside the first."""
+        if self._probe is None or self._probe is _current_task():
+            self._probing = False
+            self._probe = None
 
     def failure(self, error: BaseException | None = None) -> None:
         if self.on_failure is not None:
             self.on_failure()
-        self._probing = False
+        self._probing, self._probe = False, None
         self._failures += 1
         if self._state == "half_open" or (
             self._state == "closed" and self._failures >= self._threshold
@@ -100,3 +107,10 @@ class CircuitBreaker:
             state=state,
             error=type(error).__name__ if error else None,
         )
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop: a caller outside asyncio, its own probe
+        return None

@@ -54,6 +54,41 @@ async def test_cancelled_half_open_probe_does_not_stick_the_breaker(
         assert cache.redis_status().breaker == "closed"
 
 
+async def test_a_request_let_through_before_the_breaker_opened_cannot_free_the_probes_slot() -> (
+    None
+):
+    """A request admitted while closed, cancelled during half-open, cleared the flag of
+    the probe in flight: a second probe went through beside it (against "exactly one
+    probe at a time"), and in a burst of such requests, many."""
+    from layered_cache._breaker import CircuitBreaker
+
+    now = [0.0]
+    breaker = CircuitBreaker(failures=1, reset=1.0, clock=lambda: now[0])
+    old_done, probe_done = asyncio.Event(), asyncio.Event()
+
+    async def request(done: asyncio.Event, ends: str) -> None:
+        assert breaker.allow()
+        await done.wait()
+        if ends == "abandon":
+            breaker.abandon()
+        else:
+            breaker.success()
+
+    old = asyncio.ensure_future(request(old_done, "abandon"))  # let through while closed
+    await asyncio.sleep(0)
+    breaker.failure()  # another request failed: open
+    now[0] = 1.0  # past reset: half-open
+    probe = asyncio.ensure_future(request(probe_done, "success"))
+    await asyncio.sleep(0)
+    assert not breaker.allow()  # the probe is in flight
+    old_done.set()  # the old request's caller went away
+    await old
+    assert not breaker.allow()  # still one probe at a time
+    probe_done.set()
+    await probe
+    assert breaker.state == "closed" and breaker.allow()
+
+
 async def test_wrong_type_key_is_a_miss_that_the_next_fill_repairs(
     redis_url: str, prefix: str
 ) -> None:
