@@ -102,7 +102,7 @@ class LeaseWaiter:
                     return LeaseResult(data=message)
                 if message is not None:
                     continue
-                result = await self._recheck(key, lease, lease_ttl, usable, token)
+                result = await self._recheck(key, lease, lease_ttl, usable, token, deadline)
                 if result is not None:
                     return result
         return LeaseResult()
@@ -119,7 +119,7 @@ class LeaseWaiter:
     ) -> LeaseResult:
         while (remaining := deadline - self._clock()) > 0:
             await asyncio.sleep(min(self._rand(*reread_pause), remaining))
-            result = await self._recheck(key, lease, lease_ttl, usable, token)
+            result = await self._recheck(key, lease, lease_ttl, usable, token, deadline)
             if result is not None:
                 return result
         return LeaseResult()
@@ -131,11 +131,16 @@ class LeaseWaiter:
         lease_ttl: float,
         usable: Callable[[bytes | None], bool],
         token: str | None,
+        deadline: float,
     ) -> LeaseResult | None:
-        """Fallback after a silent pause: re-read L2, then try to take over the lease."""
+        """Fallback after a silent pause: re-read L2, then try to take over the lease,
+        unless max_wait passed during the re-read: a waiter gives up within max_wait and
+        one round trip (a slow Redis made it two: the GET, then the SET NX)."""
         data = await self._l2.get(key)
         if usable(data):
             return LeaseResult(data=data)
+        if self._clock() >= deadline:
+            return None
         won = await self.try_acquire(lease, lease_ttl, token)
         if won is not None:
             return LeaseResult(token=won)

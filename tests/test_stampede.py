@@ -409,3 +409,46 @@ async def test_an_early_refresh_that_fails_is_a_load_error_not_a_stale_value_ser
         assert await eventually(lambda: cache.stats()["book"]["load_error"] == 1)
         await asyncio.sleep(0.3)  # the fail-safe's check (one GET) would have finished
         assert cache.stats()["book"]["stale_served"] == 0
+
+
+async def test_a_waiter_on_a_slow_but_answering_redis_gives_up_within_max_wait_and_a_timeout(
+    redis_url: str, prefix: str
+) -> None:
+    """Every reply just under redis.timeout (nothing fails, the breaker stays closed),
+    and the winner never fills: a silent pause that ended at the deadline was followed
+    by a GET and then a SET NX, two round trips past max_wait where one is promised."""
+    from tests.faults.reply_delay import ReplyDelayProxy
+
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = await ReplyDelayProxy(port).start()
+    stampede = {"lease_ttl": "30s", "max_wait": "600ms", "reread_pause": ["290ms", "300ms"]}
+    config = make_config(
+        proxy.url, prefix, {"book": {"key": "book:{id}", "l1": False, "stampede": stampede}},
+        redis={"timeout": "200ms", "connect_timeout": "200ms", "breaker": {"failures": 100}},
+    )
+    admin = redis.Redis.from_url(redis_url)
+    await admin.set("{" + f"{prefix}book:1" + "}:lease", "a winner still loading", px=30_000)
+    loop = asyncio.get_running_loop()
+    marks: dict[str, float] = {}
+    try:
+        async with LayeredCache.from_config(config) as waiter:
+            acquire = waiter._store.acquire_lease
+
+            async def lost(*args: object) -> bool:
+                won: bool = await acquire(*args)  # type: ignore[arg-type]
+                marks.setdefault("lost", loop.time())  # max_wait counts from here
+                return won
+
+            waiter._store.acquire_lease = lost  # type: ignore[method-assign]
+
+            async def loader() -> str:
+                marks["loading"] = loop.time()
+                return "own"
+
+            proxy.latency = 0.17
+            assert await waiter.get_or_load("book", {"id": 1}, loader) == "own"
+            proxy.latency = 0.0
+    finally:
+        await proxy.stop()
+        await admin.aclose()
+    assert marks["loading"] - marks["lost"] <= 0.6 + 0.2 + 0.05
