@@ -72,6 +72,12 @@ class Namespace:
         if current is Any:
             self.policy.codec = Codec(value_type)
             self._type_declared_by = by
+            if self.policy.l1 is not None:
+                # Declared after reads (a module with a cached function imported late):
+                # L1 holds values decoded without the type, and fills in flight too (the
+                # clear discards them); left, L1 hits would return another type than
+                # every other layer from now on.
+                self.policy.l1.clear()
         elif current != value_type:
             raise TypeError(
                 f"namespace {self.name!r} already decodes into {current!r} (declared by "

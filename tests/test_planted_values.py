@@ -154,3 +154,24 @@ async def test_a_fallback_message_nested_past_the_stack_does_not_end_the_subscri
         message = FallbackMessage(keys=[f"{prefix}book:20"], origin="another")
         await client.publish(channel, ENC(message))
         assert await eventually(lambda: not in_l1(cache, 20), timeout=3)
+
+
+async def test_a_type_declared_after_reads_is_what_l1_hits_return_too(
+    redis_url: str, prefix: str
+) -> None:
+    """A module with a cached function imported after start(): L1 kept the plain dicts
+    decoded before the declaration, so L1 hits returned a dict where every other layer
+    now returned the declared Struct."""
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        async def raw() -> Any:
+            return Book(50, "Dune")
+
+        assert type(await cache.get_or_load("book", {"id": 50}, raw)) is dict  # in L1
+
+        @cache.cached("book")
+        async def book_detail(id: int) -> Book:
+            return Book(id, "Dune")
+
+        assert type(await book_detail(51)) is Book
+        assert await book_detail(50) == Book(50, "Dune")  # L1 had the dict
