@@ -73,11 +73,7 @@ class MissPath:
             filled = await self._filled_meanwhile(read, token)
             if filled is not None:
                 return filled.value
-        except L2Unavailable:
-            # A SET NX whose reply was late may have taken the lease, and a check after
-            # a won one may have failed: either way it is given back (compare-and-delete,
-            # a no-op where we hold nothing), or every reader of the key, in every
-            # process, would wait max_wait and load without filling L2.
+        except L2Unavailable:  # a late SET NX reply, a failed check: the lease may be ours
             policy.stats.redis_error += 1
             self.give_back(key, mine)
             return await self.load_unleased(read, loader)
@@ -89,9 +85,10 @@ class MissPath:
 
     def give_back(self, key: str, token: str) -> None:
         """Release our lease (if ``token`` holds it) in the background: for a caller
-        being cancelled, which can't await. Kept, the lease would make every other
-        reader of the key, in every process, wait up to ``max_wait`` for a fill that
-        nobody runs. Compare-and-delete: a no-op where we never held it."""
+        being cancelled, which can't await, or one whose Redis step timed out. Kept, the
+        lease would make every other reader of the key, in every process, wait up to
+        ``max_wait`` for a fill that nobody runs. Compare-and-delete: a no-op where we
+        never held it (a SET NX whose reply came late may or may not have landed)."""
         self._rt.tasks.spawn(self.release(key, token))
 
     async def _wait_for_fill(self, read: Read, token: str) -> _Filled | str | None:
@@ -176,9 +173,7 @@ class MissPath:
             # get its value instead of loading again after ``max_wait``.
             self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
             raise
-        except BaseException as exc:
-            # Nobody will fill: the lease goes back, or every reader of the key, in every
-            # process, would wait ``max_wait`` for nothing.
+        except BaseException as exc:  # nobody will fill: the lease goes back
             await self.release(read.key, token)
             self._unregister(read, token)
             if not isinstance(exc, Exception):
@@ -240,6 +235,7 @@ class MissPath:
         """Write L2 under the lease (base, then replicas for a hot key), then L1.
         Returns the value as L2 readers will see it (see ``Fills.encode``). Any
         error releases the lease: other readers must not wait max_wait for nothing."""
+        _warn_if_outlived(self._policy, read.key, delta)
         try:
             return await self._fill_under_lease(read, token, value, delta)
         except asyncio.CancelledError:
@@ -302,6 +298,17 @@ class _Filled:
     """Another request's fill (or one that landed meanwhile) answered ours."""
 
     value: Any
+
+
+def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:
+    """A load longer than ``lease_ttl`` lost its lease while it ran: its fill is refused
+    (``fill_revoked``), a waiter took the lease over and loads again, and the key may
+    never be cached. Said where it happens, with the fix."""
+    if load_s > policy.lease_ttl:
+        _log.warning(
+            "load_outlived_lease", namespace=policy.name, key=key, load_s=round(load_s, 3),
+            lease_ttl_s=policy.lease_ttl, fix="raise stampede.lease_ttl above the slowest load",
+        )
 
 
 def _retrieve_outcome(task: asyncio.Task[Any]) -> None:

@@ -72,12 +72,8 @@ class Namespace:
         if current is Any:
             self.policy.codec = Codec(value_type)
             self._type_declared_by = by
-            if self.policy.l1 is not None:
-                # Declared after reads (a module with a cached function imported late):
-                # L1 holds values decoded without the type, and fills in flight too (the
-                # clear discards them); left, L1 hits would return another type than
-                # every other layer from now on.
-                self.policy.l1.clear()
+            if self.policy.l1 is not None:  # declared after reads: L1 holds (and fills
+                self.policy.l1.clear()  # in flight carry) values of another type
         elif current != value_type:
             raise TypeError(
                 f"namespace {self.name!r} already decodes into {current!r} (declared by "
@@ -232,10 +228,9 @@ class Namespace:
         await self._writes.set_many([(fields, value)], tags)
 
     def _check_tags(self, tags: object) -> None:
-        """Tags given to a namespace that takes none are a ``ValueError``, and a list of
-        tags that no entry may carry (a string, a bad name, too many) a clear error, before
-        anything runs and whichever layer would have answered (the sync API checks
-        before its L1 hit, too). A function of the value is checked once it has one."""
+        """Tags given to a namespace that takes none, or a list no entry may carry (a
+        string, a bad name, too many), are refused before anything runs, whichever layer
+        would answer (the sync API checks before its L1 hit too)."""
         if tags is None:
             return
         if not self.policy.tags:

@@ -452,3 +452,25 @@ async def test_a_waiter_on_a_slow_but_answering_redis_gives_up_within_max_wait_a
         await proxy.stop()
         await admin.aclose()
     assert marks["loading"] - marks["lost"] <= 0.6 + 0.2 + 0.05
+
+
+async def test_a_load_longer_than_lease_ttl_is_said_with_the_fix(redis_url: str, prefix: str) -> None:
+    """Its lease expired while it ran: its fill is refused and a waiter loads again, so
+    the key may never be cached, and nothing said why (stale-set safety holds: nothing
+    old lands)."""
+    import structlog
+
+    stampede = {"lease_ttl": "300ms", "max_wait": "3s"}
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "stampede": stampede}})
+
+    async def slow() -> str:
+        await asyncio.sleep(0.5)
+        return "v"
+
+    with structlog.testing.capture_logs() as logs:
+        async with LayeredCache.from_config(config) as cache:
+            assert await cache.get_or_load("book", {"id": 1}, slow) == "v"
+            assert cache.stats()["book"]["fill_revoked"] == 1
+    said = [e for e in logs if e["event"] == "load_outlived_lease"]
+    assert len(said) == 1 and said[0]["lease_ttl_s"] == 0.3
+    assert "stampede.lease_ttl" in said[0]["fix"]
