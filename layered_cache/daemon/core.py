@@ -42,7 +42,7 @@ from layered_cache.daemon.kafka import KafkaClients
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
-from layered_cache.daemon.unreadable import UNREADABLE, read_carefully
+from layered_cache.daemon.unreadable import UNREADABLE, read_carefully, rewind
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
 
@@ -136,6 +136,7 @@ class Daemon:
                     # A record aiokafka can't unpack (``unreadable``): record by record
                     # until it is found and set aside, the records around it handled.
                     _log.warning("unreadable_fetch", error=f"{type(exc).__name__}: {exc}")
+                    await rewind(consumer, kafka.auto_offset_reset)
                     await read_carefully(consumer, self._handle, self._set_aside, kafka.max_batch)
                     continue
                 if records:
@@ -179,7 +180,8 @@ class Daemon:
 
     # -- one batch -------------------------------------------------------------------------
 
-    async def _handle(self, records: Mapping[TopicPartition, Sequence[Any]]) -> None:
+    async def _handle(self, records: Mapping[TopicPartition, Sequence[Any]]) -> bool:
+        """Delete, dead-letter, commit; False if the batch was abandoned uncommitted."""
         consumer, deleter = self._kafka.consumer, self._deleter
         assert consumer is not None and deleter is not None
         started = time.perf_counter()
@@ -192,7 +194,7 @@ class Daemon:
             if not await self._retrier.until_done(
                 "invalidate", lambda: deleter.delete(keys, self.stats, batch.tags), DELETE_FAILURES
             ):
-                return  # stopping or partitions revoked: not committed, read again later
+                return False  # stopping or partitions revoked: not committed, read again later
             self.purges.submit((key for key, _ in keys), batch.tags)  # queued, never awaited
             pending = list(batch.poison)
             if pending and not await self._retrier.until_done(
@@ -200,14 +202,15 @@ class Daemon:
                 lambda: dead_letter(self._kafka.producer, self.config.kafka, pending, self.stats),
                 (Exception,),
             ):
-                return
+                return False
             await self._commit(batch.offsets)
         finally:
             self._idle.set()
         self.lag.update({(tp.topic, tp.partition): behind for tp, behind in batch.lag.items()})
         account(self.stats, batch, len(keys), time.perf_counter() - started)
+        return True
 
-    async def _set_aside(self, poison: Poison, tp: TopicPartition) -> None:
+    async def _set_aside(self, poison: Poison, tp: TopicPartition) -> bool:
         """An unreadable record (``unreadable``): dead-lettered, then skipped and
         committed, as a poison event is. Everything before it was handled and committed
         already (``read_carefully`` reads one record at a time)."""
@@ -218,9 +221,10 @@ class Daemon:
             lambda: dead_letter(self._kafka.producer, self.config.kafka, [poison], self.stats),
             (Exception,),
         ):
-            return  # stopping or partitions revoked: read again later
+            return False  # stopping or partitions revoked: read again later
         consumer.seek(tp, poison.offset + 1)
         await self._commit({tp: poison.offset + 1})
+        return True
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         assert self._kafka.consumer is not None

@@ -6,12 +6,18 @@ or compression is broken, raises there, for the whole fetch, before the daemon s
 single record. Left alone the daemon crashed, and every restart crashed on the same
 record: nothing ever moved the committed offset past it, and the partition stood still.
 
-After such an error the assigned partitions are read again one record at a time
-(``getmany(tp, max_records=1)``): the good records before the bad one are handled as
-usual (each deleted and committed), and when a partition raises, its position is the
-unreadable record's offset, since aiokafka moves it only past records it returned. That
-record goes to the dead-letter topic with no key and no value (there are none to be
-had), only the reason and where it was; the partition seeks past it and commits.
+After such an error every assigned partition goes back to its last commit
+(``rewind``): aiokafka drains a fetch partition by partition, moving each one's position
+past the records it collected, and drops those records with the exception, so the
+partitions drained before the bad one would otherwise skip records never applied. Then
+they are read again one record at a time (``getmany(tp, max_records=1)``): the good
+records before the bad one are handled as usual (each deleted and committed), and when a
+partition raises, its position is the unreadable record's offset (one record at a time,
+nothing was collected past it). That record goes to the dead-letter topic with no key
+and no value (there are none to be had), only the reason and where it was; the partition
+seeks past it and commits. A record the pass could not finish (the daemon stopping, the
+partitions moving, its delete or dead-letter abandoned) ends the pass: nothing after it
+is committed, so the next owner reads it again.
 
 Only record-level errors count. A ``KafkaError`` other than a corrupt record (a broker
 refusing, authorisation) is about no one record, and is raised as before.
@@ -32,7 +38,7 @@ from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon.dlq import Poison, cap_text
 
-__all__ = ["UNREADABLE", "read_carefully"]
+__all__ = ["UNREADABLE", "read_carefully", "rewind"]
 
 _log = structlog.get_logger("layered_cache.daemon")
 
@@ -53,15 +59,32 @@ UNREADABLE: tuple[type[BaseException], ...] = (
 Records = Mapping[TopicPartition, Sequence[Any]]
 
 
+async def rewind(consumer: AIOKafkaConsumer, reset: str) -> None:
+    """Every assigned partition back to its last commit, everything before which was
+    applied; one never committed, with ``auto_offset_reset = "earliest"``, to its start
+    (a new member's start: deletes are idempotent). One never committed under "latest"
+    keeps its position: where it started is not known any more."""
+    for tp in consumer.assignment():
+        try:
+            offset = await consumer.committed(tp)
+            if offset is not None:
+                consumer.seek(tp, offset)
+            elif reset == "earliest":
+                await consumer.seek_to_beginning(tp)
+        except IllegalStateError:
+            return  # the partition moved in a rebalance meanwhile: its owner reads it
+
+
 async def read_carefully(
     consumer: AIOKafkaConsumer,
-    handle: Callable[[Records], Awaitable[None]],
-    set_aside: Callable[[Poison, TopicPartition], Awaitable[None]],
+    handle: Callable[[Records], Awaitable[bool]],
+    set_aside: Callable[[Poison, TopicPartition], Awaitable[bool]],
     limit: int,
 ) -> None:
     """One careful pass: each assigned partition, one record at a time, until it has
     nothing fetched, ``limit`` records were handled, or an unreadable record was set
-    aside (``set_aside`` dead-letters it, seeks past it and commits)."""
+    aside (``set_aside`` dead-letters it, seeks past it and commits). ``handle`` or
+    ``set_aside`` returning False (not done: stopping, revoked) ends the pass."""
     for tp in sorted(consumer.assignment()):
         for _ in range(limit):
             try:
@@ -77,11 +100,13 @@ async def read_carefully(
                     offset=offset,
                     error=f"{type(exc).__name__}: {exc}",
                 )
-                await set_aside(_unreadable(tp, offset, exc), tp)
+                if not await set_aside(_unreadable(tp, offset, exc), tp):
+                    return
                 break
             if not records:
                 break
-            await handle(records)
+            if not await handle(records):
+                return
 
 
 def _unreadable(tp: TopicPartition, offset: int, exc: BaseException) -> Poison:
