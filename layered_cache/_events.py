@@ -260,8 +260,10 @@ class EventDecoder:
         return DecodedEvent(event_type, targets, tags)
 
     def _tag(self, event_type: str, event: Mapping[str, Any], route: _CompiledTag) -> str:
-        """The route's tag template filled from the event, checked like a tag."""
-        tag = route.template
+        """The route's tag template filled from the event in one pass (filled one field
+        at a time, a value holding another field's placeholder, ``"{ed}"``, was filled
+        in turn: another tag than the event's), checked like a tag."""
+        values: dict[str, str] = {}
         for placeholder, path in route.fields:
             value = _field(event, path)
             if type(value) not in (int, str):
@@ -270,7 +272,8 @@ class EventDecoder:
                     f"be an int or str, got {type(value).__name__}",
                     event_type,
                 )
-            tag = tag.replace(placeholder, str(value))
+            values[placeholder] = str(value)
+        tag = _TAG_FIELD.sub(lambda match: values[match.group(0)], route.template)
         try:
             return validate_tag(tag)
         except ValueError as exc:

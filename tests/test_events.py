@@ -248,3 +248,20 @@ def test_events_build_the_same_encoded_names_as_the_cache() -> None:
     assert target.key == template.build({"store": "a:b", "id": "c"}) == "env:shelf:a%3Ab:c"
     other = {"store": "a", "id": "b:c"}
     assert template.build(other) != target.key
+
+
+def test_a_tag_field_whose_value_names_another_placeholder_is_not_filled_twice() -> None:
+    """``author:{author}:ed:{ed}`` with author = "{ed}": filled field by field, the
+    "{ed}" inside the value was filled too, and the event invalidated author:7:ed:7,
+    another tag than its own (which is no valid tag: the event is poison)."""
+    from tests.helpers import make_config
+
+    routed = make_config(
+        "redis://127.0.0.1:1", "p:",
+        events=[{"type": "Tagged", "invalidate": [{"tag": "author:{author}:ed:{ed}"}]}],
+    )
+    decoder = EventDecoder(routed)
+    assert "tag" in poison_reason(decoder, b'{"type":"Tagged","author":"{ed}","ed":"7"}')
+    tags: list[str] = []
+    decoder.collect(b'{"type":"Tagged","author":"ann","ed":"7"}', {}, tags)
+    assert tags == ["author:ann:ed:7"]
