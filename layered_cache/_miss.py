@@ -28,7 +28,7 @@ from layered_cache import _tags as tags
 from layered_cache._failsafe import FailSafe, Read
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
-from layered_cache._l2 import L2Unavailable
+from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._policy import Policy
 from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import new_token
@@ -68,6 +68,7 @@ class MissPath:
                 if waited is None:
                     # max_wait passed: load ourselves, but never write L2 without a lease.
                     policy.stats.lease_timeout_load += 1
+                    self._rt.tasks.spawn(bound_lease(self._rt.store, key, policy.lease_ttl))
                     return await self.load_unleased(read, loader)
                 token = waited
             filled = await self._filled_meanwhile(read, token)
@@ -84,11 +85,10 @@ class MissPath:
         return await self.load_and_fill(read, token, loader)
 
     def give_back(self, key: str, token: str) -> None:
-        """Release our lease (if ``token`` holds it) in the background: for a caller
-        being cancelled, which can't await, or one whose Redis step timed out. Kept, the
-        lease would make every other reader of the key, in every process, wait up to
-        ``max_wait`` for a fill that nobody runs. Compare-and-delete: a no-op where we
-        never held it (a SET NX whose reply came late may or may not have landed)."""
+        """Release our lease (if ``token`` holds it) in the background, for a caller being
+        cancelled (it can't await) or whose Redis step timed out: kept, it would make every
+        reader of the key, in every process, wait ``max_wait`` for a fill nobody runs.
+        Compare-and-delete: a no-op where we never held it (a late SET NX reply)."""
         self._rt.tasks.spawn(self.release(key, token))
 
     async def _wait_for_fill(self, read: Read, token: str) -> _Filled | str | None:
@@ -298,6 +298,16 @@ class _Filled:
     """Another request's fill (or one that landed meanwhile) answered ours."""
 
     value: Any
+
+
+async def bound_lease(store: L2Store, key: str, lease_ttl: float) -> None:
+    """A lease name holding something without a TTL (a value planted at ``{key}:lease``,
+    a tool's leftover) is no lease of ours, and every miss of the key would wait
+    ``max_wait`` for good: it gets the TTL a lease has. ``PEXPIRE ... NX`` sets one only
+    where none is, so a lease of ours (it always has one) is untouched."""
+    name = lease_name(key)
+    with contextlib.suppress(L2Unavailable):
+        await store.guard(store.client.pexpire(name, max(1, int(lease_ttl * 1000)), nx=True), name)
 
 
 def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:

@@ -247,3 +247,29 @@ async def test_a_lease_a_timed_out_read_may_hold_is_given_back(
 
 async def _gone(admin: Any, name: str) -> bool:
     return bool(await admin.exists(name) == 0)
+
+
+async def test_a_foreign_value_without_ttl_at_a_lease_name_blocks_a_key_only_for_a_lease_ttl(
+    redis_url: str, prefix: str
+) -> None:
+    """A hash planted at ``{key}:lease`` (a tool's leftover) never expired: every miss
+    of the key waited max_wait and loaded without filling L2, for good. The first wait
+    that times out gives it a lease's TTL; after that the key is cached as usual."""
+    ns = {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "500ms", "max_wait": "300ms"}}}
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(make_config(redis_url, prefix, ns)) as cache:
+        lease = lease_name(cache.key("book", {"id": 1}))
+        await admin.hset(lease, "left", "by a tool")
+        loader = CountingLoader("db")
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "db"  # waited max_wait
+        assert await eventually(lambda: _has_ttl(admin, lease), timeout=1.0)
+        await asyncio.sleep(0.6)  # the lease's TTL passes
+        cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        value, took = await _timed(cache.get_or_load("book", {"id": 1}, loader))
+        assert value == "db" and took < 0.25
+        assert await admin.exists(cache.key("book", {"id": 1})) == 1  # filled this time
+    await admin.aclose()
+
+
+async def _has_ttl(admin: Any, name: str) -> bool:
+    return bool(await admin.pttl(name) > 0)
