@@ -332,9 +332,13 @@ def test_closing_while_a_load_runs_gives_its_lease_back_and_tells_the_caller(
 ) -> None:
     """close() while another thread's loader runs: that load can no longer fill, so its
     lease must go back before Redis is closed, not stay for lease_ttl (every reader of
-    the key elsewhere would wait max_wait). The caller gets a clear error."""
+    the key elsewhere would wait max_wait). The caller gets a clear error. (A timeout of
+    1 s: the release is one round trip, maybe on a new connection, while close() runs;
+    the suite's 200 ms failed it once on a loaded CI machine.)"""
     namespaces = {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "5s", "max_wait": "3s"}}}
-    config = make_config(redis_url, prefix, namespaces)
+    config = make_config(
+        redis_url, prefix, namespaces, redis={"timeout": "1s", "connect_timeout": "1s"}
+    )
     cache = SyncLayeredCache.from_config(config, timeout=10)
     cache.start()
     started, outcome = threading.Event(), []
