@@ -19,6 +19,7 @@ from layered_cache._codec import Codec, CodecError
 from layered_cache.cli import main
 from layered_cache.sync import SyncLayeredCache
 from tests.helpers import CountingLoader, eventually, in_l1, make_config
+from tests.test_cli import write_config
 
 ENC = msgspec.msgpack.encode
 DEEP = b"\x91" * 2000 + b"\xc0"  # a list in a list ... 2,000 deep: ~2 KB
@@ -108,15 +109,6 @@ async def test_an_envelope_with_a_time_no_clock_shows_is_a_miss_for_every_read(
     assert msgspec.msgpack.decode(admin.get(f"{prefix}book:9"))[1] == "fresh"
 
 
-def _cli_config(tmp_path: Path, redis_url: str, prefix: str) -> str:
-    path = tmp_path / "layered_cache.toml"
-    path.write_text(
-        f'[redis]\nurl = "{redis_url}"\nprefix = "{prefix}"\ntimeout = "3s"\n'
-        f'connect_timeout = "3s"\n\n[namespaces.book]\nkey = "book:{{id}}"\n'
-    )
-    return str(path)
-
-
 @pytest.mark.parametrize(
     ("written_at", "shown"),
     [(1e12, "(not a date)"), (1e17, "(not a date)"), (float("nan"), "not a layered_cache envelope"),
@@ -130,7 +122,7 @@ def test_inspect_of_a_planted_envelope_reports_it(
     nested past the stack in a traceback."""
     data = nested_envelope() if written_at is None else envelope("v", written_at, 2e9, 0.1)
     admin.set(f"{prefix}book:8", data)
-    assert main(["inspect", "book", "id=8", "--config", _cli_config(tmp_path, redis_url, prefix)]) == 0
+    assert main(["inspect", "book", "id=8", "--config", str(write_config(tmp_path, redis_url, prefix))]) == 0
     captured = capsys.readouterr()
     assert shown in captured.out and "Traceback" not in captured.err
 
