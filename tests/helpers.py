@@ -72,6 +72,16 @@ async def eventually(
         await asyncio.sleep(interval)
 
 
+async def start_checks_done(admin: Any) -> None:
+    """Wait until a cache's start-up checks reached ``admin``'s server (a Redis of the
+    test's own): they run in the background (``_startup``), and the transaction check's
+    MULTI/EXEC would otherwise land in a window a test counts commands in."""
+    async def checked() -> bool:
+        return "cmdstat_exec" in await admin.info("commandstats")
+
+    assert await eventually(checked), "the cache's start-up checks never reached Redis"
+
+
 def open_cache(config: Config, **kwargs: Any) -> LayeredCache:
     return LayeredCache.from_config(config, **kwargs)
 

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
-from tests.helpers import CountingLoader, eventually, make_config
+from tests.helpers import CountingLoader, eventually, make_config, start_checks_done
 from tests.servers import RedisServer
 
 # Redis timeouts for scenarios about something else than latency: on a machine loaded by
@@ -41,6 +41,7 @@ async def test_l1_hit_does_not_touch_redis(redis_server: RedisServer, prefix: st
     async with LayeredCache.from_config(config) as cache:
         loader = CountingLoader("v")
         await cache.get_or_load("book", {"id": 1}, loader)
+        await start_checks_done(admin)
         before = await admin.info("commandstats")
         for _ in range(100):
             assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
