@@ -38,6 +38,14 @@ Finite = Annotated[float, msgspec.Meta(ge=-1e300, le=1e300)]
 UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
+def _refuse_extension(code: int, data: memoryview) -> Any:
+    """The encoder writes no msgpack extension of its own (msgspec's timestamp, for a
+    datetime, is decoded before any hook): one in a value was planted by another
+    writer. Decoded as ``msgspec.msgpack.Ext``, it was served to callers of an undeclared
+    namespace as an object no JSON renders; now the envelope is not ours, a miss."""
+    raise msgspec.ValidationError(f"msgpack extension type {code}: not written by layered_cache")
+
+
 class CodecError(ValueError):
     """Bytes in Redis that are not a valid envelope of the expected value type."""
 
@@ -80,7 +88,7 @@ class Codec(Generic[T]):
         self.value_type = value_type
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Envelope[T]] = msgspec.msgpack.Decoder(
-            Envelope[value_type]
+            Envelope[value_type], ext_hook=_refuse_extension
         )
 
     def encode(

@@ -6,6 +6,7 @@ raised out of a read, or made the layers disagree about one key."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,25 @@ def test_the_codec_reads_a_value_nested_past_the_stack_as_not_an_envelope() -> N
     for codec, value in cases:
         with pytest.raises(CodecError):
             codec.decode(b"\x95\x01" + value + tail)
+
+
+async def test_a_msgpack_extension_another_writer_planted_is_a_miss_then_overwritten(
+    redis_url: str, prefix: str, admin: Any
+) -> None:
+    """The codec never writes an extension type: an undeclared namespace served one as a
+    ``msgspec.msgpack.Ext`` object (the ASGI helper's JSON could not render it). A
+    datetime, which msgspec writes as its own timestamp extension, still round-trips."""
+    now = time.time()
+    admin.set(f"{prefix}book:1", envelope([1, msgspec.msgpack.Ext(5, b"x")], now, now + 300, 0.01))
+    config = make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config) as cache, LayeredCache.from_config(config) as other:
+        assert await cache.get("book", {"id": 1}) is None
+        assert cache.stats()["book"]["decode_error"] == 1
+        assert await cache.get_or_load("book", {"id": 1}, CountingLoader("fresh")) == "fresh"
+        when = datetime.datetime(2026, 12, 5, tzinfo=datetime.UTC)
+        await cache.set("book", {"id": 2}, {"published": when})
+        assert await other.get("book", {"id": 2}) == {"published": when}  # from L2
+    assert msgspec.msgpack.decode(admin.get(f"{prefix}book:1"))[1] == "fresh"  # repaired
 
 
 async def test_a_value_nested_past_the_stack_is_a_miss_for_every_read_then_overwritten(
