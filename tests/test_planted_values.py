@@ -187,3 +187,20 @@ async def test_a_type_declared_after_reads_is_what_l1_hits_return_too(
 
         assert type(await book_detail(51)) is Book
         assert await book_detail(50) == Book(50, "Dune")  # L1 had the dict
+
+
+async def test_a_waiter_counts_a_fill_it_cannot_decode_once_not_at_every_poll(
+    redis_url: str, prefix: str, admin: Any
+) -> None:
+    """Another process holds the lease and its fill is bytes this one cannot decode (a
+    deploy with another value type): each of the waiter's re-reads counted it, so
+    ``decode_error`` grew with max_wait / reread_pause for one request."""
+    namespaces = {"book": {"key": "book:{id}", "stampede": {
+        "lease_ttl": "5s", "max_wait": "600ms", "reread_pause": ["20ms", "30ms"]}}}
+    admin.set(f"{{{prefix}book:1}}:lease", "another-process", px=5000)
+    async with LayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
+        waiting = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, CountingLoader("v")))
+        await asyncio.sleep(0.1)
+        admin.set(f"{prefix}book:1", b"\xc1 not an envelope")
+        assert await waiting == "v"  # max_wait passed: loaded without the lease
+        assert cache.stats()["book"]["decode_error"] == 1
