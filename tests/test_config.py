@@ -463,7 +463,7 @@ def test_a_bad_value_from_the_environment_names_the_variable() -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["redis://h:7000/1", "redis://h:7000/0?db=2", "unix:///tmp/redis.sock"]
+    "url", ["redis://h:7000/1", "redis://h:7000?db=2", "unix:///tmp/redis.sock"]
 )
 def test_a_cluster_url_the_cluster_client_refuses_is_refused_at_load(url: str) -> None:
     """It passed `config check`; then the cache failed to start with redis-py's
@@ -516,3 +516,46 @@ def test_a_key_template_that_can_build_no_key_is_refused_at_load() -> None:
     with pytest.raises(ConfigError, match=r"at least 518 characters with redis\.prefix"):
         parse_config({"redis": {"prefix": "p" * 20 + ":"}, "namespaces": fits}, env={})
     assert parse_config({"namespaces": fits}, env={}).namespaces["book"].key == fits["book"]["key"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "path"),
+    [
+        ({"redis": {"timeout": "５s"}}, r"redis\.timeout"),  # fullwidth: read as 5 s
+        ({"namespaces": {"b": {"key": "b:{id}", "hot": {"threshold": "２００/s"}}}}, "threshold"),
+        ({"redis": {"url": "redis://h:1/³"}}, r"redis\.url"),  # int("³") raised at load
+        ({"redis": {"url": "redis://h:1/٣"}}, r"redis\.url"),
+        ({"redis": {"url": "redis://h:1?db=３"}}, r"redis\.url"),
+        ({"redis": {"cluster": True, "nodes": ["h:６３７９"]}}, r"redis\.nodes"),
+        ({"kafka": {"bootstrap_servers": "h:９０９２"}}, r"kafka\.bootstrap_servers"),
+    ],
+)
+def test_a_number_written_in_other_than_ascii_digits_is_refused(
+    raw: dict[str, object], path: str
+) -> None:
+    """Python's ``\\d``, ``isdigit`` and ``int`` take fullwidth, Arabic-Indic or
+    superscript digits: the file said one thing and the cache ran on another."""
+    with pytest.raises(ConfigError, match=path):
+        parse_config(raw, env={})
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://h:1/3?db=1", "redis://h:1/0?db=0", "redis://h:1?db=1&db=2"]
+)
+def test_a_url_that_names_its_database_twice_is_refused(url: str) -> None:
+    """redis-py lets ``?db=`` win over the path (and the last ``?db=`` over the others):
+    ``/3?db=1`` reached database 1."""
+    with pytest.raises(ConfigError, match=r"redis\.url: .*(twice)"):
+        parse_config({"redis": {"url": url}}, env={})
+
+
+def test_an_unknown_layered_cache_variable_is_warned_about_with_the_likely_one() -> None:
+    """A typo in a variable's name left the file's value in force, silently."""
+    env = {"LAYERED_CACHE_REDIS_PASWORD": "s3cret", "LAYERED_CACHE_LOG_REDACT_SALT": "x",
+           "LAYERED_CACHE_REDIS_URL": "redis://h:1/0", "OTHER_REDIS_PASWORD": "y"}
+    with pytest.warns(ConfigWarning) as caught:
+        config = parse_config({}, env=env)
+    said = [str(warning.message) for warning in caught]
+    assert said == ["environment: LAYERED_CACHE_REDIS_PASWORD is not a layered_cache "
+                    "setting, ignored; did you mean LAYERED_CACHE_REDIS_PASSWORD?"]
+    assert config.warnings == said and config.redis.password is None

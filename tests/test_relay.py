@@ -715,3 +715,16 @@ def _released(writer: asyncio.StreamWriter) -> bool:
     transport = writer.transport
     closed = transport.get_extra_info("socket").fileno() == -1
     return transport.is_closing() and transport.get_write_buffer_size() == 0 and closed
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:６３９０", "127.0.0.1:³", "127.0.0.1"])
+def test_a_listen_address_without_an_ascii_port_is_a_usage_error(
+    listen: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``isdigit`` took "³", then ``int`` raised: a traceback instead of the usage line."""
+    from layered_cache.cli import main
+
+    path = tmp_path / "app.toml"
+    path.write_text('[namespaces.book]\nkey = "book:{id}"\n')
+    assert main(["relay", "--config", str(path), "--listen", listen]) == 2
+    assert "--listen must be HOST:PORT" in capsys.readouterr().err

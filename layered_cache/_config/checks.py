@@ -83,11 +83,19 @@ def url_problem(url: str) -> str | None:
     if not parsed.hostname:
         return "the URL has no host"
     database = parsed.path.strip("/")
-    if database and not database.isdigit():
+    if database and not _is_number(database):
         return "the path must be a database number such as /0"
     if database and int(database) > _MAX_DATABASE:
         return f"a database number is at most {_MAX_DATABASE} (Redis's own limit)"
+    if database and "db" in dict(parse_qsl(parsed.query)):
+        # redis-py lets the query win: /3?db=1 reached database 1.
+        return "the URL names its database twice (the path /N and ?db=): keep one"
     return None
+
+
+def _is_number(text: str) -> bool:
+    """ASCII digits only: ``isdigit`` is also true of "３" and "³" (int() fails on the latter)."""
+    return text.isascii() and text.isdigit()
 
 
 _MAX_DATABASE = 2**31 - 1  # Redis counts its databases in a C int
@@ -107,7 +115,10 @@ _QUERY_VALUES: dict[str, tuple[str, ...] | None] = {  # None: any value
 
 
 def _query_problem(query: str) -> str | None:
-    for name, value in parse_qsl(query, keep_blank_values=True):
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if len({name for name, _ in pairs}) < len(pairs):
+        return "the URL's query sets a parameter twice: keep one"  # redis-py takes the last
+    for name, value in pairs:
         if name not in _QUERY_VALUES:
             return (
                 f"the URL's query may set only {', '.join(_QUERY_VALUES)}, not {name!r}: "
@@ -116,7 +127,7 @@ def _query_problem(query: str) -> str | None:
         allowed = _QUERY_VALUES[name]
         if allowed is not None and value not in allowed:
             return f"?{name}= must be one of {', '.join(allowed)}"
-        if name == "db" and (not value.isdigit() or int(value) > _MAX_DATABASE):
+        if name == "db" and (not _is_number(value) or int(value) > _MAX_DATABASE):
             return f"?db= must be a database number up to {_MAX_DATABASE}"
     return None
 

@@ -7,10 +7,11 @@ names the same dotted path.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ENV_OVERRIDES", "apply_env"]
+__all__ = ["ENV_OVERRIDES", "apply_env", "unknown_variables"]
 
 # Environment variable -> (section, field).
 ENV_OVERRIDES: dict[str, tuple[str, str]] = {
@@ -31,6 +32,24 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "LAYERED_CACHE_LOG_FORMAT": ("logging", "format"),
     "LAYERED_CACHE_LOG_LEVEL": ("logging", "level"),
 }
+
+
+# Read elsewhere (``_logs``): not an override of a config field, but ours all the same.
+_OTHER_VARIABLES = frozenset({"LAYERED_CACHE_LOG_REDACT_SALT"})
+_PREFIX = "LAYERED_CACHE_"
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ``LAYERED_CACHE_*`` variable this version doesn't read: a typo
+    (``LAYERED_CACHE_REDIS_PASWORD``) otherwise leaves the file's value in force and
+    says nothing. Warned, not refused: a deployment may share the prefix for its own."""
+    known = set(ENV_OVERRIDES) | _OTHER_VARIABLES
+    warnings = []
+    for var in sorted(name for name in env if name.startswith(_PREFIX) and name not in known):
+        close = difflib.get_close_matches(var, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.append(f"environment: {var} is not a layered_cache setting, ignored{hint}")
+    return warnings
 
 
 def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import msgspec
 
 from layered_cache._config.checks import FIELD_MARK
 from layered_cache._config.deprecated import old_name_in_error, rename_old_stampede_key
-from layered_cache._config.env import ENV_OVERRIDES, apply_env
+from layered_cache._config.env import ENV_OVERRIDES, apply_env, unknown_variables
 from layered_cache._config.errors import ConfigError, ConfigWarning
 from layered_cache._config.schema import (
     BackplaneConfig,
@@ -89,7 +89,7 @@ def parse_config(
         config = Config(**_decode_sections(data, source, deprecations))
     except ConfigError as exc:
         raise _from_environment(exc, source, environ) from None
-    found = deprecations + check_cross_references(config)
+    found = deprecations + check_cross_references(config) + unknown_variables(environ)
     for warning in found:
         _warnings.warn(warning, ConfigWarning, stacklevel=2)
     return msgspec.structs.replace(config, warnings=found) if found else config

@@ -31,9 +31,10 @@ class Rate(float):
 
 # The unit may be left out (seconds, per second), as for a bare number in the file: an
 # environment variable (``LAYERED_CACHE_REDIS_TIMEOUT=0.5``) is always a string.
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")
+# ASCII only: ``\d`` also matched "５s" (fullwidth digits, which float() then read as 5).
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$", re.ASCII)
 _DURATION_UNITS = {"us": 0.000001, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|m|h))?\s*$")
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|m|h))?\s*$", re.ASCII)
 _RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 

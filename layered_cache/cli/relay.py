@@ -44,7 +44,7 @@ def cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
 
 def _address(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise CliError(f"--listen must be HOST:PORT, got {listen!r}")
     return host, int(port)
 
