@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from layered_cache._cache import LayeredCache
 from layered_cache._miss import TagsOf
-from layered_cache.http import ETags, cache_control, matches, strong_etag
+from layered_cache.http import ETags, body_etag, cache_control, matches
 
 __all__ = ["KEY_HEADER", "TAGS_HEADER", "CachedResponses"]
 
@@ -50,7 +50,7 @@ class CachedResponses:
         self._cache = cache
         self._render = render
         self._media_type = media_type
-        self._etags = ETags()
+        self._etags = ETags(etag_of=self._etag_of)
         self._control = {name: cache_control(ns) for name, ns in cache.config.namespaces.items()}
         # Without L2, L1 holds the loader's (or set()'s) own object, which its owner may
         # change in place and hand in again: the same object is then no proof of the
@@ -79,7 +79,12 @@ class CachedResponses:
         if control == "no-store":  # live data: no validator, nobody keeps it
             return self._body(value, {"Cache-Control": control})
         key = self._cache.key(namespace, fields)
-        etag = strong_etag(value) if namespace in self._mutable else self._etags.of(key, value)
+        body: bytes | None = None
+        if namespace in self._mutable:
+            body = self._render(value)  # rendered once: for the tag, then maybe sent
+            etag = body_etag(body, self._media_type)
+        else:
+            etag = self._etags.of(key, value)
         headers = {"Cache-Control": control, "ETag": etag, KEY_HEADER: key}
         tag_list = tags(value) if callable(tags) else tags
         if tag_list:
@@ -89,7 +94,13 @@ class CachedResponses:
                 return Response(status_code=412, headers=headers)
             # RFC 9110 15.4.5: a 304 carries the validators and caching headers a 200 would.
             return Response(status_code=304, headers=headers)
-        return self._body(value, headers)
+        return self._body(value, headers, body)
 
-    def _body(self, value: Any, headers: dict[str, str]) -> Response:
-        return Response(self._render(value), headers=headers, media_type=self._media_type)
+    def _etag_of(self, value: Any) -> str:
+        """The tag of what a 200 sends for ``value``: its body, rendered once per fill."""
+        return body_etag(self._render(value), self._media_type)
+
+    def _body(self, value: Any, headers: dict[str, str], body: bytes | None = None) -> Response:
+        if body is None:
+            body = self._render(value)
+        return Response(body, headers=headers, media_type=self._media_type)

@@ -4,11 +4,15 @@ responses carry, a strong ``ETag`` per value version, and ``If-None-Match`` matc
 The ASGI helper (``layered_cache.asgi``) builds responses from these; any other
 framework can too. Nothing here imports a web framework (docs/http.md).
 
-Why the ETag is a digest of the value and not of the envelope: L1 keeps decoded values
-only (no ``written_at``), and a 304 must be answerable from L1. A digest of the value's
-MessagePack encoding is the same on every instance and after a reload that did not
+Why the ETag is a digest of the value (as sent) and not of the envelope: L1 keeps
+decoded values only (no ``written_at``), and a 304 must be answerable from L1. A digest
+of the value's encoding is the same on every instance and after a reload that did not
 change the value (the client keeps its copy: a 304, not a 200), and differs as soon as
-any field does. The digest is computed once per fill, not per request (``ETags``).
+any field does. The ASGI helper digests the rendered body with its media type
+(``body_etag``): a strong ETag names one representation, so two renderings of one value
+(JSON and HTML, or a deploy that changed ``render``) must not share one, or a client
+keeps the other's body on a 304. The digest is computed once per fill, not per request
+(``ETags``).
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from layered_cache._config import NamespaceConfig
 
-__all__ = ["ETags", "cache_control", "matches", "strong_etag"]
+__all__ = ["ETags", "body_etag", "cache_control", "matches", "strong_etag"]
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -53,6 +58,13 @@ def strong_etag(value: Any) -> str:
     return f'"{digest}"'
 
 
+def body_etag(body: bytes, media_type: str) -> str:
+    """A strong ETag for one representation: ``body`` as sent, with its media type. What
+    a hand-built response should use when it renders the value itself."""
+    digest = hashlib.blake2b(media_type.encode() + b"\n" + body, digest_size=16).hexdigest()
+    return f'"{digest}"'
+
+
 def matches(if_none_match: str | None, etag: str) -> bool:
     """Whether an ``If-None-Match`` header matches ``etag`` (RFC 9110 13.1.2: weak
     comparison, a list of tags or ``*``)."""
@@ -70,10 +82,14 @@ class ETags:
 
     An L1 hit returns the very object L1 holds, so ``is`` identifies "the same fill"
     without hashing again; a new fill (another object) is hashed once. Bounded LRU: the
-    memo holds at most ``max_entries`` values alive besides L1's."""
+    memo holds at most ``max_entries`` values alive besides L1's. ``etag_of`` computes a
+    new value's tag (``strong_etag``, or a digest of its rendered body)."""
 
-    def __init__(self, max_entries: int = 10_000) -> None:
+    def __init__(
+        self, max_entries: int = 10_000, etag_of: Callable[[Any], str] = strong_etag
+    ) -> None:
         self._max = max_entries
+        self._etag_of = etag_of
         self._memo: OrderedDict[str, tuple[Any, str]] = OrderedDict()
         self._lock = threading.Lock()  # SyncLayeredCache users call from many threads
 
@@ -83,7 +99,7 @@ class ETags:
             if entry is not None and entry[0] is value:
                 self._memo.move_to_end(key)
                 return entry[1]
-        etag = strong_etag(value)
+        etag = self._etag_of(value)
         with self._lock:
             self._memo[key] = (value, etag)
             self._memo.move_to_end(key)

@@ -80,3 +80,40 @@ async def test_a_post_whose_if_none_match_matches_is_a_412_not_a_304(
         reply = await client.post("/books/1", headers={"If-None-Match": "*"})
         assert reply.status_code == 412
         assert (await client.get("/books/1", headers={"If-None-Match": "*"})).status_code == 304
+
+
+async def test_two_renderings_of_one_value_never_share_an_etag(
+    redis_url: str, prefix: str
+) -> None:
+    """A strong ETag names one representation. It was a digest of the value alone, so
+    ``/books/1`` (JSON) and ``/books/1.txt`` (text), or the same route after a deploy that
+    changed ``render``, had one tag: a client holding the other body got a 304 for it."""
+    catalogue = {1: {"id": 1, "price": "9.90"}}
+    async with LayeredCache.from_config(_config(redis_url, prefix)) as cache:
+        as_json = CachedResponses(cache)
+        as_text = CachedResponses(
+            cache, render=lambda value: f"{value['id']}: {value['price']}".encode(),
+            media_type="text/plain",
+        )
+
+        async def respond(request: Request, responses: CachedResponses) -> Response:
+            async def load() -> Any:
+                return catalogue[1]
+
+            return await responses.respond(request, "book", {"id": 1}, load)
+
+        async def json_page(request: Request) -> Response:
+            return await respond(request, as_json)
+
+        async def text_page(request: Request) -> Response:
+            return await respond(request, as_text)
+
+        app = Starlette(routes=[Route("/books/1", json_page), Route("/books/1.txt", text_page)])
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            text = await client.get("/books/1.txt")
+            json_reply = await client.get("/books/1", headers={"If-None-Match": text.headers["etag"]})
+            assert json_reply.status_code == 200 and json_reply.json() == catalogue[1]
+            assert json_reply.headers["etag"] != text.headers["etag"]
+            again = await client.get("/books/1.txt", headers={"If-None-Match": text.headers["etag"]})
+            assert again.status_code == 304  # its own tag still matches
