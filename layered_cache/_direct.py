@@ -103,6 +103,18 @@ def _cause(aborted: ExecAbortError) -> Exception:
     return error
 
 
+# A transaction (``set_many``) can't be split into round trips without losing its
+# atomicity, so its deadline grows with it: one ``redis.timeout`` more per this many
+# commands and per this many bytes sent (10,000 values of 3 KB, 30 MB in one MULTI/EXEC,
+# outlasted the default 100 ms every time). Batches that may be split are (``_l2batch``).
+_STRETCH_COMMANDS = 1_000
+_STRETCH_BYTES = 1 << 20
+
+
+def _stretched(timeout: float, count: int, value_bytes: int) -> float:
+    return timeout * (1 + count // _STRETCH_COMMANDS + value_bytes // _STRETCH_BYTES)
+
+
 class HeldConnection:
     """A connection of ``client``'s pool held from one command to the next, for a caller
     that sends one command at a time, on and on: the backplane listener, whose every
@@ -167,7 +179,7 @@ class HeldConnection:
         self._busy = True
         try:
             chunks = [_MULTI, *commands.chunks, _EXEC]
-            replies = await self._round_trip(chunks, commands.count + 2)
+            replies = await self._round_trip(chunks, commands.count + 2, commands.value_bytes)
         finally:
             self._busy = False
         for reply in replies[:-1]:  # MULTI's OK, then a QUEUED per command
@@ -184,10 +196,12 @@ class HeldConnection:
             raise executed
         return cast(list[Any], executed)
 
-    async def _round_trip(self, chunks: list[bytes], count: int = 0) -> Any:
+    async def _round_trip(self, chunks: list[bytes], count: int = 0, value_bytes: int = 0) -> Any:
         """Send ``chunks`` and read their reply or, with ``count``, a list of that many."""
         connection = await self._connected()
         timeout = connection.socket_timeout
+        if timeout and count:
+            timeout = _stretched(timeout, count, value_bytes)
         if timeout and others_are_ready():
             # A burst (``_readyqueue``): the deadline starts once every queued call
             # has run, as it did behind redis-py's per-send ``wait_for``.

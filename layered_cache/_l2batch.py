@@ -7,11 +7,18 @@ Every operation goes through ``L2Store.guard``: the shared breaker (a batch span
 nodes), the concurrency bound, and failures as ``L2Unavailable``. Scripts go as EVAL,
 not EVALSHA: cluster pipelines refuse EVALSHA, and Redis caches the compiled script by
 its SHA anyway.
+
+A round trip carries at most ``CHUNK_ITEMS`` keys and, for fills, about ``CHUNK_BYTES``
+of values; a larger batch takes one round trip per chunk, in turn. Each is bounded by
+one ``redis.timeout``: 10,000 keys of 3 KB sent whole (a 30 MB fill pipeline) outlasted
+the default 100 ms every time, which counted as a Redis failure (the breaker opens for
+every key), released the leases while the fills still ran, and cached nothing. None of
+these operations is atomic across keys, so chunks change nothing a caller can see.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from layered_cache import _direct as direct
 from layered_cache._keys import fill_channel
@@ -22,6 +29,27 @@ __all__ = ["Fill", "L2Batch"]
 
 Fill = tuple[str, str, bytes, int]  # (key, its lease, envelope bytes, ttl in ms)
 
+CHUNK_ITEMS = 1_000
+CHUNK_BYTES = 1 << 20
+
+
+def _chunks(items: Sequence[str]) -> Iterator[Sequence[str]]:
+    for start in range(0, len(items), CHUNK_ITEMS):
+        yield items[start : start + CHUNK_ITEMS]
+
+
+def _fill_chunks(fills: Sequence[Fill]) -> Iterator[Sequence[Fill]]:
+    """Runs of fills of at most CHUNK_ITEMS items and about CHUNK_BYTES (a single fill
+    larger than that goes alone)."""
+    start, size = 0, 0
+    for end, fill in enumerate(fills):
+        if end > start and (end - start >= CHUNK_ITEMS or size + len(fill[2]) > CHUNK_BYTES):
+            yield fills[start:end]
+            start, size = end, 0
+        size += len(fill[2])
+    if start < len(fills):
+        yield fills[start:]
+
 
 class L2Batch:
     def __init__(self, store: L2Store) -> None:
@@ -29,8 +57,12 @@ class L2Batch:
 
     async def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """The values of ``names`` in order (None: missing, or not a string)."""
-        if not names:
-            return []
+        values: list[bytes | None] = []
+        for chunk in _chunks(names):
+            values += await self._get_chunk(chunk)
+        return values
+
+    async def _get_chunk(self, names: Sequence[str]) -> list[bytes | None]:
         store = self._store
         if store.cluster:
             # Groups by slot, one pipelined MGET per slot: a round trip per master.
@@ -44,30 +76,33 @@ class L2Batch:
         return list(await store.guard(operation))
 
     async def acquire_leases(self, leases: Sequence[str], token: str, ttl_ms: int) -> list[bool]:
-        """SET NX PX every lease with one token: which ones we hold now."""
-        if not leases:
-            return []
-        pipe = self._store.client.pipeline(transaction=False)
-        for lease in leases:
-            pipe.set(lease, token, nx=True, px=ttl_ms)
-        return [bool(won) for won in await self._store.guard(pipe.execute())]
+        """SET NX PX every lease with one token: which ones we hold now. A failure may
+        come after some chunks (or some commands of one) took theirs: the caller gives
+        back every lease it asked for (a compare-and-delete by ``token``)."""
+        held: list[bool] = []
+        for chunk in _chunks(leases):
+            pipe = self._store.client.pipeline(transaction=False)
+            for lease in chunk:
+                pipe.set(lease, token, nx=True, px=ttl_ms)
+            held += [bool(won) for won in await self._store.guard(pipe.execute())]
+        return held
 
     async def fill_many(self, fills: Sequence[Fill], token: str) -> list[bool]:
         """Each key written only while ``token`` holds its lease (the FILL script, which
         also releases the lease and wakes the key's waiters): which ones were written."""
-        if not fills:
-            return []
-        pipe = self._store.client.pipeline(transaction=False)
-        for key, lease, data, ttl_ms in fills:
-            args = fill_args(token, data, ttl_ms, fill_channel(key), True, self._store.cluster)
-            pipe.eval(FILL_SCRIPT, 2, key, lease, *args)
-        return [bool(done) for done in await self._store.guard(pipe.execute())]
+        written: list[bool] = []
+        for chunk in _fill_chunks(fills):
+            pipe = self._store.client.pipeline(transaction=False)
+            for key, lease, data, ttl_ms in chunk:
+                args = fill_args(token, data, ttl_ms, fill_channel(key), True, self._store.cluster)
+                pipe.eval(FILL_SCRIPT, 2, key, lease, *args)
+            written += [bool(done) for done in await self._store.guard(pipe.execute())]
+        return written
 
     async def release_many(self, leases: Sequence[str], token: str) -> None:
         """Compare-and-delete each lease still holding ``token``."""
-        if not leases:
-            return
-        pipe = self._store.client.pipeline(transaction=False)
-        for lease in leases:
-            pipe.eval(RELEASE_SCRIPT, 1, lease, token)
-        await self._store.guard(pipe.execute())
+        for chunk in _chunks(leases):
+            pipe = self._store.client.pipeline(transaction=False)
+            for lease in chunk:
+                pipe.eval(RELEASE_SCRIPT, 1, lease, token)
+            await self._store.guard(pipe.execute())

@@ -33,11 +33,13 @@ def pack_command(args: tuple[bytes | str | int, ...]) -> list[bytes]:
 
 
 class Packed(msgspec.Struct):
-    """Commands packed one after another for a single send: their bytes and how many
-    commands (one reply each) they are."""
+    """Commands packed one after another for a single send: their bytes, how many
+    commands (one reply each) they are, and the bytes of the values among them (what
+    makes a send long: ``_direct`` stretches its deadline by it)."""
 
     chunks: list[bytes] = msgspec.field(default_factory=list)
     count: int = 0
+    value_bytes: int = 0
 
     def add(self, args: tuple[bytes | str | int, ...]) -> None:
         self.chunks += pack_command(args)
@@ -53,6 +55,7 @@ class Packed(msgspec.Struct):
             b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl),
         )
         self.count += 1
+        self.value_bytes += len(data)
 
 
 def _other(arg: object) -> bytes:

@@ -245,6 +245,33 @@ async def test_a_lease_a_timed_out_read_may_hold_is_given_back(
     await admin.aclose()
 
 
+async def test_the_leases_a_timed_out_batch_may_hold_are_given_back(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """The batch form: A's pipelined SET NXs land, their replies come late; A loads
+    without writing L2, and its five leases stayed for lease_ttl (a larger batch, sent
+    in chunks, can also fail after its first chunks took theirs)."""
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SLOW_A)
+    fields = [{"id": i} for i in range(5)]
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(a_config) as a,
+        LayeredCache.from_config(make_config(redis_url, prefix, LONG_LEASE)) as b,
+    ):
+        late_replies.match, late_replies.delay = b"NX", 0.5
+        assert await a.get_or_load_many("book", fields, lambda m: _slow(["A"] * len(m), 0)) == ["A"] * 5
+        late_replies.match = None
+        leases = [lease_name(a.key("book", f)) for f in fields]
+        assert await eventually(lambda: _all_gone(admin, leases), timeout=1.0)
+        values, took = await _timed(b.get_or_load_many("book", fields, lambda m: _slow(["B"] * len(m), 0)))
+        assert values == ["B"] * 5 and took < 0.5
+    await admin.aclose()
+
+
+async def _all_gone(admin: Any, names: list[str]) -> bool:
+    return bool(await admin.exists(*names) == 0)
+
+
 async def _gone(admin: Any, name: str) -> bool:
     return bool(await admin.exists(name) == 0)
 
