@@ -229,11 +229,11 @@ class BatchLoader:
                 continue
             soft_expiry = policy.soft_expiry(value, self._rt.clock())
             encoded = fills.encode(read.key, value, soft_expiry, delta, tagged)
-            if encoded is None:
-                found[read.key] = value
+            found[read.key] = encoded.value
+            if encoded.data is None:
                 uncacheable.append(read.key)
                 continue
-            data, found[read.key] = encoded
+            data = encoded.data
             fill = (read.key, lease_name(read.key), data, fills.redis_ttl_ms(soft_expiry))
             batch.append((read, fill, found[read.key], soft_expiry, tagged))
         await self._release(uncacheable, token)

@@ -13,14 +13,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import structlog
 
 from layered_cache._codec import CodecError, Envelope
 from layered_cache._policy import Policy
 
-__all__ = ["decode", "encode", "recheck"]
+__all__ = ["Encoded", "decode", "encode", "recheck"]
 
 _log = structlog.get_logger("layered_cache")
+
+
+class Encoded(msgspec.Struct, frozen=True):
+    """A value on its way into L2: its envelope bytes (None: not cacheable, counted and
+    logged) and what the caller gets back, decoded from those bytes wherever they exist.
+    A value too large to store comes back decoded too: without a declared type a
+    dataclass came back as itself when too large and as a dict when stored, so one call
+    changed type with the value's size."""
+
+    data: bytes | None
+    value: Any
 
 
 def decode(policy: Policy, key: str, data: bytes | None) -> Envelope[Any] | None:
@@ -55,22 +67,23 @@ def encode(
     soft_expiry: float,
     delta: float,
     tags: dict[str, str] | None = None,
-) -> tuple[bytes, Any] | None:
-    """(envelope bytes, the value decoded back from them), or None if not cacheable."""
+) -> Encoded:
+    """The envelope bytes and the value decoded back from them (see ``Encoded``)."""
     try:
         data = policy.codec.encode(value, now, soft_expiry, delta, tags)
     # OverflowError: ints over 64 bits; RecursionError: nested deeper than msgspec goes.
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         _not_cached(policy, "value_not_encodable", key, error=f"{type(exc).__name__}: {exc}")
-        return None
-    if len(data) > policy.max_value_bytes:
-        _not_cached(policy, "value_too_large", key, size=len(data), limit=policy.max_value_bytes)
-        return None
+        return Encoded(None, value)
     try:
-        return data, policy.codec.decode(data).value
+        decoded = policy.codec.decode(data).value
     except CodecError as exc:  # encodable, but not as the declared type: L2 readers
         _not_cached(policy, "value_not_decodable", key, error=str(exc))  # couldn't read it
-        return None
+        return Encoded(None, value)
+    if len(data) > policy.max_value_bytes:
+        _not_cached(policy, "value_too_large", key, size=len(data), limit=policy.max_value_bytes)
+        return Encoded(None, decoded)
+    return Encoded(data, decoded)
 
 
 def _not_cached(policy: Policy, event: str, key: str, **details: object) -> None:

@@ -39,17 +39,17 @@ class Fills:
         delta: float,
         tags: dict[str, str] | None = None,
         now: float | None = None,
-    ) -> tuple[bytes, Any] | None:
-        """(envelope bytes, the value as L2 readers will decode it) or None: see
-        ``envelopes``. ``now``: the write's time, if the caller read the clock already."""
+    ) -> envelopes.Encoded:
+        """The envelope bytes (None: not cacheable) and the value as L2 readers will
+        decode it: see ``envelopes``. ``now``: the write's time, if the caller read the
+        clock already."""
         now = self._clock() if now is None else now
         return envelopes.encode(self._policy, key, value, now, soft_expiry, delta, tags)
 
     def as_read(self, key: str, value: Any) -> Any:
         """``value`` as an L2 read would return it (see ``_envelopes``): for a value
         served without being stored, so a call returns the same type either way."""
-        encoded = self.encode(key, value, 0.0, 0.0)
-        return value if encoded is None else encoded[1]
+        return self.encode(key, value, 0.0, 0.0).value
 
     def fill_l1(
         self,

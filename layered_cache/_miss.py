@@ -266,10 +266,10 @@ class MissPath:
                 await self.release(key, token, quietly=False)
                 return fills.as_read(key, value)  # not stored, but L2's type all the same
         encoded = fills.encode(key, value, soft_expiry, delta, versions)
-        if encoded is None:
+        value, data = encoded.value, encoded.data
+        if data is None:
             await self.release(key, token)
             return value
-        data, value = encoded
         hot = replicas.replica_leases(key, policy.replicas) if fills.is_hot(key) else []
         try:
             written = await replicas.fill(

@@ -100,12 +100,12 @@ class Writes:
         for key, value in keyed:
             soft_expiry = policy.soft_expiry(value, now)
             encoded = fills.encode(key, value, soft_expiry, 0.0, versions, now)
-            if encoded is None:
+            if encoded.data is None:
                 uncacheable.append(key)
                 continue
             names, outdated = replicas.set_plan(key, policy.replicas, fills.is_hot(key))
-            writes.append((names, outdated, encoded[0], fills.redis_ttl_ms(soft_expiry, now)))
-            settled.append((key, encoded[1], soft_expiry))
+            writes.append((names, outdated, encoded.data, fills.redis_ttl_ms(soft_expiry, now)))
+            settled.append((key, encoded.value, soft_expiry))
         if uncacheable:
             # The new value can't be stored (not encodable, too large): the old one
             # must not be served in its place, so the key goes, everywhere (as

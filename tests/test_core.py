@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
+from typing import Any
 
 import msgspec
 import pytest
@@ -277,6 +279,32 @@ async def test_too_large_value_is_served_but_not_cached(redis_url: str, prefix: 
         assert cache.stats()["book"]["not_cached"] == 1
     assert await admin.exists(f"{prefix}book:1") == 0
     await admin.aclose()
+
+
+async def test_a_value_too_large_to_store_comes_back_as_the_type_a_stored_one_does(
+    redis_url: str, prefix: str
+) -> None:
+    """Without a declared type a stored dataclass comes back as a dict (what L2 readers
+    decode); a too-large one came back as the loader's own dataclass, so one call's
+    type changed with the value's size. Single keys and batches alike."""
+
+    @dataclasses.dataclass
+    class Page:
+        id: int
+        body: str
+
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "max_value_bytes": 200}})
+
+    async def load_many(fields_list: list[dict[str, Any]]) -> list[Page]:
+        return [Page(f["id"], "x" * (10 if f["id"] == 1 else 1000)) for f in fields_list]
+
+    async with LayeredCache.from_config(config) as cache:
+        small = await cache.get_or_load("book", {"id": 1}, CountingLoader(Page(1, "x" * 10)))
+        large = await cache.get_or_load("book", {"id": 2}, CountingLoader(Page(2, "x" * 1000)))
+        assert small == {"id": 1, "body": "x" * 10} and large == {"id": 2, "body": "x" * 1000}
+        batch = await cache.get_or_load_many("book", [{"id": 1}, {"id": 3}], load_many)
+        assert batch == [{"id": 1, "body": "x" * 10}, {"id": 3, "body": "x" * 1000}]
+        assert cache.stats()["book"]["not_cached"] == 2
 
 
 async def test_a_value_nested_deeper_than_the_codec_goes_is_served_but_not_cached(
