@@ -204,3 +204,27 @@ async def test_a_waiter_counts_a_fill_it_cannot_decode_once_not_at_every_poll(
         admin.set(f"{prefix}book:1", b"\xc1 not an envelope")
         assert await waiting == "v"  # max_wait passed: loaded without the lease
         assert cache.stats()["book"]["decode_error"] == 1
+
+
+class OldBook(msgspec.Struct):
+    id: int
+    title: str
+
+
+class RenamedBook(msgspec.Struct, forbid_unknown_fields=True):
+    id: int
+    name: str = ""
+
+
+async def test_a_renamed_field_is_a_miss_with_forbid_unknown_fields(
+    redis_url: str, prefix: str, admin: Any
+) -> None:
+    """What the README advises for a field renamed across a deploy: values the old code
+    wrote are misses, reloaded, never served with the new field at its default."""
+    now = time.time()
+    admin.set(f"{prefix}book:1", envelope(OldBook(1, "Dune"), now, now + 300, 0.01))
+    types = {"book": RenamedBook}
+    async with LayeredCache.from_config(make_config(redis_url, prefix), value_types=types) as cache:
+        fresh = await cache.get_or_load("book", {"id": 1}, CountingLoader(RenamedBook(1, "Dune")))
+        assert fresh == RenamedBook(1, "Dune")
+        assert cache.stats()["book"]["decode_error"] == 1
