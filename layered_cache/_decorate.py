@@ -9,8 +9,11 @@ The key template names every argument: a parameter it does not name would let ca
 differ only in that argument share one entry (``book_detail(1, "fr")`` answered with the
 value of ``book_detail(1, "en")``), so it is refused, defaults and ``*args``/``**kwargs``
 included. A method's ``self``/``cls`` (its first parameter) is exempt: the entry lives
-in L2, shared by every instance and process, so it can't be keyed on one object. So is
-what the caller names in ``ignore=`` (a database session: it never changes the value).
+in L2, shared by every instance and process, so it can't be keyed on one object. Only a
+method's: a function defined outside a class body whose first parameter happens to be
+named ``cls`` (a category) or ``self`` is keyed on it like on any other argument, or
+refused. So is what the caller names in ``ignore=`` (a database session: it never
+changes the value).
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def _refuse_unkeyed_parameters(
     template = namespace.policy.template
     keyed = set(template.fields) | ignored
     params = list(signature.parameters.values())
-    if params and params[0].name in _RECEIVERS and params[0].kind not in _VARIADIC:
+    first = params[0] if params else None
+    if first and first.name in _RECEIVERS and first.kind not in _VARIADIC and _in_class_body(fn):
         params = params[1:]
     variadic = [_shown(p) for p in params if p.kind in _VARIADIC]
     named = [p.name for p in params if p.kind not in _VARIADIC and p.name not in keyed]
@@ -120,6 +124,15 @@ def _refuse_unkeyed_parameters(
             f"{why}; give the function one named parameter per key field "
             f"({', '.join(template.fields)}) instead"
         )
+
+
+def _in_class_body(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` was defined in a class body (``Books.detail``, also
+    ``outer.<locals>.Books.detail``), not at module level or in a function
+    (``outer.<locals>.detail``): decorated, a method is still a plain function, and its
+    qualified name is the one thing that tells."""
+    parts = str(getattr(fn, "__qualname__", "")).split(".")
+    return len(parts) >= 2 and parts[-2] != "<locals>"
 
 
 def _shown(parameter: inspect.Parameter) -> str:

@@ -76,6 +76,24 @@ def test_a_cached_method_keys_on_its_fields_not_on_self_but_refuses_other_parame
                 return f"book {id} in {lang}"
 
 
+def test_a_function_whose_first_parameter_is_named_cls_is_keyed_on_it_outside_a_class() -> None:
+    """Only a method's receiver is exempt. ``cls`` was exempt by its name alone, so
+    ``price("premium", 1)`` and ``price("budget", 1)`` shared one entry."""
+    cache = _cache()
+    with pytest.raises(TypeError, match=r"price.*\['cls'\]"):
+
+        @cache.cached("book")
+        async def price(cls: str, id: int) -> str:
+            return f"{cls} price of {id}"
+
+    namespaces = {"price": {"key": "price:{cls}:{id}"}}
+    keyed = LayeredCache.from_config(make_config(_UNUSED_REDIS, "decorate:", namespaces))
+
+    @keyed.cached("price")
+    async def tier_price(cls: str, id: int) -> str:  # keyed on cls: accepted
+        return f"{cls} price of {id}"
+
+
 def test_the_sync_decorator_refuses_a_parameter_outside_the_key_too(
     redis_url: str, prefix: str
 ) -> None:
