@@ -41,6 +41,7 @@ from redis.exceptions import ExecAbortError, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from layered_cache._busypoll import AVAILABLE, BusyPoll, SocketPoll
+from layered_cache._chunks import CHUNK_BYTES, CHUNK_ITEMS
 from layered_cache._hiredis import Parser, new_parser
 from layered_cache._packing import Packed, pack_command
 from layered_cache._readyqueue import others_are_ready
@@ -103,16 +104,13 @@ def _cause(aborted: ExecAbortError) -> Exception:
     return error
 
 
-# A transaction (``set_many``) can't be split into round trips without losing its
-# atomicity, so its deadline grows with it: one ``redis.timeout`` more per this many
-# commands and per this many bytes sent (10,000 values of 3 KB, 30 MB in one MULTI/EXEC,
-# outlasted the default 100 ms every time). Batches that may be split are (``_l2batch``).
-_STRETCH_COMMANDS = 1_000
-_STRETCH_BYTES = 1 << 20
-
-
 def _stretched(timeout: float, count: int, value_bytes: int) -> float:
-    return timeout * (1 + count // _STRETCH_COMMANDS + value_bytes // _STRETCH_BYTES)
+    """A transaction (``set_many``) can't be split into round trips without losing its
+    atomicity, so its deadline grows with it instead: one ``redis.timeout`` more per
+    CHUNK_ITEMS commands and per CHUNK_BYTES of values (10,000 values of 3 KB, 30 MB in
+    one MULTI/EXEC, outlasted the default 100 ms every time). The rest is cut
+    (``_chunks``)."""
+    return timeout * (1 + count // CHUNK_ITEMS + value_bytes // CHUNK_BYTES)
 
 
 class HeldConnection:

@@ -30,6 +30,7 @@ from redis.exceptions import (
 
 from layered_cache import _direct as direct
 from layered_cache._breaker import CircuitBreaker
+from layered_cache._chunks import by_size
 from layered_cache._clients import (
     REDIS_FAILURES,
     RedisClient,
@@ -84,6 +85,10 @@ _log = structlog.get_logger("layered_cache.l2")
 
 
 T = TypeVar("T")
+
+
+def _write_size(write: Write) -> int:
+    return len(write[2]) * len(write[0])  # the value, once per name it is written to
 
 
 async def _within(operation: Awaitable[T], seconds: float) -> T:
@@ -298,13 +303,14 @@ class L2Store:
                 return bool(await self.guard(direct.evalsha(self.direct, script, keys, args)) == 1)
             return bool(await self.guard(run_transaction(self.direct, writes, announcement)))
         assert announcement is None, "a cluster announces after the writes"
-        pipe = self.client.pipeline(transaction=False)
-        for names, delete_first, data, ttl_ms in writes:
-            for name in delete_first:
-                pipe.delete(name)  # single-key DELs: never one command across slots
-            for name in names:
-                pipe.set(name, data, px=ttl_ms)
-        await self.guard(pipe.execute())
+        for chunk in by_size(writes, _write_size):  # not atomic anyway: see ``_chunks``
+            pipe = self.client.pipeline(transaction=False)
+            for names, delete_first, data, ttl_ms in chunk:
+                for name in delete_first:
+                    pipe.delete(name)  # single-key DELs: never one command across slots
+                for name in names:
+                    pipe.set(name, data, px=ttl_ms)
+            await self.guard(pipe.execute())
         return True
 
     async def delete(self, names: Sequence[str | bytes]) -> int:

@@ -8,19 +8,16 @@ nodes), the concurrency bound, and failures as ``L2Unavailable``. Scripts go as 
 not EVALSHA: cluster pipelines refuse EVALSHA, and Redis caches the compiled script by
 its SHA anyway.
 
-A round trip carries at most ``CHUNK_ITEMS`` keys and, for fills, about ``CHUNK_BYTES``
-of values; a larger batch takes one round trip per chunk, in turn. Each is bounded by
-one ``redis.timeout``: 10,000 keys of 3 KB sent whole (a 30 MB fill pipeline) outlasted
-the default 100 ms every time, which counted as a Redis failure (the breaker opens for
-every key), released the leases while the fills still ran, and cached nothing. None of
-these operations is atomic across keys, so chunks change nothing a caller can see.
+A large batch goes in round trips of at most 1,000 keys (fills: also about 1 MB of
+values), each under one ``redis.timeout`` (``_chunks`` says why).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from layered_cache import _direct as direct
+from layered_cache._chunks import by_count, by_size
 from layered_cache._keys import fill_channel
 from layered_cache._l2 import L2Store
 from layered_cache._scripts import FILL_SCRIPT, RELEASE_SCRIPT, fill_args
@@ -29,26 +26,9 @@ __all__ = ["Fill", "L2Batch"]
 
 Fill = tuple[str, str, bytes, int]  # (key, its lease, envelope bytes, ttl in ms)
 
-CHUNK_ITEMS = 1_000
-CHUNK_BYTES = 1 << 20
 
-
-def _chunks(items: Sequence[str]) -> Iterator[Sequence[str]]:
-    for start in range(0, len(items), CHUNK_ITEMS):
-        yield items[start : start + CHUNK_ITEMS]
-
-
-def _fill_chunks(fills: Sequence[Fill]) -> Iterator[Sequence[Fill]]:
-    """Runs of fills of at most CHUNK_ITEMS items and about CHUNK_BYTES (a single fill
-    larger than that goes alone)."""
-    start, size = 0, 0
-    for end, fill in enumerate(fills):
-        if end > start and (end - start >= CHUNK_ITEMS or size + len(fill[2]) > CHUNK_BYTES):
-            yield fills[start:end]
-            start, size = end, 0
-        size += len(fill[2])
-    if start < len(fills):
-        yield fills[start:]
+def _fill_size(fill: Fill) -> int:
+    return len(fill[2])
 
 
 class L2Batch:
@@ -58,7 +38,7 @@ class L2Batch:
     async def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """The values of ``names`` in order (None: missing, or not a string)."""
         values: list[bytes | None] = []
-        for chunk in _chunks(names):
+        for chunk in by_count(names):
             values += await self._get_chunk(chunk)
         return values
 
@@ -80,7 +60,7 @@ class L2Batch:
         come after some chunks (or some commands of one) took theirs: the caller gives
         back every lease it asked for (a compare-and-delete by ``token``)."""
         held: list[bool] = []
-        for chunk in _chunks(leases):
+        for chunk in by_count(leases):
             pipe = self._store.client.pipeline(transaction=False)
             for lease in chunk:
                 pipe.set(lease, token, nx=True, px=ttl_ms)
@@ -91,7 +71,7 @@ class L2Batch:
         """Each key written only while ``token`` holds its lease (the FILL script, which
         also releases the lease and wakes the key's waiters): which ones were written."""
         written: list[bool] = []
-        for chunk in _fill_chunks(fills):
+        for chunk in by_size(fills, _fill_size):
             pipe = self._store.client.pipeline(transaction=False)
             for key, lease, data, ttl_ms in chunk:
                 args = fill_args(token, data, ttl_ms, fill_channel(key), True, self._store.cluster)
@@ -101,7 +81,7 @@ class L2Batch:
 
     async def release_many(self, leases: Sequence[str], token: str) -> None:
         """Compare-and-delete each lease still holding ``token``."""
-        for chunk in _chunks(leases):
+        for chunk in by_count(leases):
             pipe = self._store.client.pipeline(transaction=False)
             for lease in chunk:
                 pipe.eval(RELEASE_SCRIPT, 1, lease, token)
