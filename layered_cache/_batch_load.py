@@ -99,10 +99,7 @@ class BatchLoader:
             )
         except L2Unavailable:
             policy.stats.redis_error += 1
-            # Some SET NXs may have landed (a chunk before the failure, a reply that came
-            # after the timeout): held for lease_ttl, every reader of those keys fleet-
-            # wide would wait max_wait. Given back, as a single key's are (``_miss``).
-            self._give_back(reads, token)
+            self._give_back(reads, token)  # some SET NXs may have landed: see _l2batch
             return await self._load_unleased(reads, fields_of, load_many)
         except asyncio.CancelledError:
             self._give_back(reads, token)  # the SET NXs may have landed before the cancel

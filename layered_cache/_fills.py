@@ -15,7 +15,7 @@ from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
 from layered_cache._tags import TagsOf, TagVersions, tag_names
 
-__all__ = ["Fills"]
+__all__ = ["FillWatch", "Fills"]
 
 
 class Fills:
@@ -156,3 +156,28 @@ class Fills:
 
     def within_stale(self, envelope: Envelope[Any] | None, now: float) -> bool:
         return envelope is not None and now - envelope.soft_expiry <= self._policy.stale_max_age
+
+
+class FillWatch:
+    """What a lease waiter accepts as the winner's fill: a fresh, live envelope of the
+    key. Each read is decoded once and the accepted envelope kept (a large value costs
+    one decode); undecodable bytes (a deploy with another value type filled it) are
+    counted and logged once per wait, not at every re-read."""
+
+    def __init__(self, fills: Fills, key: str, clock: Callable[[], float]) -> None:
+        self._fills = fills
+        self._key = key
+        self._clock = clock
+        self._told = False
+        self.accepted: Envelope[Any] | None = None
+
+    def usable(self, data: bytes | None) -> bool:
+        fills = self._fills
+        envelope = fills.recheck(data) if self._told else fills.decode(self._key, data)
+        self._told = self._told or (envelope is None and data is not None)
+        if envelope is None or self._clock() >= envelope.soft_expiry:
+            return False
+        if not fills.alive(envelope):
+            return False
+        self.accepted = envelope
+        return True

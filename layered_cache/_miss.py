@@ -25,9 +25,8 @@ import structlog
 
 from layered_cache import _replicas as replicas
 from layered_cache import _tags as tags
-from layered_cache._codec import Envelope
 from layered_cache._failsafe import FailSafe, Read
-from layered_cache._fills import Fills
+from layered_cache._fills import Fills, FillWatch
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._policy import Policy
@@ -95,29 +94,15 @@ class MissPath:
     async def _wait_for_fill(self, read: Read, token: str) -> _Filled | str | None:
         """The winner's fill, our own lease (the winner gave up), or None (timeout)."""
         policy, fills = self._policy, self._fills
-        accepted: list[Envelope[Any]] = []
-        told = False  # undecodable bytes are counted and logged once per wait, not per poll
-
-        def usable(data: bytes | None) -> bool:
-            nonlocal told
-            envelope = fills.recheck(data) if told else fills.decode(read.key, data)
-            told = told or (envelope is None and data is not None)
-            if (
-                envelope is not None
-                and self._rt.clock() < envelope.soft_expiry
-                and fills.alive(envelope)
-            ):
-                accepted.append(envelope)  # decoded once: a large value costs one decode
-                return True
-            return False
-
+        watch = FillWatch(fills, read.key, self._rt.clock)
         result = await self._rt.leases.wait_for_fill(
             read.key, lease_name(read.key), policy.lease_ttl, policy.reread_pause,
-            policy.max_wait, usable, token,
+            policy.max_wait, watch.usable, token,
         )
         if result.data is None:
             return result.token
-        envelope = accepted[-1]
+        envelope = watch.accepted
+        assert envelope is not None  # ``usable`` accepted it
         if envelope.tags is not None and not await fills.versions.valid(envelope.tags):
             return None  # its tag died while we waited: load without writing L2
         policy.stats.lease_wait_filled += 1
