@@ -38,7 +38,7 @@ from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import Poison, dead_letter
 from layered_cache.daemon.health import HealthServer
-from layered_cache.daemon.kafka import KafkaClients
+from layered_cache.daemon.kafka import KafkaClients, uncommitted_starts
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
@@ -66,7 +66,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._daemon._drain(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._daemon._assigned(assigned)
+        await self._daemon._assigned(assigned)
 
 
 class Daemon:
@@ -261,9 +261,14 @@ class Daemon:
             self.lag.pop((tp.topic, tp.partition), None)
         self.assignment = set()
 
-    def _assigned(self, assigned: set[TopicPartition]) -> None:
+    async def _assigned(self, assigned: set[TopicPartition]) -> None:
         self.assignment = set(assigned)
         _log.info("partitions_assigned", partitions=_names(assigned))
+        consumer = self._kafka.consumer
+        if consumer is None or self.config.kafka.auto_offset_reset != "latest":
+            return
+        if starts := await uncommitted_starts(consumer, assigned):
+            await self._commit(starts)  # see ``uncommitted_starts``
 
     def _status(self) -> tuple[bool, dict[str, object]]:
         retrying = self._retrier.retrying

@@ -1,5 +1,6 @@
 """aiokafka clients from ``KafkaConfig``: settings (one place for security pass-through),
-and the consumer + DLQ producer pair the daemon opens and closes together."""
+the consumer + DLQ producer pair the daemon opens and closes together, and where a
+newly assigned partition starts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.helpers import create_ssl_context
+from aiokafka.structs import TopicPartition
 
 from layered_cache._config import KafkaConfig
 
@@ -18,6 +21,7 @@ __all__ = [
     "client_kwargs",
     "consumer_kwargs",
     "producer_kwargs",
+    "uncommitted_starts",
 ]
 
 FETCH_MAX_WAIT_MS = 50
@@ -99,3 +103,22 @@ class KafkaClients:
             with contextlib.suppress(Exception):
                 await self.producer.stop()
             self.producer = None
+
+
+async def uncommitted_starts(
+    consumer: AIOKafkaConsumer, assigned: set[TopicPartition]
+) -> dict[TopicPartition, int]:
+    """Where each assigned partition the group never committed starts reading (its
+    position, resolved by ``auto_offset_reset`` now). Under "latest" that start is
+    "the end, whenever asked": left uncommitted, a daemon that fetched events and
+    stopped before its first commit left the next one to start at a later end, and
+    the events in between were never applied. Committed at assignment, it is owed."""
+    starts: dict[TopicPartition, int] = {}
+    for tp in sorted(assigned):
+        try:
+            if await consumer.committed(tp) is None:
+                starts[tp] = await consumer.position(tp)
+        except (IllegalStateError, KafkaError):
+            continue  # moved again meanwhile, or the broker can't say: as before
+    return starts
+
