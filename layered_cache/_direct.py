@@ -50,6 +50,7 @@ __all__ = [
     "DirectClient",
     "HeldConnection",
     "Packed",
+    "ReplyTooLarge",
     "evalsha",
     "execute_command",
     "execute_transaction",
@@ -61,10 +62,18 @@ _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 _EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 
 
-async def execute_command(direct: DirectClient, *args: bytes | str | int) -> Any:
+class ReplyTooLarge(Exception):
+    """A reply longer than its command's ``reply_cap``: the connection was dropped with
+    the rest unread, so the cost stays the cap's, not the value's."""
+
+
+async def execute_command(
+    direct: DirectClient, *args: bytes | str | int, reply_cap: int = 0
+) -> Any:
     """Send ``args`` on one of ``direct``'s kept connections and return the parsed
-    reply; an error reply raises redis-py's exception for it."""
-    return await direct.execute(args)
+    reply; an error reply raises redis-py's exception for it. ``reply_cap`` (bytes, 0:
+    none) raises ``ReplyTooLarge`` for a longer reply."""
+    return await direct.execute(args, reply_cap)
 
 
 async def evalsha(
@@ -144,6 +153,7 @@ class HeldConnection:
         self._connection: AbstractConnection | None = None
         self._parser: Parser = new_parser()
         self._busy = False
+        self._reply_cap = 0  # the command in flight's (``execute_command``)
         self._busy_poll = busy_poll  # None: a command that may block (XREAD BLOCK)
         self._socket: SocketPoll | None = None
         self._socket_of: object = None  # the StreamWriter ``_socket`` polls for
@@ -153,17 +163,17 @@ class HeldConnection:
         while one is in flight would read the first one's reply, so it is refused."""
         return await self.run(args)
 
-    async def run(self, args: tuple[bytes | str | int, ...]) -> Any:
+    async def run(self, args: tuple[bytes | str | int, ...], reply_cap: int = 0) -> Any:
         """``execute`` for ``DirectClient``: the explorer and the race tests wrap
         ``execute`` (the listener's commands) and ``execute_command`` (the request
         path's), each command once."""
         if self._busy:
             raise RuntimeError("HeldConnection runs one command at a time")
-        self._busy = True
+        self._busy, self._reply_cap = True, reply_cap
         try:
             reply = await self._round_trip(pack_command(args))
         finally:
-            self._busy = False
+            self._busy, self._reply_cap = False, 0
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -276,6 +286,7 @@ class HeldConnection:
     async def _read(self, connection: AbstractConnection, poll: bool = True) -> Any:
         parser = self._parser
         spin = self._busy_poll if poll else None
+        fed = 0
         while True:
             done, reply = parser.reply()
             if done:
@@ -291,6 +302,9 @@ class HeldConnection:
             if not data:
                 raise RedisConnectionError("Connection closed by server.")
             parser.feed(data)
+            fed += len(data)
+            if self._reply_cap and fed > self._reply_cap:
+                raise ReplyTooLarge(f"a reply of more than {self._reply_cap} bytes")
 
     def _stirred(self, connection: AbstractConnection) -> bool:
         """Whether the idle ``connection`` has bytes (or a FIN, an RST) to read: no
@@ -350,10 +364,10 @@ class DirectClient:
         # One for all the connections: they reach the same server (``_busypoll``).
         self.busy_poll = BusyPoll(busy_poll) if busy_poll > 0 and AVAILABLE else None
 
-    async def execute(self, args: tuple[bytes | str | int, ...]) -> Any:
+    async def execute(self, args: tuple[bytes | str | int, ...], reply_cap: int = 0) -> Any:
         held = self._checkout()
         try:
-            return await held.run(args)
+            return await held.run(args, reply_cap)
         finally:
             self._checkin(held)
 

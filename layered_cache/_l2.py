@@ -74,6 +74,8 @@ _NODE_REPLY_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "NOAUTH", "READONLY")
 
 def is_key_error(exc: BaseException) -> bool:
     """Whether a Redis error is about one key (the node is fine), not about the node."""
+    if isinstance(exc, direct.ReplyTooLarge):
+        return True  # its value, not the node (``L2Store.get``)
     return (
         isinstance(exc, ResponseError)
         and not isinstance(exc, _NODE_REPLIES)
@@ -104,7 +106,7 @@ def _get(store: L2Store, name: str) -> Awaitable[bytes | None]:
     if store.cluster:
         return store.client.get(name)  # type: ignore[return-value]  # bytes: decode_responses is off
     assert store.direct is not None
-    return direct.execute_command(store.direct, "GET", name)
+    return direct.execute_command(store.direct, "GET", name, reply_cap=store.reply_cap)
 
 
 def _set_nx(store: L2Store, name: str, value: str, ttl_ms: int) -> Awaitable[Any]:
@@ -145,6 +147,7 @@ class L2Store:
         max_in_flight: int = 64,
         deadline: float | None = None,
         busy_poll: float = 0.0,  # seconds (``_busypoll``); single node only
+        reply_cap: int = 0,  # bytes a single-key GET may read; single node only (``get``)
     ) -> None:
         self.client = client
         self.breaker = breaker
@@ -156,6 +159,7 @@ class L2Store:
         self.cluster = isinstance(client, RedisCluster)
         # Single node: the request path's commands, on connections kept between them.
         self.direct = _direct_client(client, busy_poll)
+        self.reply_cap = reply_cap
         self.notify_inline_max = NOTIFY_INLINE_MAX
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
@@ -228,12 +232,12 @@ class L2Store:
         try:
             async with self.slots:
                 result = await self.bounded(_get(self, name))
-        except ResponseError as exc:
+        except (ResponseError, direct.ReplyTooLarge) as exc:
             if not is_key_error(exc):
                 breaker.failure(exc)
                 raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-            # WRONGTYPE & co: this key is unusable, the node is fine. A miss: the
-            # next fill's SET overwrites a value of any type and repairs the key.
+            # WRONGTYPE & co, or a foreign value over ``reply_cap``: this key is unusable,
+            # the node is fine. A miss: the next fill's SET overwrites it, repairing it.
             breaker.success()
             self.key_errors += 1
             _log.warning("l2_key_error", key=name, error=str(exc))

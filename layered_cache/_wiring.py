@@ -49,6 +49,16 @@ class CacheParts:
                     continue
 
 
+def read_cap(config: Config) -> int:
+    """The most a single-key GET reads (``L2Store.get``): no namespace writes an envelope
+    over its ``max_value_bytes``, so anything far longer is not ours. Read whole, a
+    foreign 100 MB string took 250-390 ms, past ``redis.timeout``: a Redis failure for
+    the breaker of every key, at every read, and never replaced. Twice the largest
+    limit: values written before a limit was lowered are still read."""
+    largest = max((ns.max_value_bytes for ns in config.namespaces.values()), default=0)
+    return 2 * largest + 65_536
+
+
 def build_parts(config: Config) -> CacheParts:
     instance_id = os.urandom(6).hex()
     breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
@@ -57,7 +67,8 @@ def build_parts(config: Config) -> CacheParts:
     # connection) plus one command, the bound each single step already had.
     deadline = config.redis.connect_timeout + config.redis.timeout
     store = L2Store(
-        client, breaker, config.redis.max_connections, deadline, config.redis.busy_poll
+        client, breaker, config.redis.max_connections, deadline, config.redis.busy_poll,
+        reply_cap=read_cap(config),
     )
     publisher = listener_client = stream = fallback_client = None
     if config.backplane.enabled:

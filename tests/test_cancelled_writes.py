@@ -130,14 +130,14 @@ async def test_a_set_cancelled_after_its_write_keeps_no_load_that_read_the_repla
         written = asyncio.Event()
         original = direct.execute_command
 
-        async def gated(client: Any, *args: Any) -> Any:
+        async def gated(client: Any, *args: Any, **kwargs: Any) -> Any:
             if args and args[0] == "EVALSHA" and not written.is_set():
                 await write_may_go.wait()
-                reply = await original(client, *args)
+                reply = await original(client, *args, **kwargs)
                 written.set()
                 await asyncio.sleep(0.2)  # the reply is slow to come back
                 return reply
-            return await original(client, *args)
+            return await original(client, *args, **kwargs)
 
         monkeypatch.setattr(direct, "execute_command", gated)
         writer = asyncio.create_task(a.set("book", {"id": 1}, "new"))

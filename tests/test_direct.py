@@ -272,9 +272,9 @@ async def test_a_request_paths_command_is_seen_once_by_a_wrapper_of_the_module(
     seen: list[str] = []
 
     def counting(original: Any, label: str) -> Any:
-        async def wrapper(*args: Any) -> Any:
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
             seen.append(label)
-            return await original(*args)
+            return await original(*args, **kwargs)
 
         return wrapper
 

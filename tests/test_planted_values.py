@@ -14,12 +14,14 @@ from typing import Any
 import msgspec
 import pytest
 import redis
+import structlog
 
 from layered_cache import LayeredCache
 from layered_cache._codec import Codec, CodecError
 from layered_cache.cli import main
 from layered_cache.sync import SyncLayeredCache
 from tests.helpers import CountingLoader, eventually, in_l1, make_config
+from tests.servers import RedisServer
 from tests.test_cli import write_config
 
 ENC = msgspec.msgpack.encode
@@ -228,3 +230,29 @@ async def test_a_renamed_field_is_a_miss_with_forbid_unknown_fields(
         fresh = await cache.get_or_load("book", {"id": 1}, CountingLoader(RenamedBook(1, "Dune")))
         assert fresh == RenamedBook(1, "Dune")
         assert cache.stats()["book"]["decode_error"] == 1
+
+
+async def test_a_foreign_100_mb_value_is_a_miss_overwritten_not_a_redis_failure(
+    prefix: str,
+) -> None:
+    """Another tool wrote 100 MB at a cache key (no namespace writes more than its
+    max_value_bytes, 1 MB by default). Read whole, each GET took 250-390 ms here: past
+    the default redis.timeout (100 ms) a Redis failure, two of which opened the breaker
+    for every key, and the value was never replaced. Now the read stops after a cap, as
+    for a key of the wrong type: a miss, the node counted healthy, the fill overwrites
+    it (~90 ms, most of it Redis copying the value into its output buffer before the
+    first byte). The timeout here is 1 s, so that what is checked is that the read
+    stopped (no decode of 100 MB), not a race with the clock. Single node (a cluster's
+    GETs go through redis-py)."""
+    with RedisServer() as server, structlog.testing.capture_logs() as logs:
+        admin = redis.Redis.from_url(server.url)
+        admin.set(f"{prefix}book:1", b"x" * 100_000_000)
+        config = make_config(server.url, prefix, redis={"timeout": "1s"})
+        async with LayeredCache.from_config(config) as cache:
+            assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+            stats = cache.stats()["book"]
+            assert stats["redis_error"] == 0 and stats["decode_error"] == 0, stats
+        assert admin.strlen(f"{prefix}book:1") < 1000  # overwritten by the fill
+        admin.close()
+    stopped = [e for e in logs if e["event"] == "l2_key_error"]
+    assert any("a reply of more than" in e["error"] for e in stopped), logs
