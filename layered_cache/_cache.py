@@ -9,6 +9,7 @@ keyed by namespace name. It owns no storage logic and no step of the read path.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -24,9 +25,7 @@ from layered_cache._batch import LoadMany
 from layered_cache._coherence import Coherence
 from layered_cache._config import Config
 from layered_cache._hits import HitPath
-from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import Invalidator, ReplicaCountMismatch
-from layered_cache._keys import hot_report_name
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
 from layered_cache._policy import compile_policy
@@ -94,15 +93,19 @@ class LayeredCache(HitPath):
             self.namespace(name)._declare_type(value_type, by="value_types")
         for name, own_expiry in (expiry_of or {}).items():
             self.namespace(name).policy.expiry_of = own_expiry
+        self._built_in, self._started_in = os.getpid(), 0
+        self._follow()
+
+    def _follow(self) -> None:
+        """Listener, fallback subscriber and hot-key reporter, under this process's
+        instance id (built again in a process forked after construction: ``start``)."""
+        config, parts = self.config, self._parts
         self._backplane, self._fallback = startup.followers(
             parts, self._coherence, config.backplane, config.redis
         )
         detecting = any(ns.policy.hot is not None and ns.policy.hot.threshold for ns in self)
-        self._hot_reporter = (
-            HotKeyReporter(parts.client, hot_report_name(prefix, parts.instance_id), self.hot_keys)
-            if detecting
-            else None
-        )
+        hot_keys = self.hot_keys if detecting else None
+        self._hot_reporter = startup.hot_key_reporter(parts, config.redis.prefix, hot_keys)
 
     @classmethod
     def from_config(
@@ -141,6 +144,10 @@ class LayeredCache(HitPath):
     async def start(self) -> None:
         """Start following the backplane (L1 coherence) and reporting hot keys; see
         ``_startup`` for what is checked first and why."""
+        if os.getpid() != self._built_in:  # forked after construction: gunicorn --preload
+            startup.forked(self._parts, self._coherence, self._started_in)
+            self._follow()
+        self._built_in = self._started_in = os.getpid()
         await startup.learn_slots(self._parts.client)
         await self._clock.start()  # before any read or write stamps an envelope
         try:
@@ -148,10 +155,8 @@ class LayeredCache(HitPath):
         except ReplicaCountMismatch:
             await self.close()
             raise
-        # In the background: a log line, not worth delaying the start on a slow Redis.
-        self._rt.tasks.spawn(startup.check_memory_policy(self._parts.client, self.config.redis))
-        self._rt.tasks.spawn(startup.check_transactions(self._parts.client, self.config.redis))
-        self._rt.tasks.spawn(startup.check_database(self._parts.client, self.config.redis))
+        for check in startup.background_checks(self._parts.client, self.config.redis):
+            self._rt.tasks.spawn(check)
         if self._backplane is not None and self._fallback is not None:
             self._backplane.start()
             self._fallback.start()
@@ -199,8 +204,7 @@ class LayeredCache(HitPath):
     async def get_many(
         self, namespace: str, fields_list: Sequence[Mapping[str, object]]
     ) -> list[Any]:
-        """Values in order, None for a miss: L1, then one MGET (one pipelined round trip
-        per master in a cluster); never loads."""
+        """Values in order, None for a miss: L1, then MGET (per master in a cluster)."""
         return await self.namespace(namespace).get_many(fields_list)
 
     async def get_or_load_many(
@@ -218,8 +222,7 @@ class LayeredCache(HitPath):
     async def set_many(
         self, namespace: str, items: Sequence[tuple[Mapping[str, object], Any]]
     ) -> None:
-        """``set`` for many keys: one round trip (on a single node one MULTI/EXEC), one
-        backplane append."""
+        """``set`` for many keys: one MULTI/EXEC on a single node, one backplane append."""
         await self.namespace(namespace).set_many(items)
 
     async def set(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
@@ -16,16 +17,22 @@ from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._coherence import Coherence
 from layered_cache._config import BackplaneConfig, RedisConfig
 from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscribed
+from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import check_replica_counts, recorded_counts
+from layered_cache._keys import hot_report_name
 from layered_cache._memory_policy import log_memory_policies
 from layered_cache._namespace import Namespace
-from layered_cache._wiring import CacheParts
+from layered_cache._wiring import CacheParts, new_instance_id
 
 __all__ = [
+    "background_checks",
+    "check_database",
     "check_memory_policy",
     "check_replicas",
     "check_transactions",
     "followers",
+    "forked",
+    "hot_key_reporter",
     "learn_slots",
     "listening",
     "positioned",
@@ -61,6 +68,16 @@ async def positioned(listener: BackplaneListener, redis: RedisConfig) -> None:
         await asyncio.wait_for(
             listener.connected.wait(), 2 * (redis.connect_timeout + redis.timeout)
         )
+
+
+def background_checks(client: RedisClient, redis: RedisConfig) -> list[Coroutine[Any, Any, Any]]:
+    """The start's checks that only log (each a line with its fix): run in the
+    background, not worth delaying the start on a slow Redis."""
+    return [
+        check_memory_policy(client, redis),
+        check_transactions(client, redis),
+        check_database(client, redis),
+    ]
 
 
 async def check_memory_policy(client: RedisClient, redis: RedisConfig) -> None:
@@ -130,6 +147,37 @@ async def listening(
         positioned(listener, redis),
         subscribed(fallback, 2 * (redis.connect_timeout + redis.timeout)),
     )
+
+
+def forked(parts: CacheParts, coherence: Coherence, started_in: int) -> None:
+    """A cache built in one process and started in a child forked from it (gunicorn
+    ``--preload`` imports the app, and so builds the cache, in the master). Every worker
+    then had the master's instance id, the ``origin`` of its backplane entries, and
+    each worker's listener skipped the others' entries as its own: a write in one was
+    never dropped from another's L1. The child takes an id of its own, and drops the L1
+    it was born with (it missed every invalidation since the fork). A cache the parent
+    had *started* holds the parent's connections and tasks: refused, not shared."""
+    if started_in:
+        raise RuntimeError(
+            f"this LayeredCache was started in process {started_in}, before this one "
+            "was forked from it: its connections are that process's. Build one cache "
+            "per process (in the worker, e.g. in its lifespan), or start it only after "
+            "the fork"
+        )
+    parts.instance_id = new_instance_id()
+    if parts.publisher is not None:
+        parts.publisher.origin = parts.instance_id
+    coherence.forget_all()
+
+
+def hot_key_reporter(
+    parts: CacheParts, prefix: str, hot_keys: Callable[[], dict[str, dict[str, float]]] | None
+) -> HotKeyReporter | None:
+    """This instance's fleet hot-key report under its instance id; None if no namespace
+    detects hot keys (``hot_keys`` None)."""
+    if hot_keys is None:
+        return None
+    return HotKeyReporter(parts.client, hot_report_name(prefix, parts.instance_id), hot_keys)
 
 
 def followers(

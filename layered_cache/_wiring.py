@@ -22,7 +22,7 @@ from layered_cache._keys import backplane_stream_name
 from layered_cache._l2 import L2Store
 from layered_cache._notify import ClusterFillNotifier, FillNotifier, Notifier
 
-__all__ = ["CacheParts", "build_parts"]
+__all__ = ["CacheParts", "build_parts", "new_instance_id", "read_cap"]
 
 
 @dataclass(slots=True, eq=False)
@@ -49,6 +49,12 @@ class CacheParts:
                     continue
 
 
+def new_instance_id() -> str:
+    """Names one process's cache in backplane entries (their ``origin``: a listener skips
+    its own) and fleet hot-key reports."""
+    return os.urandom(6).hex()
+
+
 def read_cap(config: Config) -> int:
     """The most a single-key GET reads (``L2Store.get``): no namespace writes an envelope
     over its ``max_value_bytes``, so anything far longer is not ours. Read whole, a
@@ -60,7 +66,7 @@ def read_cap(config: Config) -> int:
 
 
 def build_parts(config: Config) -> CacheParts:
-    instance_id = os.urandom(6).hex()
+    instance_id = new_instance_id()
     breaker = CircuitBreaker(config.redis.breaker.failures, config.redis.breaker.reset)
     client = make_client(config.redis)
     # A cluster operation's overall deadline: one connect (a cold or re-established

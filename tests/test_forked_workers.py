@@ -1,0 +1,124 @@
+"""A cache built in one process and started in processes forked from it: gunicorn
+``--preload`` with uvicorn workers imports the app, and so builds the cache
+(``from_config`` does no I/O), in the master. Every worker had the master's instance
+id, the origin of its backplane entries: each worker's listener skipped the others'
+entries as its own, and a write in one worker was never dropped from another's L1
+(found by an adversarial review, 2026-12-05). A cache the master had *started* holds
+the master's connections: a worker refuses to start it, with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+from typing import Any
+
+from layered_cache import LayeredCache
+from tests.helpers import CountingLoader, make_config
+
+_NAMESPACES = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+
+
+def _forked_worker(cache: LayeredCache, role: str, ready: Any, done: Any, out: Any) -> None:
+    async def reader() -> None:
+        async with cache:
+            await cache.get_or_load("book", {"id": 1}, CountingLoader("old"))
+            ready.set()
+            while not done.is_set():  # noqa: ASYNC110 - a multiprocessing Event
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.5)  # ~100 x the backplane's latency
+            _report(out, (role, cache.instance_id, await cache.get("book", {"id": 1})))
+
+    async def writer() -> None:
+        async with cache:
+            while not ready.is_set():  # noqa: ASYNC110 - a multiprocessing Event
+                await asyncio.sleep(0.02)
+            await cache.set("book", {"id": 1}, "new")
+            done.set()
+            _report(out, (role, cache.instance_id, await cache.get("book", {"id": 1})))
+
+    try:
+        asyncio.run(reader() if role == "reader" else writer())
+    except BaseException as exc:  # report, don't hang the parent
+        _report(out, (role, "error", repr(exc)))
+    os._exit(0)
+
+
+def _report(out: Any, result: tuple[str, str, Any]) -> None:
+    """Send the result and leave at once (the child's shutdown is not under test)."""
+    out.put(result)
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_workers_forked_from_a_preloaded_cache_hear_each_others_writes(
+    redis_url: str, prefix: str
+) -> None:
+    """Broken: "invalidations drop it within the backplane's latency" / "after set()
+    returns ... no copy written before it (L1 of any instance) is served beyond the L1
+    bound" / the fork-safety claim.
+
+    A LayeredCache built at import (``from_config`` does no I/O; the bookstore example
+    builds it in ``create_app()``, started in the lifespan) and then forked (gunicorn
+    ``--preload`` with uvicorn workers, multiprocessing fork) gives every worker the
+    same ``instance_id``: the backplane origin. Each worker's listener then skips the
+    others' entries as "our own invalidation: already applied locally".
+    Observed: after worker W's set("new") returned, worker R keeps serving "old" from L1
+    (for its whole 60 s L1 TTL). Expected: R reads "new" (or misses) within the
+    backplane latency; each process must have its own origin (e.g. regenerate the id in
+    start() / when os.getpid() differs from the builder's)."""
+    config = make_config(redis_url, prefix, _NAMESPACES, backplane={"block": "200ms"})
+    cache = LayeredCache.from_config(config)  # at import, in the master
+    ctx = multiprocessing.get_context("fork")
+    ready, done, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_forked_worker, args=(cache, role, ready, done, out))
+        for role in ("reader", "writer")
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        results = {role: (ident, value) for role, ident, value in (out.get(timeout=30) for _ in procs)}
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    assert "error" not in {ident for ident, _ in results.values()}, results
+    assert results["writer"][1] == "new"
+    assert results["reader"][1] == "new", (
+        f"reader worker still serves {results['reader'][1]!r} from L1 after the other "
+        f"worker's set() returned; both workers' instance_id: "
+        f"{results['reader'][0]} / {results['writer'][0]}"
+    )
+
+
+def _start_in_child(cache: LayeredCache, out: Any) -> None:
+    async def start() -> None:
+        try:
+            await cache.start()
+        except RuntimeError as exc:
+            _report(out, ("child", "refused", str(exc)))
+        _report(out, ("child", "started", ""))
+
+    asyncio.run(start())
+
+
+async def test_a_cache_started_before_the_fork_refuses_to_start_in_the_child(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, _NAMESPACES, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as cache:
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_start_in_child, args=(cache, out))
+        child.start()
+        try:
+            _, outcome, message = out.get(timeout=30)
+        finally:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+        assert outcome == "refused", message
+        assert f"started in process {os.getpid()}" in message and "per process" in message
