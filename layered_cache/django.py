@@ -29,6 +29,7 @@ import structlog
 try:
     from asgiref.sync import sync_to_async
     from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
+    from django.db import close_old_connections, connections
 except ImportError as error:  # pragma: no cover - exercised without the extra
     from layered_cache._extras import missing_extra
 
@@ -54,6 +55,18 @@ __all__ = ["LayeredCacheBackend", "UncacheableValue"]
 
 _log = structlog.get_logger("layered_cache.django")
 _UNDECODABLE = object()  # ``_value``'s answer for a payload it can't read
+
+
+def _called(default: Any) -> Any:
+    return default() if callable(default) else default
+
+
+def _tidy_connections() -> None:
+    """Django's ``close_old_connections`` for this thread, unless one of its connections
+    is inside a transaction (a default that runs get_or_set itself, in ``atomic()``):
+    closing it there would end that transaction."""
+    if not any(conn.in_atomic_block for conn in connections.all(initialized_only=True)):
+        close_old_connections()
 
 Fields = dict[str, str]
 
@@ -150,8 +163,9 @@ class LayeredCacheBackend(BaseCache):
             async def step(current: Entry | None) -> bool:
                 if current is not None and readable(current.payload):
                     return False  # an unreadable payload is a miss: replaced
-                await write(cache, namespace, fields, entry)
-                return True
+                # False for a value too large to store: nothing was added, and an add()
+                # used as a lock must not admit the next caller too.
+                return await write(cache, namespace, fields, entry)
 
             return await locked(cache, namespace, fields, step)
 
@@ -258,28 +272,48 @@ class LayeredCacheBackend(BaseCache):
         version: int | None = None,
     ) -> Any:
         """The cached value, else ``default`` (called if callable) stored and returned:
-        with stampede protection, one call of ``default`` per key for the whole fleet."""
+        with stampede protection, one call of ``default`` per key for the whole fleet.
+
+        As Django's: a present value is returned whatever ``timeout`` says (timeout 0:
+        read, and a miss returns ``default`` unstored); the timeout counts from when the
+        value is stored, after ``default`` ran; and a present value is never replaced,
+        let alone deleted (a value another process set while ``default`` ran wins)."""
         sync_cache, namespace = self._parts()
         fields = self._fields(key, version)
         expires_at = self.get_backend_timeout(timeout)
-        if expires_at is not None and expires_at <= self._now():  # timeout 0: not cached
-            return default() if callable(default) else default
-        loaded: list[Entry] = []
+        if expires_at is not None and expires_at <= self._now():  # timeout 0: not stored
+            found = self.get(key, _UNDECODABLE, version)
+            return _called(default) if found is _UNDECODABLE else found
+        loaded: list[Any] = []
 
         def load() -> Entry:
-            entry = Entry(dumps(default() if callable(default) else default), expires_at)
-            loaded.append(entry)
-            return entry
+            loaded.append(self._default_value(default))
+            return Entry(dumps(loaded[-1]), self.get_backend_timeout(timeout))  # stamped now
 
         entry: Entry = sync_cache.get_or_load(namespace, fields, load)
+        if loaded:  # this call's default ran: its value (stored unless a write overtook it)
+            return loaded[-1]
         value = _value(entry, sync_cache, namespace) if _alive(entry, self._now()) else _UNDECODABLE
-        if value is _UNDECODABLE:  # past its own timeout, or unreadable: drop it, load again
-            sync_cache.invalidate(namespace, fields)
-            entry = sync_cache.get_or_load(namespace, fields, load)
-            value = _value(entry, sync_cache, namespace)
-        if value is _UNDECODABLE:  # unreadable again (planted meanwhile): ours, unstored
-            return loads((loaded or [load()])[-1].payload)
-        return value
+        if value is not _UNDECODABLE:
+            return value
+        # A hit past its own timeout, or unreadable: Django's get_or_set, an add() that
+        # never replaces what another process stored meanwhile, then that value.
+        fresh = _called(default)  # the caller's thread: its connections are its request's
+        self.add(key, fresh, timeout, version)
+        found = self.get(key, _UNDECODABLE, version)
+        return fresh if found is _UNDECODABLE else found
+
+    @staticmethod
+    def _default_value(default: Any) -> Any:
+        """``default`` (called if callable) on a loader thread: around it, Django's
+        connection upkeep a request gets (``close_old_connections``), or a connection
+        it opens there outlives CONN_MAX_AGE and, once the database drops it, fails
+        every later default that thread runs."""
+        _tidy_connections()
+        try:
+            return _called(default)
+        finally:
+            _tidy_connections()
 
     async def aget_or_set(
         self,
