@@ -53,8 +53,14 @@ class BackgroundTasks:
     """Fire-and-forget work (XFetch refreshes, replica copies, slow fills) that ``close``
     cancels and awaits, so no task outlives the cache or its Redis clients."""
 
+    # How long ``close`` waits for a write a cancelled caller left running: its steps
+    # are Redis round trips, each bounded by redis.timeout; cut off between its DEL and
+    # its announcement, the fleet would keep the old value in L1 until its TTL.
+    ORPHAN_GRACE = 5.0
+
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._orphans: set[asyncio.Task[Any]] = set()  # ``to_completion``'s, a subset
 
     async def to_completion(self, work: Coroutine[Any, Any, T]) -> T:
         """Await ``work`` in a task of its own that a cancelled caller leaves running.
@@ -69,6 +75,8 @@ class BackgroundTasks:
             if not task.done():
                 task.add_done_callback(_log_orphan_failure)
                 self.spawn(task)
+                self._orphans.add(task)
+                task.add_done_callback(self._orphans.discard)
             raise
 
     def spawn(self, coro: Awaitable[Any]) -> None:
@@ -78,10 +86,13 @@ class BackgroundTasks:
 
     async def close(self, grace: float = 0.2) -> None:
         """Let the tasks finish for up to ``grace`` seconds (a lease given back is one
-        round trip), then cancel what is left."""
+        round trip), the writes cancelled callers left running up to ``ORPHAN_GRACE``,
+        then cancel what is left."""
         await asyncio.sleep(0)  # a call cancelled just before us spawns its cleanup first
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace)
+        if self._orphans:
+            await asyncio.wait(list(self._orphans), timeout=self.ORPHAN_GRACE)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

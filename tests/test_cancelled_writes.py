@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from layered_cache import LayeredCache, _tags
 from layered_cache import _direct as direct
-from tests.helpers import eventually, make_config
+from tests.helpers import CountingLoader, eventually, make_config
 
 NS: dict[str, dict[str, Any]] = {
     "book": {"key": "book:{id}", "l1": {"ttl": "60s"}},
@@ -177,3 +178,64 @@ async def test_a_cluster_set_whose_caller_timed_out_after_its_write_still_reache
 
 async def _missing(cache: LayeredCache, page: dict[str, str]) -> bool:
     return await cache.get("category", page) is None
+
+
+async def test_invalidation_left_running_by_a_cancelled_caller_is_cut_by_close(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken: "a write whose caller is cancelled or times out mid-way still completes
+    what its first command began: `invalidate()` ... finish[es] their Redis steps in a
+    task of their own" / "a DEL without its announcement would leave other instances
+    serving the old value for their L1 TTL" (_coherence.invalidate).
+
+    A request calls invalidate(); the DEL lands; the announcement waits (a slow Redis
+    reply, or a free ``L2Store.slots`` under a burst: simulated with a 0.5 s pause in the
+    XADD); the request is cancelled (client timeout / graceful shutdown), and the app
+    shuts down: ``LayeredCache.close()`` -> ``BackgroundTasks.close(grace=0.2)`` cancels
+    the orphaned invalidation before its XADD. Observed: L2 is deleted but no entry is
+    appended; instance B serves the old value from L1 (60 s TTL). Expected: close()
+    lets the to-completion steps of an invalidation finish (bounded by its Redis
+    timeouts), or the orphan is at least not cancelled between DEL and announcement.
+    Cause: _runtime.BackgroundTasks.close cancels to_completion orphans after 0.2 s."""
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as b:
+        assert b._backplane is not None
+        assert await eventually(b._backplane.connected.is_set)
+        await b.get_or_load("book", {"id": 1}, CountingLoader("old"))
+        a = LayeredCache.from_config(config)
+        await a.start()
+        try:
+            publisher = a._parts.publisher
+            assert publisher is not None
+            real = publisher.publish
+
+            async def slow_publish(keys: Any, tags: Any = None) -> bytes:
+                await asyncio.sleep(0.5)  # the XADD's reply (or a slot) is slow to come
+                return await real(keys, tags=tags)
+
+            publisher.publish = slow_publish  # type: ignore[method-assign]
+            admin = aioredis.from_url(redis_url)
+            key = a.key("book", {"id": 1})
+            try:
+                request = asyncio.ensure_future(a.invalidate("book", {"id": 1}))
+                assert await eventually(
+                    lambda: _gone(admin, key), timeout=5
+                ), "the DEL never landed"
+                request.cancel()  # the client gave up: invalidate() promised to finish
+                with contextlib.suppress(asyncio.CancelledError):
+                    await request
+            finally:
+                await admin.aclose()
+        finally:
+            await a.close()  # the app shuts down
+        await asyncio.sleep(1.0)
+        value = await b.get("book", {"id": 1})
+        assert value is None, (
+            f"B serves {value!r} from L1: A's invalidation deleted L2 but its announcement "
+            "was cancelled by close()"
+        )
+
+
+async def _gone(admin: Any, key: str) -> bool:
+    return not await admin.exists(key)
