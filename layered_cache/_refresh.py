@@ -44,6 +44,11 @@ class Refresher:
         policy, key = self._policy, read.key
         if policy.beta <= 0 or key in self._refreshing:
             return
+        if envelope.tags and read.tags_of is None:
+            # A reader that gives no tags (a ``cached`` function) can't compute the
+            # tags of a tagged entry's new value: its refresh wrote the entry untagged,
+            # and it outlived ``invalidate_tag``. Tagged readers refresh it.
+            return
         if not should_refresh_early(
             now, envelope.soft_expiry, envelope.delta, policy.beta, self._rt.rand
         ):

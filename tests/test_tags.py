@@ -779,3 +779,49 @@ async def test_a_list_of_tags_no_entry_may_carry_is_refused_before_the_load_and_
         await cache.set("category", page, "page", tags=["book:1"])
         with pytest.raises((TypeError, ValueError)):  # an L1 hit
             await cache.get_or_load("category", page, load, tags=tags)
+
+
+async def test_a_reader_without_tags_never_refreshes_a_tagged_entry_into_an_untagged_one(
+    redis_url: str, prefix: str
+) -> None:
+    """Promise (README, "Tags die everywhere"): after invalidate_tag "no instance serves
+    an entry carrying the tag, from L2, a replica or its L1"; "Early refresh": "readers
+    keep getting the current value".
+
+    Scenario: the category page is loaded with tags=["book:1"]. Another caller reads
+    the same key through get_or_load without tags= (e.g. a @cache.cached function,
+    which has no way to pass tags) and only gets an L2 hit. That *read* starts an XFetch
+    refresh, and the refresh rewrites the entry with the reader's (absent) tags.
+    Observed: after invalidate_tag("book:1") the page is still served, from L2.
+    Expected: the page dies with the tag. Such a reader can't compute the new value's
+    tags, so it leaves the refresh to tagged readers (found by a review, 2026-12-05).
+    Cause: ``_refresh.Refresher._refresh`` builds its Read with ``request.tags_of`` of
+    whichever read triggered it, not from the envelope it refreshes."""
+    namespaces = {
+        "category": {
+            "key": "category:{slug}",
+            "tags": True,
+            "l1": False,
+            "l2": {"ttl": "2s", "jitter": 0},
+            "stampede": {"early_refresh_beta": 100.0},
+        }
+    }
+    config = make_config(redis_url, prefix, namespaces)
+    edition = {"n": 0}
+
+    async def load_page() -> dict[str, Any]:
+        edition["n"] += 1
+        await asyncio.sleep(0.02)  # delta > 0: XFetch is eager with beta = 100
+        return {"books": [1], "edition": edition["n"]}
+
+    async with LayeredCache.from_config(config, rand=lambda: 0.99) as cache:
+        first = await cache.get_or_load(
+            "category", {"slug": "scifi"}, load_page, tags=lambda p: [f"book:{b}" for b in p["books"]]
+        )
+        assert first["edition"] == 1
+        # A plain reader: an L2 hit, which starts a refresh in the background.
+        assert (await cache.get_or_load("category", {"slug": "scifi"}, load_page))["edition"] == 1
+        await asyncio.sleep(0.3)  # a refresh it started would have landed by now
+        await cache.invalidate_tag("book:1")
+        after = await cache.get("category", {"slug": "scifi"})
+        assert after is None, f"entry tagged book:1 survived invalidate_tag: {after}"
