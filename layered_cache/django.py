@@ -61,6 +61,18 @@ def _called(default: Any) -> Any:
     return default() if callable(default) else default
 
 
+def _on_loader_thread(default: Any) -> Any:
+    """``default`` (called if callable) on a loader thread: around it, Django's
+    connection upkeep a request gets (``close_old_connections``), or a connection it
+    opens there outlives CONN_MAX_AGE and, once the database drops it, fails every
+    later default that thread runs."""
+    _tidy_connections()
+    try:
+        return _called(default)
+    finally:
+        _tidy_connections()
+
+
 def _tidy_connections() -> None:
     """Django's ``close_old_connections`` for this thread, unless one of its connections
     is inside a transaction (a default that runs get_or_set itself, in ``atomic()``):
@@ -271,13 +283,10 @@ class LayeredCacheBackend(BaseCache):
         timeout: Any = DEFAULT_TIMEOUT,
         version: int | None = None,
     ) -> Any:
-        """The cached value, else ``default`` (called if callable) stored and returned:
-        with stampede protection, one call of ``default`` per key for the whole fleet.
-
-        As Django's: a present value is returned whatever ``timeout`` says (timeout 0:
-        read, and a miss returns ``default`` unstored); the timeout counts from when the
-        value is stored, after ``default`` ran; and a present value is never replaced,
-        let alone deleted (a value another process set while ``default`` ran wins)."""
+        """The cached value, else ``default`` (called if callable) stored and returned,
+        one call of ``default`` per key for the fleet. As Django's: a present value wins
+        whatever ``timeout`` says (0: a miss returns ``default`` unstored), the timeout
+        counts from after ``default`` ran, a present value is never replaced or deleted."""
         sync_cache, namespace = self._parts()
         fields = self._fields(key, version)
         expires_at = self.get_backend_timeout(timeout)
@@ -287,7 +296,7 @@ class LayeredCacheBackend(BaseCache):
         loaded: list[Any] = []
 
         def load() -> Entry:
-            loaded.append(self._default_value(default))
+            loaded.append(_on_loader_thread(default))
             return Entry(dumps(loaded[-1]), self.get_backend_timeout(timeout))  # stamped now
 
         entry: Entry = sync_cache.get_or_load(namespace, fields, load)
@@ -302,18 +311,6 @@ class LayeredCacheBackend(BaseCache):
         self.add(key, fresh, timeout, version)
         found = self.get(key, _UNDECODABLE, version)
         return fresh if found is _UNDECODABLE else found
-
-    @staticmethod
-    def _default_value(default: Any) -> Any:
-        """``default`` (called if callable) on a loader thread: around it, Django's
-        connection upkeep a request gets (``close_old_connections``), or a connection
-        it opens there outlives CONN_MAX_AGE and, once the database drops it, fails
-        every later default that thread runs."""
-        _tidy_connections()
-        try:
-            return _called(default)
-        finally:
-            _tidy_connections()
 
     async def aget_or_set(
         self,
