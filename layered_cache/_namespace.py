@@ -291,7 +291,8 @@ async def _read_replica(
     """A hot key's L2 read: this client's current replica (``ReplicaPlacement.pick``:
     balanced per master, sticky per client), else the base key. A replica that fails or
     is missing makes the client move on to the next master; a missing one is copied from
-    the base key in the background. Outside ``Namespace._read_l2`` only for the class's
+    the base key in the background; a failed one, in a cluster, is read from the base
+    key (on another master, maybe healthy). Outside ``Namespace._read_l2`` only for the class's
     size limit: one more await level on a hot read is ~0.5 us of a ~200 us GET."""
     placement = store.placement
     index, name = placement.pick(key, policy.replicas)
@@ -299,7 +300,11 @@ async def _read_replica(
         data = await store.get(name)
     except L2Unavailable:
         placement.move_on(key)  # this master failed us: the next read tries another
-        raise
+        if not store.cluster:
+            raise  # one node: the base key is on the one that just failed
+        # The base key may be on a healthy master: read it rather than send the hottest
+        # key of all to the loader each time the rotation reaches the dead one.
+        return await store.get(key)
     if data is not None:
         policy.stats.replica_reads[index] += 1
         return data

@@ -308,3 +308,65 @@ async def test_batches_and_tags_work_on_a_cluster(
         await cache.invalidate_tag("book:42")
         slugs = [{"slug": slug} for slug in "abcd"]
         assert await cache.get_many("category", slugs) == [None] * 4
+
+
+async def test_a_hot_key_whose_replicas_master_dies_is_read_from_its_base_not_loaded(
+    prefix: str,
+) -> None:
+    """Found by a review (2026-12-05). Promise (README, "Redis trouble degrades"): "In a cluster each master
+    has its own breaker, so one dead master doesn't send the healthy masters' keys to
+    the database"; docs/hotkeys.md: "A missing or failing replica also ends the client's
+    turn on that master".
+
+    Scenario: book:K is hot (static), its base key lives on a healthy master, and some
+    of its 8 replicas live on a master that dies. Reads rotate over the masters; each
+    time the rotation reaches the dead one, the replica GET fails (L2Unavailable, or
+    the open breaker) and ``_read_replica`` re-raises it, so ``Namespace._fetch`` calls
+    the loader (``load_unleased``) although the base key and the other replicas are on
+    healthy masters. Observed: the hot key - the one whose loads hurt most - is loaded
+    from the database again and again while one master is down. Expected: a failed
+    replica read falls back to the base key (as a missing replica does) or to a replica
+    on another master: no load at all.
+    Cause: ``_namespace._read_replica`` (``except L2Unavailable: move_on; raise``)."""
+    from tests.servers import RedisClusterServers
+
+    with RedisClusterServers(3, extra_args=["--cluster-require-full-coverage", "no"]) as cluster:
+        seeds = [f"{host}:{port}" for host, port in cluster.nodes]
+        probe = make_config(
+            cluster.url, prefix,
+            {"book": {"key": "book:{id}", "l1": False, "hot": {"replicas": 8}}},
+            redis={"cluster": True, "nodes": seeds}, backplane={"enabled": False},
+        )
+        async with LayeredCache.from_config(probe) as c:
+            slots = c._store.client.nodes_manager.slots_cache
+
+            def master(name: str) -> str:
+                return str(slots[key_slot(name.encode())][0].name)
+
+            def fits(i: int) -> bool:
+                base = master(f"{prefix}book:{i}")
+                owners = {master(n) for n in replica_names(f"{prefix}book:{i}", 8)}
+                return len(owners) == 3 and base in owners
+
+            key_id = next(i for i in range(2000) if fits(i))
+            base_master = master(f"{prefix}book:{key_id}")
+        dead = next(s for s in cluster.servers if f"{s.host}:{s.port}" != base_master)
+        config = make_config(
+            cluster.url,
+            prefix,
+            {"book": {"key": "book:{id}", "l1": False,
+                      "hot": {"replicas": 8, "keys": [f"book:{key_id}"]}}},
+            redis={"cluster": True, "nodes": seeds, "timeout": "300ms",
+                   "connect_timeout": "300ms"},
+            backplane={"enabled": False},
+        )
+        loader = CountingLoader("v")
+        async with LayeredCache.from_config(config) as cache:
+            cache._store.placement.sticky_seconds = 0.0  # turns of 64 reads
+            await cache.set("book", {"id": key_id}, "v")  # base + 8 replicas
+            dead.kill()
+            for _ in range(6 * 64):
+                assert await cache.get_or_load("book", {"id": key_id}, loader) == "v"
+        assert loader.calls == 0, (
+            f"hot key with a healthy base loaded {loader.calls} times from the database"
+        )
