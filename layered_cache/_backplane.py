@@ -157,6 +157,8 @@ class BackplaneListener:
         self._origin = origin.encode()
         self.last_id: bytes | None = None
         self.connected = asyncio.Event()
+        # The cache began serving before this listener first knew its place (``late``).
+        self._serving_unpositioned = False
         self._task: asyncio.Task[None] | None = None
         self.entries_seen = 0  # every entry read, our own included
         self.entries_applied = 0
@@ -179,6 +181,14 @@ class BackplaneListener:
             lag_seconds=lag,
             errors=self.errors,
         )
+
+    def late(self) -> None:
+        """The cache starts serving although this listener has no position yet (Redis,
+        or the relay, didn't answer in time: ``_startup.positioned``). Its first
+        position will be the stream's newest entry, after whatever was appended
+        meanwhile for the keys L1 filled since: so L1 is cleared when it is taken."""
+        if not self.connected.is_set():
+            self._serving_unpositioned = True
 
     def start(self) -> None:
         if self._task is None:
@@ -210,6 +220,9 @@ class BackplaneListener:
             try:
                 if self.last_id is None:
                     self.last_id = await self._tail_id()
+                    if self._serving_unpositioned:
+                        self._serving_unpositioned = False
+                        self._gap("positioned_after_serving")
                 elif check_from is not None:
                     await self._check_gap(check_from)
                 check_from = None

@@ -64,10 +64,12 @@ async def positioned(listener: BackplaneListener, redis: RedisConfig) -> None:
     an invalidation announced right after a first L1 fill would be missed, and the fill
     served for its L1 TTL (every forked worker, whose cache starts on its first request,
     opened that window)."""
-    with contextlib.suppress(TimeoutError):
+    try:
         await asyncio.wait_for(
             listener.connected.wait(), 2 * (redis.connect_timeout + redis.timeout)
         )
+    except TimeoutError:
+        listener.late()  # serving anyway: L1 is cleared once the position is known
 
 
 def background_checks(client: RedisClient, redis: RedisConfig) -> list[Coroutine[Any, Any, Any]]:

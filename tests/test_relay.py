@@ -23,7 +23,7 @@ from layered_cache._config import Config
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import parse_command
-from tests.helpers import eventually, make_config, start_relay
+from tests.helpers import CountingLoader, eventually, in_l1, make_config, start_relay
 from tests.servers import RedisServer
 
 BLOCK = "200ms"
@@ -728,3 +728,52 @@ def test_a_listen_address_without_an_ascii_port_is_a_usage_error(
     path.write_text('[namespaces.book]\nkey = "book:{id}"\n')
     assert main(["relay", "--config", str(path), "--listen", listen]) == 2
     assert "--listen must be HOST:PORT" in capsys.readouterr().err
+
+
+async def test_an_instance_started_while_its_relay_is_down_clears_l1_once_it_has_a_position(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken (a review, 2026-12-05): "A new cache ... starts serving only once its backplane listener knows its
+    place in the stream, so no invalidation slips between its first L1 fill and the
+    listener" and "invalidations drop it within the backplane's latency".
+
+    B reads the stream through ``backplane.relay``, which is down (restarting, its pod
+    not ready yet) when B starts. ``startup.positioned`` gives up after
+    2 x (connect_timeout + timeout) and B serves, L2 (direct Redis) working: its L1
+    fills. A invalidates book 1. When the relay comes up, B's listener takes its first
+    position with ``_tail_id`` = the stream's newest entry, i.e. *after* A's
+    invalidation, which it never applies.
+    Observed: B serves the old value from L1 (60 s TTL) after A's invalidate() returned
+    and B's listener is connected. Expected: no old value once connected (position the
+    listener before the first fill, e.g. from an ID of the start time, or clear L1 when
+    the first position is taken after the cache began serving).
+    Cause: BackplaneListener._run/_tail_id (last_id None -> newest) with
+    _startup.positioned's timeout."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backplane = {"block": "200ms"}
+    a_config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}, backplane=backplane)
+    b_config = make_config(
+        redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}},
+        backplane={**backplane, "relay": f"redis://127.0.0.1:{port}"},
+    )
+    async with LayeredCache.from_config(a_config) as a:
+        assert a._backplane is not None
+        assert await eventually(a._backplane.connected.is_set)
+        async with LayeredCache.from_config(b_config) as b:  # relay down: starts anyway
+            assert b._backplane is not None and not b._backplane.connected.is_set()
+            assert await b.get_or_load("book", {"id": 1}, CountingLoader("old")) == "old"
+            assert in_l1(b, 1)
+            await a.invalidate("book", {"id": 1})  # returned: L2 gone, entry appended
+            relay, _url = await start_relay(a_config, port)
+            try:
+                assert await eventually(b._backplane.connected.is_set, timeout=10)
+                await asyncio.sleep(1.0)
+                value = await b.get("book", {"id": 1})
+                assert value is None, (
+                    f"B serves {value!r} from L1 after A's invalidate() returned and B's "
+                    f"listener connected (gaps={b._backplane.gaps})"
+                )
+            finally:
+                await relay.close()
