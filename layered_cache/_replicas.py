@@ -20,10 +20,12 @@ when phase 2 runs: phase 2 deletes them and any replica already written, and a r
 write landing after phase 2 finds its reservation gone and fails. On a single node both
 phases are one atomic DEL.
 
-**set()** writes base and replicas unconditionally, after deleting the base lease and
-then every replica lease (``set_plan``): a fill in flight, which may carry an older
-value, loses its check or its replica writes. Replicas it doesn't rewrite (the key is
-not hot here, maybe elsewhere) are deleted.
+**set()** writes base and replicas unconditionally, deleting the base lease with the
+base write and then every replica lease (``set_plan``): a fill in flight, which may
+carry an older value, loses its check or its replica writes. Replicas it doesn't
+rewrite (the key is not hot here, maybe elsewhere) are deleted. In a cluster it runs in
+two phases, as an invalidation: the base key and its lease first (one atomic step per
+key), the replicas and their leases strictly afterwards (``write_many``).
 
 **Counts must agree** across the fleet (``invalidation.check_replica_counts``): an
 invalidator that knows fewer replicas than a writer leaves some behind.
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from layered_cache._backplane import Announcement
 from layered_cache._keys import fill_channel, lease_name, replica_names
 from layered_cache._l2 import L2Store, L2Unavailable, Write
+from layered_cache._scripts import WRITE_ONE_SCRIPT
 from layered_cache._stampede import LeaseWaiter, new_token
 
 __all__ = [
@@ -148,12 +151,27 @@ async def write_many(
 ) -> bool:
     """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``).
     Returns False if the stream refused ``announcement`` (the writes landed)."""
-    revoking = [outdated[0] for _, outdated, _, _ in writes if len(outdated) > 1]
-    if store.cluster and revoking:
-        # A cluster pipeline is not ordered across nodes: the base leases must be gone
-        # before any replica lease is, so they go first, alone.
-        await store.delete(revoking)
+    if store.cluster and any(len(outdated) > 1 for _, outdated, _, _ in writes):
+        # A cluster pipeline is not ordered across nodes, so in two phases, as an
+        # invalidation: each base key written with its lease deleted, in one step per
+        # key, before any replica or replica lease is touched. Only revoking the base
+        # leases first (the base SET in phase 2) let a copy take a fresh lease, read the
+        # *old* base while its node's SET was late, and write it to replicas whose
+        # leases phase 2 had already deleted: replicas older than the base, served
+        # after set() returned.
+        await _write_bases(store, writes)
+        writes = [(names[1:], outdated[1:], data, ttl) for names, outdated, data, ttl in writes]
     return await store.write_many(writes, announcement)
+
+
+async def _write_bases(store: L2Store, writes: Sequence[Write]) -> None:
+    """Phase 1 of a cluster set(): SET each base key and DEL its lease, atomically per
+    key (``WRITE_ONE_SCRIPT``: one slot), in one pipeline (EVAL: cluster pipelines
+    refuse EVALSHA)."""
+    pipe = store.client.pipeline(transaction=False)
+    for names, outdated, data, ttl_ms in writes:
+        pipe.eval(WRITE_ONE_SCRIPT, 2, names[0], outdated[0], data, ttl_ms)
+    await store.guard(pipe.execute())
 
 
 async def fill(

@@ -370,3 +370,97 @@ async def test_a_hot_key_whose_replicas_master_dies_is_read_from_its_base_not_lo
         assert loader.calls == 0, (
             f"hot key with a healthy base loaded {loader.calls} times from the database"
         )
+
+
+async def test_a_replica_copy_racing_a_cluster_set_never_leaves_replicas_older_than_the_base(
+    redis_cluster: Any, prefix: str
+) -> None:
+    """Found by a review (2026-12-05). Promise (README, "Invalidation wins everywhere"): "After invalidate() returns,
+    set() returns ..., no copy written before it (L1 of any instance, L2, a replica ...)
+    is served"; docs/hotkeys.md: the background copy to replicas "uses the same
+    protocol ... so an invalidation racing the copy leaves no replica".
+
+    Scenario (3-master cluster, one set() and one background copy, no concurrent
+    writers): B, where book:1 is cold, set()s "new". In a cluster B first DELs the base
+    lease alone, then pipelines per node [DEL replica leases + replicas] and [SET base]:
+    the nodes run their parts in any order. Here the base key's node answers late (a
+    slow link). Meanwhile A, where book:1 is hot, reads a replica B already deleted,
+    falls back to the base (still "old") and copies it: it wins the base lease (B
+    deleted it *before* writing), reserves the replica leases (B already deleted
+    them), reads "old" under the lease and writes it to the replicas. B's SET of the
+    base lands last and B's set() returns.
+    Observed: base = "new", replicas on the other masters = "old" until their TTL; A
+    serves "old" after set() returned. Expected: no replica older than the base after
+    set() returns (the copy must lose, as a fill does).
+    Cause: the copy takes a *new* base lease, and set() in a cluster revoked the base
+    lease before, not in the same step as, the base SET. Now the base write (whatever
+    command carries it) and its lease go first, in one step, the replicas after
+    (``_replicas.write_many``): the base key's node answering late holds them back too."""
+    from redis.asyncio.cluster import ClusterNode
+
+    key = f"{prefix}book:1"
+    base_slot_names = {key.encode(), key}
+    namespaces_hot = {
+        "book": {"key": "book:{id}", "l1": False, "hot": {"replicas": 8, "keys": ["book:1"]}}
+    }
+    namespaces_cold = {
+        "book": {"key": "book:{id}", "l1": False, "hot": {"replicas": 8, "threshold": "100000/s"}}
+    }
+    common = {"redis": {"cluster": True, "timeout": "2s"}, "backplane": {"enabled": False}}
+    hot_cfg = make_config(redis_cluster.url, prefix, namespaces_hot, **common)
+    cold_cfg = make_config(redis_cluster.url, prefix, namespaces_cold, **common)
+
+    release = asyncio.Event()
+    held = asyncio.Event()
+    original = ClusterNode.execute_pipeline
+
+    async def slow_base_node(self: ClusterNode, commands: list[Any]) -> bool:
+        sets_base = any(  # the command that writes the base key: a SET, or a script
+            str(c.args[0]).upper() in ("SET", "EVAL")
+            and any(arg in base_slot_names for arg in c.args[1:4])
+            for c in commands
+        )
+        if sets_base and not release.is_set():
+            held.set()
+            await release.wait()  # the base key's master answers late
+        return await original(self, commands)
+
+    async with (
+        LayeredCache.from_config(hot_cfg) as a,
+        LayeredCache.from_config(cold_cfg) as b,
+    ):
+        await a.set("book", {"id": 1}, "old")  # hot on A: base + 8 replicas
+        ClusterNode.execute_pipeline = slow_base_node  # type: ignore[method-assign]
+        try:
+            writer = asyncio.ensure_future(b.set("book", {"id": 1}, "new"))
+            await asyncio.wait_for(held.wait(), 5)
+            await asyncio.sleep(0.05)  # the other masters ran their part: replicas gone
+            # A reads: a deleted replica -> the base ("old") -> background copy.
+            for _ in range(16):
+                await a.get("book", {"id": 1})
+                a._store.placement.move_on(key)
+            await asyncio.sleep(0.3)  # the copy ran
+            release.set()
+            await asyncio.wait_for(writer, 5)  # set() returned
+        finally:
+            ClusterNode.execute_pipeline = original  # type: ignore[method-assign]
+            release.set()
+        nodes = [redis.Redis(host=h, port=p) for h, p in redis_cluster.nodes]
+        codec = a.namespace("book").policy.codec
+        stored: dict[str, Any] = {}
+        try:
+            for node in nodes:
+                for name in [key, *replica_names(key, 8)]:
+                    try:
+                        data = await node.get(name)
+                    except redis.ResponseError:  # MOVED: not this node's
+                        continue
+                    if data is not None:
+                        stored[name] = codec.decode(data).value
+        finally:
+            for node in nodes:
+                await node.aclose()
+        assert stored.get(key) == "new"
+        served = [await a.get("book", {"id": 1}) for _ in range(64)]
+        stale = {n: v for n, v in stored.items() if v != "new"}
+        assert not stale and "old" not in served, (stale, served)
