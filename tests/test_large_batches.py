@@ -55,12 +55,7 @@ async def test_set_many_of_10000_values_is_written_whole_within_the_default_time
     with RedisServer() as server:
         config = make_config(server.url, prefix, redis=DEFAULTS)
         for _ in range(2):
-            async with LayeredCache.from_config(config) as cache:
-                await cache.set_many("book", [(f, {"id": f["id"], "body": KB}) for f in ids(N)])
-                assert cache.stats()["book"]["redis_error"] == 0
-            async with LayeredCache.from_config(config) as other:
-                again = await other.get_many("book", ids(N))
-                assert [v["id"] for v in again] == list(range(N))
+            await set_many_then_read_back(config)
 
 
 async def test_set_many_of_10000_values_on_a_cluster_is_written_whole(
@@ -69,6 +64,11 @@ async def test_set_many_of_10000_values_on_a_cluster_is_written_whole(
     """A cluster's set_many is a pipeline split per node (not atomic there): it goes in
     chunks, each under one timeout (here the default 100 ms)."""
     config = make_config(redis_cluster.url, prefix, redis={**DEFAULTS, "cluster": True})
+    await set_many_then_read_back(config)
+
+
+async def set_many_then_read_back(config: Any) -> None:
+    """set_many of N values without a Redis error, then every one read back elsewhere."""
     async with LayeredCache.from_config(config) as cache:
         await cache.set_many("book", [(f, {"id": f["id"], "body": KB}) for f in ids(N)])
         assert cache.stats()["book"]["redis_error"] == 0
