@@ -37,6 +37,7 @@ from layered_cache._stream import (
     parse_id,
     trim_visible,
 )
+from layered_cache._stream_count import EntryCount
 from layered_cache._stream_link import StreamLink
 
 __all__ = [
@@ -154,11 +155,11 @@ class BackplaneListener:
         self._coalesce = coalesce
         self._trim_visible = trim_visible(batch, maxlen)
         self._cleared_through = (0, 0)  # entries up to this one are covered by an L1 clear
+        self._counted = EntryCount(self._link)  # entries lost unread while connected
         self._origin = origin.encode()
         self.last_id: bytes | None = None
         self.connected = asyncio.Event()
-        # The cache began serving before this listener first knew its place (``late``).
-        self._serving_unpositioned = False
+        self._serving_unpositioned = False  # before it first knew its place (``late``)
         self._task: asyncio.Task[None] | None = None
         self.entries_seen = 0  # every entry read, our own included
         self.entries_applied = 0
@@ -169,9 +170,8 @@ class BackplaneListener:
         self._down_since: float | None = None  # monotonic time the connection was lost
 
     def status(self) -> BackplaneStatus:
-        lag = self._lag
-        if self._down_since is not None:
-            lag = max(lag, time.monotonic() - self._down_since)
+        down = 0.0 if self._down_since is None else time.monotonic() - self._down_since
+        lag = max(self._lag, down)
         return BackplaneStatus(
             connected=self.connected.is_set(),
             last_id=self.last_id.decode() if self.last_id is not None else None,
@@ -183,10 +183,8 @@ class BackplaneListener:
         )
 
     def late(self) -> None:
-        """The cache starts serving although this listener has no position yet (Redis,
-        or the relay, didn't answer in time: ``_startup.positioned``). Its first
-        position will be the stream's newest entry, after whatever was appended
-        meanwhile for the keys L1 filled since: so L1 is cleared when it is taken."""
+        """The cache serves before this listener has a position (``_startup.positioned``):
+        its first one, the newest entry, is after what L1 may have missed. Clear then."""
         if not self.connected.is_set():
             self._serving_unpositioned = True
 
@@ -235,7 +233,9 @@ class BackplaneListener:
                     # As many entries as a trim past ``before`` would have left: the
                     # entries right after it may be gone (``trim_visible`` says why).
                     check_from = before
-                elif read and self._coalesce:
+                if await self._counted.lost(self.last_id, self.entries_seen):
+                    self._gap("entries_unread")
+                if read and self._coalesce and check_from is None:
                     # Let a burst gather before the next XREAD: a blocked XREAD returns
                     # as soon as one entry lands, so a writer's own set() loop would
                     # otherwise wake this reader (a reply to parse, a new XREAD to send)
@@ -340,6 +340,7 @@ class BackplaneListener:
 
     def _gap(self, reason: str) -> None:
         assert self.last_id is not None
+        self._counted.forget()
         self.gaps += 1
         _log.warning("backplane_gap_clearing_l1", last_id=self.last_id.decode(), reason=reason)
         self._on_gap()

@@ -17,6 +17,7 @@ __all__ = [
     "missed_entries",
     "oldest_entry",
     "parse_id",
+    "stream_field",
     "stream_info",
     "trim_visible",
     "xread_entries",
@@ -71,14 +72,14 @@ def trim_visible(batch: int, maxlen: int | None) -> int:
     return min(batch, maxlen) if maxlen is not None else batch
 
 
-def _field(info: Any, name: str) -> Any:
+def stream_field(info: Any, name: str) -> Any:
     """An XINFO STREAM field, whether the client decodes replies (str keys) or not."""
     return info.get(name, info.get(name.encode()))
 
 
 def last_generated(info: Any) -> bytes | None:
     """The ID of the newest entry the stream ever had (its ``last-generated-id``)."""
-    last = _field(info, "last-generated-id")
+    last = stream_field(info, "last-generated-id")
     if last is None:
         return None
     return last if isinstance(last, bytes) else str(last).encode()
@@ -86,10 +87,10 @@ def last_generated(info: Any) -> bytes | None:
 
 def oldest_entry(info: Any) -> tuple[int, int]:
     """The ID of the stream's oldest entry (of the newest it ever had, when empty)."""
-    first = _field(info, "first-entry")
+    first = stream_field(info, "first-entry")
     if first:
         return parse_id(first[0])
-    last = _field(info, "last-generated-id")
+    last = stream_field(info, "last-generated-id")
     return parse_id(last) if last is not None else (0, 0)
 
 
@@ -101,13 +102,13 @@ def missed_entries(info: Any, ours: tuple[int, int]) -> bool:
     so trimming is detected by the first entry having moved past our position (then
     the entry right after ours may have been trimmed too).
     """
-    deleted = _field(info, "max-deleted-entry-id")
+    deleted = stream_field(info, "max-deleted-entry-id")
     if deleted is not None and parse_id(deleted) > ours:
         return True  # an XDEL removed an entry we have not read
-    last = _field(info, "last-generated-id")
+    last = stream_field(info, "last-generated-id")
     if last is not None and parse_id(last) < ours:
         return True  # IDs went back: the stream was deleted and created anew
-    first = _field(info, "first-entry")
+    first = stream_field(info, "first-entry")
     if not first:
         # Empty (XTRIM MAXLEN 0, or every entry XDELed): anything added after our
         # position is gone unread.
@@ -117,6 +118,6 @@ def missed_entries(info: Any, ours: tuple[int, int]) -> bool:
     if ours == (0, 0):
         # We started before the stream existed: XREAD from 0-0 reads every entry
         # still there; only entries trimmed before we read them are lost.
-        added, length = _field(info, "entries-added"), _field(info, "length")
+        added, length = stream_field(info, "entries-added"), stream_field(info, "length")
         return added is not None and length is not None and int(added) > int(length)
     return True

@@ -1,0 +1,58 @@
+"""Whether a connected stream reader lost entries it never saw, by count.
+
+The listener's position tests (``_stream.missed_entries``) must be asked about the
+position *before* the lost entries. A reader that stalled while the stream was emptied
+(``XTRIM MAXLEN 0``), deleted (eviction) and created anew, or trimmed by a writer with
+a smaller ``backplane.maxlen``, and then read a few newer entries, had moved past the
+loss and never saw it: its L1 kept what the lost entries invalidated (found by a
+review, 2026-12-05). Counts don't depend on when they are taken: the stream's
+``entries-added`` (every XADD ever, Redis 7+) against the entries the reader read,
+between two moments it was caught up (its position the stream's last ID), bracket
+whatever was lost between them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from redis.exceptions import RedisError
+
+from layered_cache._stream import last_generated, stream_field
+from layered_cache._stream_link import StreamLink
+
+__all__ = ["EntryCount"]
+
+
+class EntryCount:
+    """One XINFO at most every ``every`` seconds, and only after entries were read
+    since the last one: an idle reader sends nothing more. So a loss is seen at the
+    first count after entries flow again (a reader that stays idle has nothing newer
+    to serve wrongly than what it held before, and its next invalidation is what
+    brings the count)."""
+
+    def __init__(self, link: StreamLink, every: float = 0.25) -> None:
+        self._link = link
+        self._every = every
+        self._due = 0.0
+        self._counted_at_read = 0  # the reader's total when we last asked
+        self._mark: tuple[int, int] | None = None  # (entries-added, entries read) then
+
+    async def lost(self, position: bytes, read: int) -> bool:
+        """True if entries were added since the last caught-up moment that were not
+        read (or the stream was created anew: fewer added than read)."""
+        if read == self._counted_at_read or time.monotonic() < self._due:
+            return False
+        self._due, self._counted_at_read = time.monotonic() + self._every, read
+        try:
+            info = await self._link.info()
+        except RedisError:
+            return False  # gone meanwhile, or the link failed: the next read finds out
+        added, last = stream_field(info, "entries-added"), last_generated(info)
+        if added is None or last is None or bytes(last) != position:
+            return False  # older Redis, or not caught up: no comparable moment
+        mark, self._mark = self._mark, (int(added), read)
+        return mark is not None and int(added) - mark[0] != read - mark[1]
+
+    def forget(self) -> None:
+        """After an L1 clear: what was lost before is covered by it."""
+        self._mark = None
