@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -170,12 +170,23 @@ class Daemon:
             ) from None
 
     async def _shutdown(self) -> None:
-        await self._kafka.disconnect()
-        await self.purges.close()
-        if self.health is not None:
-            await self.health.close()
-        if self._deleter is not None:
-            await self._deleter.close()
+        """Close every part even if one fails: a failing Kafka close must not leave the
+        health server listening, the purges queued and Redis connected, nor skip
+        ``daemon_stopped`` (the line operators look for after a SIGTERM)."""
+        steps: list[tuple[str, Callable[[], Awaitable[None]] | None]] = [
+            ("kafka", self._kafka.disconnect),
+            ("purges", self.purges.close),
+            ("health", self.health.close if self.health is not None else None),
+            ("redis", self._deleter.close if self._deleter is not None else None),
+        ]
+        for name, close in steps:
+            if close is None:
+                continue
+            try:
+                await close()
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                _log.warning("shutdown_step_failed", step=name, error=error)
         _log.info("daemon_stopped", **self.stats.totals())
 
     # -- one batch -------------------------------------------------------------------------

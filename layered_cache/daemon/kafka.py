@@ -4,10 +4,11 @@ newly assigned partition starts."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.helpers import create_ssl_context
@@ -25,6 +26,11 @@ __all__ = [
 ]
 
 FETCH_MAX_WAIT_MS = 50
+# How long closing one client may take: with the broker gone, LeaveGroup and the
+# producer's flush have nobody to talk to, and a SIGTERM must still end the process.
+STOP_TIMEOUT = 10.0
+
+_log = structlog.get_logger("layered_cache.daemon")
 
 
 def client_kwargs(config: KafkaConfig) -> dict[str, Any]:
@@ -96,13 +102,30 @@ class KafkaClients:
         # Consumer first: its stop() sends LeaveGroup, so partitions move to the other
         # daemons now instead of after the session timeout.
         if self.consumer is not None:
-            with contextlib.suppress(Exception):
-                await self.consumer.stop()
-            self.consumer = None
+            consumer, self.consumer = self.consumer, None
+            await _stop(consumer, "consumer")
         if self.producer is not None:
-            with contextlib.suppress(Exception):
-                await self.producer.stop()
-            self.producer = None
+            producer, self.producer = self.producer, None
+            await _stop(producer, "producer")
+
+
+async def _stop(client: AIOKafkaConsumer | AIOKafkaProducer, name: str) -> None:
+    """Close one client, bounded, never raising for the client's own failures.
+
+    aiokafka's ``stop()`` re-raises the CancelledError of a background task it cancels
+    (a fetch task sleeping in its retry backoff while the broker is down): that is not a
+    cancellation of *this* task, and letting it out turned a SIGTERM during a Kafka
+    incident into a traceback and exit 1 with nothing else closed. Our own
+    cancellation (``cancelling()``) is passed on, as it must be."""
+    task = asyncio.current_task()
+    try:
+        await asyncio.wait_for(client.stop(), STOP_TIMEOUT)
+    except asyncio.CancelledError:
+        if task is not None and task.cancelling():
+            raise
+        _log.warning("kafka_stop_interrupted", client=name)
+    except Exception as exc:  # TimeoutError included: closing goes on without it
+        _log.warning("kafka_stop_failed", client=name, error=f"{type(exc).__name__}: {exc}")
 
 
 async def uncommitted_starts(
