@@ -82,29 +82,35 @@ class Retrier:
         """Run ``attempt`` until it succeeds (True) or we must give up (False): on stop,
         or when the rebalance listener abandoned this batch (its partitions moved)."""
         backoff = Backoff(cap=self._max_backoff)
-        while True:
-            try:
-                await attempt()
-            except failures as exc:
-                self.retrying = what
-                self._stats.redis_retries += what == "invalidate"
-                delay = backoff.next_delay()
-                _log.warning(
-                    f"{what}_failed_retrying",
-                    error=cap_text(f"{type(exc).__name__}: {exc}"),
-                    attempt=backoff.attempt,
-                    retry_in=round(delay, 3),
-                )
-                await self._pause(delay)
-                if self._stopping.is_set() or self.abandon:
+        try:
+            while True:
+                try:
+                    await attempt()
+                except failures as exc:
+                    self.retrying = what
+                    self._stats.redis_retries += what == "invalidate"
+                    delay = backoff.next_delay()
                     _log.warning(
-                        f"{what}_abandoned_uncommitted",
-                        reason="stopping" if self._stopping.is_set() else "revoked",
+                        f"{what}_failed_retrying",
+                        error=cap_text(f"{type(exc).__name__}: {exc}"),
+                        attempt=backoff.attempt,
+                        retry_in=round(delay, 3),
                     )
-                    return False
-                continue
+                    await self._pause(delay)
+                    if self._stopping.is_set() or self.abandon:
+                        _log.warning(
+                            f"{what}_abandoned_uncommitted",
+                            reason="stopping" if self._stopping.is_set() else "revoked",
+                        )
+                        return False
+                    continue
+                return True
+        finally:
+            # On every way out (done, abandoned, stopped, cancelled): nothing is retried
+            # any more. Left set after an abandoned batch, it kept a standby that lost
+            # its partitions mid-retry at /readyz 503 forever - no later batch ran on it
+            # to clear the flag.
             self.retrying = None
-            return True
 
     async def _pause(self, delay: float) -> None:
         """Sleep ``delay`` seconds, or less if ``stop()`` is called meanwhile."""
