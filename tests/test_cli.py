@@ -161,6 +161,31 @@ def test_config_check_refuses_what_the_daemon_would_refuse(tmp_path: Path) -> No
     assert f"{config}: events[1].type: 'A' is already routed by events[0]" in result.stderr
 
 
+KAFKA_SECTIONS_THE_DAEMON_CANNOT_START_WITH = {
+    # aiokafka refused it at construction: daemon_crashed, a traceback, exit 1.
+    "kafka.sasl_username": 'security_protocol = "SASL_PLAINTEXT"\nsasl_mechanism = "PLAIN"',
+    # aiokafka's default mechanism is PLAIN: the same crash.
+    "kafka.sasl_mechanism": 'security_protocol = "SASL_PLAINTEXT"',
+    # create_ssl_context's FileNotFoundError was retried as a broker connect failure forever.
+    "kafka.ssl_cafile": 'security_protocol = "SSL"\nssl_cafile = "/nonexistent/ca.pem"',
+    # The bind failed at start: "health server can't listen on ...", exit 2.
+    "kafka.health_host": 'health_host = "no such host.invalid"',
+}
+
+
+@pytest.mark.parametrize("field", sorted(KAFKA_SECTIONS_THE_DAEMON_CANNOT_START_WITH))
+def test_config_check_refuses_a_kafka_section_the_daemon_cannot_start_with(
+    tmp_path: Path, field: str
+) -> None:
+    """`config check` passing means the daemon starts with the file: each of these
+    passed, then the daemon crashed, retried forever or exited 2 at its start."""
+    kafka = KAFKA_SECTIONS_THE_DAEMON_CANNOT_START_WITH[field]
+    config = write_config(tmp_path, "redis://127.0.0.1:6379/0", "", f"[kafka]\n{kafka}\n")
+    result = run_cli("config", "check", str(config))
+    assert result.returncode == 2, result.stdout
+    assert f"{config}: {field}: " in result.stderr and "Traceback" not in result.stderr
+
+
 # -- inspect / invalidate / hotkeys ----------------------------------------------------
 
 

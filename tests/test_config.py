@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from layered_cache import ConfigError, load_config, parse_config
 from layered_cache._config import ConfigWarning, HotConfig, L1Config, parse_duration, parse_rate
+from layered_cache._config.validate import daemon_start_problem
 
 FULL = """
 [redis]
@@ -440,6 +441,57 @@ def test_kafka_settings_the_daemon_could_never_use_are_refused_at_load(
     read its own dead letters back: one poison event, for ever."""
     with pytest.raises(ConfigError, match=rf"kafka\.\w+: .*{expected}"):
         parse_config({"kafka": kafka}, env={})
+
+
+SCRAM = {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512"}
+
+
+@pytest.mark.parametrize(
+    ("kafka", "expected"),
+    [
+        ({"security_protocol": "SASL_PLAINTEXT"}, r"sasl_mechanism: .*needs one"),
+        ({"health_host": "no such host.invalid"}, r"health_host: must be an IP address"),
+        ({"health_host": "-bad-.example"}, r"health_host: must be an IP address"),
+    ],
+)
+def test_kafka_security_and_bind_settings_no_daemon_can_use_are_refused_at_load(
+    kafka: dict[str, object], expected: str
+) -> None:
+    """SASL without a mechanism (aiokafka silently picked PLAIN and crashed the daemon's
+    start without credentials); a health_host that is no address (the bind failed)."""
+    with pytest.raises(ConfigError, match=rf"kafka\.{expected}"):
+        parse_config({"kafka": kafka}, env={})
+
+
+@pytest.mark.parametrize(
+    ("kafka", "env", "expected"),
+    [
+        # sasl_pass\S*: an earlier test's remembered secret may mask part of the name.
+        ({**SCRAM, "sasl_username": "svc"}, {}, r"sasl_pass\S*: .*LAYERED_CACHE_KAFKA_SASL_PASSWORD"),
+        (SCRAM, {"LAYERED_CACHE_KAFKA_SASL_PASSWORD": "pw"}, r"sasl_username: .*needs it"),
+        ({"sasl_mechanism": "PLAIN"}, {}, r"sasl_username: .*needs it"),
+    ],
+)
+def test_sasl_without_credentials_loads_for_the_services_but_not_for_the_daemon(
+    kafka: dict[str, object], env: dict[str, str], expected: str
+) -> None:
+    """The daemon crashed at start (PLAIN) or retried an authentication failure (SCRAM);
+    the k8s config takes the password from LAYERED_CACHE_KAFKA_SASL_PASSWORD, so a
+    missing Secret key is what `config check` and the daemon's start must name. The
+    services load the same file and need no Kafka password."""
+    config = parse_config({"kafka": kafka}, env=env)
+    assert re.match(rf"kafka\.{expected}", daemon_start_problem(config.kafka) or "")
+    env = {"LAYERED_CACHE_KAFKA_SASL_USERNAME": "svc", "LAYERED_CACHE_KAFKA_SASL_PASSWORD": "pw"}
+    assert daemon_start_problem(parse_config({"kafka": kafka}, env=env).kafka) is None
+
+
+@pytest.mark.parametrize(
+    "host", ["0.0.0.0", "::", "127.0.0.1", "fe80::1%eth0", "localhost", "daemon-0.svc.local", ""]
+)
+def test_a_health_host_that_is_an_ip_or_a_host_name_loads(host: str) -> None:
+    """Only the syntax is checked at load; a name that does not resolve where the daemon
+    runs is its start's one-line error (exit 2)."""
+    assert parse_config({"kafka": {"health_host": host}}, env={}).kafka.health_host == host
 
 
 def test_a_config_behind_a_fifo_is_refused_not_waited_for(tmp_path: Path) -> None:

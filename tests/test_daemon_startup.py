@@ -27,6 +27,7 @@ import structlog
 from layered_cache._config import Config
 from layered_cache._logs import FORMAT_ENV, SALT_ENV, redact_key, reset_logging
 from layered_cache.daemon import Daemon
+from layered_cache.daemon.core import DaemonStartError
 from layered_cache.daemon.main import setup_logging
 from tests.helpers import eventually, make_config
 from tests.servers import KafkaBroker, create_topic, free_port
@@ -139,6 +140,26 @@ async def test_stop_while_the_broker_is_unreachable_ends_the_daemon_cleanly(
     daemon.stop()
     await asyncio.wait_for(task, 10)
     assert not daemon.started.is_set()
+
+
+@pytest.mark.parametrize(
+    ("kafka", "expected"),
+    [
+        ({"security_protocol": "SSL", "ssl_cafile": "/nonexistent/ca.pem"}, r"kafka\.ssl_cafile: "),
+        ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN"}, r"kafka\.sasl_username: "),
+    ],
+)
+async def test_kafka_settings_no_retry_fixes_refuse_to_start_instead_of_retrying(
+    redis_url: str, prefix: str, unique_topic: str, kafka: dict[str, str], expected: str
+) -> None:
+    """create_ssl_context's FileNotFoundError is an OSError: it was retried as a broker
+    connect failure forever (/readyz said "connect"). SASL PLAIN without credentials
+    crashed with aiokafka's ValueError and a traceback (exit 1)."""
+    bootstrap = f"127.0.0.1:{free_port()}"
+    daemon = Daemon(daemon_config(redis_url, prefix, bootstrap, unique_topic, **kafka))
+    with pytest.raises(DaemonStartError, match=expected):
+        await asyncio.wait_for(daemon.run(), 10)
+    assert daemon.stats.connect_retries == 0
 
 
 async def test_health_server_binds_the_configured_host_only(

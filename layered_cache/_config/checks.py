@@ -7,6 +7,10 @@ field into the dotted path (``namespaces.book.hot.window: must be > 0``).
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
+import ssl
 from typing import Annotated
 from urllib.parse import parse_qsl, urlsplit
 
@@ -24,7 +28,11 @@ __all__ = [
     "check_jitter",
     "cluster_url_problem",
     "credentials_clash",
+    "host_problem",
     "positive",
+    "sasl_credentials_problem",
+    "sasl_mechanism_problem",
+    "ssl_cafile_problem",
     "url_problem",
 ]
 
@@ -164,3 +172,72 @@ def credentials_clash(url: str, username: str | None, password: str | None) -> s
         f"the URL holds a {clash[0]} and so does redis.{clash[0]} (or "
         f"LAYERED_CACHE_REDIS_{clash[0].upper()}): the URL's would win; keep one"
     )
+
+
+# Mechanisms that authenticate with kafka.sasl_username + sasl_password. (GSSAPI uses
+# Kerberos; OAUTHBEARER a token provider given in code through consumer_options.)
+_PASSWORD_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def sasl_mechanism_problem(protocol: str, mechanism: str | None) -> str | None:
+    """A SASL protocol without a mechanism: aiokafka silently picks PLAIN, which the
+    broker may not offer and which needs credentials. The file says what it means."""
+    if mechanism is None and protocol.startswith("SASL_"):
+        return (
+            f"security_protocol {protocol} needs one: set it to PLAIN, SCRAM-SHA-256, "
+            "SCRAM-SHA-512, GSSAPI or OAUTHBEARER"
+        )
+    return None
+
+
+def sasl_credentials_problem(
+    mechanism: str | None, username: str | None, password: str | None
+) -> tuple[str, str] | None:
+    """(field, problem) for a mechanism aiokafka can't authenticate with (PLAIN: a
+    ValueError at the daemon's start, exit 1 with a traceback; SCRAM: a failure at the
+    broker, retried forever). Checked by ``config check`` and the daemon's start, after
+    the LAYERED_CACHE_KAFKA_SASL_* overrides, so a missing Secret key behind
+    LAYERED_CACHE_KAFKA_SASL_PASSWORD is caught - but not at every load: the services
+    read the same file and should not need the daemon's Kafka password."""
+    if mechanism in _PASSWORD_MECHANISMS:
+        for field, value in (("sasl_username", username), ("sasl_password", password)):
+            if not value:
+                env = f"LAYERED_CACHE_KAFKA_{field.upper()}"
+                return field, f"sasl_mechanism {mechanism} needs it: set it here or in {env}"
+    return None
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def host_problem(host: str) -> str | None:
+    """A bind address must be an IP literal or a host name (RFC 1123 labels); whether a
+    name resolves is only known where the daemon runs (its start says so, exit 2). ""
+    binds every interface, as asyncio does."""
+    if not host:
+        return None
+    with_scope = host.split("%", 1)[0]  # an IPv6 zone: fe80::1%eth0
+    try:
+        ipaddress.ip_address(with_scope)
+        return None
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return None
+    return f"must be an IP address or a host name, got {host!r}"
+
+
+def ssl_cafile_problem(path: str | None) -> str | None:
+    """A CA file aiokafka can't load (missing, unreadable, not PEM): the daemon refuses
+    it at start, and ``config check`` says so. Not checked when every config loads: the
+    services read the same file and need no Kafka CA on their hosts."""
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        return f"{path!r} is not a file (missing, or not mounted where the daemon runs)"
+    try:
+        ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        return f"{path!r} can't be loaded as a CA file: {exc}"
+    return None

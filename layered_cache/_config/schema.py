@@ -21,7 +21,9 @@ from layered_cache._config.checks import (
     check_jitter,
     cluster_url_problem,
     credentials_clash,
+    host_problem,
     positive,
+    sasl_mechanism_problem,
     url_problem,
 )
 from layered_cache._config.names import purge_url_problem, stream_problem
@@ -171,6 +173,10 @@ class KafkaConfig(_Section, frozen=True):
         if self.dead_letter_topic in self.topics:
             # The daemon would read its own dead letters back: one poison event, for ever.
             raise bad("dead_letter_topic", f"{self.dead_letter_topic!r} is also in topics")
+        if problem := sasl_mechanism_problem(self.security_protocol, self.sasl_mechanism):
+            raise bad("sasl_mechanism", problem)
+        if problem := host_problem(self.health_host):
+            raise bad("health_host", problem)
 
 
 _KAFKA_MAX_MS = 2**31 - 1

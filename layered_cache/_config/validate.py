@@ -11,18 +11,20 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from layered_cache._config.checks import sasl_credentials_problem, ssl_cafile_problem
 from layered_cache._config.errors import ConfigError
 from layered_cache._config.schema import (
     Config,
     HotConfig,
     InvalidateTarget,
+    KafkaConfig,
     L1Config,
     L2Config,
     NamespaceConfig,
 )
 from layered_cache._keys import MAX_KEY_LENGTH, MAX_TAG_LENGTH, KeyTemplate
 
-__all__ = ["CACHE_INVALIDATE", "check_cross_references"]
+__all__ = ["CACHE_INVALIDATE", "check_cross_references", "daemon_start_problem"]
 
 CACHE_INVALIDATE = "CacheInvalidate"  # the built-in event type (layered_cache._events)
 
@@ -177,3 +179,18 @@ def _check_tag_target(source: str, path: str, target: InvalidateTarget) -> None:
             f"{source}: {path}.tag: builds tags of at least {len(literal)} characters, "
             f"over the limit of {MAX_TAG_LENGTH}: every such event would be refused"
         )
+
+
+def daemon_start_problem(kafka: KafkaConfig) -> str | None:
+    """What only the daemon needs, checked by ``config check`` and at the daemon's start
+    rather than at every load (the services share the file, not the daemon's Kafka
+    password or CA file): ``"kafka.<field>: <problem>"``, or None."""
+    if found := sasl_credentials_problem(
+        kafka.sasl_mechanism, kafka.sasl_username, kafka.sasl_password
+    ):
+        return f"kafka.{found[0]}: {found[1]}"
+    if kafka.security_protocol in ("SSL", "SASL_SSL") and (
+        problem := ssl_cafile_problem(kafka.ssl_cafile)
+    ):
+        return f"kafka.ssl_cafile: {problem}"
+    return None

@@ -22,8 +22,9 @@ from layered_cache._config import (
     NamespaceConfig,
     Rate,
 )
+from layered_cache._config.validate import daemon_start_problem
 from layered_cache._redact import redact, redact_url
-from layered_cache.cli.common import format_duration, load, print_json
+from layered_cache.cli.common import CliError, format_duration, load, print_json
 
 __all__ = [
     "CachedNamespace",
@@ -211,6 +212,10 @@ def _write_text(report: ConfigReport, config: Config, out: TextIO) -> None:
 def cmd_config_check(args: argparse.Namespace, out: TextIO) -> int:
     """Exit 0 when the cache and the daemon would start with the file."""
     config = load(args.file)
+    # Checked here and at the daemon's start, not at every load: the services read the
+    # same file and have no use for the daemon's Kafka password or CA file.
+    if problem := daemon_start_problem(config.kafka):
+        raise CliError(f"{config.source}: {problem}")
     report = effective_config(config)
     if args.json:
         print_json(report, out)

@@ -32,13 +32,14 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
 from layered_cache._config import Config
+from layered_cache._config.validate import daemon_start_problem
 from layered_cache._events import EventDecoder
 from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import Poison, dead_letter
 from layered_cache.daemon.health import HealthServer
-from layered_cache.daemon.kafka import KafkaClients, uncommitted_starts
+from layered_cache.daemon.kafka import KafkaClients, KafkaSetupError, uncommitted_starts
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
@@ -145,17 +146,24 @@ class Daemon:
             await self._shutdown()
 
     async def _start(self) -> bool:
+        if problem := daemon_start_problem(self.config.kafka):
+            # Not a failure a retry fixes: say which setting, exit 2 (``config check``
+            # refuses the same).
+            raise DaemonStartError(f"config error: {problem}")
         self._deleter = Deleter(self.config)
         await self._deleter.check_replicas()  # refuses a fleet-inconsistent config
         await self._deleter.check_memory_policy()  # logs what a full Redis will do
         if self._health_port >= 0:
             await self._start_health()
         self.purges.start()
-        return await self._retrier.connect(
-            lambda: self._kafka.connect(_Rebalance(self)),
-            self._kafka.disconnect,
-            _CONNECT_FAILURES,
-        )
+        try:
+            return await self._retrier.connect(
+                lambda: self._kafka.connect(_Rebalance(self)),
+                self._kafka.disconnect,
+                _CONNECT_FAILURES,
+            )
+        except KafkaSetupError as exc:
+            raise DaemonStartError(str(exc)) from None
 
     async def _start_health(self) -> None:
         host = self.config.kafka.health_host

@@ -5,6 +5,7 @@ newly assigned partition starts."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from layered_cache._config import KafkaConfig
 __all__ = [
     "FETCH_MAX_WAIT_MS",
     "KafkaClients",
+    "KafkaSetupError",
     "client_kwargs",
     "consumer_kwargs",
     "producer_kwargs",
@@ -33,6 +35,12 @@ STOP_TIMEOUT = 10.0
 _log = structlog.get_logger("layered_cache.daemon")
 
 
+class KafkaSetupError(Exception):
+    """A local setting the clients can't be built with (an unreadable ``ssl_cafile``).
+    Not a connect failure: no retry makes a missing file appear, so the daemon refuses
+    to start (exit 2) instead of retrying it as an unreachable broker forever."""
+
+
 def client_kwargs(config: KafkaConfig) -> dict[str, Any]:
     """Connection and security settings shared by the consumer and the DLQ producer."""
     kwargs: dict[str, Any] = {
@@ -45,7 +53,12 @@ def client_kwargs(config: KafkaConfig) -> dict[str, Any]:
         kwargs["sasl_plain_username"] = config.sasl_username
         kwargs["sasl_plain_password"] = config.sasl_password
     if config.security_protocol in ("SSL", "SASL_SSL"):
-        kwargs["ssl_context"] = create_ssl_context(cafile=config.ssl_cafile)
+        try:
+            kwargs["ssl_context"] = create_ssl_context(cafile=config.ssl_cafile)
+        except (OSError, ssl.SSLError) as exc:
+            raise KafkaSetupError(
+                f"kafka.ssl_cafile: {config.ssl_cafile!r} can't be loaded as a CA file: {exc}"
+            ) from None
     return kwargs
 
 
