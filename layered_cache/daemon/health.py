@@ -14,7 +14,17 @@ import msgspec
 
 __all__ = ["HealthServer"]
 
-_REASONS = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    404: "Not Found",
+    414: "URI Too Long",
+    503: "Service Unavailable",
+}
+# What is read and thrown away after refusing an over-long request line, so the answer
+# reaches the client (closing with its unread bytes in our buffer resets the connection,
+# and the 414 with it) without letting a client make us read forever.
+_DISCARD_BYTES = 1 << 20
+_DISCARD_SECONDS = 1.0
 
 
 class HealthServer:
@@ -47,16 +57,19 @@ class HealthServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await asyncio.wait_for(reader.readline(), 5.0)
+            try:
+                request = await asyncio.wait_for(reader.readline(), 5.0)
+            except ValueError:
+                # Over the StreamReader's limit (64 KiB): a scanner or a broken client,
+                # not a probe. Answered, not left to asyncio's unhandled-error traceback.
+                await _answer(writer, 414, b"request line too long\n", "text/plain")
+                if writer.can_write_eof():
+                    writer.write_eof()  # the client sees the answer's end at once
+                await _discard(reader)
+                return
             parts = request.decode("latin-1").split()
             path = parts[1] if len(parts) >= 2 else "/"
-            code, body, kind = self._route(path.split("?")[0])
-            head = (
-                f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {kind}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + body)
-            await writer.drain()
+            await _answer(writer, *self._route(path.split("?")[0]))
         except (OSError, TimeoutError, UnicodeDecodeError):
             pass
         finally:
@@ -73,3 +86,21 @@ class HealthServer:
             code = 200 if path == "/healthz" or ready else 503
             return code, msgspec.json.encode(detail), "application/json"
         return 404, b"not found\n", "text/plain"
+
+
+async def _answer(writer: asyncio.StreamWriter, code: int, body: bytes, kind: str) -> None:
+    head = (
+        f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {kind}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    """Read what the client still sends, bounded in bytes and time (see _DISCARD_BYTES)."""
+    left = _DISCARD_BYTES
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(_DISCARD_SECONDS):
+            while left > 0 and (chunk := await reader.read(min(left, 65536))):
+                left -= len(chunk)
