@@ -128,6 +128,12 @@ def _isatty(stream: TextIO) -> bool:
         return False
 
 
+BOM = b"\xef\xbb\xbf"
+# A line longer than LINE_FACTOR * max_value_bytes + LINE_SLACK is refused unread.
+LINE_FACTOR = 8
+LINE_SLACK = 64 * 1024
+
+
 class JsonlReader:
     """Lines of a JSONL file as ``Entry`` or ``Failure``, one at a time.
 
@@ -143,14 +149,44 @@ class JsonlReader:
         self.next_line = 1  # the number of the next line to read
         self.position = 0  # bytes consumed so far
 
+    @property
+    def line_limit(self) -> int:
+        """The longest line read: ``LINE_FACTOR`` x ``max_value_bytes`` (JSON may spell a
+        value out longer than its encoding: escapes, whitespace) plus ``LINE_SLACK`` for
+        the key. A longer line can hold no valid entry; reading it whole (a dump without
+        newlines: gigabytes) would cost that much memory just to refuse it."""
+        return LINE_FACTOR * self._policy.max_value_bytes + LINE_SLACK
+
     def __iter__(self) -> Iterator[Entry | Failure]:
-        for raw in self._source:
+        limit = self.line_limit
+        while raw := self._source.readline(limit + 1):
             number = self.next_line
             self.next_line += 1
             self.position += len(raw)
+            if number == 1 and raw.startswith(BOM):
+                # An editor's byte-order mark (PowerShell, Notepad "UTF-8 with BOM") is a
+                # mark of the file, not part of line 1's JSON: line 1 was refused.
+                raw = raw[len(BOM) :]
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                self.position += self._skip_rest(limit)
+                if number >= self.start_line:
+                    yield Failure(number, f"line too long: over {limit} bytes ({LINE_FACTOR} "
+                                  f"x max_value_bytes {self._policy.max_value_bytes} + "
+                                  f"{LINE_SLACK}), skipped unread")  # fmt: skip
+                continue
             if number < self.start_line or not raw.strip():
                 continue
             yield self._parse(number, raw)
+
+    def _skip_rest(self, chunk: int) -> int:
+        """Read past the rest of an over-long line, ``chunk`` bytes at a time (memory
+        stays flat); the bytes skipped."""
+        skipped = 0
+        while part := self._source.readline(chunk):
+            skipped += len(part)
+            if part.endswith(b"\n"):
+                break
+        return skipped
 
     def _parse(self, number: int, raw: bytes) -> Entry | Failure:
         try:

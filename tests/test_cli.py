@@ -548,14 +548,14 @@ PEAK_RSS = (
 )
 
 
-def peak_rss_mib(*args: str) -> float:
+def peak_rss_mib(*args: str, exit_code: int = 0) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LAYERED_CACHE_REDIS_URL", None)
     result = subprocess.run(
         [sys.executable, "-c", PEAK_RSS, *args], capture_output=True, text=True, timeout=600,
         cwd=ROOT, env=env,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == exit_code, result.stderr[-2000:]
     return int(result.stderr.rsplit("maxrss", 1)[1]) / 1024
 
 
@@ -570,6 +570,46 @@ def test_warm_streams_a_large_file_in_flat_memory(
     assert big_file.stat().st_size > 60 * 2**20
     assert peak - baseline < 30, (baseline, peak)  # the old reader: +110 MB
     assert missing_ids(admin, prefix, range(1, BIG_LINES + 1)) == []
+
+
+@pytest.mark.timeout(300)
+def test_warm_refuses_an_oversized_line_as_it_reads_it_in_flat_memory(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    """One 100 MB line (a dump without newlines; max_value_bytes is 1 MB) was read whole,
+    decoded, parsed and encoded before being refused: ~250 MB of RSS, OOM-killed in a
+    small pod for a 1 GB line. Refused as read now, the lines after it still warmed."""
+    config = str(write_config(tmp_path, redis_url, prefix))
+    small = tmp_path / "small.jsonl"
+    small.write_text(book_line(1) + book_line(2))
+    baseline = peak_rss_mib("warm", "book", "--from", str(small), "--config", config)
+    big = tmp_path / "big.jsonl"
+    with big.open("w") as f:  # in chunks: the test's own memory stays small too
+        f.write('{"key": {"id": 3}, "value": "')
+        for _ in range(100):
+            f.write("x" * 1_000_000)
+        f.write('"}\n' + book_line(4))
+    result = run_cli("warm", "book", "--from", str(big), "--config", config)
+    assert result.returncode == 1, result.stderr[-500:]
+    assert f"{big}:1: line too long: over " in result.stderr
+    assert "warmed 1 of 2" in result.stdout
+    assert missing_ids(admin, prefix, range(4, 5)) == []
+    peak = peak_rss_mib("warm", "book", "--from", str(big), "--config", config, exit_code=1)
+    assert peak - baseline < 40, (baseline, peak)  # the old reader: +250 MB
+
+
+def test_warm_reads_the_first_entry_of_a_file_saved_with_a_byte_order_mark(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any
+) -> None:
+    """PowerShell's `Out-File -Encoding utf8` and "UTF-8 with BOM" editors start the file
+    with EF BB BF: line 1 was refused as `Unexpected UTF-8 BOM`, its entry never warmed."""
+    config = write_config(tmp_path, redis_url, prefix)
+    source = tmp_path / "bom.jsonl"
+    source.write_bytes(b"\xef\xbb\xbf" + (book_line(1) + book_line(2)).encode())
+    result = run_cli("warm", "book", "--from", str(source), "--config", str(config))
+    assert result.returncode == 0, result.stderr[-500:]
+    assert "warmed 2 of 2" in result.stdout
+    assert missing_ids(admin, prefix, range(1, 3)) == []
 
 
 def start_warm(config: Path, source: Path, stderr: Path, *extra: str) -> subprocess.Popen[str]:
@@ -890,11 +930,11 @@ class FailingFile(io.BytesIO):
         super().__init__(data)
         self.left = good
 
-    def __next__(self) -> bytes:
+    def readline(self, size: int | None = -1, /) -> bytes:
         if self.left == 0:
             raise OSError(5, "Input/output error")
         self.left -= 1
-        return super().__next__()
+        return super().readline(size)
 
 
 async def test_warm_stops_at_a_read_error_with_the_line_to_resume_from(
