@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import Any
 
 import msgspec
@@ -16,7 +17,7 @@ import pytest
 
 from layered_cache.daemon import Daemon
 from tests.helpers import eventually
-from tests.servers import RedisServer, create_topic
+from tests.servers import KafkaBroker, RedisServer, create_topic
 from tests.test_daemon import daemon_config, http_get, price_changed, producer, running
 
 pytestmark = pytest.mark.kafka
@@ -98,3 +99,90 @@ async def test_a_daemon_that_lost_its_partitions_mid_retry_is_ready_again_as_a_s
                 b.stop()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(task_b, 20)
+
+
+async def not_ready(daemon: Daemon) -> bool:
+    return (await readyz(daemon))[0] == 503
+
+
+async def test_readyz_turns_503_within_seconds_of_the_kafka_broker_dying(
+    prefix: str, redis_url: str, unique_topic: str
+) -> None:
+    """With its only broker gone, aiokafka's getmany() just returns nothing: the daemon
+    answered 200 "ok" forever while events piled up unseen. Now the watch's end-offset
+    request fails and readiness says so, as at start-up; it recovers with the broker."""
+    with KafkaBroker() as broker:
+        config = daemon_config(redis_url, prefix, broker.bootstrap, unique_topic)
+        await create_topic(broker.bootstrap, unique_topic, 1)
+        daemon = Daemon(config, health_port=0)
+        async with running(daemon):
+            async with producer(broker.bootstrap) as p:
+                await p.send_and_wait(unique_topic, price_changed(1))
+            assert await eventually(lambda: daemon.stats.commits >= 1, timeout=10)
+            assert (await readyz(daemon))[0] == 200
+            broker.kill()
+            assert await eventually(lambda: not_ready(daemon), timeout=15, interval=0.5)
+            assert (await readyz(daemon))[1]["retrying"] == "kafka"
+            daemon.stop()
+
+
+async def test_readyz_turns_503_within_seconds_of_redis_dying_even_when_idle(
+    prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """An idle daemon had no delete to fail: with its Redis gone it answered 200 while it
+    could invalidate nothing. The watch PINGs Redis; ready again once Redis is back."""
+    with RedisServer() as server:
+        config = daemon_config(server.url, prefix, kafka_bootstrap, unique_topic)
+        await create_topic(kafka_bootstrap, unique_topic, 1)
+        daemon = Daemon(config, health_port=0)
+        async with running(daemon):
+            assert (await readyz(daemon))[0] == 200
+            server.kill()
+            assert await eventually(lambda: not_ready(daemon), timeout=10, interval=0.5)
+            assert (await readyz(daemon))[1]["retrying"] == "redis"
+            server.start()
+
+            async def ready() -> bool:
+                return (await readyz(daemon))[0] == 200
+
+            assert await eventually(ready, timeout=15, interval=0.5)
+
+
+def lag_total(metrics: bytes) -> float:
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(rb"^layered_cache_daemon_lag\{[^}]*\} (\S+)$", metrics, re.M)
+    )
+
+
+async def test_the_lag_gauge_grows_while_a_redis_outage_piles_up_events(
+    prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """docs/operations.md: "While Redis is down ... the lag grows; alert on
+    layered_cache_daemon_lag". The gauge was written only after a batch committed, so
+    during the outage it stayed at its pre-outage 0 while 150 events sat uncommitted."""
+    with RedisServer() as server:
+        config = daemon_config(server.url, prefix, kafka_bootstrap, unique_topic)
+        await create_topic(kafka_bootstrap, unique_topic, 1)
+        daemon = Daemon(config, health_port=0)
+        async with running(daemon), producer(kafka_bootstrap) as p:
+            await p.send_and_wait(unique_topic, price_changed(0))
+            assert await eventually(lambda: daemon.stats.commits >= 1, timeout=10)
+            server.kill()
+            # One record per produce request: the test broker (tansu) answers ListOffsets
+            # with the last record *batch*'s base offset + 1, so a batched backlog would
+            # show less lag than there is; Apache Kafka answers the high watermark.
+            for i in range(1, 51):
+                await p.send_and_wait(unique_topic, price_changed(i))
+            assert await eventually(lambda: daemon.stats.redis_retries >= 2, timeout=10)
+            for i in range(51, 151):
+                await p.send_and_wait(unique_topic, price_changed(i))
+            assert daemon.health is not None and daemon.health.bound_port
+            port = daemon.health.bound_port
+
+            async def lag_of_the_backlog() -> bool:
+                return lag_total((await http_get(port, "/metrics"))[1]) >= 150
+
+            assert await eventually(lag_of_the_backlog, timeout=10, interval=0.5), daemon.lag
+            server.start()
+            assert await eventually(lambda: daemon.stats.events >= 151, timeout=30)

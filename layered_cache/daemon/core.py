@@ -44,6 +44,7 @@ from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
 from layered_cache.daemon.unreadable import UNREADABLE, read_carefully, rewind
+from layered_cache.daemon.watch import Watch, broker_lag
 
 __all__ = ["Daemon", "DaemonStartError", "DaemonStats"]
 
@@ -89,7 +90,8 @@ class Daemon:
         self.config = config
         self.decoder = EventDecoder(config)
         self.stats = DaemonStats()
-        self.lag: dict[tuple[str, int], int] = {}  # per owned partition, from the last batch
+        self.lag: dict[tuple[str, int], int] = {}  # per owned partition: last batch, or watch
+        self._committed: dict[TopicPartition, int] = {}  # what we committed (the watch's lag)
         self.assignment: set[TopicPartition] = set()
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
@@ -103,6 +105,8 @@ class Daemon:
         self._deleter: Deleter | None = None
         # HTTP caches ([purge] urls): told in the background, never before the commit.
         self.purges = purges_for(config)
+        # Broker and Redis reachability for /readyz, and the lag gauge between batches.
+        self.watch = Watch({"kafka": self._probe_kafka, "redis": self._probe_redis})
         self.metrics = DaemonMetrics(
             self.stats, lambda: (self.lag, len(self.assignment)), self.purges.stats
         )
@@ -120,6 +124,7 @@ class Daemon:
             if not await self._start():
                 return  # stopped before the broker could be reached
             self.started.set()
+            self.watch.start()
             consumer = self._kafka.consumer
             assert consumer is not None
             kafka = self.config.kafka
@@ -182,6 +187,7 @@ class Daemon:
         health server listening, the purges queued and Redis connected, nor skip
         ``daemon_stopped`` (the line operators look for after a SIGTERM)."""
         steps: list[tuple[str, Callable[[], Awaitable[None]] | None]] = [
+            ("watch", self.watch.close),
             ("kafka", self._kafka.disconnect),
             ("purges", self.purges.close),
             ("health", self.health.close if self.health is not None else None),
@@ -262,6 +268,7 @@ class Daemon:
             _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
             return
         self.stats.commits += 1
+        self._committed.update(offsets)
 
     # -- rebalance and health --------------------------------------------------------------
 
@@ -278,6 +285,7 @@ class Daemon:
             _log.warning("rebalance_abandoned_batch_in_flight", waited_s=limit)
         for tp in revoked:
             self.lag.pop((tp.topic, tp.partition), None)
+            self._committed.pop(tp, None)  # the next owner commits it now
         self.assignment = set()
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
@@ -289,8 +297,16 @@ class Daemon:
         if starts := await uncommitted_starts(consumer, assigned):
             await self._commit(starts)  # see ``uncommitted_starts``
 
+    async def _probe_kafka(self) -> None:
+        if (consumer := self._kafka.consumer) is not None:
+            self.lag.update(await broker_lag(consumer, lambda: self.assignment, self._committed))
+
+    async def _probe_redis(self) -> None:
+        if self._deleter is not None:
+            await self._deleter.client.ping()
+
     def _status(self) -> tuple[bool, dict[str, object]]:
-        retrying = self._retrier.retrying
+        retrying = self._retrier.retrying or self.watch.failing()
         ready = self.started.is_set() and retrying is None and not self._stopping.is_set()
         return ready, {
             "status": "ok" if ready else "degraded",
