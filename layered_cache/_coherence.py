@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import structlog
+
 from layered_cache._clients import REDIS_FAILURES
+from layered_cache._invalidation import ReplicaCountMismatch, check_replica_counts, recorded_counts
 from layered_cache._keys import validate_tag
 from layered_cache._l2 import L2Unavailable
 from layered_cache._namespace import Namespace
 from layered_cache._runtime import Runtime
 
 __all__ = ["Coherence"]
+
+_log = structlog.get_logger("layered_cache")
 
 
 class Coherence:
@@ -87,6 +92,29 @@ class Coherence:
         for ns in self._namespaces:
             if ns.policy.l1 is not None:
                 ns.policy.l1.clear()
+
+    def lost_track(self) -> None:
+        """The backplane listener found a gap (``on_gap``): ``forget_all``; and since a
+        gap may mean Redis lost its data (a restart without persistence, FLUSHALL, a
+        failover to an empty node), this instance's replica counts are recorded again
+        (``_invalidation.check_replica_counts``). The record was written only at start:
+        after such a loss, a process starting with another ``hot.replicas`` recorded its
+        own and started, and its invalidations left the replicas it doesn't know of."""
+        self.forget_all()
+        self._rt.tasks.spawn(self._record_replica_counts())
+
+    async def _record_replica_counts(self) -> None:
+        counts = recorded_counts(ns.policy for ns in self._namespaces)
+        try:
+            await check_replica_counts(self._rt.store.client, self._rt.prefix, counts)
+        except ReplicaCountMismatch as exc:  # one started in the moment before: say so
+            _log.error(
+                "replica_count_mismatch_at_runtime",
+                error=str(exc),
+                fix="give every process the same hot.replicas (docs/hotkeys.md)",
+            )
+        except REDIS_FAILURES:
+            pass  # the next gap tries again
 
     def _forget_tag(self, tag: str) -> None:
         for ns in self._namespaces:

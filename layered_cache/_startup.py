@@ -195,7 +195,7 @@ def followers(
         parts.listener_client,
         parts.stream,
         on_keys=coherence.apply_remote,
-        on_gap=coherence.forget_all,
+        on_gap=coherence.lost_track,
         on_tags=coherence.apply_tags,
         block=backplane.block,
         coalesce=backplane.coalesce,

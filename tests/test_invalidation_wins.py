@@ -496,6 +496,34 @@ async def test_instance_with_another_replica_count_refuses_to_start(
     await admin.aclose()
 
 
+async def test_after_redis_restarts_empty_an_instance_with_another_replica_count_is_refused(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The fleet's record of hot.replicas was written only as each process started:
+    after Redis restarted without its data, a process with another count recorded its
+    own and started, and its invalidations left the replicas it doesn't know of, served
+    by the others. The running fleet's listeners find the lost stream (a gap) and record
+    their counts again (found by a review, 2026-12-05)."""
+    hot = make_config(redis_server.url, prefix, HOT)  # book: 4 replicas
+    plain = make_config(redis_server.url, prefix)  # 0
+    async with LayeredCache.from_config(hot) as fleet:
+        assert fleet._backplane is not None
+        await fleet.set("book", {"id": 1}, "v")
+        redis_server.stop()
+        redis_server.start()  # back, empty: no persistence
+        admin = redis.Redis.from_url(redis_server.url)
+
+        async def recorded_again() -> bool:
+            return bool(await admin.hget(replica_record_name(prefix), "book") == b"4")
+
+        assert await eventually(recorded_again, timeout=10)
+        assert fleet._backplane.gaps >= 1
+        with pytest.raises(ReplicaCountMismatch, match=r"'book': hot.replicas = 0 here, 4"):
+            async with LayeredCache.from_config(plain):
+                pass
+        await admin.aclose()
+
+
 async def test_a_namespace_renamed_with_another_replica_count_refuses_to_start(
     redis_url: str, prefix: str
 ) -> None:
