@@ -29,6 +29,7 @@ __all__ = [
     "cluster_url_problem",
     "credentials_clash",
     "host_problem",
+    "is_number",
     "positive",
     "sasl_credentials_problem",
     "sasl_mechanism_problem",
@@ -91,7 +92,7 @@ def url_problem(url: str) -> str | None:
     if not parsed.hostname:
         return "the URL has no host"
     database = parsed.path.strip("/")
-    if database and not _is_number(database):
+    if database and not is_number(database):
         return "the path must be a database number such as /0"
     if database and int(database) > _MAX_DATABASE:
         return f"a database number is at most {_MAX_DATABASE} (Redis's own limit)"
@@ -101,8 +102,9 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-def _is_number(text: str) -> bool:
-    """ASCII digits only: ``isdigit`` is also true of "３" and "³" (int() fails on the latter)."""
+def is_number(text: str) -> bool:
+    """ASCII digits only: ``isdigit`` is also true of "３" and "³" (int() fails on the latter).
+    For database numbers and ports alike."""
     return text.isascii() and text.isdigit()
 
 
@@ -135,7 +137,7 @@ def _query_problem(query: str) -> str | None:
         allowed = _QUERY_VALUES[name]
         if allowed is not None and value not in allowed:
             return f"?{name}= must be one of {', '.join(allowed)}"
-        if name == "db" and (not _is_number(value) or int(value) > _MAX_DATABASE):
+        if name == "db" and (not is_number(value) or int(value) > _MAX_DATABASE):
             return f"?db= must be a database number up to {_MAX_DATABASE}"
     return None
 

@@ -22,6 +22,7 @@ from layered_cache._config.checks import (
     cluster_url_problem,
     credentials_clash,
     host_problem,
+    is_number,
     positive,
     sasl_mechanism_problem,
     url_problem,
@@ -112,7 +113,7 @@ class RedisConfig(_Section, frozen=True):
             raise bad("nodes", "seed nodes are for a cluster: set cluster = true, or drop nodes")
         for node in self.nodes:
             host, _, port = node.rpartition(":")
-            if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+            if not host or not is_number(port) or not 0 < int(port) < 65536:
                 raise bad("nodes", f'expected "host:port", got {redact(node)!r}')
         try:
             validate_prefix(self.prefix)
@@ -152,7 +153,7 @@ class KafkaConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         for server in self.bootstrap_servers.split(","):
             host, _, port = server.strip().rpartition(":")
-            if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+            if not host or not is_number(port) or not 0 < int(port) < 65536:
                 raise bad("bootstrap_servers", f'expected "host:port[,host:port...]", '
                           f"got {redact(self.bootstrap_servers)!r}")
         positive(

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from layered_cache._config import Config
-from layered_cache._config.checks import url_problem
+from layered_cache._config.checks import is_number, url_problem
 from layered_cache._keys import backplane_stream_name
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
@@ -44,7 +44,7 @@ def cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
 
 def _address(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
-    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+    if not host or not is_number(port) or int(port) > 65535:
         raise CliError(f"--listen must be HOST:PORT, got {listen!r}")
     return host, int(port)
 
