@@ -82,6 +82,21 @@ async def start_checks_done(admin: Any) -> None:
     assert await eventually(checked), "the cache's start-up checks never reached Redis"
 
 
+def stall_listener(cache: LayeredCache) -> asyncio.Event:
+    """Hold ``cache``'s backplane listener at its next XREAD until the returned gate is
+    set (a stalled loop, a GC pause, a CPU-starved pod): connected, just not reading."""
+    listener = cache._backplane
+    assert listener is not None
+    real, gate = listener._xread, asyncio.Event()
+
+    async def held(after: bytes) -> Any:
+        await gate.wait()
+        return await real(after)
+
+    listener._xread = held  # type: ignore[method-assign]
+    return gate
+
+
 def open_cache(config: Config, **kwargs: Any) -> LayeredCache:
     return LayeredCache.from_config(config, **kwargs)
 

@@ -16,7 +16,7 @@ import msgspec
 
 from layered_cache import LayeredCache
 from layered_cache._fallback import FallbackMessage, fallback_channel
-from tests.helpers import CountingLoader, eventually, in_l1, make_config
+from tests.helpers import CountingLoader, eventually, in_l1, make_config, stall_listener
 from tests.servers import RedisServer
 
 
@@ -154,15 +154,7 @@ async def test_a_connected_instance_that_fell_behind_past_maxlen_clears_its_l1(
     async with two_instances(redis_url, prefix, maxlen=10) as (a, b, _proxy):
         for book_id in [1, 2, 99]:
             await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
-        listener = b._backplane
-        assert listener is not None
-        stalled, gate = listener._xread, asyncio.Event()
-
-        async def slow_xread(after: bytes) -> Any:
-            await gate.wait()
-            return await stalled(after)
-
-        listener._xread = slow_xread  # type: ignore[method-assign]
+        gate = stall_listener(b)
         await a.invalidate("book", {"id": 1})  # ends the XREAD B was blocked in
         assert await eventually(lambda: not in_l1(b, 1), timeout=5)
         await a.invalidate("book", {"id": 2})  # B stands at the gate: not read yet

@@ -16,7 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from layered_cache import LayeredCache
-from tests.helpers import CountingLoader, eventually, in_l1, make_config
+from tests.helpers import CountingLoader, eventually, in_l1, make_config, stall_listener
 
 _NAMESPACES = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
 
@@ -32,21 +32,6 @@ async def _pair(
         assert await eventually(a._backplane.connected.is_set)
         assert await eventually(b._backplane.connected.is_set)
         yield a, b
-
-
-def _stall(cache: LayeredCache) -> asyncio.Event:
-    """Hold ``cache``'s listener at its next XREAD until the returned gate is set (a
-    stalled loop, a GC pause, a CPU-starved pod): connected, just not reading."""
-    listener = cache._backplane
-    assert listener is not None
-    real, gate = listener._xread, asyncio.Event()
-
-    async def held(after: bytes) -> Any:
-        await gate.wait()
-        return await real(after)
-
-    listener._xread = held  # type: ignore[method-assign]
-    return gate
 
 
 async def test_a_stalled_listener_sees_a_trim_by_a_writer_with_a_smaller_maxlen(
@@ -66,7 +51,7 @@ async def test_a_stalled_listener_sees_a_trim_by_a_writer_with_a_smaller_maxlen(
     async with _pair(redis_url, prefix, {"maxlen": 10}, {}) as (a, b):
         for book_id in (1, 2):
             await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
-        gate = _stall(b)
+        gate = stall_listener(b)
         await a.invalidate("book", {"id": 1})  # ends the XREAD B was blocked in
         assert await eventually(lambda: not in_l1(b, 1), timeout=5)
         await a.invalidate("book", {"id": 2})  # B is held at the gate: unread
@@ -88,7 +73,7 @@ async def _stalled_listener_then(redis_url: str, prefix: str, wipe: str) -> None
     async with _pair(redis_url, prefix, {}, {}) as (a, b):
         for book_id in (1, 2):
             await b.get_or_load("book", {"id": book_id}, CountingLoader(f"v{book_id}"))
-        gate = _stall(b)
+        gate = stall_listener(b)
         await a.invalidate("book", {"id": 1})
         assert await eventually(lambda: not in_l1(b, 1), timeout=5)
         await a.invalidate("book", {"id": 2})  # B is held at the gate: unread
