@@ -39,7 +39,7 @@ class PurgeStats(msgspec.Struct):
     repeated: int = 0  # keys + tags purged once more, ``repeat_after`` later
     retries: int = 0  # attempts after a failure
     failed: int = 0  # keys + tags given up on after every retry (logged)
-    dropped: int = 0  # keys + tags refused by a full queue (logged)
+    dropped: int = 0  # keys + tags refused by a full queue, or left at close (logged)
 
 
 def purges_for(config: Config, purger: Purger | None = None) -> PurgeQueue:
@@ -81,7 +81,8 @@ class PurgeQueue:
         self._backoff = list(backoff) or [0.1]
         self._queue: asyncio.Queue[tuple[list[str], list[str], bool]] = asyncio.Queue(max_pending)
         self._worker: asyncio.Task[None] | None = None
-        self._timers: set[asyncio.TimerHandle] = set()  # repeats not queued yet
+        self._timers: dict[asyncio.TimerHandle, int] = {}  # repeats not queued yet: size
+        self._current: tuple[list[str], list[str], bool] | None = None  # being delivered
 
     def submit(self, keys: Iterable[str] = (), tags: Iterable[str] = ()) -> None:
         """Queue a purge; never blocks, never raises (a full queue drops and counts)."""
@@ -119,20 +120,38 @@ class PurgeQueue:
             await asyncio.wait_for(self._queue.join(), grace)
         for timer in self._timers:  # a repeat queued after close would wait for ever
             timer.cancel()
-        self._timers.clear()
         self._worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._worker
         self._worker = None
+        self._count_abandoned()
         aclose = getattr(self.purger, "aclose", None)
         if self._owned and aclose is not None:
             await aclose()
 
+    def _count_abandoned(self) -> None:
+        """What ``close`` leaves undelivered (in flight, queued, repeats not yet due) is
+        counted as dropped and logged: a gateway that keeps those responses serves them
+        until their ``s-maxage``, and an operator must be able to tell."""
+        jobs = [] if self._current is None else [self._current]
+        while not self._queue.empty():
+            jobs.append(self._queue.get_nowait())
+            self._queue.task_done()
+        size = sum(len(keys) + len(tags) for keys, tags, _ in jobs) + sum(self._timers.values())
+        self._timers.clear()
+        self._current = None
+        if size:
+            self.stats.dropped += size
+            keys = [key for job in jobs for key in job[0]][:5]
+            tags = [tag for job in jobs for tag in job[1]][:5]
+            _log.warning("http_purge_dropped", reason="closed", count=size, keys=keys, tags=tags)
+
     async def _run(self) -> None:
         while True:
-            keys, tags, repeat = await self._queue.get()
+            self._current = keys, tags, repeat = await self._queue.get()
             try:
                 delivered = await self._deliver(keys, tags, repeat)
+                self._current = None  # delivered or given up on: counted either way
             finally:
                 self._queue.task_done()
             if delivered and not repeat and self._repeat_after > 0:
@@ -142,12 +161,14 @@ class PurgeQueue:
                 self._later((keys, tags, True))
 
     def _later(self, job: tuple[list[str], list[str], bool]) -> None:
+        size = len(job[0]) + len(job[1])
+
         def put() -> None:
-            self._timers.discard(timer)
-            self._put(job, len(job[0]) + len(job[1]))
+            self._timers.pop(timer, None)
+            self._put(job, size)
 
         timer = asyncio.get_running_loop().call_later(self._repeat_after, put)
-        self._timers.add(timer)
+        self._timers[timer] = size
 
     async def _deliver(self, keys: list[str], tags: list[str], repeat: bool) -> bool:
         size = len(keys) + len(tags)

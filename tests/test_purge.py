@@ -182,3 +182,18 @@ async def test_a_set_cancelled_after_its_write_still_purges(redis_url: str, pref
         for turns in range(12):
             if await cache.get("book", {"id": turns}) == "new":  # the write landed
                 assert cache.key("book", {"id": turns}) in purged, turns
+
+
+async def test_purges_still_queued_when_the_queue_closes_are_counted_as_dropped() -> None:
+    """A slow gateway and a close (``LayeredCache.close`` gives the queue 1 s): the purge
+    in flight and the queued ones vanished, neither delivered, failed nor dropped, and
+    unlogged. Every submitted purge is now accounted for."""
+    purger = Recording(hang=True)
+    queue = PurgeQueue(purger, repeat_after=0.0)
+    for book_id in range(6):
+        queue.submit([f"book:{book_id}"])
+    assert await eventually(lambda: len(purger.calls) == 1, timeout=5)
+    await queue.close(grace=0.1)
+    stats = queue.stats
+    assert stats.submitted == 6 and stats.delivered == 0
+    assert stats.dropped == 6  # one in flight, five queued
