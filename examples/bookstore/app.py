@@ -218,19 +218,11 @@ class _Service:
         by_id: dict[int, BookDetail] = dict(zip(unique, values, strict=True))
         return [by_id[book_id] for book_id in ids]
 
-    async def category_page(self, slug: str) -> CategoryPage:
-        """The category page, tagged with the books it shows: ``invalidate_tag("book:42")``
-        (or a BookPriceChanged event through the daemon) kills every page showing 42."""
-
-        async def load() -> CategoryPage:
-            page = await self.db.category_page(slug)
-            if page is None:
-                raise CategoryNotFound(slug)
-            return page
-
-        page: CategoryPage = await self.cache.get_or_load(
-            "category", {"slug": slug}, load, tags=book_tags
-        )
+    async def load_category(self, slug: str) -> CategoryPage:
+        """The category page from the database (the loader of namespace ``category``)."""
+        page = await self.db.category_page(slug)
+        if page is None:
+            raise CategoryNotFound(slug)
         return page
 
     async def invalidate_book(self, book_id: int) -> None:
@@ -398,7 +390,13 @@ def _routes(svc: _Service) -> list[Route]:
         if not _SLUG.fullmatch(slug):  # the cache key's character rules, and a sane URL
             return _error(404, f"no category {slug!r}")
         try:
-            return _json(await svc.category_page(slug))
+            # Tagged with the books it shows (``book_tags``): ``invalidate_tag("book:42")``,
+            # or a BookPriceChanged event through the daemon, kills every page showing 42,
+            # in the cache and, through ``X-Cache-Tags``, in the gateway.
+            return await svc.responses.respond(
+                request, "category", {"slug": slug}, lambda: svc.load_category(slug),
+                tags=book_tags,
+            )
         except CategoryNotFound:
             return _error(404, f"no category {slug!r}")
 
