@@ -36,6 +36,8 @@ class Read:
     seq: int | None
     stale: Envelope[Any] | None = None
     tags_of: TagsOf | None = None  # the tags of a loaded value (tagged namespaces)
+    revoked: bool = False  # its fill was refused: a write or an invalidation overtook it
+    owned: bool = False  # the loader's own object, stored nowhere (it can't be encoded)
 
 
 class FailSafe:

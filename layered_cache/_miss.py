@@ -221,7 +221,13 @@ class MissPath:
             return await self.failsafe.serve_or_raise(read, exc)
         if not self._policy.l2:
             return value  # no L2 layer: the loader's object is what every layer returns
-        return self._fills.as_read(read.key, value)  # the type an L2 hit returns
+        return self._as_read(read, value)
+
+    def _as_read(self, read: Read, value: Any) -> Any:
+        """``value`` as an L2 hit returns it, though not stored (``Fills.as_read``)."""
+        served = self._fills.as_read(read.key, value)
+        read.owned = served is value  # not encodable: handed back as it came
+        return served
 
     async def fill(self, read: Read, token: str, value: Any, delta: float) -> Any:
         """Write L2 under the lease (base, then replicas for a hot key), then L1.
@@ -249,8 +255,9 @@ class MissPath:
             except L2Unavailable:
                 policy.stats.redis_error += 1
                 await self.release(key, token, quietly=False)
-                return fills.as_read(key, value)  # not stored, but L2's type all the same
+                return self._as_read(read, value)
         encoded = fills.encode(key, value, soft_expiry, delta, versions)
+        read.owned = encoded.value is value  # not encodable: handed back as it came
         value, data = encoded.value, encoded.data
         if data is None:
             await self.release(key, token)
@@ -272,6 +279,7 @@ class MissPath:
             return value
         if not written:
             policy.stats.fill_revoked += 1
+            read.revoked = True  # the caller still gets it; ``Served`` tells the HTTP layer
             return value
         fills.fill_l1(key, value, soft_expiry, read.seq, versions)
         return value

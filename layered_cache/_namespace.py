@@ -25,10 +25,11 @@ from layered_cache._miss import MissPath, Read, TagsOf, awaited
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
+from layered_cache._served import Served
 from layered_cache._tags import tag_names
 from layered_cache._writes import Writes
 
-__all__ = ["Namespace"]
+__all__ = ["Namespace", "check_tags"]
 
 T = TypeVar("T")
 
@@ -114,22 +115,29 @@ class Namespace:
     async def _get_or_load(
         self, key: str, loader: Callable[[], Awaitable[T]], tags: TagsOf | None
     ) -> T:
+        return (await self._serve(key, loader, tags)).value  # type: ignore[no-any-return]
+
+    async def _serve(
+        self, key: str, loader: Callable[[], Awaitable[Any]], tags: TagsOf | None = None
+    ) -> Served:
+        """``get_or_load`` of ``key`` (``self.key(fields)``), saying what it served."""
         policy = self.policy
-        self._check_tags(tags)
+        check_tags(policy, tags)
         if not policy.cache:
             policy.stats.miss += 1
             policy.stats.load += 1
-            return await awaited(policy.name, loader)  # type: ignore[no-any-return]
+            return Served(await awaited(policy.name, loader), owned=True)
         l1 = policy.l1
         if l1 is not None:
             value = l1.get(key)
             if value is not MISSING:
                 policy.stats.l1_hit += 1
-                return value  # type: ignore[no-any-return]
-        value, shared = await self._rt.flight.do(key, lambda: self._fetch(key, loader, tags))
+                return Served(value)
+        served: Served
+        served, shared = await self._rt.flight.do(key, lambda: self._fetch(key, loader, tags))
         if shared:
             policy.stats.coalesced += 1
-        return value  # type: ignore[no-any-return]
+        return served
 
     async def get(self, fields: Mapping[str, object]) -> Any:
         """The cached value or None; never loads. Stale values count as absent."""
@@ -170,7 +178,7 @@ class Namespace:
 
     async def _fetch(
         self, key: str, loader: Callable[[], Awaitable[Any]], tags: TagsOf | None
-    ) -> Any:
+    ) -> Served:
         policy = self.policy
         read = Read(key, policy.l1.begin_read() if policy.l1 is not None else None, None, tags)
         envelope: Envelope[Any] | None = None
@@ -180,18 +188,18 @@ class Namespace:
                     envelope = await self._read_l2(key)
             except L2Unavailable:
                 policy.stats.redis_error += 1
-                return await self._miss.load_unleased(read, loader)
+                return _served(policy, read, await self._miss.load_unleased(read, loader))
         now = self._rt.clock()
         if envelope is not None and now < envelope.soft_expiry:
             policy.stats.l2_hit += 1
             self._refresher.maybe_refresh_early(read, envelope, loader, now)
             self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags)
-            return envelope.value
+            return _served(policy, read, envelope.value)
         policy.stats.miss += 1
         if not policy.l2:
-            return await self._miss.load_l1_only(read, loader)
+            return _served(policy, read, await self._miss.load_l1_only(read, loader))
         read.stale = envelope if self._fills.within_stale(envelope, now) else None
-        return await self._miss.load_under_lease(read, loader)
+        return _served(policy, read, await self._miss.load_under_lease(read, loader))
 
     async def _read_l2(self, key: str) -> Envelope[Any] | None:
         # One coroutine, no wrapper: every await level costs a resumption per hop on
@@ -222,24 +230,10 @@ class Namespace:
         """Write ``value`` to L2 (base and replicas) and this instance's L1; other
         instances drop their L1 copy through the backplane. Raises ``L2Unavailable``
         if Redis fails (see ``_writes``)."""
-        self._check_tags(tags)
+        check_tags(self.policy, tags)
         if isinstance(tags, str):  # its characters would each be a tag
             raise TypeError(f"tags must be a list of strings, not the string {tags[:80]!r}")
         await self._writes.set_many([(fields, value)], tags)
-
-    def _check_tags(self, tags: object) -> None:
-        """Tags given to a namespace that takes none, or a list no entry may carry (a
-        string, a bad name, too many), are refused before anything runs, whichever layer
-        would answer (the sync API checks before its L1 hit too)."""
-        if tags is None:
-            return
-        if not self.policy.tags:
-            raise ValueError(
-                f"namespace {self.name!r} takes no tags: declare tags = true in its config"
-            )
-        if not callable(tags):
-            for tag in tag_names(cast(Iterable[str], tags), None):
-                validate_tag(tag)
 
     async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
         """``set`` for many keys: one pipelined round trip, one backplane append."""
@@ -259,7 +253,7 @@ class Namespace:
     ) -> list[Any]:
         """Values in order: L1, else L2 (one MGET), else one ``load_many(missing)``
         call that returns one value per missing key, in order."""
-        self._check_tags(tags)
+        check_tags(self.policy, tags)
         return await self._batch.get_or_load_many(fields_list, load_many, tags)
 
     def _forget_tag(self, tag: str) -> int:
@@ -283,6 +277,31 @@ class Namespace:
         for key in keys:
             self._rt.flight.forget(key)
         return self.policy.l1.discard(keys) if self.policy.l1 is not None else 0
+
+
+def check_tags(policy: Policy, tags: object) -> None:
+    """Tags given to a namespace that takes none, or a list no entry may carry (a
+    string, a bad name, too many), are refused before anything runs, whichever layer
+    would answer (the sync API checks before its L1 hit too)."""
+    if tags is None:
+        return
+    if not policy.tags:
+        raise ValueError(
+            f"namespace {policy.name!r} takes no tags: declare tags = true in its config"
+        )
+    if not callable(tags):
+        for tag in tag_names(cast(Iterable[str], tags), None):
+            validate_tag(tag)
+
+
+def _served(policy: Policy, read: Read, value: Any) -> Served:
+    """``value`` as ``Served``: superseded if its fill was refused or this instance saw
+    the key invalidated since the read began (its L1 tombstones say so)."""
+    l1, seq = policy.l1, read.seq
+    overtaken = read.revoked or (
+        l1 is not None and seq is not None and l1.invalidated_since(read.key, seq)
+    )
+    return Served(value, overtaken, read.owned)
 
 
 async def _read_replica(

@@ -19,7 +19,7 @@ gateway before they reach clients if they should not be seen.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -27,7 +27,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from layered_cache._cache import LayeredCache
+from layered_cache._keys import validate_tag
 from layered_cache._miss import TagsOf
+from layered_cache._tags import tag_names
 from layered_cache.http import ETags, body_etag, cache_control, matches
 
 __all__ = ["KEY_HEADER", "TAGS_HEADER", "CachedResponses"]
@@ -54,7 +56,8 @@ class CachedResponses:
         self._control = {name: cache_control(ns) for name, ns in cache.config.namespaces.items()}
         # Without L2, L1 holds the loader's (or set()'s) own object, which its owner may
         # change in place and hand in again: the same object is then no proof of the
-        # same value, and the ETag is computed from the value each time.
+        # same value, and the ETag is computed from the value each time (as for a value
+        # that could not be encoded: ``Served.owned``).
         self._mutable = {name for name, ns in cache.config.namespaces.items() if not ns.l2}
 
     def cache_control(self, namespace: str) -> str:
@@ -74,20 +77,23 @@ class CachedResponses:
         ``If-None-Match`` names the current version. Loader errors propagate."""
         if tags is not None and not callable(tags):
             tags = list(tags)  # read twice: by the cache and for the header
-        value = await self._cache.get_or_load(namespace, fields, loader, tags=tags)
-        control = self._control[namespace]
-        if control == "no-store":  # live data: no validator, nobody keeps it
-            return self._body(value, {"Cache-Control": control})
-        key = self._cache.key(namespace, fields)
+        ns = self._cache.namespace(namespace)
+        key = ns.key(fields)
+        served = await ns._serve(key, loader, tags)
+        value, control = served.value, self._control[namespace]
+        if control == "no-store" or served.superseded:
+            # no-store: live data, no validator, nobody keeps it. Superseded: a write
+            # overtook this load and its purge went out before this response; the caller
+            # may have the value (its read began first), a gateway must not keep it.
+            return self._body(value, {"Cache-Control": "no-store"})
         body: bytes | None = None
-        if namespace in self._mutable:
+        if namespace in self._mutable or served.owned:
             body = self._render(value)  # rendered once: for the tag, then maybe sent
             etag = body_etag(body, self._media_type)
         else:
             etag = self._etags.of(key, value)
         headers = {"Cache-Control": control, "ETag": etag, KEY_HEADER: key}
-        tag_list = tags(value) if callable(tags) else tags
-        if tag_list:
+        if tag_list := checked_tags(tags(value) if callable(tags) else tags):
             headers[TAGS_HEADER] = "," + ",".join(tag_list) + ","
         if matches(request.headers.get("if-none-match"), etag):
             if request.method not in ("GET", "HEAD"):  # RFC 9110 13.1.2
@@ -104,3 +110,15 @@ class CachedResponses:
         if body is None:
             body = self._render(value)
         return Response(body, headers=headers, media_type=self._media_type)
+
+
+def checked_tags(tags: Iterable[str] | None) -> list[str]:
+    """The header's tags, checked as the cache checks them: a hit never calls a tags
+    function, so a tag only the header would see (``"a,b"`` reads as two tags to a ban
+    regex) is refused here, as a miss would have refused it."""
+    if tags is None:
+        return []
+    names = tag_names(tags, None)
+    for name in names:
+        validate_tag(name)
+    return names

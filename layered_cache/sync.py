@@ -59,6 +59,7 @@ from layered_cache._decorate import bind_key_fields
 from layered_cache._l1 import MISSING
 from layered_cache._loopthread import LoopThread, SyncTimeoutError
 from layered_cache._miss import TagsOf
+from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
 from layered_cache._sync_loaders import LoaderThreads
 
@@ -231,7 +232,7 @@ class SyncLayeredCache:
         _refuse_running_loop()
         _refuse_async(loader, "get_or_load")
         ns = self.cache.namespace(namespace)
-        ns._check_tags(tags)
+        check_tags(ns.policy, tags)
         value = self._l1_hit(ns.policy, fields)
         if value is not MISSING:
             return typing.cast(T, value)

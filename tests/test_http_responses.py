@@ -1,0 +1,210 @@
+"""What ``CachedResponses`` tells a gateway when the value it serves is not the cache's
+current one: a load a write overtook (its purge already went out) must not be kept; a
+value stored nowhere (not encodable) may change in place and gets its ETag from its body;
+the tags header carries only tags the cache would accept. Found by a review, each failed
+before its fix. Real Redis, the ASGI app through httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from examples.bookstore.db import SQLiteDatabase
+from layered_cache import LayeredCache, parse_config
+from layered_cache.asgi import CachedResponses
+from tests.helpers import eventually
+from tests.test_example import _config as bookstore_config
+from tests.test_example import running
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Recording:
+    """A purger that records when each purge was accepted."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, list[str], list[str]]] = []
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls.append((time.monotonic(), list(keys), list(tags)))
+
+
+def _config(redis_url: str, prefix: str, purge: dict[str, Any] | None = None) -> Any:
+    return parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "purge": purge or {"repeat_after": "0s"},
+            "namespaces": {"book": {"key": "book:{id}", "http": {"s_maxage": "30s"}}},
+        },
+        env={},
+    )
+
+
+@contextlib.asynccontextmanager
+async def _client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        yield client
+
+
+async def test_a_load_an_invalidation_overtook_is_served_but_no_gateway_may_keep_it(
+    redis_url: str, prefix: str
+) -> None:
+    """The load read the old row; the writer committed and invalidated; the purge and its
+    repeat went out; then the load returned. Its caller gets the old price (its read
+    began first), marked no-store: with s-maxage a gateway kept it 30 s, past every
+    purge (docs/http.md: the bound with purging is the purge delay)."""
+    purger = Recording()
+    catalogue = {1: {"id": 1, "price": "9.90"}}
+    read_old_row, release = asyncio.Event(), asyncio.Event()
+    config = _config(redis_url, prefix, purge={"repeat_after": "200ms"})
+    async with LayeredCache.from_config(config, purger=purger) as cache:
+        responses = CachedResponses(cache)
+
+        async def book(request: Request) -> Response:
+            async def load() -> Any:
+                row = dict(catalogue[1])  # the SELECT ran: it saw the old price
+                read_old_row.set()
+                await release.wait()  # the rest of a slow query
+                return row
+
+            return await responses.respond(request, "book", {"id": 1}, load)
+
+        app = Starlette(routes=[Route("/books/1", book)])
+        async with _client(app) as client:
+            gateway_fetch = asyncio.create_task(client.get("/books/1"))
+            await read_old_row.wait()
+            catalogue[1]["price"] = "1.00"  # the writer: commit, then invalidate
+            await cache.invalidate("book", {"id": 1})
+            # The purge and its repeat are out.
+            assert await eventually(lambda: cache.purge_stats().repeated == 1, timeout=5)
+            release.set()
+            reply = await gateway_fetch
+            fresh = await client.get("/books/1")
+    assert reply.status_code == 200 and reply.json()["price"] == "9.90"
+    assert reply.headers["cache-control"] == "no-store"
+    assert "etag" not in reply.headers
+    assert fresh.json()["price"] == "1.00"
+    assert fresh.headers["cache-control"] == "public, max-age=0, s-maxage=30"
+
+
+async def test_a_load_a_set_of_this_instance_overtook_is_not_kept_either(
+    redis_url: str, prefix: str
+) -> None:
+    """The same with ``set()`` as the write: it replaces the key (no fill is revoked
+    when the set lands first, but this instance saw the key change while it loaded)."""
+    read_old_row, release = asyncio.Event(), asyncio.Event()
+    async with LayeredCache.from_config(_config(redis_url, prefix)) as cache:
+        responses = CachedResponses(cache)
+
+        async def book(request: Request) -> Response:
+            async def load() -> Any:
+                read_old_row.set()
+                await release.wait()
+                return {"id": 1, "price": "9.90"}
+
+            return await responses.respond(request, "book", {"id": 1}, load)
+
+        app = Starlette(routes=[Route("/books/1", book)])
+        async with _client(app) as client:
+            gateway_fetch = asyncio.create_task(client.get("/books/1"))
+            await read_old_row.wait()
+            await cache.set("book", {"id": 1}, {"id": 1, "price": "1.00"})
+            release.set()
+            reply = await gateway_fetch
+    assert reply.json()["price"] == "9.90"
+    assert reply.headers["cache-control"] == "no-store"
+
+
+async def test_a_value_that_cannot_be_stored_changed_in_place_gets_a_new_etag(
+    redis_url: str, prefix: str
+) -> None:
+    """A 128-bit int: JSON renders it, msgpack can't encode it, so nothing is cached and
+    the loader's own object comes back each time. Its owner (an identity map) changed
+    it in place: the ETag memo, keyed on identity, answered a 304 for a changed body."""
+    catalogue = {1: {"id": 1, "uuid": 2**100, "price": "9.90"}}  # an identity map
+    async with LayeredCache.from_config(_config(redis_url, prefix)) as cache:
+        responses = CachedResponses(cache)
+
+        async def book(request: Request) -> Response:
+            async def load() -> Any:
+                return catalogue[1]
+
+            return await responses.respond(request, "book", {"id": 1}, load)
+
+        app = Starlette(routes=[Route("/books/1", book)])
+        async with _client(app) as client:
+            first = await client.get("/books/1")
+            catalogue[1]["price"] = "1.00"  # the same object, changed
+            second = await client.get("/books/1")
+            revalidated = await client.get(
+                "/books/1", headers={"If-None-Match": first.headers["etag"]}
+            )
+    assert second.json()["price"] == "1.00"
+    assert second.headers["etag"] != first.headers["etag"]
+    assert revalidated.status_code == 200
+
+
+async def test_a_tag_a_hit_would_send_unchecked_is_refused_as_a_miss_refuses_it(
+    redis_url: str, prefix: str
+) -> None:
+    """On a hit the cache never calls the tags function: ``"scifi,poetry"`` went out as
+    two tags in ``X-Cache-Tags`` (a ``BAN`` of ``scifi`` would match the page). Now it
+    is the ValueError a miss raises."""
+    config = parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "namespaces": {"category": {"key": "category:{slug}", "tags": True}},
+        },
+        env={},
+    )
+    async with LayeredCache.from_config(config) as cache:
+        responses = CachedResponses(cache)
+        page = {"slug": "x", "shelves": ["scifi,poetry"]}
+        await cache.set("category", {"slug": "x"}, page, tags=["shelf:x"])
+
+        async def category(request: Request) -> Response:
+            return await responses.respond(
+                request, "category", {"slug": "x"}, lambda: _never(), tags=lambda p: p["shelves"]
+            )
+
+        app = Starlette(routes=[Route("/categories/x", category)])
+        async with _client(app) as client:
+            with pytest.raises(ValueError, match="scifi,poetry"):
+                await client.get("/categories/x")
+
+
+async def _never() -> Any:
+    raise AssertionError("a hit runs no loader")
+
+
+async def test_the_bookstore_category_page_carries_its_policy_etag_and_book_tags(
+    redis_url: str, prefix: str
+) -> None:
+    """The category page went out as bare JSON: no Cache-Control (a gateway applies its
+    own default TTL), no ETag, and no X-Cache-Tags for a price change's ban to find."""
+    database = SQLiteDatabase(":memory:", books=50, query_delay=0.0)
+    await database.open()
+    try:
+        async with running(bookstore_config(redis_url, prefix), database) as client:
+            reply = await client.get("/categories/scifi")
+            again = await client.get(
+                "/categories/scifi", headers={"If-None-Match": reply.headers["etag"]}
+            )
+    finally:
+        await database.close()
+    assert reply.status_code == 200 and reply.json()["books"]
+    assert reply.headers["cache-control"] == "no-cache"
+    book_ids = [book["id"] for book in reply.json()["books"]]
+    assert reply.headers["x-cache-tags"] == "," + ",".join(f"book:{i}" for i in book_ids) + ","
+    assert again.status_code == 304
