@@ -13,7 +13,10 @@ in L2, shared by every instance and process, so it can't be keyed on one object.
 method's: a function defined outside a class body whose first parameter happens to be
 named ``cls`` (a category) or ``self`` is keyed on it like on any other argument, or
 refused. So is what the caller names in ``ignore=`` (a database session: it never
-changes the value).
+changes the value). A ``staticmethod`` is wrapped after the decorator ran, so in a class
+body only its first call tells it from a method: a first argument that is no receiver
+(``Prices.of("premium", 1)`` of a static ``of(cls, id)``) is refused then
+(``KeyArguments``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from layered_cache._namespace import Namespace
 
-__all__ = ["bind_key_fields", "cached"]
+__all__ = ["KeyArguments", "bind_key_fields", "cached"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -36,16 +39,60 @@ _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 _RECEIVERS = ("self", "cls")
 
 
+class KeyArguments:
+    """A call of a ``cached`` function as its arguments by name (the key fields among
+    them). A first parameter exempt as a method's receiver is checked at the first
+    call: a static method's ``cls`` is an argument like any other (a price tier), and
+    two calls that differ only in it would share one entry."""
+
+    def __init__(self, signature: inspect.Signature, fn: Callable[..., Any], receiver: bool):
+        self._signature = signature
+        self._fn = fn
+        self._unchecked = receiver
+
+    def of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self._unchecked:
+            self._check_receiver(args)
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def _check_receiver(self, args: tuple[Any, ...]) -> None:
+        """A method's receiver (an instance, or a class for a classmethod) has the
+        method as an attribute; a static method's first argument doesn't."""
+        fn, first = self._fn, next(iter(self._signature.parameters))
+        try:
+            inspect.getattr_static(args[0], _attribute(fn))
+        except (IndexError, AttributeError):
+            shown = repr(args[0])[:60] if args else "nothing (a keyword?)"
+            raise TypeError(
+                f"{_name(fn)}: its first parameter {first!r} was left out of the key as a "
+                f"method's receiver, but this call passed {shown} for it: a static method's "
+                "parameters are all arguments; rename it (then it is a key field or goes in "
+                "ignore=)"
+            ) from None
+        self._unchecked = False
+
+
+def _attribute(fn: Callable[..., Any]) -> str:
+    """The name ``fn`` has on its class (``__x`` is stored as ``_Cls__x``)."""
+    name = str(getattr(fn, "__name__", ""))
+    owner = str(getattr(fn, "__qualname__", "")).split(".")[-2].lstrip("_")
+    if name.startswith("__") and not name.endswith("__") and owner:
+        return f"_{owner}{name}"
+    return name
+
+
 def bind_key_fields(
     namespace: Namespace,
     fn: Callable[..., Any],
     value_type: Any = None,
     ignore: Iterable[str] = (),
-) -> inspect.Signature:
+) -> KeyArguments:
     """Checks shared by the async and sync decorators: every key field is a parameter
     of ``fn``, and ``fn`` has no other (see the module doc); ``value_type`` (or else
-    ``fn``'s return annotation) is declared as the namespace's value type. Returns the
-    signature to bind calls with."""
+    ``fn``'s return annotation) is declared as the namespace's value type. Returns what
+    binds its calls."""
     template = namespace.policy.template
     signature = inspect.signature(fn)
     parameters = signature.parameters
@@ -56,7 +103,7 @@ def bind_key_fields(
             f"field(s) {missing} of template {template.template!r}"
         )
     ignored = _ignored(namespace, fn, signature, ignore)
-    _refuse_unkeyed_parameters(namespace, fn, signature, ignored)
+    receiver = _refuse_unkeyed_parameters(namespace, fn, signature, ignored)
     declared = value_type
     if declared is None:
         # A ``functools.partial`` keeps its function's return annotation there.
@@ -64,7 +111,7 @@ def bind_key_fields(
         declared = typing.get_type_hints(annotated).get("return")
     if declared is not None:
         namespace._declare_type(declared, by=_name(fn))
-    return signature
+    return KeyArguments(signature, fn, receiver)
 
 
 def _ignored(
@@ -94,14 +141,17 @@ def _refuse_unkeyed_parameters(
     fn: Callable[..., Any],
     signature: inspect.Signature,
     ignored: set[str],
-) -> None:
+) -> bool:
     """Every parameter of ``fn`` is a key field, a method's ``self``/``cls``, or
-    named in ``ignore``."""
+    named in ``ignore``. Returns whether the first one was exempt as a receiver."""
     template = namespace.policy.template
     keyed = set(template.fields) | ignored
     params = list(signature.parameters.values())
     first = params[0] if params else None
-    if first and first.name in _RECEIVERS and first.kind not in _VARIADIC and _in_class_body(fn):
+    receiver = bool(
+        first and first.name in _RECEIVERS and first.kind not in _VARIADIC and _in_class_body(fn)
+    )
+    if receiver:
         params = params[1:]
     variadic = [_shown(p) for p in params if p.kind in _VARIADIC]
     named = [p.name for p in params if p.kind not in _VARIADIC and p.name not in keyed]
@@ -124,6 +174,7 @@ def _refuse_unkeyed_parameters(
             f"{why}; give the function one named parameter per key field "
             f"({', '.join(template.fields)}) instead"
         )
+    return receiver
 
 
 def _in_class_body(fn: Callable[..., Any]) -> bool:
@@ -151,13 +202,12 @@ def cached(
             f"{_name(fn)} is not an async function: LayeredCache.cached caches "
             "`async def` functions (for a plain `def`, use SyncLayeredCache.cached)"
         )
-    signature = bind_key_fields(namespace, fn, value_type, ignore)
+    arguments = bind_key_fields(namespace, fn, value_type, ignore)
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return await namespace.get_or_load(bound.arguments, lambda: fn(*args, **kwargs))
+        fields = arguments.of(args, kwargs)
+        return await namespace.get_or_load(fields, lambda: fn(*args, **kwargs))
 
     return wrapper
 

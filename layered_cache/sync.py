@@ -316,13 +316,12 @@ class SyncLayeredCache:
                 raise TypeError(
                     f"{fn.__qualname__} is async: use LayeredCache.cached, not the sync API"
                 )
-            signature = bind_key_fields(ns, fn, value_type, ignore)
+            arguments = bind_key_fields(ns, fn, value_type, ignore)
 
             @functools.wraps(fn)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                return self.get_or_load(namespace, bound.arguments, lambda: fn(*args, **kwargs))
+                fields = arguments.of(args, kwargs)
+                return self.get_or_load(namespace, fields, lambda: fn(*args, **kwargs))
 
             return wrapper
 

@@ -149,3 +149,55 @@ async def test_a_partial_is_cached_by_the_parameters_it_leaves(redis_url: str, p
         book = cache.cached("book")(functools.partial(by_session, None))
         assert await book(id=1) == "v1" and await book(id=1) == "v1"
         assert calls == 1
+
+
+async def test_a_static_method_whose_first_parameter_is_cls_is_refused_at_its_first_call(
+    redis_url: str, prefix: str
+) -> None:
+    """``staticmethod`` wraps the function after the decorator ran, so a static
+    ``of(cls, id)`` in a class body looked like a classmethod and left ``cls`` out of
+    the key: ``of("premium", 1)`` and ``of("budget", 1)`` shared one entry. Its first
+    call tells (a receiver has the method as an attribute) and is refused; methods,
+    classmethods and private methods are served as before."""
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        class Prices:
+            @staticmethod
+            @cache.cached("book")
+            async def of(cls: str, id: int) -> str:
+                return f"{cls} price of {id}"
+
+            @classmethod
+            @cache.cached("book")
+            async def titled(cls, id: int) -> str:
+                return f"{cls.__name__} {id}"
+
+            @cache.cached("book")
+            async def __hidden(self, id: int) -> str:
+                return f"hidden {id}"
+
+            async def shown(self, id: int) -> str:
+                return await self.__hidden(id)
+
+        with pytest.raises(TypeError, match=r"'cls'.*'premium'.*static method"):
+            await Prices.of("premium", 1)
+        with pytest.raises(TypeError, match=r"'cls'.*'budget'"):
+            await Prices.of("budget", 1)  # refused every time, never cached
+        assert await Prices.titled(2) == "Prices 2"
+        assert await Prices().shown(3) == "hidden 3"
+        assert await Prices.titled(2) == "Prices 2"  # checked once, then served
+
+
+def test_the_sync_decorator_refuses_a_static_method_keyed_without_its_cls_too(
+    redis_url: str, prefix: str
+) -> None:
+    with SyncLayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        class Prices:
+            @staticmethod
+            @cache.cached("book")
+            def of(cls: str, id: int) -> str:
+                return f"{cls} price of {id}"
+
+        with pytest.raises(TypeError, match=r"'cls'.*'premium'"):
+            Prices.of("premium", 1)
