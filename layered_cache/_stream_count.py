@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from redis.exceptions import RedisError
+from redis.exceptions import ResponseError
 
 from layered_cache._stream import last_generated, stream_field
 from layered_cache._stream_link import StreamLink
@@ -45,8 +45,12 @@ class EntryCount:
         self._due, self._counted_at_read = time.monotonic() + self._every, read
         try:
             info = await self._link.info()
-        except RedisError:
-            return False  # gone meanwhile, or the link failed: the next read finds out
+        except ResponseError:
+            return False  # gone meanwhile ("no such key"): the next read finds out
+        # A failed link raises to the listener's loop, like a failed XREAD: the held
+        # connection is dropped with it, and had the error been swallowed here, the next
+        # read would have gone out on a fresh connection with no gap check - after a
+        # relay reset (or a Redis restart) that closed it, L1 kept what was lost.
         added, last = stream_field(info, "entries-added"), last_generated(info)
         if added is None or last is None or bytes(last) != position:
             return False  # older Redis, or not caught up: no comparable moment

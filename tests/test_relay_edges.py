@@ -1,0 +1,81 @@
+"""The relay against clients that don't play by the listener's rules, and the listener's
+own failures around a relay reset (found by a review; each failed before its fix)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from layered_cache import LayeredCache
+from tests.helpers import eventually, in_l1, make_config, stall_listener, start_relay
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = "200ms"
+
+
+async def _value(value: str) -> str:
+    return value
+
+
+async def test_a_relay_reset_while_a_listener_counts_entries_still_makes_it_check_for_a_gap(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """B's entry count (``EntryCount``: an XINFO after a read) was on its way when Redis
+    restarted empty and the relay reset, closing B's connection. The count swallowed the
+    ConnectionError, B's next read went out on a fresh connection with no gap check, and
+    B's L1 kept book 1, invalidated before the restart, for its whole TTL."""
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    relay, relay_url = await start_relay(base)
+    reader_config = make_config(
+        redis_server.url, prefix, backplane={"block": BLOCK, "relay": relay_url}
+    )
+    forward = relay._forward
+    xinfo_armed, xinfo_held, xinfo_release = False, asyncio.Event(), asyncio.Event()
+
+    async def gated_forward(command: Any) -> bytes:
+        nonlocal xinfo_armed
+        if xinfo_armed and command[0].upper() == b"XINFO":
+            xinfo_armed = False
+            xinfo_held.set()
+            await xinfo_release.wait()
+        return await forward(command)
+
+    relay._forward = gated_forward  # type: ignore[method-assign]
+    try:
+        async with (
+            LayeredCache.from_config(base) as writer,
+            LayeredCache.from_config(reader_config) as reader,
+        ):
+            listener = reader._backplane
+            assert listener is not None
+            assert await eventually(listener.connected.is_set)
+            assert await reader.get_or_load("book", {"id": 1}, lambda: _value("v1")) == "v1"
+            assert in_l1(reader, 1)
+
+            xinfo_armed = True
+            await writer.invalidate("book", {"id": 99})  # B reads it, then counts (XINFO)
+            assert await asyncio.wait_for(xinfo_held.wait(), 5)
+            gate = stall_listener(reader)  # B's loop is busy for a moment after this
+
+            await writer.invalidate("book", {"id": 1})  # returned: L2 gone, entry appended
+            redis_server.kill()  # Redis restarts empty: the relay loses it, resets
+            redis_server.start()
+            assert await eventually(lambda: relay.status().resets >= 1, timeout=10)
+            xinfo_release.set()
+            assert await eventually(lambda: relay.status().following, timeout=10)
+
+            gate.set()  # B reads on
+            await asyncio.sleep(1.5)  # several idle reads (block 200 ms)
+            status = reader.backplane_status()
+            assert status is not None
+            assert not in_l1(reader, 1), (
+                f"B still holds book 1's value invalidated before Redis restarted "
+                f"(connected={status.connected}, gaps={status.gaps}, "
+                f"relay resets={relay.status().resets})"
+            )
+    finally:
+        await relay.close()
