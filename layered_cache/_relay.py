@@ -40,7 +40,7 @@ from redis.exceptions import ResponseError
 
 from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
-from layered_cache._relay_commands import refused_xadd, xread_arguments
+from layered_cache._relay_commands import refused_forward, xread_arguments
 from layered_cache._relay_send import send
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
@@ -52,7 +52,7 @@ _log = structlog.get_logger("layered_cache.relay")
 
 # Commands forwarded to Redis as they are, when their key is the relay's stream.
 _LEFT_CHECK = 1.0  # seconds between checks that a client in a blocking XREAD is still there
-_FORWARDED = {b"XINFO", b"XREVRANGE", b"XRANGE", b"XADD"}
+_FORWARDED = {b"XINFO", b"XREVRANGE", b"XADD"}
 _ACKNOWLEDGED = {b"CLIENT", b"SELECT"}  # redis-py's connection set-up
 _REPLY_BYTES = 32 * 1024 * 1024  # cached XREAD replies, at most (``_Tail.remember``)
 
@@ -315,7 +315,7 @@ class Relay:
         if name in _ACKNOWLEDGED:
             return b"+OK\r\n"
         if name in _FORWARDED and self._stream in command[1:3]:
-            return refused_xadd(command, self._stream) or await self._forward(command)
+            return refused_forward(command, self._stream) or await self._forward(command)
         return encode_error(
             f"ERR the backplane relay serves XREAD on {self._stream.decode()!r} "
             f"(and the listener's XINFO STREAM, XREVRANGE, XADD), not {name!r}"
@@ -355,7 +355,10 @@ class Relay:
                 self._from_memory += 1
                 return tail.remember((position, count), _entries_reply(self._stream, served))
             if served is None:  # older than memory: Redis answers (catch-up)
-                read = [b"XREAD", b"COUNT", b"%d" % (count or self._batch), b"STREAMS"]
+                # At most our batch, as from memory: COUNT 100000 of a client would
+                # have this relay parse and re-encode the whole stream.
+                limit = min(count or self._batch, self._batch)
+                read = [b"XREAD", b"COUNT", b"%d" % limit, b"STREAMS"]
                 reply = await self._forward([*read, self._stream, b"%d-%d" % position])
                 if reply != NIL_ARRAY:
                     return reply

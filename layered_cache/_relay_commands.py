@@ -1,5 +1,6 @@
 """The commands a backplane relay takes from its clients, checked before it acts on them:
-XREAD's arguments (one stream, ours), and the one XADD it forwards to Redis.
+XREAD's arguments (one stream, ours), and the listener's other commands, the only ones
+it forwards to Redis.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from layered_cache._resp import encode_error
 from layered_cache._stream import parse_id
 
-__all__ = ["refused_xadd", "xread_arguments"]
+__all__ = ["refused_forward", "xread_arguments"]
 
 _LARGEST = 2**63 - 1  # COUNT and BLOCK, as Redis parses them (a long long)
 
@@ -41,12 +42,25 @@ def xread_arguments(
     return count, block, rest[1]
 
 
-def refused_xadd(command: list[bytes], stream: bytes) -> bytes | None:
-    """The error for any XADD but the listener's start marker (``XADD <stream> * origin
-    <id>``, ``BackplaneListener._tail_id``): a relay port must not let a client trim the
-    stream (``XADD ... MAXLEN 0``), move its IDs ahead, or forge entries."""
-    if command[0].upper() != b"XADD" or (
-        len(command) == 5 and command[1:3] == [stream, b"*"] and command[3].lower() == b"origin"
-    ):
+def refused_forward(command: list[bytes], stream: bytes) -> bytes | None:
+    """The error for any command to forward but the listener's own three: its start
+    marker (``XADD <stream> * origin <id>``: a relay port must not let a client trim the
+    stream with ``MAXLEN 0``, move its IDs ahead, or forge entries), its start position
+    (``XREVRANGE <stream> + - COUNT 1``) and its gap check (``XINFO STREAM <stream>``).
+    Anything wider (``XRANGE - +``, ``XINFO ... FULL``) would have the relay parse and
+    re-encode the whole stream, up to ``maxlen`` entries, for any client of its port."""
+    name, rest = command[0].upper(), [argument.upper() for argument in command[1:]]
+    if name == b"XADD" and len(rest) == 4 and command[1:3] == [stream, b"*"]:
+        allowed = rest[2] == b"ORIGIN"
+    elif name == b"XREVRANGE":
+        allowed = rest[2:] == [b"-", b"COUNT", b"1"] and command[1:3] == [stream, b"+"]
+    elif name == b"XINFO":
+        allowed = len(rest) == 2 and rest[0] == b"STREAM" and command[2] == stream
+    else:
+        allowed = False
+    if allowed:
         return None
-    return encode_error("ERR the backplane relay forwards XADD <stream> * origin <id> only")
+    return encode_error(
+        "ERR the backplane relay forwards only XADD <stream> * origin <id>, "
+        "XREVRANGE <stream> + - COUNT 1 and XINFO STREAM <stream>"
+    )

@@ -7,8 +7,12 @@ import asyncio
 from typing import Any
 
 import pytest
+import redis.asyncio as redis
+from redis.exceptions import ResponseError
 
 from layered_cache import LayeredCache
+from layered_cache._relay import Relay
+from layered_cache._relay_upstream import Upstream
 from tests.helpers import eventually, in_l1, make_config, stall_listener, start_relay
 from tests.servers import RedisServer
 
@@ -79,3 +83,40 @@ async def test_a_relay_reset_while_a_listener_counts_entries_still_makes_it_chec
             )
     finally:
         await relay.close()
+
+
+async def test_a_relay_port_hands_out_at_most_its_batch_and_only_the_listeners_commands(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A read older than the relay's memory was forwarded with the client's own COUNT,
+    and XRANGE or XINFO FULL as they came: any client of the port had the relay parse
+    and re-encode the whole stream (up to ``maxlen`` entries) per request."""
+    config = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = config.redis.prefix + config.backplane.stream
+    direct = redis.Redis.from_url(redis_server.url, protocol=2)
+    await direct.xadd(stream, {"origin": "-"})
+    relay = Relay(Upstream(config.redis, stream, 0.2), stream, block=0.2, batch=5, keep=5)
+    host, port = await relay.start("127.0.0.1", 0)
+    through = redis.Redis.from_url(f"redis://{host}:{port}/0", protocol=2)
+    try:
+        assert await eventually(lambda: relay.status().following)
+        ids = [await direct.xadd(stream, {"keys": f"k{i}"}) for i in range(40)]
+        assert await eventually(lambda: relay.status().last_id == ids[-1].decode())
+        (forwarded,) = await through.xread({stream: "0-0"}, count=1000)
+        assert len(forwarded[1]) == 5
+        for command in (
+            ("XRANGE", stream, "-", "+"),
+            ("XREVRANGE", stream, "+", "-"),
+            ("XREVRANGE", stream, "+", "-", "COUNT", 1000),
+            ("XINFO", "STREAM", stream, "FULL"),
+        ):
+            with pytest.raises(ResponseError, match="forwards only|serves XREAD"):
+                await through.execute_command(*command)
+        # The listener's own commands still go through.
+        newest = await through.execute_command("XREVRANGE", stream, "+", "-", "COUNT", 1)
+        assert newest[0][0] == ids[-1]
+        assert await through.execute_command("XINFO", "STREAM", stream)
+    finally:
+        await through.aclose()
+        await relay.close()
+        await direct.aclose()
