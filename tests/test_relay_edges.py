@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as redis
 from redis.exceptions import ResponseError
 
-from layered_cache import LayeredCache
+from layered_cache import ConfigError, LayeredCache, parse_config
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
 from tests.helpers import eventually, in_l1, make_config, stall_listener, start_relay
@@ -110,7 +110,7 @@ async def test_a_relay_port_hands_out_at_most_its_batch_and_only_the_listeners_c
             ("XREVRANGE", stream, "+", "-", "COUNT", 1000),
             ("XINFO", "STREAM", stream, "FULL"),
         ):
-            with pytest.raises(ResponseError, match="forwards only|serves XREAD"):
+            with pytest.raises(ResponseError, match=r"forwards only|serves XREAD"):
                 await through.execute_command(*command)
         # The listener's own commands still go through.
         newest = await through.execute_command("XREVRANGE", stream, "+", "-", "COUNT", 1)
@@ -120,3 +120,29 @@ async def test_a_relay_port_hands_out_at_most_its_batch_and_only_the_listeners_c
         await through.aclose()
         await relay.close()
         await direct.aclose()
+
+
+@pytest.mark.parametrize(
+    ("query", "refused"),
+    [
+        ("?protocol=3", "takes no options"),
+        ("?username=u", "takes no options"),
+        ("?password=secret", "takes no options"),
+        ("", None),
+        ("?db=0", None),
+    ],
+)
+def test_a_relay_url_with_options_or_credentials_is_refused_at_load(
+    query: str, refused: str | None
+) -> None:
+    """redis-py lets a URL's query win over the client's settings: ``?protocol=3`` sent
+    HELLO 3 and a password AUTH at each connect, both refused by the relay, and the
+    listener never connected while the cache started and served."""
+    raw = {"backplane": {"relay": f"redis://127.0.0.1:6390{query}"}}
+    if refused is None:
+        assert parse_config(raw, env={}).backplane.relay.endswith(f"6390{query}")
+        return
+    with pytest.raises(ConfigError, match=rf"backplane\.relay: .*{refused}"):
+        parse_config(raw, env={})
+    with pytest.raises(ConfigError, match="no credentials"):
+        parse_config({"backplane": {"relay": "redis://u:Hunter2Secret@h:1"}}, env={})

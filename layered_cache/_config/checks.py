@@ -31,6 +31,7 @@ __all__ = [
     "host_problem",
     "is_number",
     "positive",
+    "relay_url_problem",
     "sasl_credentials_problem",
     "sasl_mechanism_problem",
     "ssl_cafile_problem",
@@ -99,6 +100,25 @@ def url_problem(url: str) -> str | None:
     if database and "db" in dict(parse_qsl(parsed.query)):
         # redis-py lets the query win: /3?db=1 reached database 1.
         return "the URL names its database twice (the path /N and ?db=): keep one"
+    return None
+
+
+def relay_url_problem(url: str) -> str | None:
+    """What a backplane relay's URL (``backplane.relay``, ``relay --upstream``) must not
+    hold beyond ``url_problem``'s: credentials or options. The relay has no password and
+    speaks RESP2 only, and redis-py lets a URL's query win over the client's own
+    settings: ``?protocol=3`` sent HELLO 3 and a password AUTH at every connect, both
+    refused, and the listener never connected while the cache served on."""
+    if not url.startswith("redis://"):
+        # The relay listens on plain TCP, on the host or pod network (no TLS).
+        return "must be a redis:// URL"
+    if problem := url_problem(url):
+        return problem
+    parsed = urlsplit(url)
+    if parsed.username or parsed.password:
+        return "a relay has no credentials: the URL must not name a user or a password"
+    if any(name != "db" for name, _ in parse_qsl(parsed.query, keep_blank_values=True)):
+        return "a relay's URL takes no options (?protocol=, ?socket_timeout=, ...): only /N or ?db="
     return None
 
 

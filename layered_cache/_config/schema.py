@@ -24,6 +24,7 @@ from layered_cache._config.checks import (
     host_problem,
     is_number,
     positive,
+    relay_url_problem,
     sasl_mechanism_problem,
     url_problem,
 )
@@ -206,11 +207,8 @@ class BackplaneConfig(_Section, frozen=True):
     relay: str = ""
 
     def __post_init__(self) -> None:
-        if self.relay and not self.relay.startswith("redis://"):
-            # The relay listens on plain TCP, on the host or pod network (no TLS). Its
-            # value is not quoted: a URL may hold a password (masked where it is found).
-            raise bad("relay", "must be a redis:// URL")
-        if self.relay and (problem := url_problem(self.relay)):
+        # Its value is not quoted: a URL may hold a password (masked where it is found).
+        if self.relay and (problem := relay_url_problem(self.relay)):
             raise bad("relay", problem)
         if problem := stream_problem(self.stream):
             raise bad("stream", problem)

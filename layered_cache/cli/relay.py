@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from layered_cache._config import Config
-from layered_cache._config.checks import is_number, url_problem
+from layered_cache._config.checks import is_number, relay_url_problem
 from layered_cache._keys import backplane_stream_name
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
@@ -37,7 +37,7 @@ def cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
         raise CliError(f"--keep must be at least 1, got {args.keep}")
     if not 0 < args.status_every < math.inf:  # 0 or NaN logged status in a tight loop
         raise CliError(f"--status-every must be positive seconds, got {args.status_every}")
-    if args.upstream is not None and (problem := url_problem(args.upstream)):
+    if args.upstream is not None and (problem := relay_url_problem(args.upstream)):
         raise CliError(f"--upstream: {problem}")
     return asyncio.run(_run(config, host, port, args, out))
 
