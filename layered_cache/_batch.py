@@ -27,6 +27,7 @@ from layered_cache._miss import MissPath, TagsOf
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
+from layered_cache._served import Served
 
 __all__ = ["BatchPath", "LoadMany"]
 
@@ -115,7 +116,8 @@ class BatchPath:
                 flight.settle_all(ours, exc)
                 raise
             for key, future in ours.items():
-                flight.settle(key, future, loaded[key])
+                # A single read joining this flight takes what ``Namespace._serve`` does.
+                flight.settle(key, future, Served(loaded[key]))
             found.update(loaded)
         if theirs:
             self._policy.stats.coalesced += len(theirs)
@@ -129,7 +131,8 @@ class BatchPath:
         self, call: asyncio.Future[Any], fields: Fields, load_many: LoadMany, tags: TagsOf | None
     ) -> Any:
         try:
-            return await asyncio.shield(call)
+            served: Served = await asyncio.shield(call)
+            return served.value
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not call.cancelled() or (task is not None and task.cancelling()):
