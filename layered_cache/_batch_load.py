@@ -142,6 +142,11 @@ class BatchLoader:
                 await self._release([r.key for r in todo], token)
                 found.update(await self._load_unleased(todo, fields_of, load_many))
                 return found
+            except asyncio.CancelledError:
+                # Its SADD may have landed before the cancel: left there, the members
+                # would stay until the next invalidate_tag (the set has no TTL).
+                self._loading.leave(leases, token)
+                raise
         started = time.monotonic()
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in todo])

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis.asyncio as redis
 
-from layered_cache import LayeredCache
-from layered_cache._keys import lease_name
+from layered_cache import LayeredCache, _tags
+from layered_cache._keys import lease_name, loading_set_name
 from tests.helpers import eventually, make_config
 
 
@@ -77,3 +77,50 @@ async def test_a_batch_that_raised_while_joining_leaves_no_join_running_that_cal
         await asyncio.sleep(1.5)  # past max_wait
         assert x_calls == [], "X raised, yet its join called load_many after max_wait"
     await admin.aclose()
+
+
+async def test_a_tagged_batch_cancelled_as_it_registers_leaves_the_loading_set(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/tags.md: "A tagged load adds its member before calling the loader ... and
+    removes it when done"; "The loading set has no TTL (it is emptied by every
+    `invalidate_tag` and by each load leaving)".
+
+    ``BatchLoader._load_won`` awaits ``self._loading.enter(...)`` outside the try whose
+    ``finally`` calls ``leave``: a batch cancelled once its SADD landed (a client
+    timeout while the reply is on its way) never removes its members, which stay in the
+    unbounded, TTL-less set until the next ``invalidate_tag`` (a namespace whose tags
+    are rarely invalidated accumulates one member per such cancelled key). The single-
+    key path (``MissPath.load_and_fill``) unregisters in the same situation."""
+    ns = {"category": {"key": "category:{id}", "tags": True}}
+    admin = redis.Redis.from_url(redis_url)
+    landed, hold = asyncio.Event(), asyncio.Event()
+    enter = _tags.Loading.enter
+
+    async def late_reply(self: Any, leases: list[str], token: str) -> None:
+        await enter(self, leases, token)  # the SADD landed ...
+        landed.set()
+        await hold.wait()  # ... and its reply is on its way when the client gives up
+
+    monkeypatch.setattr(_tags.Loading, "enter", late_reply)
+
+    async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
+        return [f"page {f['id']}" for f in missing]
+
+    fields = [{"id": 1}, {"id": 2}]
+    async with LayeredCache.from_config(make_config(redis_url, prefix, ns)) as cache:
+        batch = asyncio.create_task(
+            cache.get_or_load_many("category", fields, load_many, tags=["t"])
+        )
+        await asyncio.wait_for(landed.wait(), 5)
+        batch.cancel()
+        await asyncio.gather(batch, return_exceptions=True)
+        leases = [lease_name(cache.key("category", f)) for f in fields]
+        assert await eventually(lambda: _none_exist(admin, leases), timeout=2.0)  # given back
+        await asyncio.sleep(0.2)  # the background SREMs (if any) have run
+        assert await admin.smembers(loading_set_name(prefix)) == set()
+    await admin.aclose()
+
+
+async def _none_exist(admin: Any, names: list[str]) -> bool:
+    return bool(await admin.exists(*names) == 0)
