@@ -13,6 +13,7 @@ from typing import Any
 
 from layered_cache._batch_read import BatchReader
 from layered_cache._codec import Envelope
+from layered_cache._failsafe import Misshapen
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
@@ -154,8 +155,8 @@ class BatchLoader:
             raise  # the batch's caller gives every won lease back (``_get_or_load``)
         except BaseException as exc:  # as ``MissPath.load_and_fill``
             await self._release([r.key for r in todo], token)
-            if not isinstance(exc, Exception) or isinstance(exc, Misshapen):
-                raise  # a load_many of the wrong shape is a bug to see, not to serve stale for
+            if not isinstance(exc, Exception):
+                raise  # not an error to serve stale for (GreenletExit, an app's abort)
             found.update(await self._miss.failsafe.serve_all_or_raise(todo, exc))
             return found
         else:
@@ -297,12 +298,6 @@ async def all_or_none(parts: list[Coroutine[Any, Any, Any]]) -> list[Any]:
         for task in tasks:
             task.cancel()
         raise
-
-
-class Misshapen(TypeError, ValueError):
-    """``load_many`` returned something other than one value per key, in order: a bug in
-    it, raised even where a stale value could be served (that would hide the bug). Both a
-    TypeError (a return that is no list) and a ValueError (a wrong count), as before."""
 
 
 async def checked(name: str, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:

@@ -21,7 +21,7 @@ from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 from layered_cache._tags import TagsOf
 
-__all__ = ["FailSafe", "Read"]
+__all__ = ["FailSafe", "Misshapen", "Read"]
 
 _log = structlog.get_logger("layered_cache")
 
@@ -40,6 +40,13 @@ class Read:
     owned: bool = False  # the loader's own object, stored nowhere (it can't be encoded)
 
 
+class Misshapen(TypeError, ValueError):
+    """``load_many`` returned something other than one value per key, in order: a bug in
+    it, raised wherever it shows (a batch, a key handed to the single-key path, a load
+    without leases) even where a stale value could be served, which would hide it. Both
+    a TypeError (a return that is no list) and a ValueError (a wrong count), as before."""
+
+
 class FailSafe:
     def __init__(self, policy: Policy, fills: Fills, runtime: Runtime) -> None:
         self._policy = policy
@@ -48,7 +55,7 @@ class FailSafe:
 
     async def serve_or_raise(self, read: Read, exc: Exception) -> Any:
         """The loader failed: ``read.stale`` if the fail-safe may serve it, else ``exc``."""
-        if not await self.usable(read):
+        if isinstance(exc, Misshapen) or not await self.usable(read):
             raise exc
         assert read.stale is not None
         self._policy.stats.stale_served += 1
@@ -99,6 +106,8 @@ class FailSafe:
     async def serve_all_or_raise(self, reads: list[Read], exc: Exception) -> dict[str, Any]:
         """A batch's load failed: the stale values if every one may be served, else
         ``exc`` (a batch can't return half its values)."""
+        if isinstance(exc, Misshapen):
+            raise exc
         usable = await asyncio.gather(*(self.usable(read) for read in reads))
         if not all(usable):
             raise exc

@@ -6,7 +6,7 @@ tagged batch cancelled as it registers leaves nothing in the loading set."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
@@ -14,6 +14,7 @@ import redis.asyncio as redis
 
 from layered_cache import LayeredCache, _tags
 from layered_cache._keys import lease_name, loading_set_name
+from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import eventually, make_config
 
 
@@ -77,6 +78,40 @@ async def test_a_batch_that_raised_while_joining_leaves_no_join_running_that_cal
         await asyncio.sleep(1.5)  # past max_wait
         assert x_calls == [], "X raised, yet its join called load_many after max_wait"
     await admin.aclose()
+
+
+@pytest.fixture
+async def late_replies(redis_url: str) -> AsyncIterator[ReplyDelayProxy]:
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = await ReplyDelayProxy(port).start()
+    yield proxy
+    await proxy.stop()
+
+
+async def test_a_load_many_of_the_wrong_shape_raises_even_when_the_lease_round_trip_timed_out(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """README: "loads the won keys in one `load_many` call (a wrong number of values is
+    a clear error and caches nothing, raised even where stale values could be served".
+
+    When the batch's SET NX round trip times out (its reply is late; Redis itself is
+    fine), ``BatchLoader._load_misses`` loads through ``_load_unleased``, which catches
+    every ``Exception`` - ``Misshapen`` included - and serves the stale values: the bug
+    in load_many stays invisible for up to ``stale.max_age``. (The same holds for the
+    tagged path, ``_loading.enter`` failing.)"""
+    ns = {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "200ms", "jitter": 0},
+                   "stale": {"max_age": "1m"}}}
+    config = make_config(late_replies.url, prefix, ns, redis={"breaker": {"failures": 100}})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set_many("book", [({"id": 1}, "old1"), ({"id": 2}, "old2")])
+        await asyncio.sleep(0.4)  # both stale now
+
+        async def wrong(missing: list[Mapping[str, object]]) -> list[str]:
+            return ["only one"]
+
+        late_replies.match, late_replies.delay = b"NX", 0.5  # the SET NX reply is late
+        with pytest.raises(ValueError, match="load_many returned 1 values for 2 keys"):
+            await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], wrong)
 
 
 async def test_a_tagged_batch_cancelled_as_it_registers_leaves_the_loading_set(
