@@ -18,12 +18,13 @@ from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch
+from layered_cache._loading import Loading
 from layered_cache._miss import MissPath, Read, TagsOf, awaited, call_loader
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
-from layered_cache._tags import Loading, tag_names
+from layered_cache._tags import tag_names
 
 __all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader", "versions_of"]
 
@@ -143,11 +144,6 @@ class BatchLoader:
                 await self._release([r.key for r in todo], token)
                 found.update(await self._load_unleased(todo, fields_of, load_many))
                 return found
-            except asyncio.CancelledError:
-                # Its SADD may have landed before the cancel: left there, the members
-                # would stay until the next invalidate_tag (the set has no TTL).
-                self._loading.leave(leases, token)
-                raise
         started = time.monotonic()
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in todo])

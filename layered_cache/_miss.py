@@ -24,11 +24,11 @@ from typing import Any
 import structlog
 
 from layered_cache import _replicas as replicas
-from layered_cache import _tags as tags
 from layered_cache._failsafe import FailSafe, Read
 from layered_cache._fills import Fills, FillWatch
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._loading import Loading
 from layered_cache._policy import Policy
 from layered_cache._runtime import Hooks, Runtime
 from layered_cache._stampede import new_token
@@ -46,7 +46,7 @@ class MissPath:
         self._policy = policy
         self._fills = fills
         self._rt = runtime
-        self._loading = tags.Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
+        self._loading = Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
         self.failsafe = FailSafe(policy, fills, runtime)
         # The namespace's ``Refresher.copy_to_replicas`` (built after this object).
         self.replicas_behind: Callable[[str], None] = _ignore
@@ -135,9 +135,8 @@ class MissPath:
         policy = self._policy
         try:
             registered = not policy.tags or await self._register(read, token)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # ``Loading.enter`` took its member out again
             self.give_back(read.key, token)
-            self._unregister(read, token)
             raise
         if not registered:
             return await self.load_unleased(read, loader)

@@ -41,28 +41,26 @@ would take every entry written since for dead.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._codec import MAX_TAGS
 from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceConfig
-from layered_cache._keys import is_tag, loading_set_name, tag_version_name, validate_tag
+from layered_cache._keys import is_tag, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._loading import take_loading
 from layered_cache._memory_policy import refused_for_memory
-from layered_cache._scripts import FETCH_SCRIPT, PEEK_SCRIPT, TAKE_ALL_SCRIPT
+from layered_cache._scripts import FETCH_SCRIPT, PEEK_SCRIPT
 
 __all__ = [
     "MAX_TAGS",
-    "Loading",
     "TagVersions",
     "TagsOf",
     "entry_tags",
     "invalidate_tags",
     "tag_names",
-    "take_loading",
     "version_ttl",
 ]
 
@@ -347,52 +345,3 @@ async def invalidate_tags(
         # the module doc).
         await store.delete([tag_version_name(prefix, tag) for tag in versions])
     return versions
-
-
-async def take_loading(store: L2Store, prefix: str) -> None:
-    """Revoke the leases of every tagged load registered so far (see the module doc)."""
-    loading = loading_set_name(prefix)
-    script = store.client.eval(TAKE_ALL_SCRIPT, 1, loading)
-    members = await store.guard(script, loading)
-    if members:
-        await store.delete(list(dict.fromkeys(_lease_of(member) for member in members)))
-
-
-class Loading:
-    """The loading set's members: tagged loads in flight (see the module doc)."""
-
-    def __init__(
-        self, store: L2Store, prefix: str, spawn: Callable[[Awaitable[Any]], None]
-    ) -> None:
-        self._store = store
-        self._name = loading_set_name(prefix)
-        self._spawn = spawn
-
-    async def enter(self, leases: list[str], token: str) -> None:
-        """Before a tagged load starts: its leases join the set ``invalidate`` revokes.
-        Raises ``L2Unavailable`` (the load must then not write L2)."""
-        members = loading_members(leases, token)
-        await self._store.guard(self._store.client.sadd(self._name, *members), self._name)
-
-    def leave(self, leases: list[str], token: str) -> None:
-        """After the fill (or the failure): in the background, off the caller's latency.
-        A member left behind (Redis down) is harmless: the next invalidate takes it."""
-        self._spawn(self._leave(loading_members(leases, token)))
-
-    async def _leave(self, members: list[str]) -> None:
-        with contextlib.suppress(L2Unavailable):
-            await self._store.guard(self._store.client.srem(self._name, *members), self._name)
-
-
-def loading_members(leases: list[str], token: str) -> list[str]:
-    """Each load's own members: ``<lease> <token>``. By lease name alone, a slow load
-    whose lease expired and was taken by another load of the key removed the newer
-    load's registration when it left (SREM of the same name), and ``invalidate_tag``
-    then let that newer load land. A space can't occur in a name (``_keys``)."""
-    return [f"{lease} {token}" for lease in leases]
-
-
-def _lease_of(member: bytes | str) -> str:
-    """The lease of a loading-set member (a bare lease name from earlier versions)."""
-    text = member.decode() if isinstance(member, bytes) else member
-    return text.rpartition(" ")[0] or text

@@ -18,6 +18,7 @@ from redis import __version__ as redis_py_version
 from redis.utils import HIREDIS_AVAILABLE
 
 from layered_cache._hiredis import USE_HIREDIS
+from tests.faults.reply_delay import ReplyDelayProxy
 from tests.servers import (
     REDIS_PROTOCOL,
     REDIS_SERVER,
@@ -146,3 +147,12 @@ def prefix() -> str:
 def unique_topic() -> str:
     """A fresh topic name (tansu auto-creates on produce; use create_topic for N partitions)."""
     return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def late_replies(redis_url: str) -> AsyncIterator[ReplyDelayProxy]:
+    """A proxy to ``redis_url`` that makes chosen replies late (``ReplyDelayProxy``)."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = await ReplyDelayProxy(port).start()
+    yield proxy
+    await proxy.stop()

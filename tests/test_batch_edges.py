@@ -1,18 +1,18 @@
 """Batches against their own promises where they meet single-key paths, late replies and
 cancellation (found by a review; each failed before its fix): a batch that raised runs
 nothing on; a load_many of the wrong shape is raised whichever way it was called; a
-tagged batch cancelled as it registers leaves nothing in the loading set."""
+tagged load cancelled as it registers leaves nothing in the loading set."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import redis.asyncio as redis
 
-from layered_cache import LayeredCache, _tags
+from layered_cache import LayeredCache
 from layered_cache._keys import lease_name, loading_set_name
 from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import eventually, make_config
@@ -80,14 +80,6 @@ async def test_a_batch_that_raised_while_joining_leaves_no_join_running_that_cal
     await admin.aclose()
 
 
-@pytest.fixture
-async def late_replies(redis_url: str) -> AsyncIterator[ReplyDelayProxy]:
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = await ReplyDelayProxy(port).start()
-    yield proxy
-    await proxy.stop()
-
-
 async def test_a_load_many_of_the_wrong_shape_raises_even_when_the_lease_round_trip_timed_out(
     redis_url: str, prefix: str, late_replies: ReplyDelayProxy
 ) -> None:
@@ -114,47 +106,46 @@ async def test_a_load_many_of_the_wrong_shape_raises_even_when_the_lease_round_t
             await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], wrong)
 
 
-async def test_a_tagged_batch_cancelled_as_it_registers_leaves_the_loading_set(
-    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("batch", [True, False])
+async def test_a_tagged_load_cancelled_as_it_registers_leaves_nothing_in_the_loading_set(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy, batch: bool
 ) -> None:
-    """docs/tags.md: "A tagged load adds its member before calling the loader ... and
-    removes it when done"; "The loading set has no TTL (it is emptied by every
-    `invalidate_tag` and by each load leaving)".
-
-    ``BatchLoader._load_won`` awaits ``self._loading.enter(...)`` outside the try whose
-    ``finally`` calls ``leave``: a batch cancelled once its SADD landed (a client
-    timeout while the reply is on its way) never removes its members, which stay in the
-    unbounded, TTL-less set until the next ``invalidate_tag`` (a namespace whose tags
-    are rarely invalidated accumulates one member per such cancelled key). The single-
-    key path (``MissPath.load_and_fill``) unregisters in the same situation."""
+    """A tagged load adds its member to the loading set before calling the loader
+    (docs/tags.md); a batch cancelled once its SADD had landed, the reply on its way (a
+    client timeout), never took its members out: the set has no TTL, and they stayed
+    until the next invalidate_tag (which then deleted those leases by name, whoever
+    held them by then)."""
     ns = {"category": {"key": "category:{id}", "tags": True}}
     admin = redis.Redis.from_url(redis_url)
-    landed, hold = asyncio.Event(), asyncio.Event()
-    enter = _tags.Loading.enter
-
-    async def late_reply(self: Any, leases: list[str], token: str) -> None:
-        await enter(self, leases, token)  # the SADD landed ...
-        landed.set()
-        await hold.wait()  # ... and its reply is on its way when the client gives up
-
-    monkeypatch.setattr(_tags.Loading, "enter", late_reply)
+    fields = [{"id": 1}, {"id": 2}] if batch else [{"id": 1}]
 
     async def load_many(missing: list[Mapping[str, object]]) -> list[str]:
         return [f"page {f['id']}" for f in missing]
 
-    fields = [{"id": 1}, {"id": 2}]
-    async with LayeredCache.from_config(make_config(redis_url, prefix, ns)) as cache:
-        batch = asyncio.create_task(
+    async def load_one() -> str:
+        return "page 1"
+
+    config = make_config(late_replies.url, prefix, ns, redis={"timeout": "5s"})
+    async with LayeredCache.from_config(config) as cache:
+        late_replies.match, late_replies.delay = b"SADD", 2.0  # it runs; its reply waits
+        call = (
             cache.get_or_load_many("category", fields, load_many, tags=["t"])
+            if batch
+            else cache.get_or_load("category", fields[0], load_one, tags=["t"])
         )
-        await asyncio.wait_for(landed.wait(), 5)
-        batch.cancel()
-        await asyncio.gather(batch, return_exceptions=True)
+        task = asyncio.ensure_future(call)
+        assert await eventually(lambda: late_replies.matched == 1, timeout=5)
+        assert await eventually(lambda: _loading(admin, prefix, len(fields)), timeout=5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         leases = [lease_name(cache.key("category", f)) for f in fields]
-        assert await eventually(lambda: _none_exist(admin, leases), timeout=2.0)  # given back
-        await asyncio.sleep(0.2)  # the background SREMs (if any) have run
-        assert await admin.smembers(loading_set_name(prefix)) == set()
+        assert await eventually(lambda: _none_exist(admin, leases), timeout=3)  # given back
+        assert await eventually(lambda: _loading(admin, prefix, 0), timeout=3)
     await admin.aclose()
+
+
+async def _loading(admin: Any, prefix: str, count: int) -> bool:
+    return bool(await admin.scard(loading_set_name(prefix)) == count)
 
 
 async def _none_exist(admin: Any, names: list[str]) -> bool:

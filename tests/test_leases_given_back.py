@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -196,14 +196,6 @@ async def test_a_batch_loader_raising_what_is_not_an_exception_gives_every_lease
         started = time.monotonic()
         values = await b.get_or_load_many("book", fields, lambda missing: _slow(["db"] * len(missing), 0))
         assert values == ["db"] * 5 and time.monotonic() - started < PROMPT
-
-
-@pytest.fixture
-async def late_replies(redis_url: str) -> AsyncIterator[ReplyDelayProxy]:
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = await ReplyDelayProxy(port).start()
-    yield proxy
-    await proxy.stop()
 
 
 SLOW_A = {"timeout": "200ms", "connect_timeout": "200ms", "breaker": {"failures": 100}}
