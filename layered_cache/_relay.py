@@ -307,8 +307,7 @@ class Relay:
         if name == b"PING":
             return b"+PONG\r\n"
         if name == b"HELLO":
-            # redis-py 8 asks for RESP3 unless told protocol=2 (``listener_connection``
-            # does); Redis answers an unsupported version so, and the client says why.
+            # redis-py 8 asks for RESP3 unless told protocol=2; NOPROTO says why not.
             if len(command) > 1 and command[1] != b"2":
                 return encode_error("NOPROTO the backplane relay speaks RESP2 (protocol=2)")
             return encode([b"server", b"layered-cache-relay", b"proto", 2])
@@ -355,9 +354,7 @@ class Relay:
                 self._from_memory += 1
                 return tail.remember((position, count), _entries_reply(self._stream, served))
             if served is None:  # older than memory: Redis answers (catch-up)
-                # At most our batch, as from memory: COUNT 100000 of a client would
-                # have this relay parse and re-encode the whole stream.
-                limit = min(count or self._batch, self._batch)
+                limit = min(count or self._batch, self._batch)  # as from memory
                 read = [b"XREAD", b"COUNT", b"%d" % limit, b"STREAMS"]
                 reply = await self._forward([*read, self._stream, b"%d-%d" % position])
                 if reply != NIL_ARRAY:
