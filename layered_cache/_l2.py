@@ -18,15 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
-from redis.crc import key_slot
-from redis.exceptions import (
-    AskError,
-    ClusterDownError,
-    NoScriptError,
-    ReadOnlyError,
-    ResponseError,
-    TryAgainError,
-)
+from redis.exceptions import ClusterError, ResponseError
 
 from layered_cache import _direct as direct
 from layered_cache._breaker import CircuitBreaker
@@ -39,6 +31,7 @@ from layered_cache._clients import (
 )
 from layered_cache._nodebreakers import NodeBreakers
 from layered_cache._placement import ReplicaPlacement
+from layered_cache._replyerrors import is_key_error
 from layered_cache._scripts import (
     FILL_SCRIPT,
     NOTIFY_INLINE_MAX,
@@ -53,35 +46,7 @@ from layered_cache._write_commands import Write, one_write_args, run_transaction
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
 
-__all__ = ["NOTIFY_INLINE_MAX", "L2Store", "L2Unavailable", "Write", "is_key_error"]
-
-# Error replies that speak for the whole node (a replica after failover, cluster down,
-# a resharding in progress, ...): they count against the breaker like a timeout. Every
-# other error reply (WRONGTYPE, a script error) is about one key: the node answered, so
-# it is no reason to skip Redis for every other key. Nor is OOM (a full Redis under
-# noeviction): it refuses writes only, while reads and the DELs of an invalidation still
-# work, and an open breaker would refuse those too (docs/operations.md, "Redis under
-# memory pressure").
-_NODE_REPLIES = (
-    ReadOnlyError,
-    ClusterDownError,
-    TryAgainError,
-    AskError,
-    NoScriptError,
-)
-_NODE_REPLY_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "NOAUTH", "READONLY")
-
-
-def is_key_error(exc: BaseException) -> bool:
-    """Whether a Redis error is about one key (the node is fine), not about the node."""
-    if isinstance(exc, direct.ReplyTooLarge):
-        return True  # its value, not the node (``L2Store.get``)
-    return (
-        isinstance(exc, ResponseError)
-        and not isinstance(exc, _NODE_REPLIES)
-        and not str(exc).startswith(_NODE_REPLY_PREFIXES)
-    )
-
+__all__ = ["NOTIFY_INLINE_MAX", "L2Store", "L2Unavailable", "Write"]
 
 _log = structlog.get_logger("layered_cache.l2")
 
@@ -91,6 +56,19 @@ T = TypeVar("T")
 
 def _write_size(write: Write) -> int:
     return len(write[2]) * len(write[0])  # the value, once per name it is written to
+
+
+def _leases_first(names: Sequence[str | bytes]) -> list[str | bytes]:
+    """``names`` with the leases (``{key}:lease``: no key holds a brace) first, in order.
+    Not one DEL of a key with its lease: while their slot migrates, Redis refuses a
+    command on names of the slot split between two masters (TRYAGAIN), which a key
+    without a lease (nearly all) is, so invalidations of the slot failed for the whole
+    migration. Apart, the lease goes first: a fill in flight checks it, so it can't land
+    an old value once the key is gone (a key deleted first could be refilled so)."""
+    leases = [name for name in names if name[:1] in (b"{", "{")]
+    if not leases:
+        return list(names)
+    return leases + [name for name in names if name[:1] not in (b"{", "{")]
 
 
 async def _within(operation: Awaitable[T], seconds: float) -> T:
@@ -232,12 +210,13 @@ class L2Store:
         try:
             async with self.slots:
                 result = await self.bounded(_get(self, name))
-        except (ResponseError, direct.ReplyTooLarge) as exc:
+        except (ResponseError, ClusterError, direct.ReplyTooLarge) as exc:
             if not is_key_error(exc):
                 breaker.failure(exc)
                 raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-            # WRONGTYPE & co, or a foreign value over ``reply_cap``: this key is unusable,
-            # the node is fine. A miss: the next fill's SET overwrites it, repairing it.
+            # WRONGTYPE & co, a foreign value over ``reply_cap``, a slot in migration:
+            # this key is unusable for now, the node is fine. A miss: the next fill's SET
+            # overwrites it, repairing it.
             breaker.success()
             self.key_errors += 1
             _log.warning("l2_key_error", key=name, error=str(exc))
@@ -318,24 +297,17 @@ class L2Store:
         return True
 
     async def delete(self, names: Sequence[str | bytes]) -> int:
-        """Delete names in one round trip per node. Cross-slot names are never sent as
-        one multi-key command: in a cluster each DEL holds the names of one slot and the
-        cluster pipeline groups them per node (retrying on MOVED/ASK as redis-py allows)."""
+        """Delete names in one round trip per node. In a cluster one DEL per name, the
+        cluster pipeline grouping them per node (retrying on MOVED/ASK as redis-py
+        allows), leases first (``_leases_first``)."""
         if not names:
             return 0
         if not self.cluster:
             assert self.direct is not None
             return int(await self.guard(direct.execute_command(self.direct, "DEL", *names)))
-        # One DEL per slot: names sharing a slot (a key and its ``{key}:lease``) go in
-        # one command, so they vanish in the same instant - a script checking the lease
-        # can't run between the two deletes.
-        by_slot: dict[int, list[str | bytes]] = {}
-        for name in names:
-            encoded = name if isinstance(name, bytes) else name.encode()
-            by_slot.setdefault(key_slot(encoded), []).append(name)
         pipe = self.client.pipeline(transaction=False)
-        for group in by_slot.values():
-            pipe.execute_command("DEL", *group)
+        for name in _leases_first(names):
+            pipe.delete(name)
         results = await self.guard(pipe.execute())
         return sum(int(result) for result in results)
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.cluster import PRIMARY, get_node_name
 
 __all__ = ["MIN_GAP", "RefreshingCluster"]
 
@@ -40,6 +41,25 @@ class RefreshingCluster(RedisCluster):
         self._refresher: asyncio.Task[None] | None = None
         self._last_refresh = 0.0
         self.refresh_listeners: list[Callable[[], None]] = []
+        self._unmapped: dict[str, ClusterNode] = {}  # redirect targets no map lists
+
+    def get_node(
+        self, host: str | None = None, port: int | None = None, node_name: str | None = None
+    ) -> ClusterNode | None:
+        """``RedisCluster.get_node``; a node by address that no slot map lists is made
+        (and kept, one per address, closed with the client). Why: a master just added to
+        the cluster owns no slot until its first one has moved to it, so no map lists
+        it, and redis-py followed an ASK there by calling a method on None (an
+        AttributeError, counted against the source master's breaker:
+        redis/redis-py#4015)."""
+        node = super().get_node(host, port, node_name)
+        if node is not None or not (host and port):
+            return node
+        name = get_node_name(host, port)
+        if name not in self._unmapped:
+            kwargs = self.nodes_manager.connection_kwargs
+            self._unmapped[name] = ClusterNode(host, port, PRIMARY, **kwargs)
+        return self._unmapped[name]
 
     async def initialize(
         self,
@@ -81,4 +101,7 @@ class RefreshingCluster(RedisCluster):
         # flight is then stale too, and the next command starts a new one.
         if self._refresher is not None and not self._refresher.done():
             self._refresher.cancel()
+        unmapped, self._unmapped = list(self._unmapped.values()), {}
+        for node in unmapped:
+            await node.disconnect()
         await super().aclose()

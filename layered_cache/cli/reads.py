@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from layered_cache._clients import REDIS_FAILURES
-from layered_cache._l2 import L2Store, L2Unavailable, is_key_error
+from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._replyerrors import is_key_error
 from layered_cache.cli.common import CliError
 
 __all__ = ["KeyReads"]
