@@ -41,10 +41,11 @@ from redis.exceptions import ResponseError
 from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_commands import refused_forward, xread_arguments
+from layered_cache._relay_info import InfoCache
 from layered_cache._relay_send import send
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
-from layered_cache._stream import FUTURE_SLACK, missed_entries, parse_id, stream_info, trim_visible
+from layered_cache._stream import FUTURE_SLACK, parse_id, trim_visible
 
 __all__ = ["Relay", "RelayStatus"]
 
@@ -154,6 +155,7 @@ class Relay:
         self._connections: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
         self._follower: asyncio.Task[None] | None = None
+        self._info = InfoCache()  # the listeners' XINFO STREAM, shared (``_relay_info``)
         self._entries_read = self._from_memory = self._forwarded = self._resets = 0
         self._errors = 0
 
@@ -196,7 +198,7 @@ class Relay:
             stop_if_cancelled()
             try:
                 if self._tail is None:
-                    self._tail = _Tail(await self._newest_id(), self._keep, self._batch)
+                    self._tail = _Tail(await self._upstream.newest_id(), self._keep, self._batch)
                     _log.info("relay_following", last_id=self._tail.last.decode())
                 backoff.reset()
                 if not await self._read_once(self._tail):
@@ -216,23 +218,6 @@ class Relay:
                 await self._upstream.reset()
                 await asyncio.sleep(backoff.next_delay())
 
-    async def _newest_id(self) -> bytes:
-        """Start after the newest entry, or before everything if there is none yet
-        (whatever is appended first is then read)."""
-        newest = await self._upstream.execute("XREVRANGE", self._stream, "+", "-", "COUNT", 1)
-        return bytes(newest[0][0]) if newest else b"0-0"
-
-    async def _missed_entries(self, last: bytes) -> bool:
-        """The listener's own test (``_stream.missed_entries``): were entries
-        after ``last`` trimmed or deleted before we read them?"""
-        try:
-            info = stream_info(await self._upstream.execute("XINFO", "STREAM", self._stream))
-        except ResponseError as exc:
-            if "no such key" in str(exc).lower():
-                return True
-            raise
-        return missed_entries(info, parse_id(last))
-
     async def _read_once(self, tail: _Tail) -> bool:
         """One blocking XREAD upstream, its entries added to ``tail`` and the waiting
         clients woken; False, with nothing added, if entries before them may have been
@@ -248,12 +233,13 @@ class Relay:
             # Idle, at a position ahead of the clock: the stream's IDs went back (see
             # ``BackplaneListener._read_once``); reading after it may wait for ever.
             if parse_id(before)[0] > (time.time() + FUTURE_SLACK) * 1000:
-                return not await self._missed_entries(before)
+                return not await self._upstream.missed_entries(before)
             return True
         entries = reply[0][1]
-        if len(entries) >= self._trim_visible and await self._missed_entries(before):
+        if len(entries) >= self._trim_visible and await self._upstream.missed_entries(before):
             return False
         tail.add(entries)
+        self._info.stale()
         self._entries_read += len(entries)
         self._wake()
         return True
@@ -271,6 +257,7 @@ class Relay:
             self._resets += 1
             _log.warning("relay_reset", reason=reason, last_id=self._tail.last.decode())
         self._tail = None
+        self._info.stale()
         self._wake()
         for writer in list(self._connections):
             writer.close()
@@ -314,7 +301,11 @@ class Relay:
         if name in _ACKNOWLEDGED:
             return b"+OK\r\n"
         if name in _FORWARDED and self._stream in command[1:3]:
-            return refused_forward(command, self._stream) or await self._forward(command)
+            if refused := refused_forward(command, self._stream):
+                return refused
+            if name == b"XINFO":
+                return await self._info.get(lambda: self._forward(command))
+            return await self._forward(command)
         return encode_error(
             f"ERR the backplane relay serves XREAD on {self._stream.decode()!r} "
             f"(and the listener's XINFO STREAM, XREVRANGE, XADD), not {name!r}"

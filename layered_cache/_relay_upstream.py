@@ -7,7 +7,7 @@ import contextlib
 from typing import Any
 
 import redis.asyncio as redis
-from redis.exceptions import ClusterDownError
+from redis.exceptions import ClusterDownError, ResponseError
 
 from layered_cache._clients import (
     is_cluster,
@@ -17,6 +17,7 @@ from layered_cache._clients import (
     with_timeout,
 )
 from layered_cache._config import RedisConfig
+from layered_cache._stream import missed_entries, parse_id, stream_info
 
 __all__ = ["Upstream"]
 
@@ -40,6 +41,23 @@ class Upstream:
         if self._client is None:
             self._client = await self._connect()
         return await self._client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+    async def newest_id(self) -> bytes:
+        """Where a relay starts: after the newest entry, or before everything if there
+        is none yet (whatever is appended first is then read)."""
+        newest = await self.execute("XREVRANGE", self._stream, "+", "-", "COUNT", 1)
+        return bytes(newest[0][0]) if newest else b"0-0"
+
+    async def missed_entries(self, last: bytes) -> bool:
+        """The listener's own test (``_stream.missed_entries``): were entries after
+        ``last`` trimmed or deleted before the relay read them?"""
+        try:
+            info = stream_info(await self.execute("XINFO", "STREAM", self._stream))
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return True
+            raise
+        return missed_entries(info, parse_id(last))
 
     async def reset(self) -> None:
         """Drop the connection; the next command finds the stream's master anew (it may

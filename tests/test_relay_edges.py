@@ -146,3 +146,52 @@ def test_a_relay_url_with_options_or_credentials_is_refused_at_load(
         parse_config(raw, env={})
     with pytest.raises(ConfigError, match="no credentials"):
         parse_config({"backplane": {"relay": "redis://u:Hunter2Secret@h:1"}}, env={})
+
+
+async def _command_calls(url: str, *names: str) -> int:
+    client = redis.Redis.from_url(url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names)
+
+
+async def test_behind_a_relay_redis_answers_the_instances_entry_counts_once_per_relay(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Each listener counts entries against ``XINFO STREAM`` (``EntryCount``, up to 4 a
+    second while entries flow), and the relay forwarded every one: 20 instances, 8
+    entries in 2.4 s, and Redis answered ~150 XINFOs against ~12 XREADs of the relay,
+    growing with the instances behind it. The relay now shares one answer
+    (``_relay_info``): Redis sees one reader per relay again."""
+    base = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    relay, relay_url = await start_relay(base)
+    reader_config = make_config(
+        redis_server.url, prefix, backplane={"block": BLOCK, "relay": relay_url}
+    )
+    readers = [LayeredCache.from_config(reader_config) for _ in range(20)]
+    try:
+        async with LayeredCache.from_config(base) as writer:
+            for reader in readers:
+                await reader.start()
+            for reader in readers:
+                assert await eventually(reader._backplane.connected.is_set)  # type: ignore[union-attr]
+            await asyncio.sleep(0.5)
+            xinfo_before = await _command_calls(redis_server.url, "xinfo|stream", "xinfo")
+            xread_before = await _command_calls(redis_server.url, "xread")
+            for book in range(8):
+                await writer.invalidate("book", {"id": 1000 + book})
+                await asyncio.sleep(0.3)
+            xinfo = await _command_calls(redis_server.url, "xinfo|stream", "xinfo") - xinfo_before
+            xread = await _command_calls(redis_server.url, "xread") - xread_before
+            # One relay: a reader's worth of stream reads on Redis (its XREADs, plus at
+            # most a check of its own per read), not one per instance.
+            assert xinfo <= xread + 8, (
+                f"Redis answered {xinfo} XINFO STREAM (from 20 instances behind one relay) "
+                f"and {xread} XREAD in 2.4 s of 8 entries"
+            )
+    finally:
+        for reader in readers:
+            await reader.close()
+        await relay.close()
