@@ -145,8 +145,7 @@ class BackplaneListener:
         timeout: float = 1.5,
     ) -> None:
         self._client = client
-        # Every command on the stream, each within block + ``timeout`` (a connect and
-        # the reply): see ``StreamLink``.
+        # Each command within block + ``timeout`` (a connect and the reply): ``StreamLink``.
         self._link = StreamLink(client, stream, block, batch, block + timeout)
         self._stream = stream
         self._on_keys = on_keys
@@ -233,7 +232,8 @@ class BackplaneListener:
                     # As many entries as a trim past ``before`` would have left: the
                     # entries right after it may be gone (``trim_visible`` says why).
                     check_from = before
-                if await self._counted.lost(self.last_id, self.entries_seen):
+                counted = check_from is None  # else checked by position first (next round)
+                if counted and await self._counted.lost(self.last_id, self.entries_seen):
                     self._gap("entries_unread")
                 if read and self._coalesce and check_from is None:
                     # Let a burst gather before the next XREAD: a blocked XREAD returns
