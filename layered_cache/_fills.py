@@ -13,6 +13,7 @@ from layered_cache import _envelopes as envelopes
 from layered_cache._codec import Envelope
 from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
+from layered_cache._tagindex import TagIndex
 from layered_cache._tags import TagsOf, TagVersions, tag_names
 
 __all__ = ["FillWatch", "Fills"]
@@ -23,7 +24,8 @@ class Fills:
         self._policy = policy
         self._clock = clock
         self.versions = versions
-        self._tagged: dict[str, set[str]] = {}  # tag -> keys filled into L1 with it
+        l1 = policy.l1
+        self.tagged = TagIndex(l1.max_entries) if l1 is not None else None
 
     def decode(self, key: str, data: bytes | None) -> Envelope[Any] | None:
         return envelopes.decode(self._policy, key, data)
@@ -126,19 +128,12 @@ class Fills:
 
     def _index(self, key: str, tags: Mapping[str, str]) -> None:
         l1 = self._policy.l1
-        assert l1 is not None
-        if sum(len(keys) for keys in self._tagged.values()) > 4 * l1.max_entries:
-            # Keys leave L1 by TTL and eviction without telling us: prune the index.
-            self._tagged = {
-                tag: {k for k in keys if k in l1}
-                for tag, keys in self._tagged.items()
-            }
-        for tag in tags:
-            self._tagged.setdefault(tag, set()).add(key)
+        assert l1 is not None and self.tagged is not None
+        self.tagged.add(key, tags, l1.__contains__)
 
     def forget_tag(self, tag: str) -> list[str]:
         """The L1 keys filled with ``tag`` (now to be dropped)."""
-        return list(self._tagged.pop(tag, ()))
+        return list(self.tagged.pop(tag)) if self.tagged is not None else []
 
     def alive(self, envelope: Envelope[Any]) -> bool:
         """False for a tagged entry whose tag this instance knows was invalidated (an

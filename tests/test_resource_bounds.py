@@ -1,0 +1,71 @@
+"""What stays bounded under traffic an attacker or an unlucky workload sends: the L1 tag
+index with tags of unbounded kinds (a user, a query) and pages of many tags, the ETag
+memo of a namespace without L1, the purge queue against whole batches. Found by a
+review; each failed before its fix."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from layered_cache import LayeredCache
+from layered_cache._tagindex import TagIndex
+from tests.helpers import make_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _pages(redis_url: str, prefix: str, max_entries: int) -> LayeredCache:
+    namespaces = {
+        "page": {"key": "page:{id}", "tags": True, "l1": {"ttl": "60s", "max_entries": max_entries}}
+    }
+    return LayeredCache.from_config(make_config(redis_url, prefix, namespaces))
+
+
+async def test_the_l1_tag_index_forgets_tags_whose_entries_left_l1(
+    redis_url: str, prefix: str
+) -> None:
+    """3,000 fills each tagged with its own user (``user:<i>``) into an L1 of 10: the
+    index kept all 3,000 tags (~300 B each, for ever: only invalidate_tag of that very
+    tag removed one), and summed every tag's keys at each fill."""
+    async with _pages(redis_url, prefix, 10) as cache:
+        for i in range(3000):
+            await cache.get_or_load("page", {"id": i}, _value(f"v{i}"), tags=[f"user:{i}"])
+        index = cache.namespace("page")._fills.tagged
+        assert index is not None and len(index) <= 2 * 4 * 10
+        # A tag still held by an entry in L1 is still indexed: its invalidation drops it.
+        l1, key = cache.namespace("page").policy.l1, cache.key("page", {"id": 2999})
+        assert l1 is not None and key in l1
+        await cache.invalidate_tag("user:2999")
+        assert key not in l1
+
+
+async def test_the_l1_tag_index_is_pruned_once_per_doubling_not_at_every_fill(
+    redis_url: str, prefix: str
+) -> None:
+    """Pages of 10 tags into an L1 of 100: the live (tag, key) pairs stay above the
+    prune threshold (4 per entry), so every fill rebuilt the whole index (259 of 300
+    fills; ~280 ms a fill at the default max_entries with 20-tag pages)."""
+    prunes = 0
+    prune = TagIndex._prune
+
+    def counted(self: TagIndex, in_l1: object) -> None:
+        nonlocal prunes
+        prunes += 1
+        prune(self, in_l1)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(TagIndex, "_prune", counted)
+        async with _pages(redis_url, prefix, 100) as cache:
+            for i in range(300):
+                tags = [f"book:{(i * 7 + j) % 50}" for j in range(10)]
+                await cache.get_or_load("page", {"id": i}, _value(f"v{i}"), tags=tags)
+    assert prunes <= 10, f"the index was pruned on {prunes} of 300 fills"
+
+
+def _value(value: str) -> Callable[[], Awaitable[str]]:
+    async def load() -> str:
+        return value
+
+    return load
