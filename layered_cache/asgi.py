@@ -52,13 +52,20 @@ class CachedResponses:
         self._cache = cache
         self._render = render
         self._media_type = media_type
-        self._etags = ETags(etag_of=self._etag_of)
-        self._control = {name: cache_control(ns) for name, ns in cache.config.namespaces.items()}
-        # Without L2, L1 holds the loader's (or set()'s) own object, which its owner may
-        # change in place and hand in again: the same object is then no proof of the
-        # same value, and the ETag is computed from the value each time (as for a value
-        # that could not be encoded: ``Served.owned``).
-        self._mutable = {name for name, ns in cache.config.namespaces.items() if not ns.l2}
+        namespaces = cache.config.namespaces
+        self._control = {name: cache_control(ns) for name, ns in namespaces.items()}
+        # The memo pays where L1 hands back the object it holds. Without L2, that is the
+        # loader's (or set()'s) own object, which its owner may change in place and hand
+        # in again: the same object is no proof of the same value (as for a value that
+        # could not be encoded: ``Served.owned``). Without L1, every read decodes a new
+        # object, which the memo would only keep alive (up to its size, each value up
+        # to max_value_bytes). In both the ETag is computed from the body each time.
+        policies = [cache.namespace(name).policy for name in namespaces]
+        memoized = {p.name: p.l1.max_entries for p in policies if p.l1 is not None and p.l2}
+        self._unmemoized = set(namespaces) - set(memoized)
+        held = sum(memoized.values())
+        # At most as many as L1 holds: values L1 let go are kept no longer than that.
+        self._etags = ETags(max_entries=max(1, held), etag_of=self._etag_of)
 
     def cache_control(self, namespace: str) -> str:
         """The ``Cache-Control`` of ``namespace``'s responses (for hand-built ones)."""
@@ -87,7 +94,7 @@ class CachedResponses:
             # may have the value (its read began first), a gateway must not keep it.
             return self._body(value, {"Cache-Control": "no-store"})
         body: bytes | None = None
-        if namespace in self._mutable or served.owned:
+        if namespace in self._unmemoized or served.owned:
             body = self._render(value)  # rendered once: for the tag, then maybe sent
             etag = body_etag(body, self._media_type)
         else:

@@ -5,12 +5,16 @@ review; each failed before its fix."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 from collections.abc import Awaitable, Callable
 
 import pytest
+from starlette.requests import Request
 
-from layered_cache import LayeredCache
+from layered_cache import LayeredCache, parse_config
 from layered_cache._tagindex import TagIndex
+from layered_cache.asgi import CachedResponses
 from tests.helpers import make_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,6 +66,41 @@ async def test_the_l1_tag_index_is_pruned_once_per_doubling_not_at_every_fill(
                 tags = [f"book:{(i * 7 + j) % 50}" for j in range(10)]
                 await cache.get_or_load("page", {"id": i}, _value(f"v{i}"), tags=tags)
     assert prunes <= 10, f"the index was pruned on {prunes} of 300 fills"
+
+
+async def test_the_etag_memo_keeps_no_values_of_a_namespace_without_l1(
+    redis_url: str, prefix: str
+) -> None:
+    """Without L1 every read decodes a new object, so the identity memo never matched
+    and only kept the last 10,000 values served alive (each up to max_value_bytes):
+    1,500 distinct 20 KB reports served once kept ~30 MB."""
+    config = parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix},
+            "namespaces": {
+                "report": {"key": "report:{id}", "l1": False, "http": {"s_maxage": "30s"}}
+            },
+        },
+        env={},
+    )
+    async with LayeredCache.from_config(config) as cache:
+        responses = CachedResponses(cache)
+        request = Request(
+            {"type": "http", "method": "GET", "headers": [], "path": "/", "query_string": b""}
+        )
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for i in range(1500):
+                await responses.respond(
+                    request, "report", {"id": i}, _value(f"{i:08d}" + "x" * 20_000)
+                )
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+    assert held < 5_000_000, f"{held / 1e6:.1f} MB of served values still held"
 
 
 def _value(value: str) -> Callable[[], Awaitable[str]]:
