@@ -79,7 +79,11 @@ class PurgeQueue:
         self.stats = PurgeStats()
         self._retries = retries
         self._backoff = list(backoff) or [0.1]
-        self._queue: asyncio.Queue[tuple[list[str], list[str], bool]] = asyncio.Queue(max_pending)
+        # Bounded by what the jobs hold (``_pending`` keys + tags), not by how many jobs:
+        # one job is a whole set_many or a daemon batch (thousands of keys).
+        self._queue: asyncio.Queue[tuple[list[str], list[str], bool]] = asyncio.Queue()
+        self._max_pending = max_pending
+        self._pending = 0
         self._worker: asyncio.Task[None] | None = None
         self._timers: dict[asyncio.TimerHandle, int] = {}  # repeats not queued yet: size
         self._current: tuple[list[str], list[str], bool] | None = None  # being delivered
@@ -97,12 +101,24 @@ class PurgeQueue:
         self._put(job, size)
 
     def _put(self, job: tuple[list[str], list[str], bool], size: int) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except asyncio.QueueFull:
-            self.stats.dropped += size
-            keys, tags = job[0][:5], job[1][:5]
-            _log.warning("http_purge_dropped", reason="queue full", keys=keys, tags=tags)
+        """Queue what fits under ``max_pending`` purges; the rest is dropped (counted)."""
+        room = max(0, self._max_pending - self._pending)
+        if size > room:
+            keys, tags, repeat = job
+            kept = keys[:room], tags[: max(0, room - len(keys))]
+            self.stats.dropped += size - room
+            _log.warning(
+                "http_purge_dropped",
+                reason="queue full",
+                count=size - room,
+                keys=keys[len(kept[0]) :][:5],
+                tags=tags[len(kept[1]) :][:5],
+            )
+            job, size = (*kept, repeat), room
+            if not size:
+                return
+        self._pending += size
+        self._queue.put_nowait(job)
 
     def start(self) -> None:
         if self.purger is not None and self._worker is None:
@@ -137,6 +153,7 @@ class PurgeQueue:
         while not self._queue.empty():
             jobs.append(self._queue.get_nowait())
             self._queue.task_done()
+        self._pending = 0
         size = sum(len(keys) + len(tags) for keys, tags, _ in jobs) + sum(self._timers.values())
         self._timers.clear()
         self._current = None
@@ -153,6 +170,7 @@ class PurgeQueue:
                 delivered = await self._deliver(keys, tags, repeat)
                 self._current = None  # delivered or given up on: counted either way
             finally:
+                self._pending -= len(keys) + len(tags)
                 self._queue.task_done()
             if delivered and not repeat and self._repeat_after > 0:
                 # Once more, later: another instance may still have served the old value

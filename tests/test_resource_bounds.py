@@ -5,9 +5,10 @@ review; each failed before its fix."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 from starlette.requests import Request
@@ -101,6 +102,29 @@ async def test_the_etag_memo_keeps_no_values_of_a_namespace_without_l1(
         finally:
             tracemalloc.stop()
     assert held < 5_000_000, f"{held / 1e6:.1f} MB of served values still held"
+
+
+async def test_the_purge_queue_holds_at_most_its_size_in_purges_whatever_the_batches(
+    redis_url: str, prefix: str
+) -> None:
+    """``purge.queue`` counts purges (keys + tags), but the queue counted jobs, and one
+    job is a whole set_many or daemon batch: with the gateway black-holed and queue =
+    100, 20 set_many of 1,000 keys left 19,000 purges pending and dropped none."""
+
+    class HungGateway:
+        async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+            await asyncio.Event().wait()  # a black-holed Varnish
+
+    config = make_config(redis_url, prefix, purge={"queue": 100})
+    async with LayeredCache.from_config(config, purger=HungGateway()) as cache:
+        for batch in range(20):
+            await cache.set_many("book", [({"id": batch * 1000 + i}, "v") for i in range(1000)])
+        queue = cache._rt.purges
+        pending = sum(len(keys) + len(tags) for keys, tags, _ in queue._queue._queue)  # type: ignore[attr-defined]
+        stats = queue.stats
+        assert pending <= 100
+        assert stats.dropped >= 20_000 - 100 - 1000  # what didn't fit (one job in flight)
+        assert stats.submitted == 20_000
 
 
 def _value(value: str) -> Callable[[], Awaitable[str]]:
