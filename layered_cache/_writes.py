@@ -158,7 +158,7 @@ class Writes:
         replaced value for their L1 TTL."""
         self._forget(keys)
         if announce:
-            self._rt.tasks.spawn(self._announce_quietly(keys))
+            self._rt.tasks.spawn_orphan(self._announce_quietly(keys))
 
     async def _announce_quietly(self, keys: list[str]) -> None:
         with contextlib.suppress(L2Unavailable):
