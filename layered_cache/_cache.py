@@ -8,7 +8,6 @@ keyed by namespace name. It owns no storage logic and no step of the read path.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import time
@@ -25,15 +24,12 @@ from layered_cache._batch import LoadMany
 from layered_cache._coherence import Coherence
 from layered_cache._config import Config
 from layered_cache._hits import HitPath
-from layered_cache._invalidation import Invalidator, ReplicaCountMismatch
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
 from layered_cache._policy import compile_policy
-from layered_cache._purges import Purger, PurgeStats, purges_for
+from layered_cache._purges import Purger, PurgeStats
 from layered_cache._redisclock import redis_clock
-from layered_cache._runtime import Hooks, Runtime
-from layered_cache._stampede import LeaseWaiter
-from layered_cache._tags import TagVersions, version_ttl
+from layered_cache._runtime import Hooks
 from layered_cache._wiring import CacheParts, build_parts
 
 __all__ = ["LayeredCache", "RedisStatus"]
@@ -72,17 +68,8 @@ class LayeredCache(HitPath):
         # ``clock`` is this host's wall clock; envelopes are stamped and judged in Redis'
         # time (``_redisclock``): a skewed host must not stretch or cut values' lives.
         self._clock = redis_clock(clock, parts.client, config)
-        self._rt = Runtime(
-            store=parts.store,
-            leases=LeaseWaiter(parts.store, parts.notifier),
-            invalidator=Invalidator(parts.store, parts.publisher),
-            clock=self._clock.now,
-            rand=rand,
-            versions=TagVersions(parts.store, config.redis.prefix, version_ttl(config)),
-            prefix=config.redis.prefix,
-            admission=asyncio.Semaphore(config.redis.max_connections),
-            purges=purges_for(config, purger),  # HTTP caches: docs/http.md
-        )
+        self._rt = startup.runtime(config, parts, self._clock.now, rand, purger)
+        self._purger, self._closed = purger, False
         prefix = config.redis.prefix
         self._namespaces = {
             name: Namespace(compile_policy(name, ns, prefix), self._rt)
@@ -97,12 +84,10 @@ class LayeredCache(HitPath):
         self._follow()
 
     def _follow(self) -> None:
-        """Listener, fallback subscriber and hot-key reporter, under this process's
-        instance id (built again in a process forked after construction: ``start``)."""
+        """Listener, fallback subscriber and hot-key reporter (built again by ``start``)."""
         config, parts = self.config, self._parts
-        self._backplane, self._fallback = startup.followers(
-            parts, self._coherence, config.backplane, config.redis
-        )
+        followers = startup.followers(parts, self._coherence, config.backplane, config.redis)
+        self._backplane, self._fallback = followers
         detecting = any(ns.policy.hot is not None and ns.policy.hot.threshold for ns in self)
         hot_keys = self.hot_keys if detecting else None
         self._hot_reporter = startup.hot_key_reporter(parts, config.redis.prefix, hot_keys)
@@ -144,17 +129,23 @@ class LayeredCache(HitPath):
     async def start(self) -> None:
         """Start following the backplane (L1 coherence) and reporting hot keys; see
         ``_startup`` for what is checked first and why."""
-        if os.getpid() != self._built_in:  # forked after construction: gunicorn --preload
+        forked = os.getpid() != self._built_in  # after construction: gunicorn --preload
+        if forked:
             startup.forked(self._parts, self._coherence, self._started_in)
+        if forked or self._closed:  # or started again: a second lifespan, a new loop
+            startup.reopened(self._parts, self._rt, self.config, self._purger)
             self._follow()
-        self._built_in = self._started_in = os.getpid()
-        await startup.learn_slots(self._parts.client)
-        await self._clock.start()  # before any read or write stamps an envelope
+        self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
         try:
-            await startup.check_replicas(self._parts.client, self.config.redis.prefix, self)
-        except ReplicaCountMismatch:
+            await self._start_steps()
+        except BaseException:  # a mismatch, Redis down, our caller's deadline: undone
             await self.close()
             raise
+
+    async def _start_steps(self) -> None:
+        await startup.learn_slots(self._parts.client)
+        await self._clock.start()  # before any read or write stamps an envelope
+        await startup.check_replicas(self._parts.client, self.config.redis.prefix, self)
         for check in startup.background_checks(self._parts.client, self.config.redis):
             self._rt.tasks.spawn(check)
         if self._backplane is not None and self._fallback is not None:
@@ -165,16 +156,21 @@ class LayeredCache(HitPath):
             self._hot_reporter.start()
 
     async def close(self) -> None:
-        await self._rt.purges.close()  # what is queued gets a second to go out
-        await self._clock.stop()
-        await self._rt.tasks.close()
-        if self._backplane is not None:
-            await self._backplane.stop()
-        if self._fallback is not None:
-            await self._fallback.stop()
-        if self._hot_reporter is not None:
-            await self._hot_reporter.stop()
-        await self._parts.close()
+        """Followers first, then background work's grace (``BackgroundTasks.close``), then
+        the clients, which a caller's deadline cutting this short still closes."""
+        try:
+            if self._backplane is not None:
+                await self._backplane.stop()
+            if self._fallback is not None:
+                await self._fallback.stop()
+            if self._hot_reporter is not None:
+                await self._hot_reporter.stop()
+            await self._rt.purges.close()  # what is queued gets a second to go out
+            await self._clock.stop()
+            await self._rt.tasks.close()
+        finally:
+            self._started_in, self._closed = 0, True  # nothing left to a fork; start reopens
+            await self._parts.close()
 
     # -- namespaces --------------------------------------------------------------------
 

@@ -131,6 +131,7 @@ class L2Store:
         self.breaker = breaker
         # Bounds the read path's connections: a burst queues here (no timer), not one each.
         self.slots = asyncio.Semaphore(max_in_flight)
+        self.max_in_flight = max_in_flight
         self.breakers = NodeBreakers(client, breaker)
         self.node_breakers = self.breakers.by_node  # one per master (cluster), by host:port
         self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures

@@ -69,6 +69,9 @@ class Notifier(Protocol):
 
     async def close(self) -> None: ...
 
+    def reopen(self) -> None:
+        """After ``close``, for a cache started again (maybe on another event loop)."""
+
 
 class FillNotifier:
     """One pub/sub connection (to one node) shared by every waiter of this cache
@@ -240,6 +243,15 @@ class FillNotifier:
                 elif message["type"] in ("message", "smessage"):
                     sub.queue.put_nowait(message["data"])
 
+    def reopen(self) -> None:
+        """Subscribe again (``close`` had stopped that for good), with a lock and a
+        pub/sub of the running event loop."""
+        self._closed = False
+        self._pubsub = self._client.pubsub()
+        self._waiters.clear()
+        self._lost.clear()
+        self._lock = asyncio.Lock()
+
     async def close(self) -> None:
         """Never hangs: a reader cancelled inside a blocking read may only wake once its
         socket is closed, so the connections are closed before waiting (bounded)."""
@@ -296,3 +308,6 @@ class ClusterFillNotifier:
     async def close(self) -> None:
         notifiers, self._nodes = list(self._nodes.values()), {}
         await asyncio.gather(*(notifier.close() for notifier in notifiers))
+
+    def reopen(self) -> None:
+        """Nothing to do: ``close`` forgot every node's notifier; new ones are made."""

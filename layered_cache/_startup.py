@@ -15,13 +15,17 @@ from redis.exceptions import NoPermissionError, ResponseError
 from layered_cache._backplane import BackplaneListener
 from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._coherence import Coherence
-from layered_cache._config import BackplaneConfig, RedisConfig
+from layered_cache._config import BackplaneConfig, Config, RedisConfig
 from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscribed
 from layered_cache._hotreport import HotKeyReporter
-from layered_cache._invalidation import check_replica_counts, recorded_counts
+from layered_cache._invalidation import Invalidator, check_replica_counts, recorded_counts
 from layered_cache._keys import hot_report_name
 from layered_cache._memory_policy import log_memory_policies
 from layered_cache._namespace import Namespace
+from layered_cache._purges import Purger, purges_for
+from layered_cache._runtime import Runtime
+from layered_cache._stampede import LeaseWaiter
+from layered_cache._tags import TagVersions, version_ttl
 from layered_cache._wiring import CacheParts, new_instance_id
 
 __all__ = [
@@ -36,6 +40,8 @@ __all__ = [
     "learn_slots",
     "listening",
     "positioned",
+    "reopened",
+    "runtime",
 ]
 
 _log = structlog.get_logger("layered_cache")
@@ -149,6 +155,39 @@ async def listening(
         positioned(listener, redis),
         subscribed(fallback, 2 * (redis.connect_timeout + redis.timeout)),
     )
+
+
+def runtime(
+    config: Config,
+    parts: CacheParts,
+    clock: Callable[[], float],
+    rand: Callable[[], float],
+    purger: Purger | None,
+) -> Runtime:
+    """What a cache's namespaces share, built on ``parts`` (no I/O yet)."""
+    return Runtime(
+        store=parts.store,
+        leases=LeaseWaiter(parts.store, parts.notifier),
+        invalidator=Invalidator(parts.store, parts.publisher),
+        clock=clock,
+        rand=rand,
+        versions=TagVersions(parts.store, config.redis.prefix, version_ttl(config)),
+        prefix=config.redis.prefix,
+        admission=asyncio.Semaphore(config.redis.max_connections),
+        purges=purges_for(config, purger),  # HTTP caches: docs/http.md
+    )
+
+
+def reopened(parts: CacheParts, runtime: Runtime, config: Config, purger: Purger | None) -> None:
+    """A closed cache started again (a second lifespan of a module-level cache, a test's
+    new event loop): what was bound to the loop it ran on, or closed with it, is made
+    anew. An asyncio lock, semaphore or queue is bound to the first loop that waits on
+    it, and the purge queue's own Varnish client was closed (the clients themselves
+    reconnect). The listener, fallback subscriber and hot-key reporter: ``_follow``."""
+    parts.notifier.reopen()
+    parts.store.slots = asyncio.Semaphore(parts.store.max_in_flight)
+    runtime.admission = asyncio.Semaphore(config.redis.max_connections)
+    runtime.purges = purges_for(config, purger)
 
 
 def forked(parts: CacheParts, coherence: Coherence, started_in: int) -> None:

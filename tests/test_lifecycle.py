@@ -6,10 +6,162 @@ each failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
 
 from layered_cache import LayeredCache
 from tests.helpers import make_config
+from tests.test_fastapi import build_app
+
+
+def test_a_module_level_cache_serves_a_second_lifespan_on_a_new_event_loop(
+    redis_url: str, prefix: str
+) -> None:
+    """README, FastAPI / Starlette: "A service module creates the cache at import and
+    decorates its functions there; the lifespan starts and closes it on the server's
+    event loop" ("Tested as written: tests/test_fastapi.py").
+
+    Every ``with TestClient(app)`` (and every ``asyncio.run``, every pytest-asyncio
+    function loop) runs the lifespan on an event loop of its own. The first lifespan
+    starts and closes the module's cache; the second one's ``start()`` raises
+    ``RuntimeError: <asyncio.locks.Event ...> is bound to a different event loop``:
+    ``FallbackSubscriber.subscribed`` (an ``asyncio.Event`` created once, in
+    ``__init__``) was bound to the first loop by ``startup.listening``'s wait, and
+    ``close()`` neither forgets it nor rebuilds the followers. (A service's test suite
+    with two tests using ``TestClient(app)`` fails its second test at startup.)"""
+    database = {1: "Emma"}
+    queries: list[int] = []
+    app = build_app(make_config(redis_url, prefix), database, queries)
+    with TestClient(app) as client:  # loop 1: start() ... close()
+        assert client.get("/books/1").json() == {"id": 1, "title": "Emma"}
+    with TestClient(app) as client:  # loop 2: the same module-level cache
+        assert client.get("/books/1").json() == {"id": 1, "title": "Emma"}
+
+
+async def test_a_start_cancelled_by_its_caller_leaves_no_background_task_running(
+    prefix: str,
+) -> None:
+    """README, "Cancellation takes effect": "A cancelled task stops at the library's
+    next await"; ``BackgroundTasks``: "so no task outlives the cache or its Redis
+    clients"; and ``start()`` itself closes what it started when it fails
+    (``_cache.py``: ``except ReplicaCountMismatch: await self.close(); raise``).
+
+    ``start()`` with Redis unreachable waits (bounded) for the backplane position; a
+    caller that gives up first (a lifespan or readiness timeout:
+    ``asyncio.wait_for(cache.start(), ...)``, or ``async with`` whose ``__aenter__`` is
+    cancelled, after which ``__aexit__`` never runs) gets its CancelledError/TimeoutError,
+    but the Redis clock's task, the backplane listener and the fallback subscriber it
+    had already started run on, reconnecting for ever, with nobody left to close them."""
+    config = make_config("redis://127.0.0.1:1/0", prefix)  # nothing listens on port 1
+    cache = LayeredCache.from_config(config)
+    before = asyncio.all_tasks()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(cache.start(), 0.3)
+    await asyncio.sleep(0.3)
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    try:
+        assert left == [], f"tasks a failed start() left running: {[t.get_name() for t in left]}"
+    finally:
+        await cache.close()
+
+
+async def test_lease_waiters_of_a_restarted_cache_are_still_woken_when_the_fill_lands(
+    redis_url: str, prefix: str
+) -> None:
+    """DESIGN.md, section 6: "Lease: ... the others wait for the fill (woken when it
+    lands, with jittered re-reads as the fallback, never a fixed sleep)".
+
+    ``FillNotifier.close()`` sets ``_closed = True`` for good ("no connection is opened
+    again once closing began") and ``start()`` never undoes it, so after
+    ``close()`` + ``start()`` (same loop) every lease waiter's SUBSCRIBE is skipped:
+    the waiter first waits out the whole subscription bound (``reread_pause[1]``) for a
+    confirmation that never comes, then sees the fill only at its next re-read. Here
+    the fill lands ~0.2 s into the wait; a woken waiter returns at once, a restarted
+    cache's waiter only after ~2 s (the pause range is made long to tell them apart)."""
+    namespaces = {
+        "book": {
+            "key": "book:{id}",
+            "stampede": {"lease_ttl": "10s", "reread_pause": ["2s", "2s"], "max_wait": "8s"},
+        }
+    }
+    config = make_config(redis_url, prefix, namespaces)
+    waiter = LayeredCache.from_config(config)
+    await waiter.start()
+    await waiter.close()
+    await waiter.start()  # the same cache, started again on the same loop
+    holder = LayeredCache.from_config(config)
+    await holder.start()
+    try:
+        loading = asyncio.Event()
+
+        async def slow_load() -> str:
+            loading.set()
+            await asyncio.sleep(0.2)
+            return "db"
+
+        async def never() -> str:
+            raise AssertionError("the waiter loaded: it should have waited for the fill")
+
+        filling = asyncio.create_task(holder.get_or_load("book", {"id": 1}, slow_load))
+        await loading.wait()  # the holder has the lease
+        started = asyncio.get_running_loop().time()
+        assert await waiter.get_or_load("book", {"id": 1}, never) == "db"
+        waited = asyncio.get_running_loop().time() - started
+        await filling
+        assert waited < 1.0, f"the lease waiter saw the fill only after {waited:.2f} s"
+    finally:
+        await holder.close()
+        await waiter.close()
+
+
+def _start_in_forked_child(cache: LayeredCache, out: Any) -> None:
+    async def run() -> str:
+        async with cache:
+            await cache.set("book", {"id": 1}, "child")
+            return "started"
+
+    try:
+        out.put(asyncio.run(run()))
+    except BaseException as exc:
+        out.put(f"{type(exc).__name__}: {exc}")
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+async def test_a_cache_started_and_closed_before_the_fork_starts_in_the_child(
+    redis_url: str, prefix: str
+) -> None:
+    """README, FastAPI / Starlette: "`start()` in a process forked after construction
+    takes an instance id of its own ... A cache already *started* in the master holds
+    the master's connections: a worker's `start()` refuses it"; ``_startup.forked``:
+    "A cache the parent had *started* holds the parent's connections and tasks:
+    refused, not shared".
+
+    A cache the master started and then *closed* (a warm-up or a check at import under
+    ``gunicorn --preload``: ``asyncio.run(...)`` with ``async with cache``) holds no
+    connection and no task any more, yet every worker's ``start()`` is refused with
+    "its connections are that process's": ``close()`` never resets ``_started_in``
+    (``_cache.py``), which ``start()`` set before doing anything."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}"}})
+    cache = LayeredCache.from_config(config)
+    await cache.start()
+    await cache.close()  # nothing of this process is left in it
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_start_in_forked_child, args=(cache, out))
+    child.start()
+    try:
+        outcome = await asyncio.to_thread(out.get, True, 30)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert outcome == "started", outcome
 
 
 async def test_a_cluster_set_cancelled_after_its_write_still_announces_when_close_follows(
@@ -79,3 +231,47 @@ async def test_a_cluster_set_cancelled_after_its_write_still_announces_when_clos
             "b serves 'old' from L1 while L2 holds 'new': the cancelled set()'s "
             "announcement was cancelled by close() after 0.2 s"
         )
+
+
+async def test_a_close_cut_short_by_its_callers_deadline_still_stops_the_listeners(
+    redis_url: str, prefix: str
+) -> None:
+    """``BackgroundTasks``: "``close`` cancels and awaits, so no task outlives the cache
+    or its Redis clients"; ``BackplaneListener.stop``: "stop() never hangs"; README,
+    "Cancellation takes effect".
+
+    ``close()`` runs its steps one after the other with nothing in a ``finally``: the
+    backplane listener, the fallback subscriber and the hot-key reporter are stopped,
+    and the clients closed, only after ``BackgroundTasks.close`` has waited up to
+    ``ORPHAN_GRACE`` (5 s) for an invalidation a cancelled caller left running. A
+    shutdown with a deadline shorter than that (``asyncio.wait_for(cache.close(), 1)``
+    in a lifespan, a supervisor's grace period) cancels close() inside that wait, and
+    the listener, the subscriber and the reporter run on (the listener XREADing, the
+    reporter writing its report every second) with their connections open."""
+    namespaces = {"book": {"key": "book:{id}", "hot": {"keys": ["book:1"], "threshold": "1/s"}}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
+    before = asyncio.all_tasks()
+    a = LayeredCache.from_config(config)
+    await a.start()
+    publisher = a._parts.publisher
+    assert publisher is not None
+    real = publisher.publish
+
+    async def slow_publish(keys: Any, tags: Any = None) -> bytes:
+        await asyncio.sleep(3.0)  # a slow XADD: the orphaned invalidation is still running
+        return await real(keys, tags=tags)
+
+    publisher.publish = slow_publish  # type: ignore[method-assign]
+    request = asyncio.ensure_future(a.invalidate("book", {"id": 2}))
+    await asyncio.sleep(0.2)  # the DEL landed, the announcement is on its way
+    request.cancel()
+    await asyncio.gather(request, return_exceptions=True)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(a.close(), 1.0)  # the shutdown's deadline
+    await asyncio.sleep(0.2)
+    names = {"layered_cache._backplane", "layered_cache._fallback", "layered_cache._hotreport"}
+    left = [t for t in asyncio.all_tasks() - before if not t.done() and t.get_name() in names]
+    try:
+        assert left == [], f"still running after close(): {sorted(t.get_name() for t in left)}"
+    finally:
+        await a.close()
