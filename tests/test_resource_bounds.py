@@ -120,7 +120,7 @@ async def test_the_purge_queue_holds_at_most_its_size_in_purges_whatever_the_bat
         for batch in range(20):
             await cache.set_many("book", [({"id": batch * 1000 + i}, "v") for i in range(1000)])
         queue = cache._rt.purges
-        pending = sum(len(keys) + len(tags) for keys, tags, _ in queue._queue._queue)  # type: ignore[attr-defined]
+        pending = sum(len(keys) + len(tags) for keys, tags, _ in queue._queue._queue)  # type: ignore[attr-defined, misc]
         stats = queue.stats
         assert pending <= 100
         assert stats.dropped >= 20_000 - 100 - 1000  # what didn't fit (one job in flight)
@@ -132,3 +132,30 @@ def _value(value: str) -> Callable[[], Awaitable[str]]:
         return value
 
     return load
+
+
+async def test_an_instance_holds_at_most_twice_max_connections_in_its_pool(
+    redis_url: str, prefix: str
+) -> None:
+    """``redis.max_connections`` bounds operations in flight; connections are up to that
+    many kept for the request path's single commands and as many again in redis-py's
+    pool for pipelines (the README said "connection pool size": 8 for 4 here)."""
+    config = make_config(redis_url, prefix, redis={"max_connections": 4, "timeout": "2s"})
+    async with LayeredCache.from_config(config) as cache:
+
+        async def load_many(fields: Sequence[object]) -> list[str]:
+            await asyncio.sleep(0.01)
+            return ["v" for _ in fields]
+
+        for burst in range(3):
+            await asyncio.gather(
+                *(
+                    cache.get_or_load_many(
+                        "book", [{"id": burst * 10_000 + i * 10 + j} for j in range(10)], load_many
+                    )
+                    for i in range(100)
+                )
+            )
+        pool = cache._rt.store.client.connection_pool  # type: ignore[union-attr]
+        total = len(pool._available_connections) + len(pool._in_use_connections)
+        assert 4 <= total <= 2 * 4
