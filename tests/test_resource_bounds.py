@@ -31,18 +31,18 @@ def _pages(redis_url: str, prefix: str, max_entries: int) -> LayeredCache:
 async def test_the_l1_tag_index_forgets_tags_whose_entries_left_l1(
     redis_url: str, prefix: str
 ) -> None:
-    """3,000 fills each tagged with its own user (``user:<i>``) into an L1 of 10: the
-    index kept all 3,000 tags (~300 B each, for ever: only invalidate_tag of that very
+    """1,000 fills each tagged with its own user (``user:<i>``) into an L1 of 10: the
+    index kept all 1,000 tags (~300 B each, for ever: only invalidate_tag of that very
     tag removed one), and summed every tag's keys at each fill."""
     async with _pages(redis_url, prefix, 10) as cache:
-        for i in range(3000):
+        for i in range(1000):
             await cache.get_or_load("page", {"id": i}, _value(f"v{i}"), tags=[f"user:{i}"])
         index = cache.namespace("page")._fills.tagged
         assert index is not None and len(index) <= 2 * 4 * 10
         # A tag still held by an entry in L1 is still indexed: its invalidation drops it.
-        l1, key = cache.namespace("page").policy.l1, cache.key("page", {"id": 2999})
+        l1, key = cache.namespace("page").policy.l1, cache.key("page", {"id": 999})
         assert l1 is not None and key in l1
-        await cache.invalidate_tag("user:2999")
+        await cache.invalidate_tag("user:999")
         assert key not in l1
 
 
@@ -74,7 +74,7 @@ async def test_the_etag_memo_keeps_no_values_of_a_namespace_without_l1(
 ) -> None:
     """Without L1 every read decodes a new object, so the identity memo never matched
     and only kept the last 10,000 values served alive (each up to max_value_bytes):
-    1,500 distinct 20 KB reports served once kept ~30 MB."""
+    600 distinct 20 KB reports served once kept ~12 MB."""
     config = parse_config(
         {
             "redis": {"url": redis_url, "prefix": prefix},
@@ -93,7 +93,7 @@ async def test_the_etag_memo_keeps_no_values_of_a_namespace_without_l1(
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
-            for i in range(1500):
+            for i in range(600):
                 await responses.respond(
                     request, "report", {"id": i}, _value(f"{i:08d}" + "x" * 20_000)
                 )
