@@ -51,14 +51,22 @@ class RefreshingCluster(RedisCluster):
         the cluster owns no slot until its first one has moved to it, so no map lists
         it, and redis-py followed an ASK there by calling a method on None (an
         AttributeError, counted against the source master's breaker:
-        redis/redis-py#4015)."""
+        redis/redis-py#4015). redis-py 8.2 asks by host and port, 8.0 by "host:port";
+        its cluster pub/sub, which asks whether a node is still known the same way, is
+        not used here (fill notifications hold a client per master)."""
         node = super().get_node(host, port, node_name)
-        if node is not None or not (host and port):
+        if node is not None:
             return node
-        name = get_node_name(host, port)
+        if host and port:
+            name = get_node_name(host, port)
+        elif node_name and ":" in node_name:  # redis-py 8.0 asks by "host:port"
+            name = node_name
+        else:
+            return None
         if name not in self._unmapped:
+            address, _, number = name.rpartition(":")
             kwargs = self.nodes_manager.connection_kwargs
-            self._unmapped[name] = ClusterNode(host, port, PRIMARY, **kwargs)
+            self._unmapped[name] = ClusterNode(address, int(number), PRIMARY, **kwargs)
         return self._unmapped[name]
 
     async def initialize(
