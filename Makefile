@@ -49,11 +49,11 @@ ensure-varnish:
 
 # make test also runs, against Valkey, the scenarios where a Redis-compatible server could
 # differ (Lua scripts, streams and XINFO, the replies the listener parses itself, cluster
-# slots, keyspace edge cases): about 30 s.
+# slots and their migration, keyspace edge cases): about 35 s.
 # make test-valkey runs the whole suite against Valkey (docs/operations.md, "Valkey").
 VALKEY_SMOKE := tests/test_servers.py tests/test_core.py tests/test_backplane.py tests/test_direct.py \
 	tests/test_held_connection.py tests/test_stream.py tests/test_invalidation_wins.py \
-	tests/test_cluster.py tests/test_busy_poll.py
+	tests/test_cluster.py tests/test_busy_poll.py tests/test_cluster_resharding.py
 
 # make test ends with a second client pass: the scenarios that read replies off a
 # connection themselves (_direct, the backplane and relay readers), cancel mid-reply, or
@@ -69,7 +69,8 @@ CLIENT_SMOKE := tests/test_direct.py tests/test_held_connection.py tests/test_st
 	tests/test_backplane.py tests/test_relay.py tests/test_cancellation.py \
 	tests/test_invalidation_wins.py tests/test_core.py tests/test_batch.py \
 	tests/test_fill_notify.py tests/test_set_race.py tests/test_cluster.py \
-	tests/test_redis_py_version.py tests/test_busy_poll.py tests/test_hiredis_replies.py
+	tests/test_redis_py_version.py tests/test_busy_poll.py tests/test_hiredis_replies.py \
+	tests/test_relay_edges.py tests/test_batch_edges.py
 
 # And a RESP2 pass: every fixture server's URL asks for RESP2 (REDIS_PROTOCOL=2 adds
 # ?protocol=2), as a service behind a proxy that speaks only RESP2 would run, on the
