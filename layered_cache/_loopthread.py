@@ -17,7 +17,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from layered_cache._sync_loaders import LoaderInterrupted
+from layered_cache._sync_loaders import CURRENT_CALL, LoaderInterrupted, SyncCall
 
 __all__ = ["LoopThread", "SyncTimeoutError"]
 
@@ -69,7 +69,12 @@ class LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         """Run ``coro`` on the loop and block for its result, at most ``timeout`` s."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        call = SyncCall()
+        token = CURRENT_CALL.set(call)  # the loop's task runs in a copy of this context
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        finally:
+            CURRENT_CALL.reset(token)
         with self._calls_lock:
             self._calls.add(future)
         try:
@@ -78,6 +83,7 @@ class LoopThread:
             raise exc.error from None
         except concurrent.futures.TimeoutError:
             future.cancel()  # the task is cancelled on the loop: no orphan keeps running
+            call.abandon()  # its loader may run on (it fills for the others)
             raise SyncTimeoutError(
                 f"{what} did not finish within {timeout} s (SyncLayeredCache timeout=); "
                 "raise the timeout if the loader is legitimately slow"
