@@ -20,6 +20,7 @@ from typing import Any
 
 from layered_cache._batch_load import BatchLoader, Fields, LoadMany, all_or_none, one_loader
 from layered_cache._batch_read import BatchReader
+from layered_cache._failsafe import Read
 from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import L2Batch
@@ -27,7 +28,7 @@ from layered_cache._miss import MissPath, TagsOf
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
-from layered_cache._served import Served
+from layered_cache._served import Served, served_of
 
 __all__ = ["BatchPath", "LoadMany"]
 
@@ -104,20 +105,22 @@ class BatchPath:
         tags: TagsOf | None,
     ) -> dict[str, Any]:
         """Load the keys nobody in this process is loading; join the others."""
-        flight = self._rt.flight
+        flight, policy = self._rt.flight, self._policy
         ours, theirs = flight.claim(missing)
         found: dict[str, Any] = {}
         if ours:
+            seq = policy.l1.begin_read() if policy.l1 is not None else None
+            reads = {key: Read(key, seq, None, tags) for key in ours}
             try:
                 loaded = await self._loader.fetch_many(
-                    {key: fields_of[key] for key in ours}, load_many, tags
+                    reads, {key: fields_of[key] for key in ours}, load_many
                 )
             except BaseException as exc:
                 flight.settle_all(ours, exc)
                 raise
             for key, future in ours.items():
                 # A single read joining this flight takes what ``Namespace._serve`` does.
-                flight.settle(key, future, Served(loaded[key]))
+                flight.settle(key, future, served_of(policy, reads[key], loaded[key]))
             found.update(loaded)
         if theirs:
             self._policy.stats.coalesced += len(theirs)

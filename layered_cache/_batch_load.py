@@ -19,7 +19,7 @@ from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch
 from layered_cache._loading import Loading
-from layered_cache._miss import MissPath, Read, TagsOf, awaited, call_loader
+from layered_cache._miss import MissPath, Read, awaited, call_loader
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
@@ -53,11 +53,11 @@ class BatchLoader:
         self._loading = Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
 
     async def fetch_many(
-        self, fields_of: dict[str, Fields], load_many: LoadMany, tags: TagsOf | None
+        self, reads: dict[str, Read], fields_of: dict[str, Fields], load_many: LoadMany
     ) -> dict[str, Any]:
-        policy = self._policy
-        seq = policy.l1.begin_read() if policy.l1 is not None else None
-        reads = {key: Read(key, seq, None, tags) for key in fields_of}
+        """The values of ``reads`` (begun together), which keep what ``Served`` says."""
+        policy, first = self._policy, next(iter(reads.values()))
+        seq, tags = first.seq, first.tags_of
         if not policy.l2:
             policy.stats.miss += len(reads)
             generation = self._fills.versions.generation
@@ -156,8 +156,7 @@ class BatchLoader:
             found.update(await self._miss.failsafe.serve_all_or_raise(todo, exc))
             return found
         else:
-            # The batch's load time is each entry's recompute time for XFetch: with 0
-            # (as before) an entry a batch filled was never refreshed early.
+            # Each entry's recompute time for XFetch (with 0 none was refreshed early).
             delta = time.monotonic() - started
             try:
                 found.update(await self._fill_many(todo, values, token, delta))
@@ -173,8 +172,7 @@ class BatchLoader:
         return found
 
     async def _filled_meanwhile(self, reads: list[Read], token: str) -> dict[str, Any]:
-        """Double-check under the leases (see ``MissPath._filled_meanwhile``): a fill can
-        land between our MGET and our SET NX. Those keys' leases go back at once."""
+        """Fills that landed between our MGET and our SET NX (``MissPath._filled_meanwhile``)."""
         try:
             data = await self._batch.get_many([r.key for r in reads])
         except L2Unavailable:
@@ -209,8 +207,7 @@ class BatchLoader:
     async def _fill_many(
         self, reads: list[Read], values: Sequence[Any], token: str, delta: float
     ) -> dict[str, Any]:
-        """Write every loaded value under its lease in one pipeline (hot keys with their
-        replicas, through the replica protocol); L1 for those written."""
+        """Each value under its lease, in one pipeline (hot keys: ``_replicas``); L1 then."""
         policy, fills = self._policy, self._fills
         found: dict[str, Any] = {}
         batch: list[tuple[Read, Fill, Any, float, dict[str, str] | None]] = []
@@ -229,6 +226,7 @@ class BatchLoader:
             soft_expiry = policy.soft_expiry(value, self._rt.clock())
             encoded = fills.encode(read.key, value, soft_expiry, delta, tagged)
             found[read.key] = encoded.value
+            read.owned = encoded.value is value  # not encodable: handed back as it came
             if encoded.data is None:
                 uncacheable.append(read.key)
                 continue
@@ -247,6 +245,7 @@ class BatchLoader:
                 fills.fill_l1(read.key, value, soft_expiry, read.seq, tagged)
             else:
                 policy.stats.fill_revoked += 1
+                read.revoked = True  # served, but no gateway may keep it (``Served``)
         # Hot keys fill one by one through the replica protocol (reserve, check, write
         # replicas): rare, and each spans several slots.
         filled = await asyncio.gather(*(self._miss.fill(r, token, v, delta) for r, v in hot))
@@ -261,11 +260,13 @@ class BatchLoader:
             values = await self.call(load_many, [fields_of[r.key] for r in reads])
         except Exception as exc:
             return await self._miss.failsafe.serve_all_or_raise(reads, exc)
-        return {r.key: self._fills.as_read(r.key, v) for r, v in zip(reads, values, strict=True)}
+        found = {r.key: self._fills.as_read(r.key, v) for r, v in zip(reads, values, strict=True)}
+        for read, value in zip(reads, values, strict=True):
+            read.owned = found[read.key] is value  # not encodable: handed back as it came
+        return found
 
     def _give_back(self, reads: list[Read], token: str) -> None:
-        """``_release`` in the background, for a batch being cancelled (see
-        ``MissPath.give_back``)."""
+        """``_release`` in the background, for a cancelled batch (``MissPath.give_back``)."""
         if reads:
             self._rt.tasks.spawn(self._release([r.key for r in reads], token))
 

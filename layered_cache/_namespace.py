@@ -25,7 +25,7 @@ from layered_cache._miss import MissPath, Read, TagsOf, awaited
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
-from layered_cache._served import Served
+from layered_cache._served import Served, served_of
 from layered_cache._tags import tag_names
 from layered_cache._writes import Writes
 
@@ -188,18 +188,18 @@ class Namespace:
                     envelope = await self._read_l2(key)
             except L2Unavailable:
                 policy.stats.redis_error += 1
-                return _served(policy, read, await self._miss.load_unleased(read, loader))
+                return served_of(policy, read, await self._miss.load_unleased(read, loader))
         now = self._rt.clock()
         if envelope is not None and now < envelope.soft_expiry:
             policy.stats.l2_hit += 1
             self._refresher.maybe_refresh_early(read, envelope, loader, now)
             self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags)
-            return _served(policy, read, envelope.value)
+            return served_of(policy, read, envelope.value)
         policy.stats.miss += 1
         if not policy.l2:
-            return _served(policy, read, await self._miss.load_l1_only(read, loader))
+            return served_of(policy, read, await self._miss.load_l1_only(read, loader))
         read.stale = envelope if self._fills.within_stale(envelope, now) else None
-        return _served(policy, read, await self._miss.load_under_lease(read, loader))
+        return served_of(policy, read, await self._miss.load_under_lease(read, loader))
 
     async def _read_l2(self, key: str) -> Envelope[Any] | None:
         # One coroutine, no wrapper: every await level costs a resumption per hop on
@@ -292,16 +292,6 @@ def check_tags(policy: Policy, tags: object) -> None:
     if not callable(tags):
         for tag in tag_names(cast(Iterable[str], tags), None):
             validate_tag(tag)
-
-
-def _served(policy: Policy, read: Read, value: Any) -> Served:
-    """``value`` as ``Served``: superseded if its fill was refused or this instance saw
-    the key invalidated since the read began (its L1 tombstones say so)."""
-    l1, seq = policy.l1, read.seq
-    overtaken = read.revoked or (
-        l1 is not None and seq is not None and l1.invalidated_since(read.key, seq)
-    )
-    return Served(value, overtaken, read.owned)
 
 
 async def _read_replica(

@@ -11,11 +11,15 @@ owner may change it in place, so nothing may be keyed on its identity (``http.ET
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-__all__ = ["Served"]
+if TYPE_CHECKING:
+    from layered_cache._failsafe import Read
+    from layered_cache._policy import Policy
+
+__all__ = ["Served", "served_of"]
 
 
 class Served(msgspec.Struct):
@@ -26,3 +30,13 @@ class Served(msgspec.Struct):
     value: Any
     superseded: bool = False
     owned: bool = False
+
+
+def served_of(policy: Policy, read: Read, value: Any) -> Served:
+    """``value`` as ``Served``: superseded if its fill was refused or this instance saw
+    the key invalidated since the read began (its L1 tombstones say so)."""
+    l1, seq = policy.l1, read.seq
+    overtaken = read.revoked or (
+        l1 is not None and seq is not None and l1.invalidated_since(read.key, seq)
+    )
+    return Served(value, overtaken, read.owned)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -208,3 +208,55 @@ async def test_the_bookstore_category_page_carries_its_policy_etag_and_book_tags
     book_ids = [book["id"] for book in reply.json()["books"]]
     assert reply.headers["x-cache-tags"] == "," + ",".join(f"book:{i}" for i in book_ids) + ","
     assert again.status_code == 304
+
+
+async def test_a_response_joining_a_batch_load_an_invalidation_overtook_is_not_kept(
+    redis_url: str, prefix: str
+) -> None:
+    """A batch (get_or_load_many) loads book 1; a CachedResponses request for book 1
+    joins its flight; the book is invalidated while load_many runs (its purge goes
+    out). The batch's fill is revoked, yet ``BatchPath._claimed`` settles the flight
+    with ``Served(loaded[key])`` (superseded=False): the joined response goes out with
+    ``s-maxage=30`` and a gateway keeps the old price past every purge. The same
+    request leading its own load gets no-store (test_http_responses)."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def load_many(missing: list[Mapping[str, object]]) -> list[Any]:
+        started.set()
+        await release.wait()
+        return [{"id": f["id"], "price": "9.90"} for f in missing]
+
+    async with LayeredCache.from_config(_config(redis_url, prefix)) as cache:
+        responses = CachedResponses(cache)
+        stats = cache.namespace("book").policy.stats
+        joined: list[str] = []
+        do = cache._rt.flight.do
+
+        async def recorded(key: str, fn: Any) -> Any:
+            joined.append(key)
+            return await do(key, fn)
+
+        cache._rt.flight.do = recorded  # type: ignore[method-assign]
+
+        async def book(request: Request) -> Response:
+            async def load() -> Any:
+                raise AssertionError("joins the batch's flight")
+
+            return await responses.respond(request, "book", {"id": 1}, load)
+
+        app = Starlette(routes=[Route("/books/1", book)])
+        async with _client(app) as client:
+            batch = asyncio.create_task(cache.get_or_load_many("book", [{"id": 1}], load_many))
+            await started.wait()
+            gateway_fetch = asyncio.create_task(client.get("/books/1"))
+            # The request is in the flight's queue (it joins: the batch holds the key).
+            assert await eventually(lambda: joined, timeout=5)
+            await asyncio.sleep(0.05)
+            await cache.invalidate("book", {"id": 1})  # the price changed: purge sent
+            release.set()
+            await batch
+            reply = await gateway_fetch
+        assert stats.coalesced == 1  # the request joined the batch's flight
+        assert stats.fill_revoked == 1  # the cache itself knows the load was overtaken
+    assert reply.json()["price"] == "9.90"
+    assert reply.headers["cache-control"] == "no-store"
