@@ -133,7 +133,7 @@ class LayeredCache(HitPath):
         if forked:
             startup.forked(self._parts, self._coherence, self._started_in)
         if forked or self._closed:  # or started again: a second lifespan, a new loop
-            startup.reopened(self._parts, self._rt, self.config, self._purger)
+            startup.reopened(self._parts, self._rt, self._coherence, self.config, self._purger)
             self._follow()
         self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
         try:

@@ -178,16 +178,23 @@ def runtime(
     )
 
 
-def reopened(parts: CacheParts, runtime: Runtime, config: Config, purger: Purger | None) -> None:
+def reopened(
+    parts: CacheParts, runtime: Runtime, coherence: Coherence, config: Config, purger: Purger | None
+) -> None:
     """A closed cache started again (a second lifespan of a module-level cache, a test's
     new event loop): what was bound to the loop it ran on, or closed with it, is made
     anew. An asyncio lock, semaphore or queue is bound to the first loop that waits on
     it, and the purge queue's own Varnish client was closed (the clients themselves
-    reconnect). The listener, fallback subscriber and hot-key reporter: ``_follow``."""
+    reconnect; the listener, fallback subscriber and hot-key reporter: ``_follow``).
+    L1 and the tag versions are dropped: the new listener starts at the stream's end,
+    and whatever was invalidated while the cache was closed never reached it."""
+    coherence.forget_all()
     parts.notifier.reopen()
     parts.store.slots = asyncio.Semaphore(parts.store.max_in_flight)
     runtime.admission = asyncio.Semaphore(config.redis.max_connections)
+    counted = runtime.purges.stats
     runtime.purges = purges_for(config, purger)
+    runtime.purges.stats = counted  # purge_stats() counts on across restarts
 
 
 def forked(parts: CacheParts, coherence: Coherence, started_in: int) -> None:

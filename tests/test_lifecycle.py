@@ -275,3 +275,38 @@ async def test_a_close_cut_short_by_its_callers_deadline_still_stops_the_listene
         assert left == [], f"still running after close(): {sorted(t.get_name() for t in left)}"
     finally:
         await a.close()
+
+
+async def test_a_cache_started_again_drops_what_was_invalidated_while_it_was_closed(
+    redis_url: str, prefix: str
+) -> None:
+    """``close()`` stops the listener; ``start()`` on a closed cache now builds a new one
+    (``_follow``), which positions itself at the stream's tail (``last_id`` None ->
+    ``_tail_id``) with no gap check, while L1 keeps what it held at close
+    (``startup.reopened`` rebuilds loop-bound parts only). A write announced by another
+    instance while this one was closed is never applied: the restarted cache serves the
+    replaced value from L1 for its whole TTL. (Before, the same listener object was
+    started again and read on from its ``last_id``; a forked start drops L1 for the same
+    reason: ``startup.forked`` -> ``coherence.forget_all``.)"""
+
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
+    a = LayeredCache.from_config(config)
+    await a.start()
+    try:
+        async def old() -> str:
+            return "old"
+
+        assert await a.get_or_load("book", {"id": 1}, old) == "old"  # a's L1 holds it
+        await a.close()  # a lifespan ends (a test's app, a worker's reload)
+        async with LayeredCache.from_config(config) as b:
+            await b.set("book", {"id": 1}, "new")  # announced on the backplane
+        await a.start()  # the next lifespan
+        await asyncio.sleep(0.5)  # the listener had every chance to catch up
+
+        async def never() -> str:
+            raise AssertionError("L1 or L2 holds the key")
+
+        assert await a.get_or_load("book", {"id": 1}, never) == "new"
+    finally:
+        await a.close()
