@@ -58,12 +58,11 @@ class KeyArguments:
         return bound.arguments
 
     def _check_receiver(self, args: tuple[Any, ...]) -> None:
-        """A method's receiver (an instance, or a class for a classmethod) has the
-        method as an attribute; a static method's first argument doesn't."""
+        """A method's receiver (an instance, or a class for a classmethod) has this very
+        method on its class; a static method's first argument has not (a ``str`` has a
+        ``find`` too: only this function, under its decorators, counts)."""
         fn, first = self._fn, next(iter(self._signature.parameters))
-        try:
-            inspect.getattr_static(args[0], _attribute(fn))
-        except (IndexError, AttributeError):
+        if not (args and _receives(args[0], fn)):
             shown = repr(args[0])[:60] if args else "nothing (a keyword?)"
             raise TypeError(
                 f"{_name(fn)}: its first parameter {first!r} was left out of the key as a "
@@ -72,6 +71,19 @@ class KeyArguments:
                 "ignore=)"
             ) from None
         self._unchecked = False
+
+
+def _receives(first: object, fn: Callable[..., Any]) -> bool:
+    owner = first if isinstance(first, type) else type(first)
+    try:
+        found = inspect.getattr_static(owner, _attribute(fn))
+    except AttributeError:
+        return False
+    if isinstance(found, staticmethod):
+        return False
+    if isinstance(found, classmethod):
+        found = found.__func__
+    return callable(found) and inspect.unwrap(found) is inspect.unwrap(fn)
 
 
 def _attribute(fn: Callable[..., Any]) -> str:

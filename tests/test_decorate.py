@@ -201,3 +201,24 @@ def test_the_sync_decorator_refuses_a_static_method_keyed_without_its_cls_too(
 
         with pytest.raises(TypeError, match=r"'cls'.*'premium'"):
             Prices.of("premium", 1)
+
+
+async def test_a_static_method_named_like_a_method_of_its_first_argument_is_refused_too(
+    redis_url: str, prefix: str
+) -> None:
+    """The check is ``inspect.getattr_static(args[0], fn.__name__)``: "a receiver has the
+    method as an attribute". A static method whose name is also a method of its first
+    argument's type (``find``, ``count``, ``index``, ``format`` on a ``str`` tier;
+    ``get``, ``items``, ``copy`` on a dict) passes it: ``cls`` stays out of the key and
+    the budget tier is served the premium tier's price."""
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        class Prices:
+            @staticmethod
+            @cache.cached("book")
+            async def find(cls: str, id: int) -> str:
+                return f"{cls} price of {id}"
+
+        with pytest.raises(TypeError, match=r"'cls'.*'premium'"):
+            await Prices.find("premium", 1)  # refused, as the static ``of`` is
