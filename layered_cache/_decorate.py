@@ -74,16 +74,18 @@ class KeyArguments:
 
 
 def _receives(first: object, fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a method (or classmethod) of ``first``'s class or of a base of
+    it (a subclass overriding it may call ``super().method()``)."""
     owner = first if isinstance(first, type) else type(first)
-    try:
-        found = inspect.getattr_static(owner, _attribute(fn))
-    except AttributeError:
-        return False
-    if isinstance(found, staticmethod):
-        return False
-    if isinstance(found, classmethod):
-        found = found.__func__
-    return callable(found) and inspect.unwrap(found) is inspect.unwrap(fn)
+    name, target = _attribute(fn), inspect.unwrap(fn)
+    for klass in owner.__mro__:
+        found = vars(klass).get(name)
+        if isinstance(found, classmethod):
+            found = found.__func__
+        static = isinstance(found, staticmethod)
+        if callable(found) and not static and inspect.unwrap(found) is target:
+            return True
+    return False
 
 
 def _attribute(fn: Callable[..., Any]) -> str:

@@ -222,3 +222,24 @@ async def test_a_static_method_named_like_a_method_of_its_first_argument_is_refu
 
         with pytest.raises(TypeError, match=r"'cls'.*'premium'"):
             await Prices.find("premium", 1)  # refused, as the static ``of`` is
+
+
+async def test_a_cached_method_a_subclass_overrides_is_still_served_through_super(
+    redis_url: str, prefix: str
+) -> None:
+    """The receiver check looks along the class's bases: a subclass that overrides a
+    cached method and calls ``super()`` passes its own instance, whose class holds the
+    override, not the cached function."""
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        class Books:
+            @cache.cached("book")
+            async def detail(self, id: int) -> str:
+                return f"book {id}"
+
+        class Shop(Books):
+            async def detail(self, id: int) -> str:
+                return (await super().detail(id)).upper()
+
+        assert await Shop().detail(4) == "BOOK 4"
+        assert await Books().detail(4) == "book 4"
