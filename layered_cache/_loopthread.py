@@ -17,7 +17,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from layered_cache._sync_loaders import CURRENT_CALL, LoaderInterrupted, SyncCall
+from layered_cache._sync_loaders import LoaderInterrupted
 
 __all__ = ["LoopThread", "SyncTimeoutError"]
 
@@ -69,12 +69,7 @@ class LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
         """Run ``coro`` on the loop and block for its result, at most ``timeout`` s."""
-        call = SyncCall()
-        token = CURRENT_CALL.set(call)  # the loop's task runs in a copy of this context
-        try:
-            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        finally:
-            CURRENT_CALL.reset(token)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         with self._calls_lock:
             self._calls.add(future)
         try:
@@ -83,7 +78,6 @@ class LoopThread:
             raise exc.error from None
         except concurrent.futures.TimeoutError:
             future.cancel()  # the task is cancelled on the loop: no orphan keeps running
-            call.abandon()  # its loader may run on (it fills for the others)
             raise SyncTimeoutError(
                 f"{what} did not finish within {timeout} s (SyncLayeredCache timeout=); "
                 "raise the timeout if the loader is legitimately slow"

@@ -13,11 +13,6 @@ A loader that hands work to threads of its own without its context can't be told
 any other caller; so that such loaders can't fill the pool with threads that all wait
 for loads queued behind them, a top-level loader finding every pool thread taken runs on
 a thread of its own rather than queueing (there are at most as many as callers blocked).
-A caller that gives up (``SyncTimeoutError``) leaves its loader running (it fills for
-the others): with a hung database every timed-out call left one more thread behind,
-without bound. Once ``OVERFLOW`` times the pool's size of such abandoned loaders run on
-threads of their own, a new top-level loader queues for the pool instead (it would hang
-like them anyway); until then, threads of their own as before.
 
 A loader that raises what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
 gevent's ``GreenletExit``) would stop the loop thread itself if handed to it as is
@@ -36,39 +31,15 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
-__all__ = ["CURRENT_CALL", "OVERFLOW", "LoaderInterrupted", "LoaderThreads", "SyncCall"]
+__all__ = ["LoaderInterrupted", "LoaderThreads"]
 
 T = TypeVar("T")
-
-OVERFLOW = 4  # abandoned loaders on threads of their own, per pool thread, before queueing
 
 # The keys whose loaders the current context is running: seen by a helper thread that
 # runs in a loader's context, where the thread-local mark (``LoaderThreads._loading``)
 # is not.
 _CHAIN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "layered_cache_loading", default=()
-)
-
-
-class SyncCall:
-    """One sync call (``LoopThread.run``): the loaders it started on threads of their
-    own, so that a call that times out marks them abandoned."""
-
-    def __init__(self) -> None:
-        self._jobs: list[tuple[LoaderThreads, _Job[Any]]] = []
-
-    def started(self, owner: LoaderThreads, job: _Job[Any]) -> None:
-        self._jobs.append((owner, job))
-
-    def abandon(self) -> None:
-        for owner, job in self._jobs:
-            owner.abandon(job)
-
-
-# The sync call a loader runs for: set in the caller's thread, carried to the loop's
-# task (``run_coroutine_threadsafe`` runs it in a copy of the caller's context).
-CURRENT_CALL: contextvars.ContextVar[SyncCall | None] = contextvars.ContextVar(
-    "layered_cache_sync_call", default=None
 )
 
 
@@ -91,7 +62,6 @@ class LoaderThreads:
         self._queued_lock = threading.Lock()
         self._pool_size = pool_size
         self._on_pool = 0  # loaders handed to the pool, not yet done (under _queued_lock)
-        self._abandoned = 0  # on threads of their own, their callers gone (same lock)
 
     def chain(self) -> tuple[str, ...]:
         keys: tuple[str, ...] = getattr(self._loading, "keys", ())
@@ -147,16 +117,12 @@ class LoaderThreads:
                 return await _in_own_thread(loop, run_marked)
             job = _Job(run_marked, loop)
             with self._queued_lock:
-                full = self._on_pool >= self._pool_size
-                own = full and self._abandoned < OVERFLOW * self._pool_size
-                if not own:
+                spare = self._on_pool < self._pool_size
+                if spare:
                     self._on_pool += 1
                     self._queued.add(job)
-            if own:  # every pool thread taken: see the module doc
-                if (call := CURRENT_CALL.get()) is not None:
-                    call.started(self, job)
-                threading.Thread(target=self._run_own, args=(job,), daemon=True).start()
-                return await job.done
+            if not spare:  # every pool thread taken: see the module doc
+                return await _in_own_thread(loop, run_marked)
             loop.run_in_executor(executor, self._run_on_pool, job)
             try:
                 return await job.done
@@ -177,21 +143,6 @@ class LoaderThreads:
             with self._queued_lock:
                 self._on_pool -= 1
 
-    def _run_own(self, job: _Job[Any]) -> None:
-        try:
-            job.run()
-        finally:
-            with self._queued_lock:
-                job.finished = True
-                self._abandoned -= job.abandoned
-
-    def abandon(self, job: _Job[Any]) -> None:
-        """``job``'s caller gave up; it counts as abandoned until it returns."""
-        with self._queued_lock:
-            if not (job.finished or job.abandoned):
-                job.abandoned = True
-                self._abandoned += 1
-
     def _unblock_queued(self) -> None:
         with self._queued_lock:
             queued = list(self._queued)
@@ -210,7 +161,6 @@ class _Job(Generic[T]):
         self._lock = threading.Lock()
         self._taken = False
         self.done: asyncio.Future[T] = loop.create_future()
-        self.finished = self.abandoned = False  # on a thread of its own (owner's lock)
 
     def take(self) -> bool:
         with self._lock:

@@ -3,7 +3,6 @@ they start of their own, and calls that are wrong whichever layer would answer t
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import threading
 import time
@@ -15,8 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from layered_cache._sync_loaders import OVERFLOW
-from layered_cache.sync import SyncLayeredCache, SyncTimeoutError
+from layered_cache.sync import SyncLayeredCache
 from tests.helpers import make_config
 
 NAMESPACES = {
@@ -215,31 +213,3 @@ def test_get_or_load_many_reads_a_generator_of_fields_once(cache: SyncLayeredCac
 
     fields = ({"id": i} for i in range(3))
     assert cache.get_or_load_many("book", fields, load_many) == ["v0", "v1", "v2"]
-
-
-def test_callers_that_time_out_on_a_hung_loader_leave_a_bounded_number_of_threads(
-    redis_url: str, prefix: str
-) -> None:
-    """A timed-out call (``SyncTimeoutError``) frees its caller while its loader runs on
-    (it fills for the others): with a database that stopped answering, every later call
-    started one more loader thread (30 calls of one caller, max_workers = 2: 30 threads).
-    Beyond ``OVERFLOW`` per pool thread of such abandoned loaders, loaders queue for the
-    pool (the fan-out scenarios above keep their threads of their own)."""
-    hung = threading.Event()
-    cache = SyncLayeredCache(make_config(redis_url, prefix), max_workers=2, timeout=0.2)
-    cache.start()
-    try:
-
-        def load() -> str:
-            hung.wait(20)  # a database that stopped answering
-            return "v"
-
-        base = threading.active_count()
-        for i in range(30):
-            with contextlib.suppress(SyncTimeoutError):
-                cache.get_or_load("book", {"id": i}, load)
-        grown = threading.active_count() - base
-        assert grown <= 2 + OVERFLOW * 2, f"{grown} loader threads for max_workers = 2"
-    finally:
-        hung.set()
-        cache.close()
