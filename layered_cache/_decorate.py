@@ -74,17 +74,19 @@ class KeyArguments:
 
 
 def _receives(first: object, fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` is a method (or classmethod) of ``first``'s class or of a base of
-    it (a subclass overriding it may call ``super().method()``)."""
-    owner = first if isinstance(first, type) else type(first)
-    name, target = _attribute(fn), inspect.unwrap(fn)
-    for klass in owner.__mro__:
-        found = vars(klass).get(name)
-        if isinstance(found, classmethod):
-            found = found.__func__
-        static = isinstance(found, staticmethod)
-        if callable(found) and not static and inspect.unwrap(found) is target:
-            return True
+    """Whether ``first`` is an instance of the class whose body defined ``fn`` (or of a
+    subclass: ``super().method()``), or that class itself, or a class whose metaclass it
+    is, with ``fn``'s name there not a ``staticmethod``. The class is known by its
+    qualified name, not by what its attribute holds: decorators above ``cached`` (with
+    or without ``functools.wraps``, a ``property``) change that."""
+    defined_in = str(getattr(fn, "__qualname__", "")).rpartition(".")[0]
+    name = _attribute(fn)
+    classes = type(first).__mro__
+    if isinstance(first, type):
+        classes = first.__mro__ + classes
+    for klass in classes:
+        if klass.__qualname__ == defined_in and name in vars(klass):
+            return not isinstance(vars(klass)[name], staticmethod)
     return False
 
 

@@ -7,6 +7,8 @@ refused when the function is decorated, by both the async and the sync decorator
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from layered_cache import LayeredCache
@@ -243,3 +245,76 @@ async def test_a_cached_method_a_subclass_overrides_is_still_served_through_supe
 
         assert await Shop().detail(4) == "BOOK 4"
         assert await Books().detail(4) == "book 4"
+
+
+async def test_a_cached_method_under_a_decorator_without_wraps_is_still_a_method(
+    redis_url: str, prefix: str
+) -> None:
+    """Promise (README "a method's self/cls, defined in a class body, excepted"; module
+    doc of _decorate): a method's receiver is exempt from the key. ``cached`` inside an
+    ordinary decorator that does not use ``functools.wraps`` (a hand-written logging or
+    auth decorator) is still a method defined in a class body, called with its own
+    instance. Before 059952b, ``getattr_static(self, "detail")`` accepted it; now
+    ``_receives`` wants ``inspect.unwrap(vars(Books)["detail"])`` to be the cached
+    function, and the outer wrapper has no ``__wrapped__``: every call raises TypeError
+    ("a static method's parameters are all arguments")."""
+
+    def logged(fn: Any) -> Any:
+        async def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await fn(self, *args, **kwargs)
+
+        return inner
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        class Books:
+            @logged
+            @cache.cached("book")
+            async def detail(self, id: int) -> str:
+                return f"book {id}"
+
+        assert await Books().detail(1) == "book 1"
+
+
+async def test_a_cached_method_of_a_metaclass_accepts_its_class_as_receiver(
+    redis_url: str, prefix: str
+) -> None:
+    """Promise: a method's ``self``/``cls`` defined in a class body is excepted from the
+    key. A method defined on a metaclass receives the class as ``cls``. ``_receives``
+    takes a type as its own owner (``owner = first if isinstance(first, type)``) and
+    searches only ``Books.__mro__``, never ``type(Books).__mro__`` where the method
+    lives; the old ``getattr_static(Books, "detail")`` looked at the metaclass too."""
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        class Registry(type):
+            @cache.cached("book")
+            async def detail(cls, id: int) -> str:
+                return f"{cls.__name__} {id}"
+
+        class Books(metaclass=Registry):
+            pass
+
+        assert await Books.detail(2) == "Books 2"
+
+
+def test_a_sync_cached_method_under_property_is_still_a_method(
+    redis_url: str, prefix: str
+) -> None:
+    """Promise: a method's ``self`` is excepted from the key. A ``@property`` over a
+    sync-cached getter (a per-site setting with a field-less key) is a method defined
+    in a class body; ``_receives`` finds ``vars(Site)["settings"]``, a ``property``,
+    which is not ``callable``, and refuses every access with TypeError. The old check
+    (``getattr_static``) accepted it."""
+    namespaces = {"settings": {"key": "settings"}}
+    with SyncLayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
+
+        class Site:
+            @property
+            @cache.cached("settings")
+            def settings(self) -> str:
+                return "on"
+
+        assert Site().settings == "on"
+
+
+# -- fcf1bfc: abandoned loaders counted, then new loaders queue for the pool ---------
