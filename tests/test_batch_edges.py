@@ -150,3 +150,59 @@ async def _loading(admin: Any, prefix: str, count: int) -> bool:
 
 async def _none_exist(admin: Any, names: list[str]) -> bool:
     return bool(await admin.exists(*names) == 0)
+
+
+class _Unencodable:
+    """The loader's own object: msgspec can't encode it, so it is stored nowhere."""
+
+    def __init__(self, price: str) -> None:
+        self.price = price
+
+
+async def test_a_read_joining_a_batch_whose_tag_versions_failed_is_told_the_value_is_owned(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promise (``Served.owned``, _served module doc; ef75f1c "a batch's flight carries
+    what each key's read served"): a value that could not be encoded is the loader's own
+    object, stored nowhere, and nothing may be keyed on its identity (``http.ETags``);
+    the single-key path says so on every branch (``MissPath._as_read`` after a failed
+    tag-version read). ``BatchLoader._fill_many``'s branch for Redis failing at
+    ``versions_of`` returns ``fills.as_read(...)`` without setting ``read.owned``, so a
+    read joining the batch's flight (``CachedResponses.respond`` -> ``_serve``) gets
+    ``Served(owned=False)`` for the loader's own object and memoizes its ETag on it."""
+    import asyncio
+
+    import layered_cache._batch_load as batch_load
+    from layered_cache._l2 import L2Unavailable
+
+    namespaces = {"book": {"key": "book:{id}", "tags": True}}
+    started, release = asyncio.Event(), asyncio.Event()
+    mine = _Unencodable("9.90")
+
+    async def load_many(missing: list[Any]) -> list[Any]:
+        started.set()
+        await release.wait()
+        return [mine for _ in missing]
+
+    async def versions_fail(*args: Any) -> Any:
+        raise L2Unavailable("redis went away while the batch loaded")
+
+    monkeypatch.setattr(batch_load, "versions_of", versions_fail)
+    async with LayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
+        ns = cache.namespace("book")
+        key = ns.key({"id": 1})
+        batch = asyncio.create_task(
+            cache.get_or_load_many("book", [{"id": 1}], load_many, tags=["shelf"])
+        )
+        await asyncio.wait_for(started.wait(), 5)
+
+        async def never() -> Any:
+            raise AssertionError("joins the batch's flight")
+
+        joined = asyncio.create_task(ns._serve(key, never, ["shelf"]))
+        await asyncio.sleep(0.05)
+        release.set()
+        assert (await batch)[0] is mine
+        served = await joined
+    assert served.value is mine
+    assert served.owned, "the loader's own object, stored nowhere, served as owned=False"
