@@ -92,6 +92,11 @@ async def test_a_daemon_that_lost_its_partitions_mid_retry_is_ready_again_as_a_s
                 server.start()
                 assert await eventually(lambda: b.stats.commits >= 1, timeout=15)
                 assert (await readyz(b))[0] == 200
+
+                async def a_ready() -> bool:  # its watch pings Redis every 2 s
+                    return (await readyz(a))[0] == 200
+
+                assert await eventually(a_ready, timeout=10, interval=0.2)
                 status_a, body_a = await readyz(a)
                 assert status_a == 200, f"standby A answers {status_a} {body_a}"
                 assert body_a["retrying"] is None and body_a["partitions"] == []
