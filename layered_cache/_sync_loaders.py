@@ -12,7 +12,11 @@ helper thread started with ``contextvars.copy_context().run``, ``asyncio.to_thre
 A loader that hands work to threads of its own without its context can't be told from
 any other caller; so that such loaders can't fill the pool with threads that all wait
 for loads queued behind them, a top-level loader finding every pool thread taken runs on
-a thread of its own rather than queueing (there are at most as many as callers blocked).
+a thread of its own rather than queueing. Those threads are as many as such loads in
+flight, and a caller that gives up (``SyncTimeoutError``, a stale value served) leaves its
+load running (it fills for the others): with a database that hangs, every timed-out call
+of another key leaves one more thread until it answers (README, limits). A cap here
+would bring back the wait this rule prevents.
 
 A loader that raises what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
 gevent's ``GreenletExit``) would stop the loop thread itself if handed to it as is
