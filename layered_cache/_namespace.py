@@ -279,19 +279,23 @@ class Namespace:
         return self.policy.l1.discard(keys) if self.policy.l1 is not None else 0
 
 
-def check_tags(policy: Policy, tags: object) -> None:
+def check_tags(policy: Policy, tags: object) -> list[str]:
     """Tags given to a namespace that takes none, or a list no entry may carry (a
     string, a bad name, too many), are refused before anything runs, whichever layer
-    would answer (the sync API checks before its L1 hit too)."""
+    would answer (the sync API checks before its L1 hit too). Returns the list's tags,
+    each once (none for a function of the value: it is checked once it has one)."""
     if tags is None:
-        return
+        return []
     if not policy.tags:
         raise ValueError(
             f"namespace {policy.name!r} takes no tags: declare tags = true in its config"
         )
-    if not callable(tags):
-        for tag in tag_names(cast(Iterable[str], tags), None):
-            validate_tag(tag)
+    if callable(tags):
+        return []
+    names = tag_names(cast(Iterable[str], tags), None)
+    for tag in names:
+        validate_tag(tag)
+    return names
 
 
 async def _read_replica(

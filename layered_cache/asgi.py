@@ -19,7 +19,7 @@ gateway before they reach clients if they should not be seen.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -27,9 +27,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from layered_cache._cache import LayeredCache
-from layered_cache._keys import validate_tag
 from layered_cache._miss import TagsOf
-from layered_cache._tags import tag_names
+from layered_cache._namespace import check_tags
 from layered_cache.http import ETags, body_etag, cache_control, matches
 
 __all__ = ["KEY_HEADER", "TAGS_HEADER", "CachedResponses"]
@@ -100,7 +99,9 @@ class CachedResponses:
         else:
             etag = self._etags.of(key, value)
         headers = {"Cache-Control": control, "ETag": etag, KEY_HEADER: key}
-        if tag_list := checked_tags(tags(value) if callable(tags) else tags):
+        # Checked as a miss checks them: a hit never called the tags function, and a
+        # tag only the header would see (``"a,b"``, two to a ban regex) is refused.
+        if tag_list := check_tags(ns.policy, tags(value) if callable(tags) else tags):
             headers[TAGS_HEADER] = "," + ",".join(tag_list) + ","
         if matches(request.headers.get("if-none-match"), etag):
             if request.method not in ("GET", "HEAD"):  # RFC 9110 13.1.2
@@ -117,15 +118,3 @@ class CachedResponses:
         if body is None:
             body = self._render(value)
         return Response(body, headers=headers, media_type=self._media_type)
-
-
-def checked_tags(tags: Iterable[str] | None) -> list[str]:
-    """The header's tags, checked as the cache checks them: a hit never calls a tags
-    function, so a tag only the header would see (``"a,b"`` reads as two tags to a ban
-    regex) is refused here, as a miss would have refused it."""
-    if tags is None:
-        return []
-    names = tag_names(tags, None)
-    for name in names:
-        validate_tag(name)
-    return names
