@@ -218,7 +218,7 @@ class BatchLoader:
         except L2Unavailable:  # no version, no fill: the values are served, not stored
             policy.stats.redis_error += 1
             await self._release([r.key for r in reads], token)
-            return _as_read(fills, reads, values)
+            return {r.key: self._miss.as_read(r, v) for r, v in zip(reads, values, strict=True)}
         for read, value, tagged in zip(reads, values, versions, strict=True):
             if fills.is_hot(read.key):
                 hot.append((read, value))
@@ -260,7 +260,7 @@ class BatchLoader:
             values = await self.call(load_many, [fields_of[r.key] for r in reads])
         except Exception as exc:
             return await self._miss.failsafe.serve_all_or_raise(reads, exc)
-        return _as_read(self._fills, reads, values)
+        return {r.key: self._miss.as_read(r, v) for r, v in zip(reads, values, strict=True)}
 
     def _give_back(self, reads: list[Read], token: str) -> None:
         """``_release`` in the background, for a cancelled batch (``MissPath.give_back``)."""
@@ -279,14 +279,6 @@ class BatchLoader:
             self._policy, self._rt.hooks, lambda: checked(self._policy.name, load_many, fields_list)
         )
         return values
-
-
-def _as_read(fills: Fills, reads: list[Read], values: Sequence[Any]) -> dict[str, Any]:
-    """Values served, not stored, as an L2 hit returns them (``Fills.as_read``)."""
-    found = {r.key: fills.as_read(r.key, v) for r, v in zip(reads, values, strict=True)}
-    for read, value in zip(reads, values, strict=True):
-        read.owned = found[read.key] is value  # not encodable: handed back as it came
-    return found
 
 
 async def all_or_none(parts: list[Coroutine[Any, Any, Any]]) -> list[Any]:

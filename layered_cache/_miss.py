@@ -220,9 +220,9 @@ class MissPath:
             return await self.failsafe.serve_or_raise(read, exc)
         if not self._policy.l2:
             return value  # no L2 layer: the loader's object is what every layer returns
-        return self._as_read(read, value)
+        return self.as_read(read, value)
 
-    def _as_read(self, read: Read, value: Any) -> Any:
+    def as_read(self, read: Read, value: Any) -> Any:
         """``value`` as an L2 hit returns it, though not stored (``Fills.as_read``)."""
         served = self._fills.as_read(read.key, value)
         read.owned = served is value  # not encodable: handed back as it came
@@ -254,7 +254,7 @@ class MissPath:
             except L2Unavailable:
                 policy.stats.redis_error += 1
                 await self.release(key, token, quietly=False)
-                return self._as_read(read, value)
+                return self.as_read(read, value)
         encoded = fills.encode(key, value, soft_expiry, delta, versions)
         read.owned = encoded.value is value  # not encodable: handed back as it came
         value, data = encoded.value, encoded.data

@@ -165,7 +165,7 @@ async def test_a_read_joining_a_batch_whose_tag_versions_failed_is_told_the_valu
     """Promise (``Served.owned``, _served module doc; ef75f1c "a batch's flight carries
     what each key's read served"): a value that could not be encoded is the loader's own
     object, stored nowhere, and nothing may be keyed on its identity (``http.ETags``);
-    the single-key path says so on every branch (``MissPath._as_read`` after a failed
+    the single-key path says so on every branch (``MissPath.as_read`` after a failed
     tag-version read). ``BatchLoader._fill_many``'s branch for Redis failing at
     ``versions_of`` returns ``fills.as_read(...)`` without setting ``read.owned``, so a
     read joining the batch's flight (``CachedResponses.respond`` -> ``_serve``) gets
