@@ -131,7 +131,7 @@ class LayeredCache(HitPath):
         ``_startup`` for what is checked first and why."""
         forked = os.getpid() != self._built_in  # after construction: gunicorn --preload
         if forked:
-            startup.forked(self._parts, self._coherence, self._started_in)
+            startup.forked(self._parts, self._started_in)
         if forked or self._closed:  # or started again: a second lifespan, a new loop
             startup.reopened(self._parts, self._rt, self._coherence, self.config, self._purger)
             self._follow()

@@ -197,14 +197,15 @@ def reopened(
     runtime.purges.stats = counted  # purge_stats() counts on across restarts
 
 
-def forked(parts: CacheParts, coherence: Coherence, started_in: int) -> None:
+def forked(parts: CacheParts, started_in: int) -> None:
     """A cache built in one process and started in a child forked from it (gunicorn
     ``--preload`` imports the app, and so builds the cache, in the master). Every worker
     then had the master's instance id, the ``origin`` of its backplane entries, and
     each worker's listener skipped the others' entries as its own: a write in one was
-    never dropped from another's L1. The child takes an id of its own, and drops the L1
-    it was born with (it missed every invalidation since the fork). A cache the parent
-    had *started* holds the parent's connections and tasks: refused, not shared."""
+    never dropped from another's L1. The child takes an id of its own; ``reopened``,
+    which follows, drops the L1 it was born with (it missed every invalidation since
+    the fork). A cache the parent had *started* holds the parent's connections and
+    tasks: refused, not shared."""
     if started_in:
         raise RuntimeError(
             f"this LayeredCache was started in process {started_in}, before this one "
@@ -215,7 +216,6 @@ def forked(parts: CacheParts, coherence: Coherence, started_in: int) -> None:
     parts.instance_id = new_instance_id()
     if parts.publisher is not None:
         parts.publisher.origin = parts.instance_id
-    coherence.forget_all()
 
 
 def hot_key_reporter(
