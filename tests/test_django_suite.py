@@ -38,10 +38,17 @@ NOT_APPLICABLE = {
 }
 
 
+def _redis(redis_url: str, prefix: str) -> dict[str, object]:
+    """Patient timeouts: Django's cases judge cache semantics, not latency, and CI's
+    starved 2 cores once timed a read out at the 100 ms default (Redis errors reach
+    Django's callers, as they do from its own RedisCache)."""
+    return {"url": redis_url, "prefix": prefix, "timeout": "3s", "connect_timeout": "3s"}
+
+
 def _caches(redis_url: str, prefix: str) -> dict[str, dict[str, object]]:
     base = {
         "BACKEND": "layered_cache.django.LayeredCacheBackend",
-        "OPTIONS": {"config": {"redis": {"url": redis_url, "prefix": prefix}}},
+        "OPTIONS": {"config": {"redis": _redis(redis_url, prefix)}},
     }
     # Like Django's RedisCacheTests: no cull caches (eviction is Redis's maxmemory policy).
     settings: dict[str, dict[str, object]] = django_cache_tests.caches_setting_for_tests(
@@ -70,7 +77,7 @@ def _retarget(
 @pytest.fixture(scope="module", autouse=True)
 def layered_caches(redis_url: str) -> Iterator[None]:
     prefix = f"dj{uuid.uuid4().hex[:8]}:"
-    options = {"config": {"redis": {"url": redis_url, "prefix": prefix}}}
+    options = {"config": {"redis": _redis(redis_url, prefix)}}
     for cls in RETARGETED:
         caches = cls._overridden_settings["CACHES"]
         cls._overridden_settings = {
