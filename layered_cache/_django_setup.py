@@ -56,7 +56,15 @@ def default_table(namespace: str) -> dict[str, Any]:
 
 # Ours, plus Django's generic ones that a Redis-backed cache leaves to Redis (eviction is
 # Redis's maxmemory policy; L1 has the namespace's max_entries): accepted, unused.
-_OPTIONS = {"config", "namespace", "timeout", "max_workers", "MAX_ENTRIES", "CULL_FREQUENCY"}
+_OPTIONS = {
+    "config",
+    "namespace",
+    "timeout",
+    "max_workers",
+    "max_overflow",
+    "MAX_ENTRIES",
+    "CULL_FREQUENCY",
+}
 _shared: dict[str, tuple[SyncLayeredCache, str]] = {}
 _shared_lock = threading.Lock()
 _log = structlog.get_logger("layered_cache")
@@ -126,6 +134,7 @@ def shared(
                 config,
                 timeout=options.get("timeout", DEFAULT_TIMEOUT),
                 max_workers=options.get("max_workers", 32),
+                max_overflow=options.get("max_overflow", 128),
                 value_types={namespace: value_type},
                 # An entry's Django timeout is its expiry in Redis too, set in the write
                 # itself (``Policy.soft_expiry``): no PEXPIRE to race another writer.

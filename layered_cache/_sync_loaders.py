@@ -12,11 +12,14 @@ helper thread started with ``contextvars.copy_context().run``, ``asyncio.to_thre
 A loader that hands work to threads of its own without its context can't be told from
 any other caller; so that such loaders can't fill the pool with threads that all wait
 for loads queued behind them, a top-level loader finding every pool thread taken runs on
-a thread of its own rather than queueing. Those threads are as many as such loads in
-flight, and a caller that gives up (``SyncTimeoutError``, a stale value served) leaves its
-load running (it fills for the others): with a database that hangs, every timed-out call
-of another key leaves one more thread until it answers (README, limits). A cap here
-would bring back the wait this rule prevents.
+a thread of its own rather than queueing. A caller that gives up (``SyncTimeoutError``, a
+stale value served) leaves its load running (it fills for the others), so with a database
+that hangs every timed-out call of another key would leave one more thread: those
+overflow threads are capped (``max_overflow``), and past the cap a load fails at once
+with ``LoaderThreadsExhausted`` (the caller gets a stale value where the namespace may
+serve one, else the error). Failing, not queueing: a queue there would bring back the
+wait this rule prevents. Nested loads are not capped: each belongs to a running loader,
+so they are bounded by those loaders and the depth of their nesting.
 
 A loader that raises what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
 gevent's ``GreenletExit``) would stop the loop thread itself if handed to it as is
@@ -35,7 +38,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LoaderInterrupted", "LoaderThreads"]
+__all__ = ["LoaderInterrupted", "LoaderThreads", "LoaderThreadsExhausted"]
 
 T = TypeVar("T")
 
@@ -57,8 +60,14 @@ class LoaderInterrupted(Exception):
         self.error = error
 
 
+class LoaderThreadsExhausted(RuntimeError):
+    """A load found every pool thread and every overflow thread busy (``max_overflow``
+    loaders still running, say on a database that hangs): it fails now instead of
+    starting yet another thread or queueing behind loaders that may be waiting for it."""
+
+
 class LoaderThreads:
-    def __init__(self, pool_size: int) -> None:
+    def __init__(self, pool_size: int, max_overflow: int) -> None:
         # Per thread: the keys whose loaders this thread is running (outermost first).
         # Set only on loader threads; nested calls from them take the nested path.
         self._loading = threading.local()
@@ -66,6 +75,12 @@ class LoaderThreads:
         self._queued_lock = threading.Lock()
         self._pool_size = pool_size
         self._on_pool = 0  # loaders handed to the pool, not yet done (under _queued_lock)
+        self._max_overflow = max_overflow
+        self._overflow = 0  # top-level loaders on threads of their own (under _queued_lock)
+
+    def fresh(self) -> LoaderThreads:
+        """Empty counts with the same limits (a forked child: its threads are gone)."""
+        return LoaderThreads(self._pool_size, self._max_overflow)
 
     def chain(self) -> tuple[str, ...]:
         keys: tuple[str, ...] = getattr(self._loading, "keys", ())
@@ -126,7 +141,7 @@ class LoaderThreads:
                     self._on_pool += 1
                     self._queued.add(job)
             if not spare:  # every pool thread taken: see the module doc
-                return await _in_own_thread(loop, run_marked)
+                return await self._in_overflow_thread(loop, run_marked)
             loop.run_in_executor(executor, self._run_on_pool, job)
             try:
                 return await job.done
@@ -146,6 +161,39 @@ class LoaderThreads:
         finally:
             with self._queued_lock:
                 self._on_pool -= 1
+
+    async def _in_overflow_thread(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[[], T]
+    ) -> T:
+        """``fn`` on a thread of its own, counted until the thread ends (not until its
+        caller stops waiting: an abandoned loader still holds its thread)."""
+        with self._queued_lock:
+            if self._overflow >= self._max_overflow:
+                raise LoaderThreadsExhausted(
+                    f"{self._pool_size} pool threads and {self._max_overflow} overflow "
+                    "threads are all running loaders (a database that hangs?): this load "
+                    "fails rather than start another thread (SyncLayeredCache(max_overflow=))"
+                )
+            self._overflow += 1
+        job = _Job(fn, loop)
+        try:
+            threading.Thread(
+                target=self._run_overflow, args=(job,), name="layered-cache-loader", daemon=True
+            ).start()
+        except BaseException:
+            self._overflow_done()
+            raise
+        return await job.done
+
+    def _run_overflow(self, job: _Job[Any]) -> None:
+        try:
+            job.run()
+        finally:
+            self._overflow_done()
+
+    def _overflow_done(self) -> None:
+        with self._queued_lock:
+            self._overflow -= 1
 
     def _unblock_queued(self) -> None:
         with self._queued_lock:

@@ -61,9 +61,9 @@ from layered_cache._loopthread import LoopThread, SyncTimeoutError
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
-from layered_cache._sync_loaders import LoaderThreads
+from layered_cache._sync_loaders import LoaderThreads, LoaderThreadsExhausted
 
-__all__ = ["DEFAULT_TIMEOUT", "SyncLayeredCache", "SyncTimeoutError"]
+__all__ = ["DEFAULT_TIMEOUT", "LoaderThreadsExhausted", "SyncLayeredCache", "SyncTimeoutError"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -97,12 +97,13 @@ class SyncLayeredCache:
         config: Config,
         *,
         max_workers: int = 32,
+        max_overflow: int = 128,
         timeout: float | None = DEFAULT_TIMEOUT,
         **cache_kwargs: Any,
     ) -> None:
-        """``max_workers``: threads kept for sync loaders (one that finds them all busy
-        runs on a thread of its own: ``_sync_loaders``); ``timeout``: seconds a call may
-        block before ``SyncTimeoutError`` (a ``TimeoutError``); None waits without bound."""
+        """``max_workers``: threads kept for sync loaders; ``max_overflow``: loaders on
+        threads of their own beyond them (``_sync_loaders``); ``timeout``: seconds a call
+        may block before ``SyncTimeoutError`` (a ``TimeoutError``); None: no bound."""
         self.config = config
         self._cache_kwargs = cache_kwargs
         self._timeout = timeout
@@ -111,7 +112,7 @@ class SyncLayeredCache:
         self._runner: LoopThread | None = None
         self._cache: LayeredCache | None = None
         self._started = False  # start() called and close() not: a forked child rebuilds
-        self._loaders = LoaderThreads(self._max_workers)
+        self._loaders = LoaderThreads(max_workers, max_overflow)
         _forget_parent_after_fork(self)
 
     @classmethod
@@ -175,7 +176,7 @@ class SyncLayeredCache:
             self._runner.abandon(self._cache)
         self._runner = self._cache = None
         self._lock = threading.Lock()
-        self._loaders = LoaderThreads(self._max_workers)
+        self._loaders = self._loaders.fresh()
 
     @property
     def cache(self) -> LayeredCache:

@@ -213,3 +213,64 @@ def test_get_or_load_many_reads_a_generator_of_fields_once(cache: SyncLayeredCac
 
     fields = ({"id": i} for i in range(3))
     assert cache.get_or_load_many("book", fields, load_many) == ["v0", "v1", "v2"]
+
+
+def _loader_threads() -> int:
+    return sum(t.name.startswith("layered-cache-") for t in threading.enumerate())
+
+
+def test_a_hung_database_can_not_grow_loader_threads_past_the_pool_and_its_overflow(
+    redis_url: str, prefix: str
+) -> None:
+    """Every call of another key times out against a database that hangs, and each left
+    its loader running on one more thread of its own: 40 calls, 40 threads, without
+    bound. Now threads beyond the pool are capped (``max_overflow``): past them a load
+    fails at once with LoaderThreadsExhausted, and once the database answers the cache
+    loads again."""
+    from layered_cache.sync import LoaderThreadsExhausted
+
+    hung = threading.Event()
+    config = make_config(redis_url, prefix, NAMESPACES)
+    before = _loader_threads()
+    with SyncLayeredCache.from_config(config, max_workers=2, max_overflow=3, timeout=0.2) as cache:
+        outcomes = []
+        for i in range(40):
+            try:
+                cache.get_or_load("book", {"id": i}, hung.wait)
+            except Exception as exc:
+                outcomes.append(type(exc).__name__)
+        assert _loader_threads() - before <= 2 + 3
+        assert outcomes.count("SyncTimeoutError") == 5  # the pool's 2 and the overflow's 3
+        assert outcomes.count("LoaderThreadsExhausted") == 35
+        hung.set()
+        deadline = time.monotonic() + PROMPT
+        while time.monotonic() < deadline:  # the abandoned loaders finish, their threads end
+            try:
+                assert cache.get_or_load("book", {"id": 100}, lambda: "loaded") == "loaded"
+                break
+            except LoaderThreadsExhausted:
+                time.sleep(0.01)
+        assert cache.get_or_load("book", {"id": 101}, lambda: "loaded too") == "loaded too"
+
+
+def test_a_load_refused_for_want_of_threads_serves_the_stale_value_it_may(
+    redis_url: str, prefix: str
+) -> None:
+    """LoaderThreadsExhausted is a failed load like any other: the fail-safe serves the
+    expired value within ``stale.max_age``."""
+    hung = threading.Event()
+    namespaces = {
+        "book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "200ms"},
+                 "stale": {"max_age": "60s"}}
+    }
+    config = make_config(redis_url, prefix, namespaces)
+    with SyncLayeredCache.from_config(config, max_workers=1, max_overflow=1, timeout=0.2) as cache:
+        cache.set("book", {"id": 1}, "old price")
+        for i in (2, 3):  # the pool's thread and the one overflow thread hang
+            with pytest.raises(TimeoutError):
+                cache.get_or_load("book", {"id": i}, hung.wait)
+        time.sleep(0.3)  # book 1 is past its soft expiry
+        try:
+            assert cache.get_or_load("book", {"id": 1}, lambda: "new price") == "old price"
+        finally:
+            hung.set()
