@@ -3,6 +3,7 @@ they start of their own, and calls that are wrong whichever layer would answer t
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 import time
@@ -215,8 +216,18 @@ def test_get_or_load_many_reads_a_generator_of_fields_once(cache: SyncLayeredCac
     assert cache.get_or_load_many("book", fields, load_many) == ["v0", "v1", "v2"]
 
 
+@contextlib.contextmanager
+def _released(hung: threading.Event) -> Iterator[None]:
+    """The database answers at the end whatever happened (a loader left waiting holds
+    its pool thread, and the interpreter's exit would wait for it for ever)."""
+    try:
+        yield
+    finally:
+        hung.set()
+
+
 def _loader_threads() -> int:
-    return sum(t.name.startswith("layered-cache-") for t in threading.enumerate())
+    return sum(t.name.startswith("layered-cache-loader") for t in threading.enumerate())
 
 
 def test_a_hung_database_can_not_grow_loader_threads_past_the_pool_and_its_overflow(
@@ -232,7 +243,10 @@ def test_a_hung_database_can_not_grow_loader_threads_past_the_pool_and_its_overf
     hung = threading.Event()
     config = make_config(redis_url, prefix, NAMESPACES)
     before = _loader_threads()
-    with SyncLayeredCache.from_config(config, max_workers=2, max_overflow=3, timeout=0.2) as cache:
+    with (
+        SyncLayeredCache.from_config(config, max_workers=2, max_overflow=3, timeout=0.2) as cache,
+        _released(hung),
+    ):
         outcomes = []
         for i in range(40):
             try:
@@ -274,3 +288,4 @@ def test_a_load_refused_for_want_of_threads_serves_the_stale_value_it_may(
             assert cache.get_or_load("book", {"id": 1}, lambda: "new price") == "old price"
         finally:
             hung.set()
+
