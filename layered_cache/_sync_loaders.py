@@ -226,12 +226,23 @@ class _Job(Generic[T]):
         try:
             result = self._fn()
         except BaseException as exc:  # handed to the awaiting task, not lost in the thread
-            carried = exc if isinstance(exc, Exception) else LoaderInterrupted(exc)
-            outcome = functools.partial(done.set_exception, carried)
+            outcome = functools.partial(done.set_exception, _carried(exc))
         else:
             outcome = functools.partial(done.set_result, result)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (close())
             self._loop.call_soon_threadsafe(_settle, done, outcome)
+
+
+def _carried(error: BaseException) -> BaseException:
+    """What a future can hold for ``error``: asyncio refuses ``StopIteration`` (its
+    ``set_exception`` raises TypeError inside the loop's callback, and the future never
+    settles: the call waited out its timeout holding the lease), as a coroutine's own
+    would be turned into RuntimeError (PEP 479); a non-``Exception``: module doc."""
+    if isinstance(error, StopIteration | StopAsyncIteration):
+        carried = RuntimeError(f"the loader raised {type(error).__name__}")
+        carried.__cause__ = error
+        return carried
+    return error if isinstance(error, Exception) else LoaderInterrupted(error)
 
 
 def _call_marked(chain: tuple[str, ...], loader: Callable[[], T]) -> T:

@@ -289,3 +289,15 @@ def test_a_load_refused_for_want_of_threads_serves_the_stale_value_it_may(
         finally:
             hung.set()
 
+def test_a_loader_raising_stopiteration_fails_its_call_at_once(cache: SyncLayeredCache) -> None:
+    """``next(iter(rows))`` on an empty result: asyncio's futures refuse StopIteration
+    (a TypeError inside the loop's callback), so the call's future never settled and the
+    call waited out its timeout holding the lease. Now a RuntimeError whose cause is the
+    StopIteration, at once, and the next call loads."""
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="StopIteration") as raised:
+        cache.get_or_load("book", {"id": 1}, lambda: next(iter([])))
+    assert time.monotonic() - started < PROMPT
+    assert isinstance(raised.value.__cause__, StopIteration)
+    assert cache.get_or_load("book", {"id": 1}, lambda: "loaded") == "loaded"
+
