@@ -73,15 +73,19 @@ class LoopThread:
         with self._calls_lock:
             self._calls.add(future)
         try:
-            return future.result(timeout)
+            # Waited for apart from taking the result: ``future.result(timeout)`` raises
+            # the builtin TimeoutError both when time runs out and when the call itself
+            # failed with one (a loader's socket or database read timeout), which would
+            # be reported as this call's timeout, the loader's error lost.
+            if not concurrent.futures.wait([future], timeout).done:
+                future.cancel()  # the task is cancelled on the loop: no orphan keeps running
+                raise SyncTimeoutError(
+                    f"{what} did not finish within {timeout} s (SyncLayeredCache timeout=); "
+                    "raise the timeout if the loader is legitimately slow"
+                )
+            return future.result()
         except LoaderInterrupted as exc:  # see ``_sync_loaders``: raised here, as it was
             raise exc.error from None
-        except concurrent.futures.TimeoutError:
-            future.cancel()  # the task is cancelled on the loop: no orphan keeps running
-            raise SyncTimeoutError(
-                f"{what} did not finish within {timeout} s (SyncLayeredCache timeout=); "
-                "raise the timeout if the loader is legitimately slow"
-            ) from None
         except concurrent.futures.CancelledError:
             raise RuntimeError(f"{what}: the cache was closed while this call ran") from None
         finally:

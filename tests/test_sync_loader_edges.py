@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import socket
 import threading
 import time
 import warnings
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from layered_cache.sync import SyncLayeredCache
+from layered_cache.sync import SyncLayeredCache, SyncTimeoutError
 from tests.helpers import make_config
 
 NAMESPACES = {
@@ -289,6 +290,7 @@ def test_a_load_refused_for_want_of_threads_serves_the_stale_value_it_may(
         finally:
             hung.set()
 
+
 def test_a_loader_raising_stopiteration_fails_its_call_at_once(cache: SyncLayeredCache) -> None:
     """``next(iter(rows))`` on an empty result: asyncio's futures refuse StopIteration
     (a TypeError inside the loop's callback), so the call's future never settled and the
@@ -301,3 +303,17 @@ def test_a_loader_raising_stopiteration_fails_its_call_at_once(cache: SyncLayere
     assert isinstance(raised.value.__cause__, StopIteration)
     assert cache.get_or_load("book", {"id": 1}, lambda: "loaded") == "loaded"
 
+
+def test_a_loaders_own_timeout_error_reaches_the_caller_as_it_was(
+    cache: SyncLayeredCache,
+) -> None:
+    """The builtin TimeoutError is also what ``Future.result(timeout)`` raises when time
+    runs out: a loader's database read timeout, raised in 2 ms, was reported as "did not
+    finish within 4 s" with the loader's error dropped."""
+
+    def loader() -> str:
+        raise socket.timeout("database read timed out")
+
+    with pytest.raises(TimeoutError, match="database read timed out") as raised:
+        cache.get_or_load("book", {"id": 1}, loader)
+    assert not isinstance(raised.value, SyncTimeoutError)
