@@ -42,7 +42,10 @@ class Refresher:
         now: float,
     ) -> None:
         policy, key = self._policy, read.key
-        if policy.beta <= 0 or key in self._refreshing:
+        if policy.beta <= 0 or key in self._refreshing or policy.expiry_of is not None:
+            # Values with an expiry of their own (a Django entry's timeout) end there:
+            # refreshing one early would call its loader (``get_or_set``'s default)
+            # again while the value is present, which Django never does.
             return
         if envelope.tags and read.tags_of is None:
             # A reader that gives no tags (a ``cached`` function) can't compute the

@@ -118,6 +118,30 @@ def test_get_or_set_calls_the_default_once_for_concurrent_misses_in_two_processe
     assert len(calls) == 1
 
 
+def test_get_or_set_never_calls_the_default_again_while_its_value_is_present(
+    redis_url: str, prefix: str
+) -> None:
+    """An entry's Django timeout is its soft expiry, and XFetch refreshed it early: a
+    get_or_set shortly before the timeout returned the value and ran ``default`` again in
+    the background. Django never calls ``default`` while a value is present."""
+    calls: list[int] = []
+
+    def report() -> str:
+        calls.append(1)
+        time.sleep(0.3)  # the measured load time: XFetch refreshes within a few of them
+        return "report"
+
+    eager = {"django": {"key": "django:{key}", "stampede": {"early_refresh_beta": 100}}}
+    writer = backend(redis_url, prefix, config={"namespaces": eager})
+    reader = backend(redis_url, prefix, config={"namespaces": eager}, timeout=19.0)
+    assert writer.get_or_set("report", report, timeout=2) == "report"
+    time.sleep(1.5)  # 0.5 s before the timeout: beta 100 refreshes at once
+    assert reader.get_or_set("report", report, timeout=2) == "report"
+    time.sleep(0.4)  # a background refresh, had one started, has called report()
+    assert len(calls) == 1
+    assert reader.layered.stats()["django"]["early_refresh"] == 0
+
+
 def test_timeouts_are_exact_in_every_layer_and_redis_forgets_the_entry_with_them(
     redis_url: str, prefix: str, redis_client: redis.Redis
 ) -> None:
