@@ -148,9 +148,7 @@ class BackplaneListener:
         # Each command within block + ``timeout`` (a connect and the reply): ``StreamLink``.
         self._link = StreamLink(client, stream, block, batch, block + timeout)
         self._stream = stream
-        self._on_keys = on_keys
-        self._on_gap = on_gap
-        self._on_tags = on_tags
+        self._on_keys, self._on_gap, self._on_tags = on_keys, on_gap, on_tags
         self._coalesce = coalesce
         self._trim_visible = trim_visible(batch, maxlen)
         self._cleared_through = (0, 0)  # entries up to this one are covered by an L1 clear
@@ -161,23 +159,24 @@ class BackplaneListener:
         self._serving_unpositioned = False  # before it first knew its place (``late``)
         self._task: asyncio.Task[None] | None = None
         self.entries_seen = 0  # every entry read, our own included
-        self.entries_applied = 0
-        self.keys_applied = 0
-        self.gaps = 0
+        self.entries_applied = self.keys_applied = self.gaps = 0
         self.errors = 0  # bugs met while reading or applying entries (``_failed``)
         self._lag = 0.0
         self._down_since: float | None = None  # monotonic time the connection was lost
 
+    def known_as_of(self) -> float:
+        """As of when every invalidation has reached this instance (``_tags``)."""
+        return self._link.known_as_of(live=self.connected.is_set())
+
     def status(self) -> BackplaneStatus:
         down = 0.0 if self._down_since is None else time.monotonic() - self._down_since
-        lag = max(self._lag, down)
         return BackplaneStatus(
             connected=self.connected.is_set(),
             last_id=self.last_id.decode() if self.last_id is not None else None,
             entries_applied=self.entries_applied,
             keys_applied=self.keys_applied,
             gaps=self.gaps,
-            lag_seconds=lag,
+            lag_seconds=max(self._lag, down),
             errors=self.errors,
         )
 

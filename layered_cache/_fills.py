@@ -12,6 +12,7 @@ from typing import Any
 from layered_cache import _envelopes as envelopes
 from layered_cache._codec import Envelope
 from layered_cache._l2 import L2Unavailable
+from layered_cache._namespace_versions import NamespaceVersions
 from layered_cache._policy import Policy
 from layered_cache._tagindex import TagIndex
 from layered_cache._tags import TagsOf, TagVersions, tag_names
@@ -23,7 +24,7 @@ class Fills:
     def __init__(self, policy: Policy, clock: Callable[[], float], versions: TagVersions) -> None:
         self._policy = policy
         self._clock = clock
-        self.versions = versions
+        self.versions = NamespaceVersions(versions, policy)  # trusted as long as it may
         l1 = policy.l1
         self.tagged = TagIndex(l1.max_entries) if l1 is not None else None
 

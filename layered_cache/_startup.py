@@ -15,7 +15,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from layered_cache._backplane import BackplaneListener
 from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._coherence import Coherence
-from layered_cache._config import BackplaneConfig, Config, RedisConfig
+from layered_cache._config import Config, RedisConfig
 from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscribed
 from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import Invalidator, check_replica_counts, recorded_counts
@@ -229,13 +229,16 @@ def hot_key_reporter(
 
 
 def followers(
-    parts: CacheParts, coherence: Coherence, backplane: BackplaneConfig, redis: RedisConfig
+    parts: CacheParts, coherence: Coherence, config: Config, versions: TagVersions
 ) -> tuple[BackplaneListener | None, FallbackSubscriber | None]:
     """What keeps L1 coherent with the fleet: the backplane stream's reader and the
     fallback channel's subscriber (``_fallback``); both None with the backplane off.
     A listener command may take its block time plus a connect plus a second: the bound
-    its client's socket timeouts used to give (``_clients.listener_connection``)."""
+    its client's socket timeouts used to give (``_clients.listener_connection``). The
+    listener vouches for the tag versions this instance holds (``_tags``)."""
+    backplane, redis = config.backplane, config.redis
     if parts.listener_client is None or parts.stream is None or parts.fallback_client is None:
+        versions.vouch_with(None)
         return None, None
     listener = BackplaneListener(
         parts.listener_client,
@@ -249,6 +252,7 @@ def followers(
         origin=parts.instance_id,
         timeout=redis.connect_timeout + 1.0,
     )
+    versions.vouch_with(listener.known_as_of)
     fallback = FallbackSubscriber(
         parts.fallback_client,
         fallback_channel(parts.stream),

@@ -13,6 +13,7 @@ stream's slot (``xread`` says why).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from layered_cache import _direct as direct
@@ -33,6 +34,9 @@ class StreamLink:
         # single node or a relay (``_clients.listener_connection``): this is the only
         # bound there.
         self._deadline = deadline
+        self._batch = batch
+        self._sent_at: float | None = None  # monotonic time of the XREAD waiting now
+        self._caught_up_at = float("-inf")  # when the last read that left nothing was sent
         self._held = (
             None
             if is_cluster(client)
@@ -53,6 +57,24 @@ class StreamLink:
         instance (issue 20). After a failover or resharding the node answers MOVED:
         redis-py refreshes its slot map, the read fails like a dropped connection, and
         the next one asks the map again."""
+        self._sent_at = sent = time.monotonic()
+        try:
+            entries = await self._xread(after)
+        finally:
+            self._sent_at = None
+        if len(entries) < self._batch:
+            # Every entry added before ``sent`` is in this reply, and its reader applies
+            # them as soon as this returns, before any other task runs.
+            self._caught_up_at = sent
+        return entries
+
+    def known_as_of(self, live: bool) -> float:
+        """The (monotonic) time as of which every entry has been read: now while an
+        XREAD waits on a ``live`` connection (an entry wakes it at once), else when the
+        last read that left nothing behind was sent."""
+        return time.monotonic() if live and self._sent_at is not None else self._caught_up_at
+
+    async def _xread(self, after: bytes) -> list[Entry]:
         client, args = self._client, (*self._xread_args, "STREAMS", self._stream, after)
         async with asyncio.timeout(self._deadline):
             if self._held is not None:

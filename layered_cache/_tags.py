@@ -13,6 +13,13 @@ Design (chosen over a set of member keys per tag; docs/tags.md has the measureme
   instance has never seen is fetched once (one round trip per tag per instance); a
   reader makes no token key, and a tag it finds without one is dead here for
   ``_ABSENT_FOR`` before it asks again.
+- **Only while the backplane vouches.** A held token is current only as long as every
+  invalidation since its fetch has reached this instance: the listener says as of when
+  that is so (``vouch_with``). When it can't (backplane off, listener disconnected or
+  stalled), a namespace trusts a token for its L1 TTL after the fetch and then asks
+  Redis again (``NamespaceVersions``): a tag invalidation that hasn't reached an
+  instance stops its dead entries' L2 copies within the bound its key invalidations
+  have (their L1 copies), not after the hour a token is otherwise held.
 - **Loads in flight can't land after an invalidation.** A tagged load registers its
   lease (with its token) in ``{prefix}layered_cache:loading`` before it calls the
   loader (its tags come from the loaded value, so they aren't known before).
@@ -99,6 +106,11 @@ VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after 
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
 # is loads until every instance asks again, so not a quarter of a 30-day entry's life.
 _MAX_TRUST = 3_600.0
+_HELD = float("inf")  # ``within``: trust a held token as long as it is held
+
+
+def _nothing_vouched() -> float:
+    return float("-inf")
 
 
 def version_ttl(config: Config) -> float:
@@ -160,6 +172,22 @@ class TagVersions:
         self._forgotten: dict[str, int] = {}  # tag -> generation of its last forget
         self._floor = 0  # fetches begun before this generation are not remembered
         self._absent: dict[str, float] = {}  # tag -> until when it has no key (readers)
+        self._fetched_at: dict[str, float] = {}  # tag -> when its held token was fetched
+        self._known_as_of: Callable[[], float] = _nothing_vouched
+
+    def vouch_with(self, known_as_of: Callable[[], float] | None) -> None:
+        """The backplane listener's word: the (monotonic) time as of which every
+        invalidation has reached this instance. None: the backplane is off."""
+        self._known_as_of = known_as_of or _nothing_vouched
+
+    def _aged(self, tags: Iterable[str], within: float) -> set[str]:
+        """The held ``tags`` whose token is not vouched for: fetched longer than
+        ``within`` ago, with no word from the backplane since ``within`` ago either."""
+        horizon = self._clock() - within
+        if self._known_as_of() >= horizon:
+            return set()
+        fetched = self._fetched_at
+        return {tag for tag in tags if fetched.get(tag, horizon) < horizon}
 
     @property
     def generation(self) -> int:
@@ -173,15 +201,17 @@ class TagVersions:
             self._forgotten.get(tag, -1) > generation for tag in tags
         )
 
-    def known(self, tags: Mapping[str, str]) -> bool | None:
+    def known(self, tags: Mapping[str, str], within: float = _HELD) -> bool | None:
         """True: every version is current; False: one is outdated (the entry is dead);
-        None: a tag this instance hasn't seen yet (``fetch`` it to decide)."""
+        None: a tag this instance hasn't seen yet, or can't vouch for (``_aged``):
+        ``fetch`` it to decide."""
         versions = self._trusted()
-        if tags.items() <= versions.items():  # the common case, in one C loop
+        aged = self._aged(tags, within) if within < _HELD else set()
+        if not aged and tags.items() <= versions.items():  # the common case, in C loops
             return True
         unknown, now = False, self._clock()
         for tag, version in tags.items():
-            current = versions.get(tag)
+            current = None if tag in aged else versions.get(tag)
             if current is None:
                 if self._absent.get(tag, 0.0) > now:
                     return False  # found without a key moments ago (``_ABSENT_FOR``)
@@ -190,43 +220,49 @@ class TagVersions:
                 return False
         return None if unknown else True
 
-    async def current(self, tags: Iterable[str]) -> dict[str, str]:
+    async def current(self, tags: Iterable[str], within: float = _HELD) -> dict[str, str]:
         """The current version of each tag, for a writer: unknown ones fetched, or
         created, in one round trip. Raises ``L2Unavailable``."""
-        return await self._lookup(tags, create=True)
+        return await self._lookup(tags, create=True, within=within)
 
-    async def valid(self, tags: Mapping[str, str]) -> bool:
+    async def valid(self, tags: Mapping[str, str], within: float = _HELD) -> bool:
         """Whether an entry carrying ``tags`` is alive (fetching unknown tags; a tag
         with no token in Redis kills it, and none is created)."""
-        state = self.known(tags)
+        state = self.known(tags, within)
         if state is not None:
             return state
         if not _writable(tags):
             return False  # planted in Redis: no caller could give it (``_codec.Envelope``)
-        current = await self._lookup(tags, create=False)
+        current = await self._lookup(tags, create=False, within=within)
         return all(current.get(tag) == version for tag, version in tags.items())
 
-    async def valid_many(self, entries: Sequence[Mapping[str, str]]) -> list[bool]:
+    async def valid_many(
+        self, entries: Sequence[Mapping[str, str]], within: float = _HELD
+    ) -> list[bool]:
         """``valid`` for each of many entries, every unknown tag fetched in one round
         trip (the batches)."""
-        verdicts = [self.known(tags) for tags in entries]
+        verdicts = [self.known(tags, within) for tags in entries]
         # Undecided: a tag this instance hasn't seen. A tag no caller could give is a
         # planted envelope, dead (``valid``); the rest are fetched, all at once.
         fetch = [
             i for i, verdict in enumerate(verdicts) if verdict is None and _writable(entries[i])
         ]
         unknown = {tag for i in fetch for tag in entries[i]}
-        current = await self._lookup(unknown, create=False) if fetch else {}
+        current = await self._lookup(unknown, create=False, within=within) if fetch else {}
         for i in fetch:
             verdicts[i] = all(current.get(tag) == version for tag, version in entries[i].items())
         return [verdict is True for verdict in verdicts]
 
-    async def _lookup(self, tags: Iterable[str], *, create: bool) -> dict[str, str]:
-        """The versions of ``tags``: those held, the rest fetched in one round trip;
-        with ``create`` (writers) a tag without one gets one, else it is left out."""
+    async def _lookup(
+        self, tags: Iterable[str], *, create: bool, within: float
+    ) -> dict[str, str]:
+        """The versions of ``tags``: those held (and vouched for), the rest fetched in
+        one round trip; with ``create`` (writers) a tag without one gets one, else it is
+        left out."""
         wanted = [validate_tag(tag) for tag in dict.fromkeys(tags)]
         versions = self._trusted()
-        found = {tag: versions[tag] for tag in wanted if tag in versions}
+        aged = self._aged(wanted, within) if within < _HELD else set()
+        found = {tag: versions[tag] for tag in wanted if tag in versions and tag not in aged}
         missing = [tag for tag in wanted if tag not in found]
         if missing:
             found.update(await self._fetch(missing, create))
@@ -238,11 +274,12 @@ class TagVersions:
         the key's life) for as long as any entry written with it lives."""
         if self._clock() >= self._trusted_until:
             self._versions.clear()
+            self._fetched_at.clear()
             self._trusted_until = self._clock() + self._trust
         return self._versions
 
     async def _fetch(self, tags: list[str], create: bool) -> dict[str, str]:
-        generation = self._generation
+        generation, started = self._generation, self._clock()
         pipe = self._store.client.pipeline(transaction=False)
         for tag in tags:
             # The key's life is extended; with ``create``, a tag never invalidated gets
@@ -271,9 +308,11 @@ class TagVersions:
             self._note_absent([tag for tag in fresh if tag not in fetched])
         if len(self._versions) + len(fetched) > _LIMIT:
             self._versions.clear()
+            self._fetched_at.clear()
         for tag in fresh:
             if tag in fetched:
                 self._versions[tag] = fetched[tag]
+                self._fetched_at[tag] = started
         return fetched
 
     def _note_absent(self, tags: list[str]) -> None:
@@ -293,6 +332,7 @@ class TagVersions:
             self._floor = self._generation
         for tag in versions:
             self._versions.pop(tag, None)
+            self._fetched_at.pop(tag, None)
             self._absent.pop(tag, None)  # it has a key now
             self._forgotten[tag] = self._generation
 
@@ -300,14 +340,10 @@ class TagVersions:
         """The backplane lost track: every remembered version may be outdated."""
         self._generation += 1
         self._versions.clear()
+        self._fetched_at.clear()
         self._absent.clear()
         self._forgotten.clear()
         self._floor = self._generation
-
-    def unknown(self, tags: Iterable[str]) -> set[str]:
-        """The tags among ``tags`` this instance holds no version of."""
-        versions = self._trusted()
-        return {tag for tag in tags if tag not in versions}
 
     async def invalidate(self, tag: str) -> str:
         """Write a new version for ``tag`` and revoke every tagged load in flight.

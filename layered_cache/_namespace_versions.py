@@ -1,0 +1,42 @@
+"""One namespace's view of the shared tag versions (``_tags.TagVersions``).
+
+Without the backplane's word (off, disconnected, stalled) an instance can't know that a
+token it holds is still current; how long it may act on one anyway is the bound a key
+invalidation has on this namespace: its L1 TTL, the most a copy of a deleted key lives
+here unheard of (none without L1: every such read asks Redis). So each namespace asks
+the shared versions with its own ``within``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from layered_cache._policy import Policy
+from layered_cache._tags import TagVersions
+
+__all__ = ["NamespaceVersions"]
+
+
+class NamespaceVersions:
+    def __init__(self, shared: TagVersions, policy: Policy) -> None:
+        self._shared = shared
+        self._within = policy.l1_ttl if policy.l1 is not None else 0.0
+
+    @property
+    def generation(self) -> int:
+        return self._shared.generation
+
+    def invalidated_since(self, tags: Iterable[str], generation: int) -> bool:
+        return self._shared.invalidated_since(tags, generation)
+
+    def known(self, tags: Mapping[str, str]) -> bool | None:
+        return self._shared.known(tags, self._within)
+
+    async def current(self, tags: Iterable[str]) -> dict[str, str]:
+        return await self._shared.current(tags, self._within)
+
+    async def valid(self, tags: Mapping[str, str]) -> bool:
+        return await self._shared.valid(tags, self._within)
+
+    async def valid_many(self, entries: Sequence[Mapping[str, str]]) -> list[bool]:
+        return await self._shared.valid_many(entries, self._within)
