@@ -188,8 +188,13 @@ def _too_large(policy: Policy, entry: Entry) -> bool:
 
 async def clear_namespace(cache: LayeredCache, namespace: str) -> int:
     """Invalidate every key of ``namespace`` (each Redis master's keys, in a cluster):
-    L2, replicas and leases, then every instance's L1 through the backplane."""
-    template = cache.namespace(namespace).policy.template
+    L2, replicas and leases, then every instance's L1 through the backplane; and all of
+    this process's L1 of it, which may hold what Redis no longer does (evicted, or a
+    namespace without L2), the loads in flight here discarded with it."""
+    policy = cache.namespace(namespace).policy
+    if policy.l1 is not None:
+        policy.l1.clear()
+    template = policy.template
     lead = parse_template(namespace, template.template)[0][0]  # distinct per namespace
     pattern = template.prefix + lead + "*"
     found: list[dict[str, str]] = []
