@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from layered_cache import ConfigError, load_config, parse_config
 from layered_cache._config import ConfigWarning, HotConfig, L1Config, parse_duration, parse_rate
 from layered_cache._config.validate import daemon_start_problem
+from layered_cache._events import EventDecoder
 
 FULL = """
 [redis]
@@ -300,6 +301,21 @@ def test_an_environment_duration_may_be_a_bare_number_as_in_the_file(tmp_path: P
     config = load_config(write(tmp_path, BOOK), env=env)
     assert config.redis.timeout == 0.5
     assert config.logging.format == "json"  # case-insensitive, as the level is
+
+
+def test_a_route_with_an_empty_invalidate_list_loads_and_acknowledges_its_type(
+    tmp_path: Path,
+) -> None:
+    """docs/daemon.md: ``invalidate = []`` acknowledges a type that invalidates nothing
+    (it was refused: ``events[1].invalidate: expected `array` of length >= 1``)."""
+    text = BOOK + ROUTE.format(type="BookMoved") + '[[events]]\ntype = "BookReviewed"\n'
+    config = load_config(write(tmp_path, text + "invalidate = []\n"), env={})
+    keys: dict[str, int] = {}
+    tags: list[str] = []
+    event = b'{"type": "BookReviewed", "id": 1}'
+    assert EventDecoder(config).collect(event, keys, tags) == "BookReviewed"
+    assert keys == {} and tags == []
+    assert EventDecoder(config).decode(event).targets == []
 
 
 def test_log_level_is_case_insensitive_like_the_env_override(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ def daemon_config(
     *,
     group: str | None = None,
     namespaces: dict[str, dict[str, Any]] | None = None,
+    routes: list[dict[str, Any]] | None = None,
     **kafka: Any,
 ) -> Config:
     """Fast group timings (the broker forms groups slowly with defaults), short backoff."""
@@ -72,7 +73,7 @@ def daemon_config(
         prefix,
         namespaces or {"book": {"key": "book:{id}", "hot": {"replicas": 8}}},
         kafka=section,
-        events=ROUTES,
+        events=ROUTES if routes is None else routes,
     )
 
 
@@ -237,6 +238,35 @@ async def test_poison_messages_go_to_the_dlq_and_valid_neighbours_are_processed(
     assert {h["dlq.original.partition"] for h in headers} == {b"0"}
     assert dead[0].value == b"this is not json"
     assert int(headers[3]["dlq.original.size"]) > 1_048_576  # truncated copy, size noted
+
+
+async def test_an_event_type_routed_to_nothing_is_acknowledged_not_dead_lettered(
+    redis_url: str,
+    prefix: str,
+    kafka_bootstrap: str,
+    unique_topic: str,
+    redis_client: aioredis.Redis,
+) -> None:
+    """docs/daemon.md: a route with ``invalidate = []`` acknowledges a type that
+    invalidates nothing (the config refused it: ``expected array of length >= 1``)."""
+    routes = [*ROUTES, {"type": "BookReviewed", "invalidate": []}]
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic, routes=routes)
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    await create_topic(kafka_bootstrap, config.kafka.dead_letter_topic, 1)
+    await seed(redis_client, [f"{prefix}book:1"], replicas=8)
+    reviewed = b'{"type": "BookReviewed", "book_id": 1, "stars": 5}'
+    messages = [reviewed, price_changed(1), reviewed]
+    daemon = Daemon(config)
+    tp = TopicPartition(unique_topic, 0)
+    async with running(daemon), producer(kafka_bootstrap) as p:
+        for message in messages:
+            await p.send(unique_topic, message, partition=0)
+        await p.flush()
+        assert await eventually(lambda: _done(daemon, len(messages)), timeout=15)
+    assert await committed(kafka_bootstrap, config.kafka.group_id, [tp]) == {0: len(messages)}
+    assert daemon.stats.event_types == {"BookReviewed": 2, "BookPriceChanged": 1}
+    assert daemon.stats.dead_letters == 0
+    assert await existing(redis_client, [f"{prefix}book:1"]) == []
 
 
 def _done(daemon: Daemon, count: int) -> bool:

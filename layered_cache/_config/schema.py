@@ -364,8 +364,11 @@ class InvalidateTarget(_Section, frozen=True):
 
 
 class EventRoute(_Section, frozen=True):
+    """``invalidate = []`` is allowed: it acknowledges a type that invalidates nothing
+    (committed, not dead-lettered as an unknown type would be)."""
+
     type: NonEmpty
-    invalidate: Annotated[list[InvalidateTarget], msgspec.Meta(min_length=1)]
+    invalidate: list[InvalidateTarget]
 
 
 class Config(_Section, frozen=True):
