@@ -449,3 +449,54 @@ async def test_a_stop_during_the_careful_pass_commits_nothing_past_what_it_aband
     monkeypatch.undo()
     tp = TopicPartition(unique_topic, 0)
     assert (await committed(kafka_bootstrap, config.kafka.group_id, [tp]))[0] == 0
+
+
+
+async def test_sigterm_during_the_careful_pass_stops_it_within_a_record(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/daemon.md (Shutdown): SIGTERM finishes the batch in flight and exits. The
+    careful pass never looked at stop(): after it, it read on one record at a time
+    through up to ``max_batch`` records of every partition (here ~1,000 batches), the
+    partitions held and /readyz 503 meanwhile - under a 30 s grace period, SIGKILL."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import KafkaTimeoutError
+
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic)
+    await create_topic(kafka_bootstrap, unique_topic, 2)
+    await create_topic(kafka_bootstrap, config.kafka.dead_letter_topic, 1)
+    async with producer(kafka_bootstrap) as p:
+        with pytest.MonkeyPatch.context() as mp:  # p0: a record aiokafka can't unpack
+            _unreadable_batches(mp, "header")
+            await p.send_and_wait(unique_topic, price_changed(1), partition=0,
+                                  headers=[(_NotUtf8HeaderName("x"), b"v")])
+    dlq_down = True
+    real_send = AIOKafkaProducer.send
+
+    async def flaky_dlq(self: Any, topic: str, *args: Any, **kwargs: Any) -> Any:
+        if dlq_down and topic == config.kafka.dead_letter_topic:
+            raise KafkaTimeoutError("the dead-letter topic is not writable for now")
+        return await real_send(self, topic, *args, **kwargs)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send", flaky_dlq)
+    daemon = Daemon(config)
+    task = asyncio.create_task(daemon.run())
+    try:  # the careful pass holds at p0's record while p1 gets a backlog
+        assert await eventually(lambda: daemon._retrier.retrying == "dead_letter", timeout=30)
+        async with producer(kafka_bootstrap) as p:
+            sent = [await p.send(unique_topic, price_changed(i), partition=1) for i in range(2000)]
+            await asyncio.gather(*sent)
+        dlq_down = False  # p0's record set aside: the pass reads p1, a record per batch
+        assert await eventually(lambda: daemon.stats.events >= 10, timeout=30)
+        before = daemon.stats.batches
+        daemon.stop()  # SIGTERM
+        await asyncio.wait_for(task, 30)
+    finally:
+        daemon.stop()
+        await asyncio.gather(task, return_exceptions=True)
+    assert daemon.stats.batches - before <= 1  # at most the record in flight
+    tps = [TopicPartition(unique_topic, part) for part in (0, 1)]
+    offsets = await committed(kafka_bootstrap, config.kafka.group_id, tps)
+    assert offsets[0] == 1  # the unreadable record set aside
+    assert offsets[1] == daemon.stats.events < 2000  # what was applied, nothing past it

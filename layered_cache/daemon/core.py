@@ -143,7 +143,13 @@ class Daemon:
                     # until it is found and set aside, the records around it handled.
                     _log.warning("unreadable_fetch", error=f"{type(exc).__name__}: {exc}")
                     await rewind(consumer, kafka.auto_offset_reset)
-                    await read_carefully(consumer, self._handle, self._set_aside, kafka.max_batch)
+                    await read_carefully(
+                        consumer,
+                        self._handle,
+                        self._set_aside,
+                        kafka.max_batch,
+                        self._stopping.is_set,
+                    )
                     continue
                 if records:
                     await self._handle(records)

@@ -17,7 +17,7 @@ nothing was collected past it). That record goes to the dead-letter topic with n
 and no value (there are none to be had), only the reason and where it was; the partition
 seeks past it and commits. A record the pass could not finish (the daemon stopping, the
 partitions moving, its delete or dead-letter abandoned) ends the pass: nothing after it
-is committed, so the next owner reads it again.
+is committed, so the next owner reads it again. ``stop()`` ends it before the next record.
 
 Only record-level errors count. A ``KafkaError`` other than a corrupt record (a broker
 refusing, authorisation) is about no one record, and is raised as before.
@@ -80,13 +80,18 @@ async def read_carefully(
     handle: Callable[[Records], Awaitable[bool]],
     set_aside: Callable[[Poison, TopicPartition], Awaitable[bool]],
     limit: int,
+    stopping: Callable[[], bool],
 ) -> None:
     """One careful pass: each assigned partition, one record at a time, until it has
     nothing fetched, ``limit`` records were handled, or an unreadable record was set
     aside (``set_aside`` dead-letters it, seeks past it and commits). ``handle`` or
-    ``set_aside`` returning False (not done: stopping, revoked) ends the pass."""
+    ``set_aside`` returning False (not done: stopping, revoked) ends the pass, and so
+    does ``stopping()`` before each record: every record here succeeding, it was never
+    asked, and a SIGTERM read on through up to ``limit`` records of every partition."""
     for tp in sorted(consumer.assignment()):
         for _ in range(limit):
+            if stopping():
+                return  # nothing read past what was handled: the next owner reads on
             try:
                 records = await consumer.getmany(tp, timeout_ms=200, max_records=1)
             except IllegalStateError:
