@@ -452,6 +452,36 @@ async def test_a_stop_during_the_careful_pass_commits_nothing_past_what_it_aband
 
 
 
+
+class _DeadLetterOutage:
+    """The dead-letter topic times out (a failure that may pass: retried) until ``end()``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, topic: str) -> None:
+        from aiokafka import AIOKafkaProducer
+        from aiokafka.errors import KafkaTimeoutError
+
+        self.down = True
+        real_send = AIOKafkaProducer.send
+
+        async def send(producer: Any, to: str, *args: Any, **kwargs: Any) -> Any:
+            if self.down and to == topic:
+                raise KafkaTimeoutError("the dead-letter topic is not writable for now")
+            return await real_send(producer, to, *args, **kwargs)
+
+        monkeypatch.setattr(AIOKafkaProducer, "send", send)
+
+    def end(self) -> None:
+        self.down = False
+
+
+async def _unreadable_on_p0(bootstrap: str, topic: str) -> None:
+    async with producer(bootstrap) as p:
+        with pytest.MonkeyPatch.context() as mp:
+            _unreadable_batches(mp, "header")
+            await p.send_and_wait(topic, price_changed(1), partition=0,
+                                  headers=[(_NotUtf8HeaderName("x"), b"v")])
+
+
 async def test_sigterm_during_the_careful_pass_stops_it_within_a_record(
     redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -460,26 +490,11 @@ async def test_sigterm_during_the_careful_pass_stops_it_within_a_record(
     careful pass never looked at stop(): after it, it read on one record at a time
     through up to ``max_batch`` records of every partition (here ~1,000 batches), the
     partitions held and /readyz 503 meanwhile - under a 30 s grace period, SIGKILL."""
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import KafkaTimeoutError
-
     config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic)
     await create_topic(kafka_bootstrap, unique_topic, 2)
     await create_topic(kafka_bootstrap, config.kafka.dead_letter_topic, 1)
-    async with producer(kafka_bootstrap) as p:
-        with pytest.MonkeyPatch.context() as mp:  # p0: a record aiokafka can't unpack
-            _unreadable_batches(mp, "header")
-            await p.send_and_wait(unique_topic, price_changed(1), partition=0,
-                                  headers=[(_NotUtf8HeaderName("x"), b"v")])
-    dlq_down = True
-    real_send = AIOKafkaProducer.send
-
-    async def flaky_dlq(self: Any, topic: str, *args: Any, **kwargs: Any) -> Any:
-        if dlq_down and topic == config.kafka.dead_letter_topic:
-            raise KafkaTimeoutError("the dead-letter topic is not writable for now")
-        return await real_send(self, topic, *args, **kwargs)
-
-    monkeypatch.setattr(AIOKafkaProducer, "send", flaky_dlq)
+    await _unreadable_on_p0(kafka_bootstrap, unique_topic)
+    outage = _DeadLetterOutage(monkeypatch, config.kafka.dead_letter_topic)
     daemon = Daemon(config)
     task = asyncio.create_task(daemon.run())
     try:  # the careful pass holds at p0's record while p1 gets a backlog
@@ -487,7 +502,7 @@ async def test_sigterm_during_the_careful_pass_stops_it_within_a_record(
         async with producer(kafka_bootstrap) as p:
             sent = [await p.send(unique_topic, price_changed(i), partition=1) for i in range(2000)]
             await asyncio.gather(*sent)
-        dlq_down = False  # p0's record set aside: the pass reads p1, a record per batch
+        outage.end()  # p0's record set aside: the pass reads p1, a record per batch
         assert await eventually(lambda: daemon.stats.events >= 10, timeout=30)
         before = daemon.stats.batches
         daemon.stop()  # SIGTERM
@@ -500,3 +515,54 @@ async def test_sigterm_during_the_careful_pass_stops_it_within_a_record(
     offsets = await committed(kafka_bootstrap, config.kafka.group_id, tps)
     assert offsets[0] == 1  # the unreadable record set aside
     assert offsets[1] == daemon.stats.events < 2000  # what was applied, nothing past it
+
+
+async def test_a_set_aside_whose_partition_moves_is_given_up_and_the_new_partition_is_read(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str,
+    redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/daemon.md: a record the careful pass can't finish (revoked, its dead-letter
+    abandoned) ends it uncommitted; DESIGN: the daemon never crashes or stalls on one
+    message. The set-aside of an unreadable record was not "in flight" for the
+    rebalance listener: A kept retrying its dead-letter write for p0, which B now
+    owned, never reading the p1 it got, and when the DLQ came back its seek on p0
+    raised IllegalStateError out of run() (exit 1)."""
+    config_a = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic,
+                             client_id="zz-daemon-a")
+    # B sorts first (member ids start with the client id): the range assignor gives it p0.
+    config_b = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic,
+                             group=config_a.kafka.group_id, client_id="aa-daemon-b")
+    await create_topic(kafka_bootstrap, unique_topic, 2)
+    await create_topic(kafka_bootstrap, config_a.kafka.dead_letter_topic, 1)
+    await seed(redis_client, [f"{prefix}book:11"], replicas=8)
+    await _unreadable_on_p0(kafka_bootstrap, unique_topic)
+    outage = _DeadLetterOutage(monkeypatch, config_a.kafka.dead_letter_topic)
+    a = Daemon(config_a)
+    task_a = asyncio.create_task(a.run())
+    p0, p1 = TopicPartition(unique_topic, 0), TopicPartition(unique_topic, 1)
+
+    async def moved_past_both() -> bool:
+        offsets = await committed(kafka_bootstrap, config_a.kafka.group_id, [p0, p1])
+        return offsets == {0: 1, 1: 1}
+
+    try:
+        assert await eventually(lambda: a._retrier.retrying == "dead_letter", timeout=30)
+        async with running(Daemon(config_b)) as b:  # a second daemon joins: rebalance
+            assert await eventually(lambda: b.assignment == {p0}, timeout=30), b.assignment
+            assert await eventually(lambda: a.assignment == {p1}, timeout=30), a.assignment
+            async with producer(kafka_bootstrap) as p:
+                await p.send_and_wait(unique_topic, price_changed(11), partition=1)
+
+            async def applied() -> bool:
+                return await existing(redis_client, [f"{prefix}book:11"]) == []
+
+            assert await eventually(applied, timeout=15), "A never read its p1"
+            outage.end()  # B, p0's owner now, sets the record aside
+            assert await eventually(moved_past_both, timeout=30), (a.stats, b.stats)
+            assert not task_a.done()
+    finally:
+        a.stop()
+        await asyncio.gather(asyncio.wait_for(task_a, 30), return_exceptions=True)
+    task_a.result()  # run() returned, it did not raise
+    dead = await read_all(kafka_bootstrap, config_a.kafka.dead_letter_topic, 1)
+    assert [dict(r.headers)["dlq.original.offset"] for r in dead][:1] == [b"0"]

@@ -96,9 +96,6 @@ class Daemon:
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
         self._stopping = asyncio.Event()
-        # Set between batches: the rebalance listener waits on it before partitions move.
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._retrier = Retrier(self._stopping, self.stats, config.kafka.retry_max_backoff)
         self.started = asyncio.Event()
         self.health: HealthServer | None = None
@@ -216,9 +213,7 @@ class Daemon:
         consumer, deleter = self._kafka.consumer, self._deleter
         assert consumer is not None and deleter is not None
         started = time.perf_counter()
-        self._idle.clear()
-        self._retrier.abandon = False
-        try:
+        with self._retrier.in_flight():
             batch = decode_batch(self.decoder, records, consumer.highwater)
             keys = list(batch.keys.items())
             # Invalidate before the DLQ: valid events' latency does not wait on Kafka.
@@ -235,8 +230,6 @@ class Daemon:
             ):
                 return False
             await self._commit(batch.offsets)
-        finally:
-            self._idle.set()
         self.lag.update({(tp.topic, tp.partition): behind for tp, behind in batch.lag.items()})
         account(self.stats, batch, len(keys), time.perf_counter() - started)
         return True
@@ -244,17 +237,23 @@ class Daemon:
     async def _set_aside(self, poison: Poison, tp: TopicPartition) -> bool:
         """An unreadable record (``unreadable``): dead-lettered, then skipped and
         committed, as a poison event is. Everything before it was handled and committed
-        already (``read_carefully`` reads one record at a time)."""
+        already (``read_carefully`` reads one record at a time). In flight like a batch:
+        outside, a revocation never stopped its dead-letter retries (they went on for a
+        partition another daemon owned, ours starving) and its seek then crashed us."""
         consumer = self._kafka.consumer
         assert consumer is not None
-        if not await self._retrier.until_done(
-            "dead_letter",
-            lambda: dead_letter(self._kafka.producer, self.config.kafka, [poison], self.stats),
-            (Exception,),
-        ):
-            return False  # stopping or partitions revoked: read again later
-        consumer.seek(tp, poison.offset + 1)
-        await self._commit({tp: poison.offset + 1})
+        with self._retrier.in_flight():
+            if not await self._retrier.until_done(
+                "dead_letter",
+                lambda: dead_letter(self._kafka.producer, self.config.kafka, [poison], self.stats),
+                (Exception,),
+            ):
+                return False  # stopping or partitions revoked: read again later
+            try:
+                consumer.seek(tp, poison.offset + 1)
+            except IllegalStateError:
+                return False  # written as it moved: its owner reads it again (a duplicate)
+            await self._commit({tp: poison.offset + 1})
         return True
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
@@ -284,10 +283,7 @@ class Daemon:
         group's rebalance (then the batch is abandoned uncommitted: the new owner redoes it)."""
         _log.info("partitions_revoked", partitions=_names(revoked))
         limit = max(0.1, self.config.kafka.rebalance_timeout / 2)
-        try:
-            await asyncio.wait_for(self._idle.wait(), limit)
-        except TimeoutError:
-            self._retrier.abandon = True
+        if not await self._retrier.settle(limit):
             _log.warning("rebalance_abandoned_batch_in_flight", waited_s=limit)
         for tp in revoked:
             self.lag.pop((tp.topic, tp.partition), None)

@@ -1,4 +1,5 @@
-"""The daemon's two retry loops: reaching the broker at start, and finishing a batch.
+"""The daemon's two retry loops: reaching the broker at start, and finishing a batch
+(with what is in flight, for the rebalance listener to wait on or abandon).
 
 Both draw their delays from ``layered_cache._backoff.Backoff`` (the one backoff of the
 library and the daemon) and wait with ``asyncio.wait_for(stopping.wait(), delay)``, so
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import structlog
 
@@ -30,9 +31,9 @@ class Retrier:
     """Retries until success, ``stop`` or a revocation; tells ``/readyz`` what it retries.
 
     ``retrying`` names the step being retried (None when all is well). ``abandon`` is
-    set by the rebalance listener when the batch in flight lost its partitions: the
-    batch loop then gives up (uncommitted) at its next wake-up instead of retrying for a
-    partition another daemon now owns.
+    set by the rebalance listener (``settle``) when the batch in flight lost its
+    partitions: the batch loop then gives up (uncommitted) at its next wake-up instead
+    of retrying for a partition another daemon now owns.
     """
 
     def __init__(self, stopping: asyncio.Event, stats: DaemonStats, max_backoff: float) -> None:
@@ -41,6 +42,30 @@ class Retrier:
         self._max_backoff = max_backoff
         self.retrying: str | None = None
         self.abandon = False
+        self._idle = asyncio.Event()  # clear while a batch (or a set-aside) is in flight
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Around everything that ends in a commit: a batch, an unreadable record's
+        set-aside. ``settle`` waits for it and may abandon it; anything outside (the
+        set-aside was) goes on retrying for partitions another daemon owns."""
+        self._idle.clear()
+        self.abandon = False
+        try:
+            yield
+        finally:
+            self._idle.set()
+
+    async def settle(self, limit: float) -> bool:
+        """Wait up to ``limit`` s for the work in flight to end (True); then abandon it
+        (False): its retries give up at their next wake-up, uncommitted."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), limit)
+        except TimeoutError:
+            self.abandon = True
+            return False
+        return True
 
     async def connect(
         self,

@@ -97,7 +97,10 @@ async def read_carefully(
             except IllegalStateError:
                 return  # the partition moved in a rebalance meanwhile
             except UNREADABLE as exc:
-                offset = await consumer.position(tp)
+                try:
+                    offset = await consumer.position(tp)
+                except IllegalStateError:
+                    return  # moved meanwhile: its new owner finds the record again
                 _log.warning(
                     "unreadable_record_set_aside",
                     topic=tp.topic,
