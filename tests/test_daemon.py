@@ -313,6 +313,47 @@ async def test_health_and_metrics_endpoints_report_progress(
         assert (await http_get(port, "/nope"))[0] == 404
 
 
+async def test_events_of_a_transactional_producer_are_committed_to_the_end_and_leave_no_lag(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str,
+    redis_client: aioredis.Redis,
+) -> None:
+    """docs/daemon.md (metrics): the lag gauge is the end offset minus the committed one.
+    A transactional producer (Debezium or Kafka Streams exactly-once outboxes, librdkafka
+    ``transactional.id``) ends each transaction with a commit marker, a record aiokafka
+    never hands over: the daemon committed last record + 1, one short of the end for
+    ever, so the gauge (and any monitor of the group's lag) said 1 with everything applied."""
+    from confluent_kafka import Producer as RdKafkaProducer
+
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic)
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    tp = TopicPartition(unique_topic, 0)
+    daemon = Daemon(config, health_port=0)
+    rd = RdKafkaProducer({"bootstrap.servers": kafka_bootstrap,
+                          "transactional.id": f"tx-{unique_topic}"})
+    await asyncio.to_thread(rd.init_transactions, 10)
+
+    async def transaction(*books: int) -> None:
+        rd.begin_transaction()
+        for book in books:
+            rd.produce(unique_topic, value=price_changed(book), partition=0)
+        await asyncio.to_thread(rd.commit_transaction, 10)
+
+    async def committed_to(end: int) -> bool:
+        return (await committed(kafka_bootstrap, config.kafka.group_id, [tp]))[0] == end
+
+    async with running(daemon):
+        assert daemon.health is not None and daemon.health.bound_port
+        port = daemon.health.bound_port
+        for end, books in ((3, (1, 2)), (7, (3, 4, 5))):  # the records and their marker
+            await seed(redis_client, [f"{prefix}book:{b}" for b in books], replicas=8)
+            await transaction(*books)
+            assert await eventually(lambda end=end: committed_to(end), timeout=15), daemon.lag
+            assert await existing(redis_client, [f"{prefix}book:{b}" for b in books]) == []
+        assert await eventually(lambda: daemon.lag == {(unique_topic, 0): 0}, timeout=10)
+        text = (await http_get(port, "/metrics"))[1].decode()
+    assert f'layered_cache_daemon_lag{{partition="0",topic="{unique_topic}"}} 0.0' in text
+
+
 async def http_get(port: int, path: str) -> tuple[int, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())

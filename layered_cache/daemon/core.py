@@ -10,7 +10,8 @@ Per batch (one ``getmany``):
 3. write poison messages to the dead-letter topic (retried the same way, but only for
    failures that can pass: a record the producer or broker refuses for good is set
    aside with a log line and a counter);
-4. only then commit the batch's offsets.
+4. only then commit the batch's offsets (and, between batches, positions past the
+   markers that end transactions: ``commits``).
 
 Committing last is the whole delivery guarantee: if the process dies anywhere before
 step 4, the batch is read again and re-deleted (deleting is idempotent), so an event is
@@ -27,8 +28,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
-from aiokafka import ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
 from layered_cache._config import Config
@@ -36,6 +37,7 @@ from layered_cache._config.validate import daemon_start_problem
 from layered_cache._events import EventDecoder
 from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
+from layered_cache.daemon.commits import Commits
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import Poison, dead_letter
 from layered_cache.daemon.health import HealthServer
@@ -91,7 +93,7 @@ class Daemon:
         self.decoder = EventDecoder(config)
         self.stats = DaemonStats()
         self.lag: dict[tuple[str, int], int] = {}  # per owned partition: last batch, or watch
-        self._committed: dict[TopicPartition, int] = {}  # what we committed (the watch's lag)
+        self._commits = Commits(self.stats)  # commits, and what was committed (the watch's lag)
         self.assignment: set[TopicPartition] = set()
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
@@ -148,8 +150,9 @@ class Daemon:
                         self._stopping.is_set,
                     )
                     continue
-                if records:
-                    await self._handle(records)
+                if records and not await self._handle(records):
+                    continue  # abandoned: its partitions' positions are past it, see Commits
+                await self._catch_up(consumer)
         finally:
             await self._shutdown()
 
@@ -258,22 +261,14 @@ class Daemon:
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         assert self._kafka.consumer is not None
-        try:
-            await self._kafka.consumer.commit(offsets)
-        except (CommitFailedError, IllegalStateError) as exc:
-            # The partitions moved in a rebalance: their next owner reads this batch again
-            # from the last commit and re-deletes (idempotent). Nothing is lost.
-            self.stats.commit_failures += 1
-            _log.warning("commit_refused_partitions_moved", error=str(exc))
-            return
-        except KafkaError as exc:
-            # Broker trouble: a later batch's commit of the same partition covers this one
-            # (commits are cumulative); until then a restart would redeliver - harmless.
-            self.stats.commit_failures += 1
-            _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
-            return
-        self.stats.commits += 1
-        self._committed.update(offsets)
+        await self._commits.commit(self._kafka.consumer, offsets)
+
+    async def _catch_up(self, consumer: AIOKafkaConsumer) -> None:
+        """Between batches, the last one done: positions past our commits (the markers
+        that end a producer's transactions) committed, their lag gauge with them."""
+        for tp, position in (await self._commits.catch_up(consumer)).items():
+            high = consumer.highwater(tp)
+            self.lag[(tp.topic, tp.partition)] = 0 if high is None else max(0, high - position)
 
     # -- rebalance and health --------------------------------------------------------------
 
@@ -287,7 +282,7 @@ class Daemon:
             _log.warning("rebalance_abandoned_batch_in_flight", waited_s=limit)
         for tp in revoked:
             self.lag.pop((tp.topic, tp.partition), None)
-            self._committed.pop(tp, None)  # the next owner commits it now
+            self._commits.committed.pop(tp, None)  # the next owner commits it now
         self.assignment = set()
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
@@ -301,7 +296,8 @@ class Daemon:
 
     async def _probe_kafka(self) -> None:
         if (consumer := self._kafka.consumer) is not None:
-            self.lag.update(await broker_lag(consumer, lambda: self.assignment, self._committed))
+            owned, committed = (lambda: self.assignment), self._commits.committed
+            self.lag.update(await broker_lag(consumer, owned, committed))
 
     async def _probe_redis(self) -> None:
         if self._deleter is not None:

@@ -1,0 +1,78 @@
+"""Offset commits: the daemon's one way to commit, and what it committed.
+
+A commit refused (the partitions moved) or failed (broker trouble) is counted and
+logged, never raised: the batch is read again by the next owner, or covered by a later
+commit of the same partition (commits are cumulative). ``committed`` keeps what was
+committed per owned partition, for the watch's lag gauge.
+
+Transactions: a transactional producer (Debezium or Kafka Streams exactly-once
+outboxes, librdkafka ``transactional.id``) ends each transaction with a control record,
+the commit or abort marker. aiokafka never hands it over; it only moves the position
+past it. Committing last record + 1, the group stayed one short of the end for ever:
+1 record of lag per partition, on the gauge and on any monitor of the group's offsets.
+``catch_up`` commits the position past it, between batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.structs import TopicPartition
+
+from layered_cache.daemon.stats import DaemonStats
+
+__all__ = ["Commits"]
+
+_log = structlog.get_logger("layered_cache.daemon")
+# How long ``catch_up`` waits for a position aiokafka does not know yet (being reset).
+_POSITION_WAIT = 0.5
+
+
+class Commits:
+    """Commits offsets, counting failures; ``committed`` is what it committed."""
+
+    def __init__(self, stats: DaemonStats) -> None:
+        self._stats = stats
+        self.committed: dict[TopicPartition, int] = {}  # per owned partition (the watch's lag)
+
+    async def commit(self, consumer: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> bool:
+        """True once committed; a failure is counted and logged, never raised."""
+        try:
+            await consumer.commit(offsets)
+        except (CommitFailedError, IllegalStateError) as exc:
+            # The partitions moved in a rebalance: their next owner reads this batch again
+            # from the last commit and re-deletes (idempotent). Nothing is lost.
+            self._stats.commit_failures += 1
+            _log.warning("commit_refused_partitions_moved", error=str(exc))
+            return False
+        except KafkaError as exc:
+            # Broker trouble: a later batch's commit of the same partition covers this one
+            # (commits are cumulative); until then a restart would redeliver - harmless.
+            self._stats.commit_failures += 1
+            _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
+            return False
+        self._stats.commits += 1
+        self.committed.update(offsets)
+        return True
+
+    async def catch_up(self, consumer: AIOKafkaConsumer) -> dict[TopicPartition, int]:
+        """Commit each partition's position where it is past our last commit; returns
+        what it committed. Only between batches, the last one done (not abandoned): then
+        every record below a position was handed over by ``getmany`` and applied, since
+        aiokafka moves a position only as it hands records over (prefetched ones don't
+        move it: ``FetchResult._update_position``) or skips control records. After an
+        abandoned batch the positions are past it: the caller must not come here, and
+        the next assignment starts from the committed offsets anyway."""
+        ahead: dict[TopicPartition, int] = {}
+        for tp, offset in list(self.committed.items()):
+            try:
+                async with asyncio.timeout(_POSITION_WAIT):
+                    position = await consumer.position(tp)
+            except (IllegalStateError, TimeoutError):
+                continue  # moved, or being reset: the next idle poll looks again
+            if position > offset:
+                ahead[tp] = position
+        return ahead if ahead and await self.commit(consumer, ahead) else {}
