@@ -103,6 +103,7 @@ class FallbackSubscriber:
         self._on_error = on_error  # clears L1 (``_apply`` says when)
         self._origin = origin
         self.subscribed = asyncio.Event()
+        self._lost_at = float("-inf")  # monotonic time the subscription last ended
         self.received = 0  # messages from others applied
         self.errors = 0  # bugs met applying a message (each cleared L1)
         self._task: asyncio.Task[None] | None = None
@@ -136,10 +137,17 @@ class FallbackSubscriber:
                     raise
                 _log.debug("fallback_subscriber_failed", error=type(exc).__name__)
             finally:
+                if self.subscribed.is_set():
+                    self._lost_at = time.monotonic()
                 self.subscribed.clear()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(pubsub.aclose(), 0.1)  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2
             await asyncio.sleep(backoff.next_delay())
+
+    def known_as_of(self) -> float:
+        """As of when no fallback message can have passed us by (``_tags``): now while
+        subscribed, else when the subscription ended (never: minus infinity)."""
+        return time.monotonic() if self.subscribed.is_set() else self._lost_at
 
     async def _read(self, pubsub: redis.client.PubSub, backoff: Backoff) -> None:
         while True:

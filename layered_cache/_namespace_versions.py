@@ -3,8 +3,10 @@
 Without the backplane's word (off, disconnected, stalled) an instance can't know that a
 token it holds is still current; how long it may act on one anyway is the bound a key
 invalidation has on this namespace: its L1 TTL, the most a copy of a deleted key lives
-here unheard of (none without L1: every such read asks Redis). So each namespace asks
-the shared versions with its own ``within``.
+here unheard of. Without L1 that bound is none at all; ``NO_L1_ALLOWANCE`` stands in
+for it, so that the moments between the listener's reads (applying a reply, the
+coalesce pause) don't make every read of a healthy instance ask Redis. So each
+namespace asks the shared versions with its own ``within``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from layered_cache._policy import Policy
 from layered_cache._tags import TagVersions
 
-__all__ = ["NamespaceVersions"]
+__all__ = ["NO_L1_ALLOWANCE", "NamespaceVersions"]
+
+NO_L1_ALLOWANCE = 0.05  # seconds: ``within`` for a namespace without L1
 
 
 class NamespaceVersions:
     def __init__(self, shared: TagVersions, policy: Policy) -> None:
         self._shared = shared
-        self._within = policy.l1_ttl if policy.l1 is not None else 0.0
+        self._within = policy.l1_ttl if policy.l1 is not None else NO_L1_ALLOWANCE
 
     @property
     def generation(self) -> int:

@@ -252,7 +252,6 @@ def followers(
         origin=parts.instance_id,
         timeout=redis.connect_timeout + 1.0,
     )
-    versions.vouch_with(listener.known_as_of)
     fallback = FallbackSubscriber(
         parts.fallback_client,
         fallback_channel(parts.stream),
@@ -261,4 +260,7 @@ def followers(
         on_error=coherence.forget_all,
         origin=parts.instance_id,
     )
+    # Invalidations come by either way (a writer whose XADD Redis refused publishes
+    # them), so the two vouch together: as of the older of their words.
+    versions.vouch_with(lambda: min(listener.known_as_of(), fallback.known_as_of()))
     return listener, fallback

@@ -22,6 +22,10 @@ from layered_cache._stream import Entry, stream_info, xread_entries
 
 __all__ = ["StreamLink"]
 
+# An XREAD waiting longer than its BLOCK and this is late (a congested link, a dead one
+# not yet timed out, a relay holding replies): it no longer vouches for "now".
+_LATE = 0.25
+
 
 class StreamLink:
     def __init__(
@@ -34,9 +38,9 @@ class StreamLink:
         # single node or a relay (``_clients.listener_connection``): this is the only
         # bound there.
         self._deadline = deadline
-        self._batch = batch
+        self._batch, self._block = batch, block
         self._sent_at: float | None = None  # monotonic time of the XREAD waiting now
-        self._caught_up_at = float("-inf")  # when the last read that left nothing was sent
+        self._caught_up_at = float("-inf")  # when a read that left nothing came back
         self._held = (
             None
             if is_cluster(client)
@@ -57,22 +61,26 @@ class StreamLink:
         instance (issue 20). After a failover or resharding the node answers MOVED:
         redis-py refreshes its slot map, the read fails like a dropped connection, and
         the next one asks the map again."""
-        self._sent_at = sent = time.monotonic()
+        self._sent_at = time.monotonic()
         try:
             entries = await self._xread(after)
         finally:
             self._sent_at = None
         if len(entries) < self._batch:
-            # Every entry added before ``sent`` is in this reply, and its reader applies
-            # them as soon as this returns, before any other task runs.
-            self._caught_up_at = sent
+            # Every entry added before Redis answered is in this reply (less the reply's
+            # way here, which every invalidation takes), and its reader applies them as
+            # soon as this returns, before any other task runs.
+            self._caught_up_at = time.monotonic()
         return entries
 
     def known_as_of(self, live: bool) -> float:
         """The (monotonic) time as of which every entry has been read: now while an
-        XREAD waits on a ``live`` connection (an entry wakes it at once), else when the
-        last read that left nothing behind was sent."""
-        return time.monotonic() if live and self._sent_at is not None else self._caught_up_at
+        XREAD waits on a ``live`` connection, and not late (an entry wakes it at once),
+        else when the last read that left nothing behind came back."""
+        now, sent = time.monotonic(), self._sent_at
+        if live and sent is not None and now - sent < self._block + _LATE:
+            return now
+        return self._caught_up_at
 
     async def _xread(self, after: bytes) -> list[Entry]:
         client, args = self._client, (*self._xread_args, "STREAMS", self._stream, after)

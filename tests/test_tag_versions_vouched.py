@@ -9,7 +9,10 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+from redis.exceptions import OutOfMemoryError
+
 from layered_cache import LayeredCache
+from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import CountingLoader, make_config, stall_listener
 
 L1_TTL = 0.3
@@ -31,6 +34,25 @@ async def _cached_book_and_page(cache: LayeredCache) -> None:
     await cache.get_or_load("book", {"id": 42}, CountingLoader({"id": 42, "price": "49.99"}))
     page = CountingLoader(_page("scifi", [42]))
     await cache.get_or_load("category", {"slug": "scifi"}, page, tags=_tags_of)
+
+
+async def _connected(*caches: LayeredCache) -> None:
+    for cache in caches:
+        assert cache._backplane is not None
+        await asyncio.wait_for(cache._backplane.connected.wait(), 5)
+
+
+def _count_fetches(cache: LayeredCache) -> list[int]:
+    """How many times ``cache`` asks Redis for tag versions from now on."""
+    versions = cache._rt.versions
+    real_fetch, counted = versions._fetch, [0]
+
+    async def fetch(tags: list[str], create: bool) -> dict[str, str]:
+        counted[0] += 1
+        return await real_fetch(tags, create)
+
+    versions._fetch = fetch  # type: ignore[method-assign]
+    return counted
 
 
 async def _price_change(cache: LayeredCache) -> None:
@@ -61,9 +83,7 @@ async def test_an_instance_whose_listener_is_stalled_stops_serving_a_dead_tagged
     master failing over while the keys' masters answer): as with the backplane off."""
     config = make_config(redis_url, prefix, NAMESPACES, backplane={"block": "200ms"})
     async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
-        for cache in (a, b):
-            assert cache._backplane is not None
-            await asyncio.wait_for(cache._backplane.connected.wait(), 5)
+        await _connected(a, b)
         await _cached_book_and_page(b)
         gate = stall_listener(b)
         try:
@@ -83,20 +103,82 @@ async def test_while_the_listener_vouches_a_held_version_is_not_fetched_again(
     tags' versions only when the backplane can't vouch for them."""
     config = make_config(redis_url, prefix, NAMESPACES)
     async with LayeredCache.from_config(config) as cache:
-        assert cache._backplane is not None
-        await asyncio.wait_for(cache._backplane.connected.wait(), 5)
+        await _connected(cache)
         await _cached_book_and_page(cache)
-        fetches = 0
-        versions = cache._rt.versions
-        real_fetch = versions._fetch
-
-        async def counted(tags: list[str], create: bool) -> dict[str, str]:
-            nonlocal fetches
-            fetches += 1
-            return await real_fetch(tags, create)
-
-        versions._fetch = counted  # type: ignore[method-assign]
+        fetches = _count_fetches(cache)
         for _ in range(3):
             await asyncio.sleep(1.5 * L1_TTL)  # L1 expired: an L2 hit checks the tags
             assert await cache.get("category", {"slug": "scifi"}) == _page("scifi", [42])
-        assert fetches == 0
+        assert fetches[0] == 0
+
+
+async def test_a_tag_invalidation_missed_over_the_pubsub_fallback_is_bounded_too(
+    redis_url: str, prefix: str
+) -> None:
+    """A's XADD is refused (a Redis full under noeviction), so its invalidations go over
+    pub/sub, which B's fallback subscriber, reconnecting, misses. B's stream listener
+    vouched alone: the page was served for the hour. Both vouch now, as of the older."""
+    config = make_config(redis_url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _connected(a, b)
+        await _cached_book_and_page(b)
+        assert b._fallback is not None
+        await b._fallback.stop()
+
+        async def refused(*args: Any, **kwargs: Any) -> bytes:
+            raise OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+
+        publisher = a._parts.publisher
+        assert publisher is not None
+        publisher.publish = refused  # type: ignore[method-assign]
+        await _price_change(a)
+        status = a.backplane_status()
+        assert status is not None and status.fallback_sent >= 1
+        await asyncio.sleep(3 * L1_TTL)
+        assert await b.get("book", {"id": 42}) is None
+        assert await b.get("category", {"slug": "scifi"}) is None
+
+
+async def test_a_listener_whose_xread_reply_is_late_stops_vouching(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """Stalled inside its XREAD rather than before it (a congested link, a relay holding
+    replies; a connection that died silently looks the same until the deadline): an
+    XREAD in flight vouched "now" however old. Past its BLOCK it no longer does."""
+    a_config = make_config(redis_url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    b_config = make_config(late_replies.url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(a_config) as a, LayeredCache.from_config(b_config) as b:
+        await _connected(a, b)
+        await _cached_book_and_page(b)
+        late_replies.match, late_replies.delay = b"XREAD", 1.0
+        await asyncio.sleep(0.5)  # B's listener waits for a late reply
+        await _price_change(a)
+        await asyncio.sleep(3 * L1_TTL)
+        assert await b.get("book", {"id": 42}) is None
+        assert await b.get("category", {"slug": "scifi"}) is None
+
+
+async def test_a_namespace_without_l1_asks_nothing_again_while_the_fleet_writes(
+    redis_url: str, prefix: str
+) -> None:
+    """Without L1 a version was trusted only while an XREAD waited: each entry any
+    instance wrote opened a window (applying it, the coalesce pause) in which B's reads
+    asked Redis again, ~1 in 5 reads. Such a namespace now allows ``NO_L1_ALLOWANCE``
+    (50 ms) past the listener's last word. (A few asks are tolerated: a starved CI
+    machine can stretch that window past 50 ms.)"""
+    namespaces = {
+        "book": {"key": "book:{id}", "l1": False},
+        "category": {"key": "category:{slug}", "tags": True, "l1": False},
+    }
+    config = make_config(redis_url, prefix, namespaces)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _connected(a, b)
+        page = _page("scifi", [42])
+        await b.get_or_load("category", {"slug": "scifi"}, CountingLoader(page), tags=_tags_of)
+        fetches = _count_fetches(b)
+        for i in range(100):
+            await a.set("book", {"id": i}, {"id": i})  # another instance writes: an entry
+            for pause in (0.0, 0.0005, 0.001, 0.002):  # reads at any moment after it
+                await asyncio.sleep(pause)
+                assert await b.get("category", {"slug": "scifi"}) == page
+        assert fetches[0] <= 8  # of 400 reads (before: 67-100)
