@@ -68,6 +68,12 @@ class LoaderThreadsExhausted(RuntimeError):
 
 class LoaderThreads:
     def __init__(self, pool_size: int, max_overflow: int) -> None:
+        limits = (("max_workers", pool_size, 1), ("max_overflow", max_overflow, 0))
+        for name, value, least in limits:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                # Checked here, not at the first overflow: a string from Django's
+                # OPTIONS would fail only once the pool was full.
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         # Per thread: the keys whose loaders this thread is running (outermost first).
         # Set only on loader threads; nested calls from them take the nested path.
         self._loading = threading.local()

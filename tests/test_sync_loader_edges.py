@@ -316,3 +316,14 @@ def test_a_loaders_own_timeout_error_reaches_the_caller_as_it_was(
     with pytest.raises(TimeoutError, match="database read timed out") as raised:
         cache.get_or_load("book", {"id": 1}, loader)
     assert not isinstance(raised.value, SyncTimeoutError)
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_overflow": "8"}, {"max_overflow": -1}, {"max_workers": 0}, {"max_workers": True}]
+)
+def test_loader_thread_limits_that_make_no_sense_are_refused_at_construction(
+    redis_url: str, prefix: str, limits: dict[str, Any]
+) -> None:
+    """A string from Django's OPTIONS failed only once the pool was full, mid-request."""
+    with pytest.raises(ValueError, match="must be an int"):
+        SyncLayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES), **limits)
