@@ -70,6 +70,13 @@ class CircuitBreaker:
         self._probe = _current_task()
         return True
 
+    def opened(self) -> bool:
+        """Open right now, reset time or not: a request let through before it opened,
+        and queued since for a connection (``L2Store.slots``), is refused, or each
+        would pay the timeout of a dead Redis, max_in_flight at a time, that the breaker
+        is there to spare; the probe of a half-open breaker is not."""
+        return self._state == "open"
+
     def success(self) -> None:
         self._failures = 0
         self._probing, self._probe = False, None

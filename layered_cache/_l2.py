@@ -179,6 +179,9 @@ class L2Store:
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
+                if breaker.opened():  # opened while we queued: ``CircuitBreaker.opened``
+                    operation.close()
+                    raise L2Unavailable("circuit breaker open")
                 result = await self.bounded(operation)
         except REDIS_FAILURES as exc:
             if is_key_error(exc):
@@ -210,6 +213,8 @@ class L2Store:
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
+                if breaker.opened():  # opened while we queued: ``CircuitBreaker.opened``
+                    raise L2Unavailable("circuit breaker open")
                 result = await self.bounded(_get(self, name))
         except (ResponseError, ClusterError, direct.ReplyTooLarge) as exc:
             if not is_key_error(exc):
