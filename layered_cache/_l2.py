@@ -130,8 +130,7 @@ class L2Store:
         self.client = client
         self.breaker = breaker
         # Bounds the read path's connections: a burst queues here (no timer), not one each.
-        self.slots = asyncio.Semaphore(max_in_flight)
-        self.max_in_flight = max_in_flight
+        self.slots, self.max_in_flight = asyncio.Semaphore(max_in_flight), max_in_flight
         self.breakers = NodeBreakers(client, breaker)
         self.node_breakers = self.breakers.by_node  # one per master (cluster), by host:port
         self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures
@@ -167,11 +166,12 @@ class L2Store:
             return operation
         return _within(operation, self.deadline)
 
-    async def guard(self, operation: Any, name: str | None = None) -> Any:
-        """Run ``operation`` under the breaker of the node holding ``name`` (shared for
-        multi-key operations) and the concurrency bound; any Redis failure becomes
-        ``L2Unavailable``."""
-        breaker = self.breakers.for_name(name)
+    async def guard(
+        self, operation: Any, name: str | None = None, names: Sequence[str | bytes] = ()
+    ) -> Any:
+        """Run ``operation`` under the breaker of the node holding ``name`` (or all of
+        ``names``, else the shared one) and the concurrency bound (``L2Unavailable``)."""
+        breaker = self.breakers.for_names(names) if names else self.breakers.for_name(name)
         if not breaker.allow():
             operation.close()
             raise L2Unavailable("circuit breaker open")
@@ -299,7 +299,7 @@ class L2Store:
                     pipe.delete(name)  # single-key DELs: never one command across slots
                 for name in names:
                     pipe.set(name, data, px=ttl_ms)
-            await self.guard(pipe.execute())
+            await self.guard(pipe.execute(), names=[n for w in chunk for n in (*w[0], *w[1])])
         return True
 
     async def delete(self, names: Sequence[str | bytes]) -> int:
@@ -314,7 +314,7 @@ class L2Store:
         pipe = self.client.pipeline(transaction=False)
         for name in _leases_first(names):
             pipe.delete(name)
-        results = await self.guard(pipe.execute())
+        results = await self.guard(pipe.execute(), names=names)
         return sum(int(result) for result in results)
 
     async def delete_in_order(self, groups: Sequence[Sequence[str | bytes]]) -> int:

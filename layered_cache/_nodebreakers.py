@@ -2,12 +2,16 @@
 
 In a cluster each master gets its own breaker: one dead master must not make every
 instance skip the healthy ones (all their reads would fall through to the database
-during a failover). Multi-key operations, a single node, and a slot map not known yet
-use the shared breaker. Breakers of masters that left the slot map are dropped, so a
-failed-over master doesn't show "open" in ``redis_status()`` and the metrics forever.
+during a failover), nor refuse their writes (a key's ``set()`` and ``invalidate()``
+touch the key and its lease, one slot: that master's breaker). Operations on names of
+several masters, a single node, and a slot map not known yet use the shared breaker.
+Breakers of masters that left the slot map are dropped, so a failed-over master doesn't
+show "open" in ``redis_status()`` and the metrics forever.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
@@ -31,10 +35,25 @@ class NodeBreakers:
         operation, guarded by the shared breaker)."""
         if self._cluster is None or name is None:
             return self.shared
-        nodes = self._cluster.nodes_manager.slots_cache.get(key_slot(name.encode()))
-        if not nodes:
+        node = self._node_of(name)
+        return self.shared if node is None else self._of_node(node)
+
+    def for_names(self, names: Iterable[str | bytes]) -> CircuitBreaker:
+        """``for_name`` for an operation on several names: the breaker of their master
+        if they all live on one (a key and its lease), else the shared one."""
+        if self._cluster is None:
             return self.shared
-        node = nodes[0].name
+        nodes = {self._node_of(name) for name in names}
+        node = nodes.pop() if len(nodes) == 1 else None
+        return self.shared if node is None else self._of_node(node)
+
+    def _node_of(self, name: str | bytes) -> str | None:
+        assert self._cluster is not None
+        raw = name.encode() if isinstance(name, str) else name
+        nodes = self._cluster.nodes_manager.slots_cache.get(key_slot(raw))
+        return nodes[0].name if nodes else None
+
+    def _of_node(self, node: str) -> CircuitBreaker:
         breaker = self.by_node.get(node)
         if breaker is None:
             breaker = self.by_node[node] = self.shared.sibling(f"redis {node}")

@@ -17,7 +17,7 @@ from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from consumers import Daemon
-from layered_cache import LayeredCache
+from layered_cache import L2Unavailable, LayeredCache
 from layered_cache._config import Duration
 from layered_cache._events import BookPriceChanged, encode_event
 from layered_cache._keys import lease_name, replica_names
@@ -217,3 +217,49 @@ async def test_one_dead_master_does_not_stop_l2_reads_on_the_others(prefix: str)
         assert value(metrics, gauge, instance=instance, node="default", state="closed") == 1
         assert breakers.get(dead_name) in ("open", "half_open")
         assert all(state == "closed" for node, state in breakers.items() if node != dead_name)
+
+
+async def test_one_dead_master_does_not_refuse_writes_to_the_others(prefix: str) -> None:
+    """Writes went through the shared breaker: a few invalidations of keys on a dead
+    master opened it, and every set() and invalidate() of every healthy master raised
+    "circuit breaker open" for ``breaker.reset``, while each master's own breaker (what
+    ``redis_status()`` and the metrics show) said closed. A key's write touches one
+    master (the key and its lease share a slot): that master's breaker guards it."""
+    with RedisClusterServers(3, extra_args=["--cluster-require-full-coverage", "no"]) as cluster:
+        seeds = [f"{host}:{port}" for host, port in cluster.nodes]
+        config = make_config(
+            cluster.url,
+            prefix,
+            {"book": {"key": "book:{id}", "l1": False}},
+            redis={
+                "cluster": True,
+                "nodes": seeds,
+                "timeout": "1s",
+                "connect_timeout": "1s",
+                "breaker": {"failures": 3, "reset": "30s"},
+            },
+            backplane={"enabled": False},
+        )
+        async with LayeredCache.from_config(config) as cache:
+            for i in range(60):
+                await cache.get_or_load("book", {"id": i}, CountingLoader("v"))
+            client = cache._store.client
+            dead = cluster.servers[0]
+            dead_name = f"{dead.host}:{dead.port}"
+
+            def on_dead(i: int) -> bool:
+                slot = key_slot(f"{prefix}book:{i}".encode())
+                return bool(client.nodes_manager.slots_cache[slot][0].name == dead_name)  # type: ignore[union-attr]
+
+            healthy = [i for i in range(60) if not on_dead(i)]
+            doomed = [i for i in range(60) if on_dead(i)]
+            dead.kill()
+            for i in doomed[:4]:  # documented: a key on the dead master can't be written
+                with pytest.raises(L2Unavailable):
+                    await cache.invalidate("book", {"id": i})
+            for i in healthy[:10]:
+                await cache.invalidate("book", {"id": i})
+                await cache.set("book", {"id": i}, "v2")
+            status = cache.redis_status()
+        assert status.breaker == "closed"
+        assert status.node_breakers[dead_name] == "open"
