@@ -8,6 +8,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
@@ -47,6 +48,22 @@ def test_key_read_just_above_threshold_is_promoted_within_one_second() -> None:
             break
     assert promoted_at is not None and promoted_at - 1000.0 <= 1.0
     assert "book:1" in detector.hot_keys()
+
+
+@pytest.mark.parametrize("offset", [0.1, 0.5, 0.9, 0.999])
+def test_a_key_whose_reads_begin_mid_window_is_hot_within_two_windows(offset: float) -> None:
+    """The sliding estimate spreads the previous window's count over all of it, so reads
+    that began mid-window are under-counted for a while (1.47 windows at 202/s against
+    200): docs/hotkeys.md promised one window and now says two, the true bound."""
+    clock = FakeClock()
+    detector = HotKeyDetector(threshold=200, window=1.0, cooldown=10.0, clock=clock)
+    detector.record("other")  # the window starts now
+    start = clock.now = clock.now + offset
+    for n in range(3 * 202):
+        clock.now = start + n / 202
+        if detector.record("book:1"):
+            break
+    assert clock.now - start <= 2.0
 
 
 def test_key_below_threshold_stays_cold() -> None:
