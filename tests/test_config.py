@@ -627,3 +627,29 @@ def test_an_unknown_layered_cache_variable_is_warned_about_with_the_likely_one()
     assert said == ["environment: LAYERED_CACHE_REDIS_PASWORD is not a layered_cache "
                     "setting, ignored; did you mean LAYERED_CACHE_REDIS_PASSWORD?"]
     assert config.warnings == said and config.redis.password is None
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "largest"),
+    [
+        # The consumer fetches twice it, a 32-bit field: the daemon started, never consumed.
+        ("kafka", "max_event_bytes", (2**31 - 1) // 2),
+        # XADD MAXLEN is an int64: every announcement fell back to pub/sub.
+        ("backplane", "maxlen", 2**63 - 1),
+    ],
+)
+def test_counts_redis_or_kafka_would_refuse_are_refused_at_load(
+    section: str, field: str, largest: int
+) -> None:
+    """`config check` passed them, and the runtime then failed on every use."""
+    with pytest.raises(ConfigError, match=rf"{section}\.{field}: expected `int` <= {largest}"):
+        parse_config({section: {field: largest + 1}}, env={})
+    assert getattr(getattr(parse_config({section: {field: largest}}, env={}), section), field) == largest
+
+
+def test_a_max_value_bytes_past_any_redis_string_is_refused_at_load() -> None:
+    """2**60 passed `config check`; `warm` then died with a traceback (its line limit,
+    8x this, overflowed ``readline``)."""
+    namespaces = {"book": {"key": "book:{id}", "max_value_bytes": 2**40 + 1}}
+    with pytest.raises(ConfigError, match=r"namespaces\.book\.max_value_bytes: expected `int` <= "):
+        parse_config({"namespaces": namespaces}, env={})

@@ -140,7 +140,9 @@ class KafkaConfig(_Section, frozen=True):
     sasl_password: str | None = None
     ssl_cafile: str | None = None
     max_batch: AtLeastOne = 1000
-    max_event_bytes: AtLeastOne = 1_000_000
+    # The consumer fetches twice this per partition, a signed 32-bit field on the wire:
+    # past it aiokafka's fetcher died on its first request, the daemon started all the same.
+    max_event_bytes: Annotated[int, msgspec.Meta(ge=1, le=(2**31 - 1) // 2)] = 1_000_000
     # -1 = no health server, 0 = an ephemeral port.
     health_port: Port = 9464
     health_host: str = "0.0.0.0"  # bind address of the daemon's /healthz /readyz /metrics
@@ -195,7 +197,7 @@ class BackplaneConfig(_Section, frozen=True):
 
     enabled: bool = True
     stream: str = "layered_cache:invalidations"
-    maxlen: AtLeastOne = 100_000
+    maxlen: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 100_000  # XADD MAXLEN: int64
     block: Duration = Duration(1.0)
     # After a read that returned entries, the listener waits this long before the next
     # one, so a burst of writes (this instance's own set() calls too) wakes it once per
@@ -348,7 +350,9 @@ class NamespaceConfig(_Section, frozen=True):
     hot: HotConfig | bool = False
     stampede: StampedeConfig = StampedeConfig()
     stale: StaleConfig = StaleConfig()
-    max_value_bytes: AtLeastOne = 1_000_000
+    # At most 1 TiB, more than any Redis string: ``warm`` reads lines of 8x this, and
+    # past sys.maxsize ``readline`` raised OverflowError with a traceback.
+    max_value_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**40)] = 1_000_000
     tags: bool = False  # entries may carry tags (list pages, searches): docs/tags.md
     http: HttpConfig | None = None  # Cache-Control/ETag of responses: docs/http.md
 
