@@ -25,7 +25,8 @@ class NamespaceStats:
     stale_served: int = 0  # fail-safe: stale value served (loader failed or too slow)
     redis_error: int = 0  # Redis failed or the breaker was open
     decode_error: int = 0  # undecodable value in Redis (treated as a miss)
-    not_cached: int = 0  # value not encodable or over max_value_bytes
+    not_cached: int = 0  # value not encodable, over max_value_bytes, or refused_full
+    refused_full: int = 0  # values a Redis full under noeviction refused (keys dropped)
     fill_revoked: int = 0  # fill dropped: lease revoked by an invalidation meanwhile
     l1_fill_discarded: int = 0  # L1 fill dropped: key invalidated after the read began
     replica_miss: int = 0  # hot-key replica missing, read the base key

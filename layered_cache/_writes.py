@@ -140,6 +140,7 @@ class Writes:
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
             self._policy.stats.not_cached += len(keys)
+            self._policy.stats.refused_full += len(keys)
             await self._drop(keys)
             return False
         if announcement is None or not appended:
