@@ -333,8 +333,15 @@ class Warmer:
         """One ``set_many`` (one round trip, one backplane append) per chunk."""
         lines = [entry.line for entry in entries]
         self._pending.update(lines)
+        refused_before = self.policy.stats.refused_full
         try:
             await self.cache.set_many(self.policy.name, [(e.fields, e.value) for e in entries])
+            if self.policy.stats.refused_full != refused_before:
+                # A Redis full under noeviction refused values: set_many dropped their
+                # keys and returned. Not warmed: the chunk stays pending (which of its
+                # entries were refused can't be told, another writer's refusals count
+                # too) and the run stops, as on a Redis error.
+                raise L2Unavailable("full (maxmemory, noeviction): refused values")
         except L2Unavailable as exc:  # they stay pending: a resumed run writes them again
             self._fail(Failure(lines[0], redact(f"Redis: {exc}")))
             self._stop(STOPPED_BY_REDIS)
@@ -348,8 +355,11 @@ class Warmer:
         self.progress.update(self.reader.position, self.report.warmed, self._line())
 
     async def _write_one(self, entry: Entry) -> None:
+        refused_before = self.policy.stats.refused_full
         try:
             await self.cache.set(self.policy.name, entry.fields, entry.value)
+            if self.policy.stats.refused_full != refused_before:  # see ``_write``
+                raise L2Unavailable("full (maxmemory, noeviction): refused values")
         except L2Unavailable as exc:
             self._fail(Failure(entry.line, redact(f"Redis: {exc}")))
             self._stop(STOPPED_BY_REDIS)

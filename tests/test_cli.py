@@ -802,6 +802,33 @@ def test_warm_stops_at_a_redis_failure_and_reports_the_line_to_resume_from(
     assert "Traceback" not in err
 
 
+def test_warm_into_a_full_redis_stops_as_on_a_redis_error_and_counts_nothing_warmed(
+    tmp_path: Path, redis_server: RedisServer, prefix: str
+) -> None:
+    """A Redis full under noeviction refuses the values, and set_many drops their keys:
+    `warm` said "warmed 20 of 20" with no line listed and nothing in Redis. Now it stops
+    as on a Redis error: nothing counted as warmed, the failed lines listed, the resume
+    line at the first entry, exit 2."""
+    client: Any = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", str(int(client.info("memory")["used_memory"]) + 200_000))
+    with pytest.raises(redis.ResponseError, match="maxmemory"):
+        for i in range(1000):  # full before warm starts
+            client.set(f"{prefix}other:{i}", b"x" * 10_000)
+    config = write_config(tmp_path, redis_server.url, prefix)
+    source = tmp_path / "books.jsonl"
+    source.write_text(
+        "".join(json.dumps({"key": {"id": i}, "value": {"t": "y" * 5000}}) + "\n" for i in range(20))
+    )
+    result = run_cli("warm", "book", "--from", str(source), "--config", str(config))
+    in_redis = sum(client.exists(f"{prefix}book:{i}") for i in range(20))
+    client.close()
+    assert (in_redis, result.returncode) == (0, 2)
+    assert "warmed 0 of 20" in result.stdout
+    assert "stopped at line 1 (Redis error)" in result.stdout
+    assert f"{source}:1: Redis: full (maxmemory, noeviction)" in result.stderr
+
+
 # -- a cluster with a dead master ------------------------------------------------------
 
 
