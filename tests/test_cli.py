@@ -730,6 +730,18 @@ def test_inspect_of_a_key_of_another_redis_type_exits_2_naming_it(
     assert "WRONGTYPE" in err and "Traceback" not in err
 
 
+def test_inspect_of_a_string_too_large_to_read_reports_it_present_and_foreign(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 3 MB string another tool wrote is over the store's read cap, a key error like
+    WRONGTYPE: inspect called it another Redis type and exited 2."""
+    config = str(write_config(tmp_path, redis_url, prefix))
+    admin.set(f"{prefix}book:77", b"x" * 3_000_000, ex=600)
+    assert main(["inspect", "book", "id=77", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert "3,000,000 bytes, over what a read takes" in out and "not a layered_cache envelope" in out
+
+
 async def test_cli_key_reads_go_through_the_stores_breaker(redis_url: str, prefix: str) -> None:
     from layered_cache._l2 import L2Unavailable
     from layered_cache.cli.reads import KeyReads

@@ -34,7 +34,7 @@ from layered_cache.cli.common import (
     run,
 )
 from layered_cache.cli.connect import degraded_ok, key_on_dead_master, on_dead
-from layered_cache.cli.reads import KeyReads
+from layered_cache.cli.reads import KeyReads, OverReadCap
 
 __all__ = [
     "BaseReport",
@@ -129,7 +129,11 @@ def _envelope(data: bytes, now: float) -> EnvelopeReport | EnvelopeError:
 
 async def _base(reads: KeyReads, key: str) -> BaseReport:
     now = time.time()
-    data = await reads.get(key)
+    try:
+        data = await reads.get(key)
+    except OverReadCap as exc:  # a foreign value: no writer of ours exceeds the cap
+        why = f"not a layered_cache envelope: {exc.size:,} bytes, over what a read takes"
+        return BaseReport(True, await reads.pttl(key), exc.size, EnvelopeError(why))
     pttl = await reads.pttl(key)
     if data is None:
         return BaseReport(exists=False, pttl_ms=pttl)

@@ -17,9 +17,18 @@ from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._replyerrors import is_key_error
 from layered_cache.cli.common import CliError
 
-__all__ = ["KeyReads"]
+__all__ = ["KeyReads", "OverReadCap"]
 
 T = TypeVar("T")
+
+
+class OverReadCap(CliError):
+    """A string too large for the store's read (``redis.max_value_bytes`` caps what a
+    GET reads): there, but no layered_cache value (a writer's never exceed it)."""
+
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__(f"{name} holds {size:,} bytes, more than a read takes")
+        self.size = size
 
 
 class KeyReads:
@@ -31,11 +40,15 @@ class KeyReads:
     async def get(self, name: str) -> bytes | None:
         """The value under ``name``, or None when there is none.
 
-        The store reads a key of another Redis type (WRONGTYPE) as a miss, which is
-        right for a cache but would make ``inspect`` call a key absent that is there."""
+        The store reads a key of another Redis type (WRONGTYPE), or a string over its
+        read cap, as a miss, which is right for a cache but would make ``inspect`` call
+        a key absent that is there."""
         before = self._store.key_errors
         data = await self._store.get(name)
         if self._store.key_errors != before:
+            client: Any = self._store.client
+            if await self._guarded(name, lambda: client.type(name)) in (b"string", "string"):
+                raise OverReadCap(name, await self._guarded(name, lambda: client.strlen(name)))
             raise CliError(
                 f"{name} holds another Redis type than a string (WRONGTYPE): "
                 "not a layered_cache value"
