@@ -988,3 +988,14 @@ async def test_warm_stops_at_a_read_error_with_the_line_to_resume_from(
         assert report.stopped_by == "read error: Input/output error"
         assert (report.warmed, report.resume_line) == (4, 5)
         assert await cache.get("book", {"id": 4}) is not None
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [(1000.001, "1000.001s"), (1234.567, "1234.567s"), (0.3, "300ms"), (600.0, "10m"), (5e-05, "50us")],
+)
+def test_config_check_shows_durations_as_loaded_not_rounded(seconds: float, shown: str) -> None:
+    """Six significant digits showed `l2.ttl = "1000001ms"` as `1000s`."""
+    from layered_cache.cli.common import format_duration
+
+    assert format_duration(seconds) == shown

@@ -62,17 +62,19 @@ def printable(text: str) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    """``600.0`` -> ``"10m"``: durations read back the way a config file writes them."""
+    """``600.0`` -> ``"10m"``: durations read back the way a config file writes them,
+    to 15 significant digits (``:g``'s 6 showed ``"1000001ms"`` as ``1000s``; 15 hide a
+    float's last-digit noise, ``0.1 * 3``)."""
     if seconds == 0:
         return "0s"
     if seconds < 0.001:
-        return f"{seconds * 1e6:g}us"
+        return f"{seconds * 1e6:.15g}us"
     if seconds < 1:
-        return f"{seconds * 1000:g}ms"
+        return f"{seconds * 1000:.15g}ms"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    return f"{seconds:g}s"
+            return f"{seconds / size:.15g}{unit}"
+    return f"{seconds:.15g}s"
 
 
 def format_ms(pttl: int) -> str:
