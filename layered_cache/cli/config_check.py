@@ -9,12 +9,14 @@ plain values (``"10m"``, not ``600.0``): field for field what a config file woul
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Any, TextIO
 
 import msgspec
 
 from layered_cache._config import (
     Config,
+    ConfigWarning,
     Duration,
     HotConfig,
     L1Config,
@@ -211,7 +213,9 @@ def _write_text(report: ConfigReport, config: Config, out: TextIO) -> None:
 
 def cmd_config_check(args: argparse.Namespace, out: TextIO) -> int:
     """Exit 0 when the cache and the daemon would start with the file."""
-    config = load(args.file)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)  # shown below, once, as `warning:`
+        config = load(args.file)
     # Checked here and at the daemon's start, not at every load: the services read the
     # same file and have no use for the daemon's Kafka password or CA file.
     if problem := daemon_start_problem(config.kafka):
