@@ -617,6 +617,16 @@ def test_a_url_that_names_its_database_twice_is_refused(url: str) -> None:
         parse_config({"redis": {"url": url}}, env={})
 
 
+@pytest.mark.parametrize(
+    "url", ["redis://:pw1@h:1/0?password=pw2", "redis://u1:pw1@h:1/0?username=u2"]
+)
+def test_a_url_that_gives_its_credentials_twice_is_refused_without_showing_them(url: str) -> None:
+    """redis-py lets the query's win over the part before the @, silently."""
+    with pytest.raises(ConfigError, match=r"redis\.url: .* twice") as error:
+        parse_config({"redis": {"url": url}}, env={})
+    assert "pw1" not in str(error.value) and "pw2" not in str(error.value)
+
+
 def test_an_unknown_layered_cache_variable_is_warned_about_with_the_likely_one() -> None:
     """A typo in a variable's name left the file's value in force, silently."""
     env = {"LAYERED_CACHE_REDIS_PASWORD": "s3cret", "LAYERED_CACHE_LOG_REDACT_SALT": "x",

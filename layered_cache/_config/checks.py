@@ -100,6 +100,11 @@ def url_problem(url: str) -> str | None:
     if database and "db" in dict(parse_qsl(parsed.query)):
         # redis-py lets the query win: /3?db=1 reached database 1.
         return "the URL names its database twice (the path /N and ?db=): keep one"
+    query = dict(parse_qsl(parsed.query))
+    for part, given in (("password", parsed.password), ("username", parsed.username)):
+        if given and part in query:
+            # redis-py lets the query win here too, silently: say which one counts.
+            return f"the URL gives its {part} twice (before the @ and ?{part}=): keep one"
     return None
 
 
