@@ -89,29 +89,32 @@ class Progress:
 
     def update(self, position: int, warmed: int, line: int, force: bool = False) -> None:
         now = time.monotonic()
-        fraction = min(position / self.total, 1.0) if self.total else 1.0
+        # A pipe has no size: no bar and no percentage (it showed 100% from line 1).
+        fraction = min(position / self.total, 1.0) if self.total else None
         if not (force or self._due(now, fraction)):
             return
         self._drawn = now
         rate = warmed / max(now - self._started, 1e-6)
         counts = f"line {line}, {warmed} warmed, {rate:,.0f}/s"
         if self.tty:
-            filled = int(fraction * self.width)
-            bar = f"[{'#' * filled}{'.' * (self.width - filled)}]"
-            self.stream.write(f"\r{self.label} {bar} {fraction:4.0%} {counts}")
+            bar = ""
+            if fraction is not None:
+                filled = int(fraction * self.width)
+                bar = f"[{'#' * filled}{'.' * (self.width - filled)}] {fraction:4.0%} "
+            self.stream.write(f"\r{self.label} {bar}{counts}")
             self._open = True
         else:
-            self._step = int(fraction * self.PLAIN_STEPS)
-            self.stream.write(f"{self.label}: {fraction:.0%}, {counts}\n")
+            self._step = int((fraction or 0.0) * self.PLAIN_STEPS)
+            done = "" if fraction is None else f"{fraction:.0%}, "
+            self.stream.write(f"{self.label}: {done}{counts}\n")
         self.stream.flush()
 
-    def _due(self, now: float, fraction: float) -> bool:
+    def _due(self, now: float, fraction: float | None) -> bool:
         if self.tty:
             return now - self._drawn >= self.TTY_INTERVAL
         return (
-            int(fraction * self.PLAIN_STEPS) > self._step
-            or now - self._drawn >= self.PLAIN_INTERVAL
-        )
+            fraction is not None and int(fraction * self.PLAIN_STEPS) > self._step
+        ) or now - self._drawn >= self.PLAIN_INTERVAL
 
     def finish(self) -> None:
         """End the line, so whatever is printed next starts on a line of its own."""

@@ -220,3 +220,18 @@ def test_warm_into_a_log_file_writes_plain_progress_lines(
     assert lines[0].startswith("warm book: 0%, line 1, 0 warmed")
     assert lines[-1].startswith("warm book: 100%, line 501, 500 warmed")
     assert len(lines) <= 12
+
+
+def test_warm_progress_from_a_pipe_shows_counts_without_a_percentage() -> None:
+    """A pipe (``--from /dev/stdin``, ``<(zcat ...)``) has no size: the bar said 100%
+    from the first line, and in a log no line came after it for 30 s."""
+    terminal = _Terminal()
+    progress = Progress(0, "warm book", terminal)
+    progress.update(500, 499, 501, force=True)
+    assert terminal.getvalue().startswith("\rwarm book line 501, 499 warmed, ")
+    assert "%" not in terminal.getvalue() and "[" not in terminal.getvalue()
+    log = io.StringIO()
+    progress = Progress(0, "warm book", log)
+    progress.update(0, 0, 1, force=True)
+    progress.update(500, 499, 501)  # not due: no size to report tenths of
+    assert log.getvalue() == "warm book: line 1, 0 warmed, 0/s\n"
