@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from layered_cache._config import BackplaneConfig, Duration, RedisConfig
+from layered_cache._config.checks import host_and_port
 from layered_cache._topology import RefreshingCluster
 
 __all__ = [
@@ -201,7 +202,7 @@ def make_client(config: RedisConfig, *, caller_bounds_commands: bool = False) ->
 
 
 def _host_port(node: str) -> tuple[str, int]:
-    host, _, port = node.rpartition(":")
+    host, port = host_and_port(node)
     return host, int(port)
 
 

@@ -663,3 +663,16 @@ def test_a_max_value_bytes_past_any_redis_string_is_refused_at_load() -> None:
     namespaces = {"book": {"key": "book:{id}", "max_value_bytes": 2**40 + 1}}
     with pytest.raises(ConfigError, match=r"namespaces\.book\.max_value_bytes: expected `int` <= "):
         parse_config({"namespaces": namespaces}, env={})
+
+
+def test_an_ipv6_seed_node_or_relay_address_in_brackets_loses_its_brackets() -> None:
+    """``"[::1]:7000"`` passed `config check` and kept its brackets: a host no resolver
+    knows ("Name or service not known"), for seed nodes and `relay --listen` alike."""
+    from layered_cache._clients import _host_port
+    from layered_cache.cli.relay import _address
+
+    url = "redis://127.0.0.1:7000/0"
+    config = parse_config({"redis": {"url": url, "cluster": True, "nodes": ["[::1]:7000"]}}, env={})
+    assert _host_port(config.redis.nodes[0]) == ("::1", 7000)
+    assert _address("[::1]:6390") == ("::1", 6390)
+    assert _address("0.0.0.0:6390") == ("0.0.0.0", 6390)

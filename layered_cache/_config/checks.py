@@ -28,6 +28,7 @@ __all__ = [
     "check_jitter",
     "cluster_url_problem",
     "credentials_clash",
+    "host_and_port",
     "host_problem",
     "is_number",
     "positive",
@@ -125,6 +126,15 @@ def relay_url_problem(url: str) -> str | None:
     if any(name != "db" for name, _ in parse_qsl(parsed.query, keep_blank_values=True)):
         return "a relay's URL takes no options (?protocol=, ?socket_timeout=, ...): only /N or ?db="
     return None
+
+
+def host_and_port(address: str) -> tuple[str, str]:
+    """``"host:port"`` split at its last colon, an IPv6 host's brackets dropped
+    (``"[::1]:7000"``: they kept the brackets, a host no resolver knows)."""
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
 
 
 def is_number(text: str) -> bool:

@@ -21,6 +21,7 @@ from layered_cache._config.checks import (
     check_jitter,
     cluster_url_problem,
     credentials_clash,
+    host_and_port,
     host_problem,
     is_number,
     positive,
@@ -113,7 +114,7 @@ class RedisConfig(_Section, frozen=True):
         if self.nodes and not self.cluster:
             raise bad("nodes", "seed nodes are for a cluster: set cluster = true, or drop nodes")
         for node in self.nodes:
-            host, _, port = node.rpartition(":")
+            host, port = host_and_port(node)
             if not host or not is_number(port) or not 0 < int(port) < 65536:
                 raise bad("nodes", f'expected "host:port", got {redact(node)!r}')
         try:

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from layered_cache._config import Config
-from layered_cache._config.checks import is_number, relay_url_problem
+from layered_cache._config.checks import host_and_port, is_number, relay_url_problem
 from layered_cache._keys import backplane_stream_name
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
@@ -43,7 +43,7 @@ def cmd_relay(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _address(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
+    host, port = host_and_port(listen)
     if not host or not is_number(port) or int(port) > 65535:
         raise CliError(f"--listen must be HOST:PORT, got {listen!r}")
     return host, int(port)
