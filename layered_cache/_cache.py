@@ -106,15 +106,9 @@ class LayeredCache(HitPath):
         """The cache for ``config``, with Redis clients built from it (no I/O yet).
         ``value_types``: namespace -> the type its reads decode into. ``expiry_of``:
         namespace -> a value's own expiry, Redis time (``Policy.soft_expiry``)."""
-        parts = build_parts(config)
         return cls(
-            config,
-            parts,
-            value_types=value_types,
-            clock=clock,
-            rand=rand,
-            purger=purger,
-            expiry_of=expiry_of,
+            config, build_parts(config), value_types=value_types, clock=clock, rand=rand,
+            purger=purger, expiry_of=expiry_of,
         )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -245,19 +239,23 @@ class LayeredCache(HitPath):
         await self._coherence.invalidate_tag(tag)
 
     def cached(
-        self, namespace: str, *, value_type: Any = None, ignore: Iterable[str] = ()
+        self,
+        namespace: str,
+        *,
+        value_type: Any = None,
+        ignore: Iterable[str] = (),
+        tags: TagsOf | None = None,
     ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
         """Decorator: cache an async function; key fields come from its arguments.
 
         The return annotation (or ``value_type``) declares the namespace's value type,
         so L2 hits decode into it; a namespace has one type (a different one raises).
         Every other parameter must be a key field, or named in ``ignore`` (it never
-        changes the value: a database session).
-        """
+        changes the value: a database session). ``tags``: as ``get_or_load``'s."""
         ns = self.namespace(namespace)  # an unknown namespace fails here, not at a call
 
         def decorator(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-            return decorate.cached(ns, fn, value_type, ignore)
+            return decorate.cached(ns, fn, value_type, ignore, tags)
 
         return decorator
 

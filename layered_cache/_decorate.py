@@ -24,10 +24,11 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
-from layered_cache._namespace import Namespace
+from layered_cache._namespace import Namespace, check_tags
+from layered_cache._tags import TagsOf
 
 __all__ = ["KeyArguments", "bind_key_fields", "cached"]
 
@@ -212,7 +213,11 @@ def cached(
     fn: Callable[P, Awaitable[T]],
     value_type: Any = None,
     ignore: Iterable[str] = (),
+    tags: TagsOf | None = None,
 ) -> Callable[P, Awaitable[T]]:
+    """``fn`` cached in ``namespace``; ``tags``, as ``get_or_load``'s, checked now: every
+    writer of a tagged entry must give its tags (docs/tags.md), a decorated function too."""
+    check_tags(namespace.policy, tags)
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(
             f"{_name(fn)} is not an async function: LayeredCache.cached caches "
@@ -223,7 +228,29 @@ def cached(
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         fields = arguments.of(args, kwargs)
-        return await namespace.get_or_load(fields, lambda: fn(*args, **kwargs))
+        return await namespace.get_or_load(fields, lambda: fn(*args, **kwargs), tags)
+
+    return wrapper
+
+
+def cached_sync(
+    namespace: Namespace,
+    fn: Callable[P, T],
+    value_type: Any,
+    ignore: Iterable[str],
+    tags: TagsOf | None,
+    get_or_load: Callable[[str, Mapping[str, object], Callable[[], T], TagsOf | None], T],
+) -> Callable[P, T]:
+    """``cached`` for a plain function, through the sync API's ``get_or_load``."""
+    check_tags(namespace.policy, tags)
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(f"{_name(fn)} is async: use LayeredCache.cached, not the sync API")
+    arguments = bind_key_fields(namespace, fn, value_type, ignore)
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        fields = arguments.of(args, kwargs)
+        return get_or_load(namespace.name, fields, lambda: fn(*args, **kwargs), tags)
 
     return wrapper
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import inspect
 import os
 import threading
@@ -55,7 +54,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from layered_cache._cache import LayeredCache, RedisStatus
 from layered_cache._config import Config
-from layered_cache._decorate import bind_key_fields
+from layered_cache._decorate import cached_sync
 from layered_cache._l1 import MISSING
 from layered_cache._loopthread import LoopThread, SyncTimeoutError
 from layered_cache._miss import TagsOf
@@ -303,28 +302,22 @@ class SyncLayeredCache:
         self._run(self.cache.invalidate(namespace, fields), f"invalidate({namespace!r})")
 
     def cached(
-        self, namespace: str, *, value_type: Any = None, ignore: Iterable[str] = ()
+        self,
+        namespace: str,
+        *,
+        value_type: Any = None,
+        ignore: Iterable[str] = (),
+        tags: TagsOf | None = None,
     ) -> Callable[[Callable[P, T]], Callable[P, T]]:
         """Decorator for sync functions; key fields come from the call's arguments.
 
         The return annotation (or ``value_type``) becomes the namespace's value type.
-        Every other parameter must be a key field, or named in ``ignore``.
-        """
+        Every other parameter must be a key field, or named in ``ignore``. ``tags``: as
+        ``get_or_load``'s."""
         ns = self.cache.namespace(namespace)  # an unknown namespace fails here, not at a call
 
         def decorate(fn: Callable[P, T]) -> Callable[P, T]:
-            if inspect.iscoroutinefunction(fn):
-                raise TypeError(
-                    f"{fn.__qualname__} is async: use LayeredCache.cached, not the sync API"
-                )
-            arguments = bind_key_fields(ns, fn, value_type, ignore)
-
-            @functools.wraps(fn)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-                fields = arguments.of(args, kwargs)
-                return self.get_or_load(namespace, fields, lambda: fn(*args, **kwargs))
-
-            return wrapper
+            return cached_sync(ns, fn, value_type, ignore, tags, self.get_or_load)
 
         return decorate
 

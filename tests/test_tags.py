@@ -825,3 +825,42 @@ async def test_a_reader_without_tags_never_refreshes_a_tagged_entry_into_an_unta
         await cache.invalidate_tag("book:1")
         after = await cache.get("category", {"slug": "scifi"})
         assert after is None, f"entry tagged book:1 survived invalidate_tag: {after}"
+
+
+async def test_a_cached_function_gives_its_tags_and_its_entries_die_with_them(
+    redis_url: str, prefix: str
+) -> None:
+    """``@cache.cached`` took no tags: in a tagged namespace its entries outlived every
+    ``invalidate_tag``, and a tagged call joining its load got one of those too."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as cache:
+        editions = iter(range(1, 10))
+
+        @cache.cached("category", tags=_tags_of)
+        async def category(slug: str) -> dict[str, Any]:
+            return _page(slug, [42], next(editions))
+
+        assert (await category("scifi"))["edition"] == 1
+        assert (await category("scifi"))["edition"] == 1  # cached
+        await cache.invalidate_tag("book:42")
+        assert (await category("scifi"))["edition"] == 2
+        with pytest.raises(ValueError, match="takes no tags"):  # when it decorates
+            cache.cached("book", tags=["book:1"])(category)
+
+
+def test_a_sync_cached_function_gives_its_tags_too(redis_url: str, prefix: str) -> None:
+    from layered_cache.sync import SyncLayeredCache
+
+    config = make_config(redis_url, prefix, NAMESPACES)
+    with SyncLayeredCache.from_config(config) as cache:
+        editions = iter(range(1, 10))
+
+        @cache.cached("category", tags=_tags_of)
+        def category(slug: str) -> dict[str, Any]:
+            return _page(slug, [42], next(editions))
+
+        assert category("scifi")["edition"] == 1
+        cache.invalidate_tag("book:42")
+        assert category("scifi")["edition"] == 2
+        with pytest.raises(ValueError, match="takes no tags"):
+            cache.cached("book", tags=["book:1"])(category)
