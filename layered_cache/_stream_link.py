@@ -41,6 +41,7 @@ class StreamLink:
         self._batch, self._block = batch, block
         self._sent_at: float | None = None  # monotonic time of the XREAD waiting now
         self._caught_up_at = float("-inf")  # when a read that left nothing came back
+        self._timely = True  # the last reply came within BLOCK + _LATE of its XREAD
         self._held = (
             None
             if is_cluster(client)
@@ -61,16 +62,18 @@ class StreamLink:
         instance (issue 20). After a failover or resharding the node answers MOVED:
         redis-py refreshes its slot map, the read fails like a dropped connection, and
         the next one asks the map again."""
-        self._sent_at = time.monotonic()
+        self._sent_at = sent = time.monotonic()
         try:
             entries = await self._xread(after)
         finally:
             self._sent_at = None
+        now = time.monotonic()
+        self._timely = now - sent < self._block + _LATE
         if len(entries) < self._batch:
-            # Every entry added before Redis answered is in this reply (less the reply's
-            # way here, which every invalidation takes), and its reader applies them as
-            # soon as this returns, before any other task runs.
-            self._caught_up_at = time.monotonic()
+            # Every entry added before Redis answered is in this reply, and its reader
+            # applies them as soon as this returns, before any other task runs. A timely
+            # reply answered moments ago; a late one may have answered when it was sent.
+            self._caught_up_at = now if self._timely else sent
         return entries
 
     def known_as_of(self, live: bool) -> float:
@@ -78,8 +81,8 @@ class StreamLink:
         XREAD waits on a ``live`` connection, and not late (an entry wakes it at once),
         else when the last read that left nothing behind came back."""
         now, sent = time.monotonic(), self._sent_at
-        if live and sent is not None and now - sent < self._block + _LATE:
-            return now
+        if live and self._timely and sent is not None and now - sent < self._block + _LATE:
+            return now  # the link answered in time last, and this read is not late yet
         return self._caught_up_at
 
     async def _xread(self, after: bytes) -> list[Entry]:
