@@ -283,7 +283,9 @@ class Warmer:
                 task.cancel()
 
     async def run(self) -> WarmReport:
-        not_cached_before = self.policy.stats.not_cached
+        stats = self.policy.stats
+        # Refused by a full Redis counts as not cached too: those are failures here.
+        not_cached_before = stats.not_cached - stats.refused_full
         self.progress.update(0, 0, self.reader.start_line, force=True)  # at once, not after a write
         self._tasks = [asyncio.create_task(self._writer()) for _ in range(self.concurrency)]
         results = await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -294,7 +296,7 @@ class Warmer:
                 raise result
         if self.report.stopped_by is not None:
             self.report.resume_line = self._line()
-        self.report.not_cached = self.policy.stats.not_cached - not_cached_before
+        self.report.not_cached = stats.not_cached - stats.refused_full - not_cached_before
         return self.report
 
     def _line(self) -> int:

@@ -840,6 +840,7 @@ def test_warm_into_a_full_redis_stops_as_on_a_redis_error_and_counts_nothing_war
     client.close()
     assert (in_redis, result.returncode) == (0, 2)
     assert "warmed 0 of 20" in result.stdout
+    assert "not cached" not in result.stdout  # failures, not also "not cached by set()"
     assert "stopped at line 1 (Redis error)" in result.stdout
     assert f"{source}:1: Redis: full (maxmemory, noeviction)" in result.stderr
 
