@@ -743,6 +743,9 @@ def test_inspect_of_a_string_too_large_to_read_reports_it_present_and_foreign(
     assert main(["inspect", "book", "id=77", "--config", config]) == 0
     out = capsys.readouterr().out
     assert "3,000,000 bytes, over what a read takes" in out and "not a layered_cache envelope" in out
+    admin.set(f"{{{prefix}book:77}}:lease", b"x" * 3_000_000, ex=600)  # its lease, too
+    assert main(["inspect", "book", "id=77", "--config", config]) == 0
+    assert "3,000,000 bytes, not a lease token" in capsys.readouterr().out
 
 
 async def test_cli_key_reads_go_through_the_stores_breaker(redis_url: str, prefix: str) -> None:
