@@ -12,7 +12,7 @@ import os
 import re
 import ssl
 from typing import Annotated
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import msgspec
 
@@ -87,7 +87,7 @@ def url_problem(url: str) -> str | None:
             "the port must be a number within 0..65535, and an IPv6 host in brackets "
             "(a password containing '/' must be percent-encoded)"
         )
-    if problem := _query_problem(parsed.query):
+    if problem := _query_problem(parsed.query) or _credentials_twice(parsed):
         return problem
     if parsed.scheme == "unix":
         return None if parsed.path else "a unix:// URL needs the socket path"
@@ -101,10 +101,15 @@ def url_problem(url: str) -> str | None:
     if database and "db" in dict(parse_qsl(parsed.query)):
         # redis-py lets the query win: /3?db=1 reached database 1.
         return "the URL names its database twice (the path /N and ?db=): keep one"
+    return None
+
+
+def _credentials_twice(parsed: SplitResult) -> str | None:
+    """A username or password both before the ``@`` and in the query: redis-py keeps one
+    silently (which one changed between its versions), so the file can't say which."""
     query = dict(parse_qsl(parsed.query))
     for part, given in (("password", parsed.password), ("username", parsed.username)):
         if given and part in query:
-            # redis-py lets the query win here too, silently: say which one counts.
             return f"the URL gives its {part} twice (before the @ and ?{part}=): keep one"
     return None
 
