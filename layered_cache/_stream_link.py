@@ -24,7 +24,7 @@ __all__ = ["StreamLink"]
 
 # An XREAD waiting longer than its BLOCK and this is late (a congested link, a dead one
 # not yet timed out, a relay holding replies): it no longer vouches for "now".
-_LATE = 0.25
+_LATE = 0.5
 
 
 class StreamLink:
