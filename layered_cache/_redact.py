@@ -130,18 +130,22 @@ def _scheme_end(url: str) -> int:
 
 
 def redact(text: str) -> str:
-    """``text`` with every known secret replaced, then credentials masked by shape.
+    """``text`` with credentials masked by shape (password parameters, then userinfo),
+    then every known secret replaced.
 
-    Known secrets first: masking by shape cuts a URL at its last ``@``, and a secret
-    that itself holds an ``@`` (``?password=A;B@C``) would be cut in two, its tail left
-    in plain sight and no longer matching the whole secret."""
+    Shapes first: a known secret that is a piece of a parameter's name or a scheme
+    (another config's password ``word``, ``redis``) turned ``?password=`` into
+    ``?pass***=`` or ``redis://`` into ``***://``, which no longer read as credentials:
+    their values showed. Password parameters before userinfo: their value runs to the
+    end of the run, ``@`` included (``?password=A;B@C``), where userinfo masking,
+    which cuts a URL at its last ``@``, would have left the secret's tail in sight."""
+    if "=" in text:
+        text = _QUERY_SECRET.sub(rf"\g<key>{MASK}", text)
+    if "@" in text:
+        text = _USERINFO.sub(_mask_userinfo, text)
     for secret in _known:
         if secret in text:
             text = text.replace(secret, MASK)
-    if "@" in text:
-        text = _USERINFO.sub(_mask_userinfo, text)
-    if "=" in text:
-        text = _QUERY_SECRET.sub(rf"\g<key>{MASK}", text)
     return text
 
 

@@ -358,6 +358,21 @@ def test_redact_masks_shapes_and_known_secrets() -> None:
     assert redact("hunter22, username=none") == "***, username=none"
 
 
+@pytest.mark.parametrize("known", ["word", "pass", "password", "redis"])
+def test_a_known_secret_inside_a_parameter_name_or_scheme_never_unmasks_a_value(
+    known: str,
+) -> None:
+    """Found by CI: another config's password ``word``, masked first, turned
+    ``?password=pw2`` into ``?pass***=pw2``, which no longer read as a password
+    parameter, and pw2 showed."""
+    forget_secrets()
+    remember_secret(known)
+    for text in ("redis://h:1/0?password=pw2 x", "got 'redis://u:pw1@h:1/0?password=pw2'"):
+        shown = redact(text)
+        assert "pw1" not in shown and "pw2" not in shown, shown
+    forget_secrets()
+
+
 def test_a_password_with_a_colon_in_a_userless_url_is_masked_whole_wherever_printed() -> None:
     """Found by hypothesis: ``redis://{pw}@host`` with a ``:`` in the password reads as
     user:password, and a log field holding the whole password showed its first piece."""

@@ -110,7 +110,7 @@ def _credentials_twice(parsed: SplitResult) -> str | None:
     query = dict(parse_qsl(parsed.query))
     for part, given in (("password", parsed.password), ("username", parsed.username)):
         if given and part in query:
-            return f"the URL gives its {part} twice (before the @ and ?{part}=): keep one"
+            return f"the URL gives its {part} twice (before the @ and in its query): keep one"
     return None
 
 
