@@ -12,7 +12,7 @@ the order of steps and owns no Redis command.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from layered_cache._batch import BatchPath, LoadMany
@@ -292,6 +292,13 @@ def check_tags(policy: Policy, tags: object) -> list[str]:
         )
     if callable(tags):
         return []
+    if isinstance(tags, Iterator):
+        # Read here, it would be empty where the entry is written: an untagged entry
+        # that no invalidate_tag kills.
+        raise TypeError(
+            "tags must be a list, a tuple or a function of the value, not a one-shot "
+            f"iterator ({type(tags).__name__}): it would be read once"
+        )
     names = tag_names(cast(Iterable[str], tags), None)
     for tag in names:
         validate_tag(tag)

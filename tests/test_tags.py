@@ -485,6 +485,23 @@ async def test_a_string_given_as_tags_is_refused_by_set_as_by_the_reads(
         assert await cache.get("category", {"slug": "a"}) is None
 
 
+async def test_a_generator_given_as_tags_is_refused_not_read_once_and_lost(
+    redis_url: str, prefix: str
+) -> None:
+    """``tags=(f"book:{b}" for b in ids)``: the check read it, the write found it empty,
+    and the entry, untagged, outlived invalidate_tag."""
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        with pytest.raises(TypeError, match="one-shot iterator"):
+            await cache.get_or_load(
+                "category", {"slug": "a"}, CountingLoader(), tags=(t for t in ["book:42"])
+            )
+        with pytest.raises(TypeError, match="one-shot iterator"):
+            await cache.set("category", {"slug": "a"}, "page", tags=iter(["book:42"]))
+        with pytest.raises(TypeError, match="one-shot iterator"):
+            cache.cached("category", tags=(t for t in ["book:42"]))(CountingLoader())
+        assert await cache.get("category", {"slug": "a"}) is None
+
+
 async def test_entries_of_a_tagged_namespace_without_l2_die_with_their_tag(
     redis_url: str, prefix: str
 ) -> None:
