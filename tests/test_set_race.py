@@ -208,7 +208,7 @@ async def test_two_concurrent_sets_in_a_cluster_leave_l1_equal_to_the_base_key(
     and a read served from one of them is not checked against the base key here. L1
     itself, after the race, must hold the base key's value or nothing."""
     admin = RedisCluster.from_url(redis_cluster.url)
-    redis_section = {"cluster": True, "timeout": "1s"}
+    redis_section = {"cluster": True, "timeout": "1s", "connect_timeout": "1s"}
     for seed, namespaces in ((17, PLAIN), (19, HOT)):
         # Own prefix per config: the fleet's recorded replica count differs.
         config = make_config(redis_cluster.url, f"{prefix}{seed}:", namespaces, redis=redis_section)
