@@ -131,12 +131,16 @@ redis.call('DEL', KEYS[1])
 return members
 """
 
-# Fetch a tag's token, creating one if the tag has none, and extend the key's life to at
-# least ARGV[2] ms (never shorten it: another instance's entries may live longer; a key
-# from before tokens expired, with no TTL, gets one).
+# Fetch a tag's token, creating one if the tag has none, or has a string no writer of
+# ours made (16 lowercase hex digits: ``_tags.new_version``; another client's SET, bytes
+# that aren't even UTF-8, stayed for good, every writer refused), and extend the key's
+# life to at least ARGV[2] ms (never shorten it: another instance's entries may live
+# longer; a key from before tokens expired, with no TTL, gets one).
 FETCH_SCRIPT = """
-redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+local current = redis.call('GET', KEYS[1])
+if not current or string.len(current) ~= 16 or string.find(current, '[^0-9a-f]') then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return redis.call('GET', KEYS[1])

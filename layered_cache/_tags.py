@@ -49,6 +49,7 @@ would take every entry written since for dead.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -142,6 +143,19 @@ def _writable(tags: Mapping[str, str]) -> bool:
 
 def new_version() -> str:
     return os.urandom(8).hex()
+
+
+_TOKEN = re.compile(r"[0-9a-f]{16}")
+
+
+def _token(raw: object) -> str | None:
+    """A fetched token, or None for none, or for what no writer of ours made (another
+    client's string, bytes that aren't UTF-8: read as a tag without a token, its
+    entries dead; a writer's fetch replaces it, ``FETCH_SCRIPT``)."""
+    if raw is None:
+        return None
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+    return text if _TOKEN.fullmatch(text) else None
 
 
 class TagVersions:
@@ -291,9 +305,9 @@ class TagVersions:
                 pipe.eval(PEEK_SCRIPT, 1, name, self._ttl_ms)
         results = await self._store.guard(pipe.execute())
         fetched = {
-            tag: version.decode() if isinstance(version, bytes) else str(version)
+            tag: token
             for tag, version in zip(tags, results, strict=True)
-            if version is not None
+            if (token := _token(version)) is not None
         }
         # Remembered unless an invalidation of the tag was applied after this fetch began
         # (its reply may predate it); one applied before it began is in it.

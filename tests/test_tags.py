@@ -881,3 +881,28 @@ def test_a_sync_cached_function_gives_its_tags_too(redis_url: str, prefix: str) 
         assert category("scifi")["edition"] == 2
         with pytest.raises(ValueError, match="takes no tags"):
             cache.cached("book", tags=["book:1"])(category)
+
+
+@pytest.mark.parametrize("foreign", [b"\xff\xfe\x00", b"set-by-another-client", b"v1"])
+async def test_a_tag_version_another_client_wrote_is_a_dead_tag_the_next_writer_repairs(
+    redis_url: str, prefix: str, foreign: bytes
+) -> None:
+    """Bytes that aren't UTF-8 at a tag's version key raised UnicodeDecodeError from
+    every read of an entry carrying the tag, and from every tagged write (its SET NX
+    kept them): the tag unusable on every instance for the key's day. A version no
+    writer of ours made is now no version: its entries are dead, and a writer replaces
+    it, as a fill replaces a foreign value at a cache key."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("category", {"slug": "scifi"}, _page("scifi", [42]), tags=["book:42"])
+    admin = redis.Redis.from_url(redis_url)
+    await admin.set(tag_version_name(prefix, "book:42"), foreign)
+    await admin.aclose()
+    async with LayeredCache.from_config(config) as cache:
+        assert await cache.get("category", {"slug": "scifi"}) is None
+        fresh = CountingLoader(_page("scifi", [42], edition=2))
+        page = await cache.get_or_load("category", {"slug": "scifi"}, fresh, tags=_tags_of)
+        assert page["edition"] == 2
+        assert await cache.get("category", {"slug": "scifi"}) == page  # repaired
+        await cache.invalidate_tag("book:42")
+        assert await cache.get("category", {"slug": "scifi"}) is None
