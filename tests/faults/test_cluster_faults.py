@@ -148,6 +148,21 @@ async def _empty(
     return not stale
 
 
+def _split_by_master(
+    cache: LayeredCache, prefix: str, count: int, master: str
+) -> tuple[list[int], list[int]]:
+    """Book ids 0..count-1: those whose key lives on another master than ``master``,
+    and those on it."""
+    client = cache._store.client
+
+    def on_master(i: int) -> bool:
+        slot = key_slot(f"{prefix}book:{i}".encode())
+        return bool(client.nodes_manager.slots_cache[slot][0].name == master)  # type: ignore[union-attr]
+
+    ids = range(count)
+    return [i for i in ids if not on_master(i)], [i for i in ids if on_master(i)]
+
+
 async def test_one_dead_master_does_not_stop_l2_reads_on_the_others(prefix: str) -> None:
     """Each master has its own breaker: while one is down, keys on the others are still
     served from Redis, and only the dead master's keys fall through to the loader."""
@@ -178,16 +193,9 @@ async def test_one_dead_master_does_not_stop_l2_reads_on_the_others(prefix: str)
                         for i in range(start, start + 50)
                     )
                 )
-            client = cache._store.client
             dead = cluster.servers[0]
             dead_name = f"{dead.host}:{dead.port}"
-
-            def on_dead(i: int) -> bool:
-                slot = key_slot(f"{prefix}book:{i}".encode())
-                return bool(client.nodes_manager.slots_cache[slot][0].name == dead_name)  # type: ignore[union-attr]
-
-            healthy = [i for i in range(300) if not on_dead(i)]
-            doomed = [i for i in range(300) if on_dead(i)]
+            healthy, doomed = _split_by_master(cache, prefix, 300, dead_name)
             dead.kill()
             loads_before = loader.calls
             for _ in range(3):  # enough failures to open the dead master's breaker
@@ -243,16 +251,9 @@ async def test_one_dead_master_does_not_refuse_writes_to_the_others(prefix: str)
         async with LayeredCache.from_config(config) as cache:
             for i in range(60):
                 await cache.get_or_load("book", {"id": i}, CountingLoader("v"))
-            client = cache._store.client
             dead = cluster.servers[0]
             dead_name = f"{dead.host}:{dead.port}"
-
-            def on_dead(i: int) -> bool:
-                slot = key_slot(f"{prefix}book:{i}".encode())
-                return bool(client.nodes_manager.slots_cache[slot][0].name == dead_name)  # type: ignore[union-attr]
-
-            healthy = [i for i in range(60) if not on_dead(i)]
-            doomed = [i for i in range(60) if on_dead(i)]
+            healthy, doomed = _split_by_master(cache, prefix, 60, dead_name)
             dead.kill()
             for i in doomed[:4]:  # documented: a key on the dead master can't be written
                 with pytest.raises(L2Unavailable):
