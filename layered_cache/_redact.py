@@ -138,10 +138,14 @@ def redact(text: str) -> str:
     ``?pass***=`` or ``redis://`` into ``***://``, which no longer read as credentials:
     their values showed. Password parameters before userinfo: their value runs to the
     end of the run, ``@`` included (``?password=A;B@C``), where userinfo masking,
-    which cuts a URL at its last ``@``, would have left the secret's tail in sight."""
+    which cuts a URL at its last ``@``, would have left the secret's tail in sight; for
+    the same reason a known secret holding an ``@`` is masked before userinfo too."""
     if "=" in text:
         text = _QUERY_SECRET.sub(rf"\g<key>{MASK}", text)
     if "@" in text:
+        for secret in _known:
+            if "@" in secret and secret in text:
+                text = text.replace(secret, MASK)
         text = _USERINFO.sub(_mask_userinfo, text)
     for secret in _known:
         if secret in text:

@@ -373,6 +373,15 @@ def test_a_known_secret_inside_a_parameter_name_or_scheme_never_unmasks_a_value(
     forget_secrets()
 
 
+def test_a_known_secret_holding_an_at_sign_is_masked_whole_anywhere_in_a_url() -> None:
+    """Userinfo masking cuts a URL at its last ``@``: a known secret with an ``@`` in a
+    parameter that is no password parameter would have kept its tail in sight."""
+    forget_secrets()
+    remember_secret("hunter@22x")
+    assert "22x" not in redact("redis://h:1/0?client_name=hunter@22x")
+    forget_secrets()
+
+
 def test_a_password_with_a_colon_in_a_userless_url_is_masked_whole_wherever_printed() -> None:
     """Found by hypothesis: ``redis://{pw}@host`` with a ``:`` in the password reads as
     user:password, and a log field holding the whole password showed its first piece."""
