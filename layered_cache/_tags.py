@@ -107,7 +107,9 @@ VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after 
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
 # is loads until every instance asks again, so not a quarter of a 30-day entry's life.
 _MAX_TRUST = 3_600.0
-_HELD = float("inf")  # ``within``: trust a held token as long as it is held
+# ``within``: trust a held token as long as it is held (its horizon, minus infinity,
+# is vouched for by anything: ``_aged`` finds none).
+_HELD = float("inf")
 
 
 def _nothing_vouched() -> float:
@@ -220,7 +222,7 @@ class TagVersions:
         None: a tag this instance hasn't seen yet, or can't vouch for (``_aged``):
         ``fetch`` it to decide."""
         versions = self._trusted()
-        aged = self._aged(tags, within) if within < _HELD else set()
+        aged = self._aged(tags, within)
         if not aged and tags.items() <= versions.items():  # the common case, in C loops
             return True
         unknown, now = False, self._clock()
@@ -275,7 +277,7 @@ class TagVersions:
         left out."""
         wanted = [validate_tag(tag) for tag in dict.fromkeys(tags)]
         versions = self._trusted()
-        aged = self._aged(wanted, within) if within < _HELD else set()
+        aged = self._aged(wanted, within)
         found = {tag: versions[tag] for tag in wanted if tag in versions and tag not in aged}
         missing = [tag for tag in wanted if tag not in found]
         if missing:
