@@ -72,7 +72,10 @@ async def rewind(consumer: AIOKafkaConsumer, reset: str) -> None:
             elif reset == "earliest":
                 await consumer.seek_to_beginning(tp)
         except IllegalStateError:
-            return  # the partition moved in a rebalance meanwhile: its owner reads it
+            # The partition moved in a rebalance meanwhile. aiokafka rebalances eagerly:
+            # every partition was revoked, and each one assigned again starts from its
+            # committed offset, so the partitions not yet rewound need nothing either.
+            return
 
 
 async def read_carefully(
