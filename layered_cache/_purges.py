@@ -1,5 +1,5 @@
-"""Purges of HTTP caches as background work: a bounded queue, one worker, bounded
-retries, counters.
+"""Purges of HTTP caches as background work: a bounded queue and one worker per
+gateway, bounded retries, counters.
 
 Why a queue and not an ``await`` in ``invalidate()``: the promise of ``invalidate()``
 and of the daemon's offset commit is about L2 and every L1, and must not wait on a
@@ -7,6 +7,11 @@ gateway that may be slow or down. ``submit`` never blocks and never raises; the 
 delivers in order, retries a failed purge with backoff, then logs and counts it. An
 undelivered purge costs freshness only up to the response's ``s-maxage``, which stays
 the bound (docs/http.md).
+
+Why a queue per gateway (``Purges``): one dead Varnish beside live ones made every purge
+fail and be retried, with backoff, on the one in-order worker, and each retry held back
+every later purge to the live ones too (three changes' purges 10 s late at the default
+timeout). Each gateway now has its own queue, worker and retries.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import structlog
 
 from layered_cache._config import Config
 
-__all__ = ["PurgeQueue", "PurgeStats", "Purger", "purges_for"]
+__all__ = ["PurgeQueue", "PurgeStats", "Purger", "Purges", "purges_for"]
 
 _log = structlog.get_logger("layered_cache")
 
@@ -42,21 +47,64 @@ class PurgeStats(msgspec.Struct):
     dropped: int = 0  # keys + tags refused by a full queue, or left at close (logged)
 
 
-def purges_for(config: Config, purger: Purger | None = None) -> PurgeQueue:
-    """The queue for ``purger``, else for the Varnish instances in ``[purge] urls``,
-    else an idle one (``submit`` does nothing)."""
+def purges_for(
+    config: Config, purger: Purger | None = None, stats: PurgeStats | None = None
+) -> Purges:
+    """The queues for ``purger``, else one per Varnish instance in ``[purge] urls``,
+    else none (``submit`` does nothing). ``stats``: counters to count on (a restart)."""
+    purgers: list[Purger] = [] if purger is None else [purger]
     owned = purger is None and bool(config.purge.urls)
     if owned:
         from layered_cache.purge import VarnishPurger  # needs httpx: only when configured
 
-        purger = VarnishPurger(config.purge.urls, timeout=config.purge.timeout)
-    return PurgeQueue(
-        purger,
-        max_pending=config.purge.queue,
-        retries=config.purge.retries,
-        repeat_after=config.purge.repeat_after,
-        owned=owned,
-    )
+        purgers = [VarnishPurger([url], timeout=config.purge.timeout) for url in config.purge.urls]
+    stats = PurgeStats() if stats is None else stats
+    return Purges([
+        PurgeQueue(
+            each,
+            max_pending=config.purge.queue,
+            retries=config.purge.retries,
+            repeat_after=config.purge.repeat_after,
+            owned=owned,
+            stats=stats,
+        )
+        for each in purgers
+    ], stats)
+
+
+class Purges:
+    """One ``PurgeQueue`` per gateway (see the module doc), counted together: each
+    gateway's keys and tags count once each (``delivered + failed + dropped`` adds up
+    to ``submitted`` per gateway, and so in all). Without queues it is idle."""
+
+    def __init__(self, queues: Sequence[PurgeQueue], stats: PurgeStats | None = None) -> None:
+        self._queues = list(queues)
+        self.stats = PurgeStats() if stats is None else stats
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is purged (callers skip building key names otherwise)."""
+        return bool(self._queues)
+
+    def submit(self, keys: Iterable[str] = (), tags: Iterable[str] = ()) -> None:
+        """Queue a purge for every gateway; never blocks, never raises."""
+        if not self._queues:
+            return
+        keys, tags = list(keys), list(tags)
+        for queue in self._queues:
+            queue.submit(keys, tags)
+
+    def start(self) -> None:
+        for queue in self._queues:
+            queue.start()
+
+    async def drain(self) -> None:
+        """Wait until every gateway's queue is delivered or given up on."""
+        await asyncio.gather(*(queue.drain() for queue in self._queues))
+
+    async def close(self, grace: float = 1.0) -> None:
+        """Each queue gets ``grace`` to deliver, at the same time."""
+        await asyncio.gather(*(queue.close(grace) for queue in self._queues))
 
 
 class PurgeQueue:
@@ -72,11 +120,12 @@ class PurgeQueue:
         backoff: Sequence[float] = (0.1, 0.5, 2.0),
         repeat_after: float = 0.0,
         owned: bool = False,
+        stats: PurgeStats | None = None,
     ) -> None:
         self.purger = purger
         self._repeat_after = repeat_after
         self._owned = owned  # built from the config: closed with the queue
-        self.stats = PurgeStats()
+        self.stats = PurgeStats() if stats is None else stats  # shared by ``Purges``
         self._retries = retries
         self._backoff = list(backoff) or [0.1]
         # Bounded by what the jobs hold (``_pending`` keys + tags), not by how many jobs:
@@ -191,11 +240,8 @@ class PurgeQueue:
     async def _deliver(self, keys: list[str], tags: list[str], repeat: bool) -> bool:
         size = len(keys) + len(tags)
         for attempt in range(self._retries + 1):
-            assert self.purger is not None  # no worker runs without one
             try:
-                await self.purger.purge(keys, tags)
-            except asyncio.CancelledError:
-                raise
+                await self._purge(keys, tags)
             except Exception as exc:  # any purger failure: retried, then counted
                 if attempt == self._retries:
                     self.stats.failed += size
@@ -212,3 +258,16 @@ class PurgeQueue:
                     self.stats.delivered += size
                 return True
         return False  # not reached: the last attempt returns or raises
+
+    async def _purge(self, keys: list[str], tags: list[str]) -> None:
+        """The purger's call. A ``CancelledError`` it raises that was not aimed at this
+        worker (it awaited a task someone else cancelled) is its failure: raised on, it
+        ended the only worker, and every later purge waited for ever, counted nowhere."""
+        assert self.purger is not None  # no worker runs without one
+        try:
+            await self.purger.purge(keys, tags)
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise RuntimeError("the purger raised CancelledError") from exc

@@ -19,7 +19,7 @@ import structlog
 
 from layered_cache._invalidation import Invalidator
 from layered_cache._l2 import L2Store
-from layered_cache._purges import PurgeQueue
+from layered_cache._purges import Purges
 from layered_cache._singleflight import SingleFlight
 from layered_cache._stampede import LeaseWaiter
 from layered_cache._tags import TagVersions
@@ -121,7 +121,7 @@ class Runtime:
     tasks: BackgroundTasks = field(default_factory=BackgroundTasks)
     hooks: Hooks = field(default_factory=Hooks)
     # HTTP caches told after every local invalidation and set (``_purges``); idle if none.
-    purges: PurgeQueue = field(default_factory=lambda: PurgeQueue(None))
+    purges: Purges = field(default_factory=lambda: Purges([]))
     # Admission of writes (set, set_many) and of the first L2 read of an L1 miss: taken
     # before the work, not only around its Redis call. ``asyncio.gather`` of 10,000
     # set() calls (or cold reads) otherwise runs every call's CPU work in one event-loop

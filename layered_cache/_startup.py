@@ -192,9 +192,8 @@ def reopened(
     parts.notifier.reopen()
     parts.store.slots = asyncio.Semaphore(parts.store.max_in_flight)
     runtime.admission = asyncio.Semaphore(config.redis.max_connections)
-    counted = runtime.purges.stats
-    runtime.purges = purges_for(config, purger)
-    runtime.purges.stats = counted  # purge_stats() counts on across restarts
+    # purge_stats() counts on across restarts.
+    runtime.purges = purges_for(config, purger, stats=runtime.purges.stats)
 
 
 def forked(parts: CacheParts, started_in: int) -> None:

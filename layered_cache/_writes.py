@@ -68,7 +68,7 @@ class Writes:
 
     def _purge(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
         """HTTP caches drop their copies (background; key names built only with a purger)."""
-        if self._rt.purges.purger is None:
+        if not self._rt.purges.active:
             return
         try:
             keys = [self._policy.template.build(fields) for fields, _ in items]
