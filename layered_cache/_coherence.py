@@ -39,13 +39,18 @@ class Coherence:
             await self._rt.tasks.to_completion(self._delete([(key, ns.policy.replicas)]))
         except REDIS_FAILURES as exc:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-        finally:  # HTTP caches last, in the background: the data changed either way
-            self._rt.purges.submit([key])
 
     async def _delete(self, targets: list[tuple[str, int]]) -> None:
-        await self._rt.invalidator.invalidate(targets)
-        # Again: a fill that read L2 before the delete may have landed.
-        self.forget([key for key, _ in targets])
+        try:
+            await self._rt.invalidator.invalidate(targets)
+            # Again: a fill that read L2 before the delete may have landed.
+            self.forget([key for key, _ in targets])
+        finally:
+            # HTTP caches last, in the background, when the delete is done (or failed:
+            # it may have landed). Here, not in our caller: a caller cancelled while the
+            # DEL is on its way leaves this running, and a purge sent then let the
+            # gateway refetch the old value from L2 and keep it for s-maxage.
+            self._rt.purges.submit([key for key, _ in targets])
 
     async def invalidate_tag(self, tag: str) -> None:
         """A new version for the tag, the tagged loads in flight revoked, then the
@@ -58,13 +63,14 @@ class Coherence:
             await self._rt.tasks.to_completion(self._new_version(tag))
         except REDIS_FAILURES as exc:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            self._rt.purges.submit(tags=[tag])
 
     async def _new_version(self, tag: str) -> None:
-        version = await self._rt.versions.invalidate(tag)
-        await self._rt.invalidator.announce_tags({tag: version})
-        self._forget_tag(tag)
+        try:
+            version = await self._rt.versions.invalidate(tag)
+            await self._rt.invalidator.announce_tags({tag: version})
+            self._forget_tag(tag)
+        finally:
+            self._rt.purges.submit(tags=[tag])  # when done, as ``_delete``'s
 
     def forget(self, keys: list[str]) -> None:
         """An invalidation (local, or from the backplane: the daemon or another

@@ -191,3 +191,66 @@ async def test_a_purger_that_raises_cancelled_error_stops_every_later_purge(
         assert delivered, f"book:2 never purged; stats {stats}"
 
 
+# -- purge ordering ---------------------------------------------------------------------
+
+
+async def test_a_cancelled_invalidate_purges_before_its_delete_lands_so_the_gateway_recaches(
+    redis_url: str, prefix: str
+) -> None:
+    """docs/http.md: "the purge leaves right after the L2 delete"; the bound with purging
+    is "purge delay, or repeat_after in that rare race". An invalidate() whose caller is
+    cancelled (a client hanging up on the PUT) keeps deleting in the background
+    (``to_completion``), but ``Coherence.invalidate`` submits the purge in its ``finally``
+    at once: the purge and its repeat reach the gateway while the DEL has not reached
+    Redis. The gateway refetches after each purge (from another instance), gets the old
+    price from L2 with s-maxage 30 s, and no purge is left to remove that copy."""
+    address = urlsplit(redis_url)
+    proxy = await ToxicProxy(address.hostname or "127.0.0.1", address.port or 6379).start()
+    proxied_url = redis_url.replace(f":{address.port}/", f":{proxy.port}/", 1)
+    catalogue = {1: {"id": 1, "price": "9.90"}}
+    copies: list[httpx.Response] = []  # what the gateway fetched after each purge
+
+    class Gateway(Recording):
+        fetch: httpx.AsyncClient | None = None
+
+        async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+            await super().purge(keys, tags)
+            assert self.fetch is not None
+            copies.append(await self.fetch.get("/books/1"))  # the refetch after a purge
+
+    gateway = Gateway()
+    writer_config = _config(proxied_url, prefix, purge={"repeat_after": "300ms"})
+    try:
+        async with (
+            LayeredCache.from_config(writer_config, purger=gateway) as writer,
+            LayeredCache.from_config(_config(redis_url, prefix)) as other,
+            _client(other, catalogue) as fetch,  # the instance the gateway asks
+        ):
+            gateway.fetch = fetch
+
+            async def load() -> Any:
+                return dict(catalogue[1])
+
+            await writer.get_or_load("book", {"id": 1}, load)  # L2 holds 9.90
+            catalogue[1]["price"] = "1.00"  # the database commit
+            proxy.hold_at = b"$3\r\nDEL\r\n"  # the DEL is slow to reach Redis
+            task = asyncio.create_task(writer.invalidate("book", {"id": 1}))
+            await asyncio.wait_for(proxy.holding.wait(), 5)
+            task.cancel()  # the client hung up
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(1.0)  # the DEL still on its way
+            proxy.release.set()
+            assert await eventually(lambda: len(gateway.calls) >= 2, timeout=5)  # and repeat
+            await writer._rt.purges.drain()
+            last = copies[-1]  # the copy the gateway keeps
+            kept = "no-store" not in last.headers["cache-control"]
+            assert not (kept and last.json()["price"] == "9.90"), (
+                f"after the last purge the gateway keeps the old price "
+                f"({last.headers['cache-control']!r}); purges at "
+                f"{[round(at - gateway.calls[0][0], 2) for at, _, _ in gateway.calls]} s"
+            )
+    finally:
+        proxy.release.set()
+        await proxy.stop()
+
+
