@@ -87,11 +87,16 @@ class CachedResponses:
         key = ns.key(fields)
         served = await ns._serve(key, loader, tags)
         value, control = served.value, self._control[namespace]
+        if_none_match = _if_none_match(request)
         if control == "no-store" or served.superseded:
             # no-store: live data, no validator, nobody keeps it. Superseded: a write
             # overtook this load and its purge went out before this response; the caller
             # may have the value (its read began first), a gateway must not keep it.
-            return self._body(value, {"Cache-Control": "no-store"})
+            # Without a validator only ``*`` can match: a representation exists.
+            headers = {"Cache-Control": "no-store"}
+            if "*" in (candidate.strip() for candidate in if_none_match.split(",")):
+                return _not_modified(request, headers)
+            return self._body(value, headers)
         body: bytes | None = None
         if namespace in self._unmemoized or served.owned:
             body = self._render(value)  # rendered once: for the tag, then maybe sent
@@ -103,11 +108,8 @@ class CachedResponses:
         # tag only the header would see (``"a,b"``, two to a ban regex) is refused.
         if tag_list := check_tags(ns.policy, tags(value) if callable(tags) else tags):
             headers[TAGS_HEADER] = "," + ",".join(tag_list) + ","
-        if matches(request.headers.get("if-none-match"), etag):
-            if request.method not in ("GET", "HEAD"):  # RFC 9110 13.1.2
-                return Response(status_code=412, headers=headers)
-            # RFC 9110 15.4.5: a 304 carries the validators and caching headers a 200 would.
-            return Response(status_code=304, headers=headers)
+        if matches(if_none_match, etag):
+            return _not_modified(request, headers)
         return self._body(value, headers, body)
 
     def _etag_of(self, value: Any) -> str:
@@ -118,3 +120,18 @@ class CachedResponses:
         if body is None:
             body = self._render(value)
         return Response(body, headers=headers, media_type=self._media_type)
+
+
+def _if_none_match(request: Request) -> str:
+    """Every ``If-None-Match`` line as one list (RFC 9110 5.3: lines of one field name
+    are one comma-separated list; reading the first alone missed a tag on the second)."""
+    return ", ".join(request.headers.getlist("if-none-match"))
+
+
+def _not_modified(request: Request, headers: dict[str, str]) -> Response:
+    """A matching ``If-None-Match``: 304 for GET and HEAD, 412 otherwise (RFC 9110
+    13.1.2). RFC 9110 15.4.5: a 304 carries the validators and caching headers a 200
+    would."""
+    if request.method not in ("GET", "HEAD"):
+        return Response(status_code=412, headers=headers)
+    return Response(status_code=304, headers=headers)

@@ -254,3 +254,40 @@ async def test_a_cancelled_invalidate_purges_before_its_delete_lands_so_the_gate
         await proxy.stop()
 
 
+# -- conditional requests (RFC 9110 13.1.2) ---------------------------------------------
+
+
+async def test_if_none_match_sent_as_two_header_lines_is_one_list(
+    redis_url: str, prefix: str
+) -> None:
+    """RFC 9110 5.3: field lines of one name are one comma-separated list, and 13.1.2
+    (which docs/http.md and ``http.matches`` cite) evaluates the whole list. A client or
+    proxy that sends ``If-None-Match`` as two lines, the current tag in the second, gets
+    the full body: ``respond`` reads only the first line (``headers.get``)."""
+    async with (
+        LayeredCache.from_config(_config(redis_url, prefix)) as cache,
+        _client(cache, {1: {"id": 1, "price": "9.90"}}) as client,
+    ):
+        etag = (await client.get("/books/1")).headers["etag"]
+        reply = await client.get(
+            "/books/1", headers=[("If-None-Match", '"other"'), ("If-None-Match", etag)]
+        )
+        assert reply.status_code == 304
+
+
+async def test_if_none_match_star_on_a_post_to_a_no_store_namespace_is_a_412(
+    redis_url: str, prefix: str
+) -> None:
+    """docs/http.md: 304 "when If-None-Match names the current ETag (or is *)", and "a
+    matching If-None-Match on a method other than GET or HEAD is a 412 ... (RFC 9110
+    13.1.2)". ``*`` matches any current representation, validator or not (13.1.2: "the
+    condition is false if the origin server has a current representation"). In a
+    no-store namespace (``stock``) ``respond`` returns before evaluating it: a POST with
+    ``If-None-Match: *`` (the standard "only if none exists" precondition) proceeds
+    with a 200."""
+    async with (
+        LayeredCache.from_config(_config(redis_url, prefix)) as cache,
+        _client(cache, {1: {"id": 1, "count": 3}}) as client,
+    ):
+        reply = await client.post("/stock/1", headers={"If-None-Match": "*"})
+        assert reply.status_code == 412
