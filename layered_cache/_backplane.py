@@ -216,6 +216,7 @@ class BackplaneListener:
             try:
                 if self.last_id is None:
                     self.last_id = await self._tail_id()
+                    await self._counted.start(self.last_id, self.entries_seen)
                     if self._serving_unpositioned:
                         self._serving_unpositioned = False
                         self._gap("positioned_after_serving")
@@ -364,6 +365,11 @@ class BackplaneListener:
             self._apply_tags(fields.get(b"tags"))
             raw = fields.get(b"keys")
             if raw is None:
+                # A start marker (``origin`` alone) names nothing. Anything else without
+                # ``keys`` (another version's format, another client's entry) may name
+                # invalidations we can't read: skipped, it left L1 its copies.
+                if fields.keys() - {b"origin"}:
+                    self._unreadable()
                 continue
             try:
                 keys = msgspec.msgpack.decode(raw, type=list[str])

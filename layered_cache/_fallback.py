@@ -165,7 +165,10 @@ class FallbackSubscriber:
         try:
             message = msgspec.msgpack.decode(data, type=FallbackMessage)
         except UNDECODABLE:
+            # Another version's format, a forged message: it may name invalidations we
+            # can't read, so L1 goes whole, as for such a stream entry (``_unreadable``).
             _log.warning("backplane_bad_fallback_message")
+            self._on_error()
             return
         if self._origin and message.origin == self._origin:
             return  # our own: already applied locally

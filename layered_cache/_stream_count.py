@@ -57,6 +57,21 @@ class EntryCount:
         mark, self._mark = self._mark, (int(added), read)
         return mark is not None and int(added) - mark[0] != read - mark[1]
 
+    async def start(self, position: bytes, read: int) -> None:
+        """The first mark, when the reader takes its position: otherwise the first one
+        came at its first caught-up read, and a new instance (or one in a quiet fleet)
+        that lost the entries before it (stream deleted, emptied, trimmed by a writer
+        with a smaller ``maxlen``) while it had read none had no mark to see it by: its
+        L1 kept what they invalidated, with ``gaps`` 0 (review, 2026-12-05). One XINFO,
+        at start only; an entry appended since ``position`` leaves no mark, as before."""
+        try:
+            info = await self._link.info()
+        except ResponseError:
+            return  # gone meanwhile: the next read finds out
+        added, last = stream_field(info, "entries-added"), last_generated(info)
+        if added is not None and last is not None and bytes(last) == position:
+            self._mark, self._counted_at_read = (int(added), read), read
+
     def forget(self) -> None:
         """After an L1 clear: what was lost before is covered by it."""
         self._mark = None
