@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from layered_cache._chunks import by_count
 from layered_cache._codec import MAX_TAGS
 from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceConfig
 from layered_cache._keys import is_tag, tag_version_name, validate_tag
@@ -296,16 +297,21 @@ class TagVersions:
 
     async def _fetch(self, tags: list[str], create: bool) -> dict[str, str]:
         generation, started = self._generation, self._clock()
-        pipe = self._store.client.pipeline(transaction=False)
-        for tag in tags:
-            # The key's life is extended; with ``create``, a tag never invalidated gets
-            # a token now.
-            name = tag_version_name(self._prefix, tag)
-            if create:
-                pipe.eval(FETCH_SCRIPT, 1, name, new_version(), self._ttl_ms)
-            else:
-                pipe.eval(PEEK_SCRIPT, 1, name, self._ttl_ms)
-        results = await self._store.guard(pipe.execute())
+        results: list[Any] = []
+        # In runs of CHUNK_ITEMS tags, each within one ``redis.timeout``: one pipeline of
+        # every tag of a batch (3,000 pages x 20 tags) outlasted it on a cluster, and
+        # such a batch was never cached.
+        for chunk in by_count(tags):
+            pipe = self._store.client.pipeline(transaction=False)
+            for tag in chunk:
+                # The key's life is extended; with ``create``, a tag never invalidated
+                # gets a token now.
+                name = tag_version_name(self._prefix, tag)
+                if create:
+                    pipe.eval(FETCH_SCRIPT, 1, name, new_version(), self._ttl_ms)
+                else:
+                    pipe.eval(PEEK_SCRIPT, 1, name, self._ttl_ms)
+            results += await self._store.guard(pipe.execute())
         fetched = {
             tag: token
             for tag, version in zip(tags, results, strict=True)
