@@ -111,16 +111,21 @@ class BatchPath:
         if ours:
             seq = policy.l1.begin_read() if policy.l1 is not None else None
             reads = {key: Read(key, seq, None, tags) for key in ours}
+
+            def settle(values: dict[str, Any]) -> None:
+                for key, value in values.items():
+                    # A single read joining this flight takes what ``Namespace._serve``
+                    # does. Settled twice (hits first, see ``fetch_many``): the first wins.
+                    flight.settle(key, ours[key], served_of(policy, reads[key], value))
+
             try:
                 loaded = await self._loader.fetch_many(
-                    reads, {key: fields_of[key] for key in ours}, load_many
+                    reads, {key: fields_of[key] for key in ours}, load_many, settle
                 )
             except BaseException as exc:
                 flight.settle_all(ours, exc)
                 raise
-            for key, future in ours.items():
-                # A single read joining this flight takes what ``Namespace._serve`` does.
-                flight.settle(key, future, served_of(policy, reads[key], loaded[key]))
+            settle(loaded)
             found.update(loaded)
         if theirs:
             self._policy.stats.coalesced += len(theirs)

@@ -53,9 +53,15 @@ class BatchLoader:
         self._loading = Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
 
     async def fetch_many(
-        self, reads: dict[str, Read], fields_of: dict[str, Fields], load_many: LoadMany
+        self,
+        reads: dict[str, Read],
+        fields_of: dict[str, Fields],
+        load_many: LoadMany,
+        on_hits: Callable[[dict[str, Any]], None] = lambda hits: None,
     ) -> dict[str, Any]:
-        """The values of ``reads`` (begun together), which keep what ``Served`` says."""
+        """The values of ``reads`` (begun together), which keep what ``Served`` says.
+        ``on_hits`` hears the L2 hits before the misses load: their joiners need not wait
+        for ``load_many``, which may itself read them (and would wait for itself)."""
         policy, first = self._policy, next(iter(reads.values()))
         seq, tags = first.seq, first.tags_of
         if not policy.l2:
@@ -84,6 +90,7 @@ class BatchLoader:
                 reads[key].stale = envelope if self._fills.within_stale(envelope, now) else None
         misses = [read for key, read in reads.items() if key not in found]
         if misses:
+            on_hits(found)
             found.update(await self._load_misses(misses, fields_of, load_many))
         return found
 

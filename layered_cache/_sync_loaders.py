@@ -109,13 +109,16 @@ class LoaderThreads:
 
     def wrap_many(
         self,
-        keys: Sequence[str],
+        key_of: Callable[[Any], str],
         load_many: Callable[[list[Any]], Sequence[Any]],
         executor: Executor | None,
     ) -> Callable[[list[Any]], Coroutine[Any, Any, Sequence[Any]]]:
-        """``wrap`` for a batch loader: it is loading every key of the batch."""
+        """``wrap`` for a batch loader: it is loading the keys it is called with, not
+        every key of the batch (those found cached aren't loaded, and the loader may read
+        them: marked as loading, such a read raised a RecursionError)."""
 
         async def load(fields_list: list[Any]) -> Sequence[Any]:
+            keys = [key_of(fields) for fields in fields_list]
             wrapped = self.wrap_chain(keys, lambda: load_many(fields_list), executor)
             return await wrapped()
 

@@ -277,10 +277,10 @@ class SyncLayeredCache:
         _refuse_running_loop()
         _refuse_async(load_many, "get_or_load_many")
         fields_list = list(fields_list)  # read once: the keys here, the call below
-        keys = [self.cache.namespace(namespace).key(fields) for fields in fields_list]
-        for key in keys:
-            self._loaders.check_not_own_key(key)
-        load = self._loaders.wrap_many(keys, load_many, self._pool())
+        key_of = self.cache.namespace(namespace).key
+        for fields in fields_list:
+            self._loaders.check_not_own_key(key_of(fields))
+        load = self._loaders.wrap_many(key_of, load_many, self._pool())
         call = self.cache.get_or_load_many(namespace, fields_list, load, tags)
         return self._run(call, f"get_or_load_many({namespace!r})")
 
