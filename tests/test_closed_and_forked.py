@@ -1,0 +1,213 @@
+"""A cache that can't keep its L1 coherent refuses calls instead of serving: after
+close() (no listener hears invalidations any more, and each call opened a connection
+nobody closed), and in a child forked from the process that started it (its sockets are
+the parent's: the parent then read the child's reply as its own, another key's value).
+A close() that overtakes start() leaves nothing running. Found by an adversarial review
+(2026-12-05); each test failed before."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from layered_cache import LayeredCache
+from tests.helpers import make_config
+
+_COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+
+
+async def test_a_closed_cache_does_not_serve_from_l1_a_value_another_instance_replaced(
+    redis_url: str, prefix: str
+) -> None:
+    """README, "L1 coherence": every instance drops its L1 copy when another writes;
+    ``close()`` stops the backplane listener, but nothing stops the closed cache from
+    answering (``_cache.py``: no call checks ``_closed``). A request still running
+    when the lifespan closes the cache (uvicorn's graceful-shutdown timeout, a
+    background job, a second ``TestClient`` block's helper) is served the old value
+    from L1 for its whole TTL, silently. Expected: refused (RuntimeError, as
+    ``SyncLayeredCache`` does after close) or the current value."""
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    a = LayeredCache.from_config(config)
+    await a.start()
+
+    async def old() -> str:
+        return "old"
+
+    assert await a.get_or_load("book", {"id": 1}, old) == "old"  # in a's L1
+    await a.close()
+    async with LayeredCache.from_config(config) as b:
+        await b.set("book", {"id": 1}, "new")
+    await asyncio.sleep(0.5)
+    try:
+        served = await a.get("book", {"id": 1})
+    except RuntimeError:
+        served = "refused"
+    finally:
+        await a.close()
+    assert served in ("new", "refused"), f"the closed cache served {served!r}"
+
+
+async def test_calls_after_close_leave_no_connection_open(redis_server: Any, prefix: str) -> None:
+    """``close()``: "... then the clients"; ``BackgroundTasks``: "no task outlives the
+    cache or its Redis clients". A closed cache reconnects on the next call (redis-py
+    opens a fresh connection on a closed client) and keeps what it opened: one call
+    per key of a burst holds one connection each, open until the process ends (nobody
+    closes the cache twice). 50 late requests: 50 connections left on Redis."""
+    config = make_config(redis_server.url, prefix, _COHERENT)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        baseline = len(await admin.client_list())
+        cache = LayeredCache.from_config(config)
+        await cache.start()
+        await cache.close()
+
+        async def load() -> str:
+            return "v"
+
+        calls = [cache.get_or_load("book", {"id": i}, load) for i in range(50)]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            assert isinstance(outcome, RuntimeError) and "closed" in str(outcome)
+        await asyncio.sleep(0.2)
+        left = len(await admin.client_list()) - baseline
+        await cache.close()  # the test's own cleanup
+        assert left == 0, f"{left} connections opened after close() and left open"
+    finally:
+        await admin.aclose()
+
+
+async def test_a_close_that_overtakes_start_leaves_no_background_task_running(
+    redis_url: str, prefix: str
+) -> None:
+    """``close()``: "Followers first, then background work ... then the clients";
+    ``BackgroundTasks``: "no task outlives the cache". A shutdown that arrives while
+    ``start()`` is still waiting on Redis (a SIGTERM during a slow start, a supervisor
+    that closes what it opened when a sibling fails) returns from ``close()`` before
+    ``start()`` resumes; ``start()`` then starts the listener, the fallback subscriber,
+    the hot-key reporter and the clock's task on the closed cache (``_cache.py``
+    ``_start_steps`` never looks at ``_closed``), reconnecting, never stopped."""
+    namespaces = {"book": {"key": "book:{id}", "hot": {"keys": ["book:1"], "threshold": "1/s"}}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
+    before = asyncio.all_tasks()
+    cache = LayeredCache.from_config(config)
+    starting = asyncio.ensure_future(cache.start())
+    await asyncio.sleep(0)  # start() is on its first round trip
+    await cache.close()
+    await asyncio.gather(starting, return_exceptions=True)
+    await asyncio.sleep(0.5)
+    left = sorted(t.get_name() for t in asyncio.all_tasks() - before if not t.done())
+    try:
+        assert left == [], f"running after close() returned: {left}"
+    finally:
+        await cache.close()
+
+
+def _read_in_forked_child(cache: LayeredCache, written: Any, out: Any) -> None:
+    async def read() -> Any:
+        try:
+            return await asyncio.wait_for(cache.get("book", {"id": 1}), 5)
+        except RuntimeError as exc:
+            return f"refused: {exc}"
+
+    try:
+        written.wait(10)
+        out.put(asyncio.run(read()))
+    except BaseException as exc:
+        out.put(f"{type(exc).__name__}: {exc}")
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+async def test_a_child_forked_from_a_started_cache_does_not_serve_the_parents_l1(
+    redis_url: str, prefix: str
+) -> None:
+    """README (FastAPI): "A cache already *started* in the master holds the master's
+    connections: a worker's `start()` refuses it"; ``_startup.forked``: "refused, not
+    shared"; README (Fork-safe, the sync API): the child "drops the L1 it was born with
+    (it missed every invalidation since the fork)".
+
+    Only ``start()`` checks the pid: a forked child (``multiprocessing`` with fork, a
+    ``ProcessPoolExecutor`` job using the module's cache through ``asyncio.run``) that
+    calls the cache directly is answered from the L1 copied at the fork, which no
+    listener keeps coherent in the child: the parent's ``set("new")``, after the fork,
+    is never seen; the child serves "old" for the L1 TTL. Expected: refused with the
+    same clear RuntimeError as ``start()``, or "new"."""
+    import multiprocessing
+
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "old")  # in the parent's L1
+        ctx = multiprocessing.get_context("fork")
+        written, out = ctx.Event(), ctx.Queue()
+        child = ctx.Process(target=_read_in_forked_child, args=(cache, written, out))
+        child.start()
+        try:
+            await cache.set("book", {"id": 1}, "new")  # after the fork
+            written.set()
+            outcome = await asyncio.to_thread(out.get, True, 30)
+        finally:
+            await asyncio.to_thread(child.join, 10)
+            if child.is_alive():
+                child.kill()
+    assert outcome == "new" or str(outcome).startswith("refused"), outcome
+
+
+def _read_book_2_in_forked_child(cache: LayeredCache, out: Any) -> None:
+    async def read() -> Any:
+        try:
+            return await asyncio.wait_for(cache.get("book", {"id": 2}), 5)
+        except BaseException as exc:
+            return f"{type(exc).__name__}: {exc}"[:200]
+
+    try:
+        out.put(asyncio.run(read()))
+    except BaseException as exc:
+        out.put(f"{type(exc).__name__}: {exc}")
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+async def test_a_forked_child_using_the_cache_does_not_make_the_parent_serve_another_keys_value(
+    redis_url: str, prefix: str
+) -> None:
+    """DESIGN.md 4: "One name per value"; ``_startup.forked``: a started cache's
+    "connections are that process's ... refused, not shared"; ``_direct``: "a late
+    reply is never read as the next command's".
+
+    A service process with a started cache forks (``multiprocessing``'s default start
+    method on Linux, a ``ProcessPoolExecutor`` job that reads the module's cache with
+    ``asyncio.run``). Nothing but ``start()`` checks the pid, and redis-py's asyncio
+    pools don't either: the child's GET of book 2 is written on the socket the parent
+    holds (``DirectClient``'s kept connection), the child fails reading it ("attached
+    to a different loop"), and the parent's event loop buffers the stray reply in the
+    connection's ``StreamReader``, where ``HeldConnection._connected``'s idle check
+    (it polls the socket, not the reader's buffer) does not see it. The parent's next
+    read, of book 7, returns book 2's value."""
+    import multiprocessing
+
+    namespaces = {"book": {"key": "book:{id}", "l1": False}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as writer:
+        for book_id in range(10):
+            await writer.set("book", {"id": book_id}, f"v{book_id}")
+    served: list[Any] = []
+    async with LayeredCache.from_config(config) as cache:
+        assert await cache.get("book", {"id": 3}) == "v3"  # a kept connection
+        ctx = multiprocessing.get_context("fork")
+        for _ in range(3):  # a fork now and then, as a pool's jobs come
+            out = ctx.Queue()
+            child = ctx.Process(target=_read_book_2_in_forked_child, args=(cache, out))
+            child.start()
+            try:
+                await asyncio.to_thread(out.get, True, 30)
+            finally:
+                await asyncio.to_thread(child.join, 10)
+                if child.is_alive():
+                    child.kill()
+            await asyncio.sleep(0.1)  # the parent's loop goes on serving meanwhile
+            served += [await cache.get("book", {"id": book_id}) for book_id in (7, 8, 9)]
+    assert served == ["v7", "v8", "v9"] * 3, f"the parent served {served} for books 7, 8, 9"

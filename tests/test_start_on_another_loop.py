@@ -1,0 +1,153 @@
+"""A cache started on another event loop than the one its connections were made on: a
+warm-up at import under asyncio.run, then the server's lifespan (also under a real
+gunicorn --preload with uvicorn workers), or a loop that ended without close(). start()
+closes what those loops left and starts anew; the first requests used to fail with
+"Event loop is closed". Found by an adversarial review (2026-12-05); each failed before."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+from layered_cache import LayeredCache
+from tests.helpers import make_config
+from tests.servers import free_port
+from tests.test_sync_fork import ROOT, _get, _serving
+
+_COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+
+
+async def test_a_cache_used_at_import_serves_every_request_once_started_on_the_servers_loop(
+    redis_url: str, prefix: str
+) -> None:
+    """README, FastAPI: "A service module creates the cache at import ... the lifespan
+    starts and closes it on the server's event loop"; the cache works before
+    ``start()`` (README: "at import: the cache need not be started yet"), so a module
+    may warm it at import with ``asyncio.run(...)``. The connections that warm-up left
+    in the pools (``DirectClient``'s kept connections, redis-py's pool) are bound to
+    that loop, now closed; ``start()`` on the server's loop rebuilds only for a forked
+    or closed cache (``_cache.py`` ``start``: ``if forked or self._closed``), so the
+    first requests, one per kept connection, fail with ``RuntimeError: Event loop is
+    closed`` instead of being served. Under ``gunicorn --preload`` with uvicorn
+    workers every worker inherits them."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    cache = LayeredCache.from_config(config)
+
+    async def load() -> str:
+        return "v"
+
+    async def warm_up() -> None:  # at import, on a loop of its own
+        await asyncio.gather(*(cache.get_or_load("book", {"id": i}, load) for i in range(8)))
+
+    await asyncio.to_thread(asyncio.run, warm_up())
+    await cache.start()  # the lifespan, on the server's loop
+    try:
+        calls = [cache.get_or_load("book", {"id": i}, load) for i in range(20)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        await cache.close()
+    failed = [repr(r) for r in results if isinstance(r, BaseException)]
+    assert failed == [], f"{len(failed)} of 20 requests failed: {failed[:2]}"
+
+
+async def test_a_cache_whose_loop_ended_without_close_starts_on_a_new_loop(
+    redis_url: str, prefix: str
+) -> None:
+    """README: "A closed cache starts again: a second lifespan of the module's cache
+    ... builds anew what was bound to the old loop". A lifespan that never reached its
+    ``close()`` (the app crashed, a test's loop torn down, ``asyncio.run(cache.start())``
+    as an import-time check) leaves a cache that ``start()`` on the next loop does not
+    rebuild (``_cache.py``: only ``if forked or self._closed``): its first command (the
+    clock's TIME) runs on a connection bound to the dead loop and ``start()`` fails with
+    a bare ``RuntimeError: Event loop is closed`` naming neither the cache nor the fix
+    (and past that, the dead listener task is still recorded, ``BackplaneListener.start``
+    would be a no-op). Expected: it starts (and follows the backplane), or refuses
+    saying it was started on another loop and not closed."""
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    cache = LayeredCache.from_config(config)
+    await asyncio.to_thread(asyncio.run, cache.start())  # loop 1 ends, close() never ran
+    try:
+        await cache.start()
+    except RuntimeError as exc:
+        assert "loop" in str(exc) and "cache" in str(exc).lower(), f"unclear: {exc!r}"
+        return
+    try:
+        async def old() -> str:
+            return "old"
+
+        assert await cache.get_or_load("book", {"id": 1}, old) == "old"
+        async with LayeredCache.from_config(config) as other:
+            await other.set("book", {"id": 1}, "new")
+        await asyncio.sleep(1.0)
+        assert await cache.get("book", {"id": 1}) == "new"
+    finally:
+        await cache.close()
+
+
+_PRELOADED_ASGI_APP = '''
+"""README's FastAPI pattern, warmed at import: gunicorn --preload's master runs this."""
+import asyncio, os
+from contextlib import asynccontextmanager
+from fastapi import FastAPI
+from layered_cache import LayeredCache, parse_config
+
+config = parse_config(
+    {"redis": {"url": os.environ["LC_REDIS_URL"], "prefix": os.environ["LC_PREFIX"]},
+     "namespaces": {"book": {"key": "book:{id}", "l1": False}}},
+    source="<preloaded_asgi>", env={},
+)
+cache = LayeredCache.from_config(config)
+
+@cache.cached("book")                # "at import: the cache need not be started yet"
+async def book_detail(id: int) -> str:
+    return f"title {id}"
+
+async def _warm() -> None:           # a warm-up at import, on a loop of its own
+    await asyncio.gather(*(book_detail(i) for i in range(8)))
+
+asyncio.run(_warm())
+
+@asynccontextmanager
+async def lifespan(app):
+    await cache.start()
+    yield
+    await cache.close()
+
+app = FastAPI(lifespan=lifespan)
+
+@app.get("/book/{id}")
+async def get_book(id: int) -> dict:
+    try:
+        return {"pid": os.getpid(), "title": await book_detail(id)}
+    except Exception as exc:
+        return {"pid": os.getpid(), "error": repr(exc)}
+
+@app.get("/loads")
+async def loads() -> dict:
+    return {"pid": os.getpid()}
+'''
+
+
+def test_gunicorn_preload_uvicorn_worker_serves_the_first_requests_of_a_cache_warmed_at_import(
+    redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """The same as ``test_a_cache_used_at_import_serves_every_request_once_started_on_
+    the_servers_loop``, under a real ``gunicorn --preload -k uvicorn.workers.UvicornWorker``:
+    the worker's lifespan ``start()`` (README: it "takes an instance id of its own ...
+    and drops the L1 it was born with") keeps the pool connections the master's warm-up
+    left, bound to the master's finished loop; the worker's first requests fail with
+    ``RuntimeError('Event loop is closed')``."""
+    (tmp_path / "preloaded_asgi.py").write_text(textwrap.dedent(_PRELOADED_ASGI_APP))
+    port = free_port()
+    env = {**os.environ, "LC_REDIS_URL": redis_url, "LC_PREFIX": prefix,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}  # fmt: skip
+    command = [sys.executable, "-m", "gunicorn", "--preload", "-w", "1", "--timeout", "30",
+               "-k", "uvicorn.workers.UvicornWorker",
+               "-b", f"127.0.0.1:{port}", "preloaded_asgi:app"]  # fmt: skip
+    with _serving(command, port, env, tmp_path / "gunicorn.log") as base:
+        answers = [_get(f"{base}/book/{book_id}") for book_id in range(20)]
+    errors = [a["error"] for a in answers if "error" in a]
+    assert errors == [], f"{len(errors)} of 20 requests failed: {errors[:2]}"
