@@ -257,8 +257,7 @@ class BackplaneListener:
                 await asyncio.sleep(backoff.next_delay())
 
     async def _xread(self, after: bytes) -> list[Entry]:
-        """One blocking XREAD (``StreamLink.xread``); a method of its own so that tests
-        can hold a read."""
+        """One blocking XREAD (``StreamLink.xread``); its own method: tests hold a read."""
         return await self._link.xread(after)
 
     def _apply_tags(self, raw: bytes | None) -> None:
@@ -272,8 +271,7 @@ class BackplaneListener:
         self._on_tags(versions)
 
     def _unreadable(self) -> None:
-        """An entry whose keys or tags can't be decoded (another version's format, a
-        forged entry) named invalidations we can't apply one by one: L1 goes whole."""
+        """An entry we can't decode (another version's format, a forged one): L1 goes whole."""
         assert self.last_id is not None
         _log.warning("backplane_bad_entry", entry_id=self.last_id.decode())
         self._gap("bad_entry")
@@ -364,11 +362,8 @@ class BackplaneListener:
                 continue  # our own invalidation: already applied locally
             self._apply_tags(fields.get(b"tags"))
             raw = fields.get(b"keys")
-            if raw is None:
-                # A start marker (``origin`` alone) names nothing. Anything else without
-                # ``keys`` (another version's format, another client's entry) may name
-                # invalidations we can't read: skipped, it left L1 its copies.
-                if fields.keys() - {b"origin"}:
+            if raw is None:  # a start marker (``origin`` alone) names nothing; other
+                if fields.keys() - {b"origin"}:  # formats may name what we can't read
                     self._unreadable()
                 continue
             try:

@@ -63,6 +63,7 @@ class BatchPath:
             return [None] * len(keys)
         found, missing = self._reader.from_l1(keys)
         if missing and policy.l2:
+            self._rt.check_open()
             read_seq = policy.l1.begin_read() if policy.l1 is not None else None
             try:
                 envelopes = await self._reader.read_many(missing)
@@ -94,6 +95,7 @@ class BatchPath:
             return [found[key] for key in keys]
         found, missing = self._reader.from_l1(keys)
         if missing:
+            self._rt.check_open()
             found.update(await self._claimed(missing, fields_of, load_many, tags))
         return [found[key] for key in keys]
 

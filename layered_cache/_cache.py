@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -19,11 +20,13 @@ import structlog
 
 from layered_cache import _decorate as decorate
 from layered_cache import _startup as startup
-from layered_cache._backplane import BackplaneStatus
+from layered_cache._backplane import BackplaneListener, BackplaneStatus
 from layered_cache._batch import LoadMany
 from layered_cache._coherence import Coherence
 from layered_cache._config import Config
+from layered_cache._fallback import FallbackSubscriber
 from layered_cache._hits import HitPath
+from layered_cache._invalidation import Invalidator
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
 from layered_cache._policy import compile_policy
@@ -80,8 +83,9 @@ class LayeredCache(HitPath):
             self.namespace(name)._declare_type(value_type, by="value_types")
         for name, own_expiry in (expiry_of or {}).items():
             self.namespace(name).policy.expiry_of = own_expiry
-        self._built_in, self._started_in = os.getpid(), 0
+        self._built_in, self._started_in, self._starts = os.getpid(), 0, 0
         self._follow()
+        _after_fork_in_child(self)
 
     def _follow(self) -> None:
         """Listener, fallback subscriber and hot-key reporter (built again by ``start``)."""
@@ -130,28 +134,38 @@ class LayeredCache(HitPath):
             startup.reopened(self._parts, self._rt, self._coherence, self.config, self._purger)
             self._follow()
         self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
+        self._rt.refusal, self._starts = None, self._starts + 1
         try:
-            await self._start_steps()
+            await self._start_steps(self._starts)
         except BaseException:  # a mismatch, Redis down, our caller's deadline: undone
             await self.close()
             raise
 
-    async def _start_steps(self) -> None:
+    async def _start_steps(self, start: int) -> None:
         await startup.learn_slots(self._parts.client)
         await self._clock.start()  # before any read or write stamps an envelope
         await startup.check_replicas(self._parts.client, self.config.redis.prefix, self)
+        self._still_starting(start)  # no followers left running on a cache closed meanwhile
         for check in startup.background_checks(self._parts.client, self.config.redis):
             self._rt.tasks.spawn(check)
         if self._backplane is not None and self._fallback is not None:
             self._backplane.start()
             self._fallback.start()
             await startup.listening(self._backplane, self._fallback, self.config.redis)
+            self._still_starting(start)
         if self._hot_reporter is not None:
             self._hot_reporter.start()
 
+    def _still_starting(self, start: int) -> None:
+        # A close() that ran while start() awaited Redis returned before start() resumed.
+        if self._closed or start != self._starts:
+            raise RuntimeError("close() ran while start() was starting this LayeredCache")
+
     async def close(self) -> None:
         """Followers first, then background work's grace (``BackgroundTasks.close``), then
-        the clients, which a caller's deadline cutting this short still closes."""
+        the clients, which a caller's deadline cutting this short still closes. Calls are
+        refused from here on, L1 dropped (``Runtime.check_open``); a start() waiting stops."""
+        self._rt.refusal, self._closed = _CLOSED, True
         try:
             if self._backplane is not None:
                 await self._backplane.stop()
@@ -164,6 +178,7 @@ class LayeredCache(HitPath):
             await self._rt.tasks.close()
         finally:
             self._started_in, self._closed = 0, True  # nothing left to a fork; start reopens
+            self._coherence.forget_all()  # no listener keeps it coherent any more
             await self._parts.close()
 
     # -- namespaces --------------------------------------------------------------------
@@ -266,24 +281,14 @@ class LayeredCache(HitPath):
         return {ns.name: ns.stats() for ns in self}
 
     def redis_status(self) -> RedisStatus:
-        breaker = self._store.breaker
-        return RedisStatus(
-            breaker=breaker.state,
-            breaker_transitions=breaker.transitions,
-            node_breakers={node: b.state for node, b in sorted(self._store.node_breakers.items())},
-        )
+        breaker, nodes = self._store.breaker, sorted(self._store.node_breakers.items())
+        return RedisStatus(breaker.state, breaker.transitions, {n: b.state for n, b in nodes})
 
     def backplane_status(self) -> BackplaneStatus | None:
         """The backplane listener's state and counters; None when the backplane is off."""
         if self._backplane is None:
             return None
-        status, fallback = self._backplane.status(), self._fallback
-        return msgspec.structs.replace(
-            status,
-            fallback_sent=self._rt.invalidator.fallback_deliveries,
-            fallback_received=fallback.received if fallback is not None else 0,
-            errors=status.errors + (fallback.errors if fallback is not None else 0),
-        )
+        return _backplane_status(self._backplane, self._fallback, self._rt.invalidator)
 
     def purge_stats(self) -> PurgeStats:  # HTTP purges (``purger``, docs/http.md)
         return self._rt.purges.stats
@@ -296,3 +301,47 @@ class LayeredCache(HitPath):
     def hooks(self) -> Hooks:
         """Instrumentation (``prometheus``, ``tracing``): load/L2-read observers, load wrapper."""
         return self._rt.hooks
+
+
+_CLOSED = "this LayeredCache is closed: start() it again, or build a new one"
+
+
+def _after_fork_in_child(cache: LayeredCache) -> None:
+    """Register ``cache._after_fork`` with ``os.register_at_fork``. Registrations can't
+    be removed, so the hook holds a weak reference: a dropped cache is collected."""
+    ref = weakref.ref(cache)
+
+    def after_in_child() -> None:
+        alive = ref()
+        if alive is not None:
+            _forget_parent(alive)
+
+    os.register_at_fork(after_in_child=after_in_child)
+
+
+def _forget_parent(cache: LayeredCache) -> None:
+    """In a child forked from this process: L1 and the tag versions are a copy that
+    missed every invalidation since the fork. A cache this process started holds its
+    connections and tasks: refused in the child (``start`` says so too), as every call
+    would talk on the parent's sockets (the parent then read the child's reply as its
+    own: another key's value)."""
+    for ns in cache:
+        if ns.policy.l1 is not None:
+            ns.policy.l1.after_fork()
+    cache._rt.flight.forget_all()  # loads of the parent's, on its event loop
+    cache._rt.versions.forget_all()
+    if cache._started_in and not cache._closed:
+        cache._rt.refusal = startup.started_elsewhere(cache._started_in)
+
+
+def _backplane_status(
+    backplane: BackplaneListener, fallback: FallbackSubscriber | None, invalidator: Invalidator
+) -> BackplaneStatus:
+    """The listener's status with the pub/sub fallback's counters added."""
+    status = backplane.status()
+    return msgspec.structs.replace(
+        status,
+        fallback_sent=invalidator.fallback_deliveries,
+        fallback_received=fallback.received if fallback is not None else 0,
+        errors=status.errors + (fallback.errors if fallback is not None else 0),
+    )

@@ -33,6 +33,7 @@ class Coherence:
         announcement would leave other instances serving the old value for their L1
         TTL (on a single node the two are two round trips; ``set()`` has one)."""
         key = ns.key(fields)
+        self._rt.check_open()
         ns.policy.stats.invalidated += 1
         self.forget([key])  # also detaches loads: new callers must not join them
         try:
@@ -58,6 +59,7 @@ class Coherence:
         nobody announced leaves every instance that remembers the old one serving
         the dead entries from L2, until their TTL."""
         validate_tag(tag)  # before anything: a refused tag must not reach a gateway's BAN
+        self._rt.check_open()
         self._forget_tag(tag)
         try:
             await self._rt.tasks.to_completion(self._new_version(tag))

@@ -172,6 +172,13 @@ class L1Cache:
             self._tombstones.clear()
             self._floor = seq
 
+    def after_fork(self) -> None:
+        """In a child process: a fresh lock (a thread of the parent may have held ours
+        at the fork, and no thread is left here to release it), then nothing held: the
+        copy missed every invalidation since the fork."""
+        self._lock = threading.Lock()
+        self.clear()
+
     def clear(self) -> None:
         """Drop everything (the backplane fell behind): every in-flight fill is discarded."""
         with self._lock:

@@ -133,6 +133,7 @@ class Namespace:
             if value is not MISSING:
                 policy.stats.l1_hit += 1
                 return Served(value)
+        self._rt.check_open()
         served: Served
         served, shared = await self._rt.flight.do(key, lambda: self._fetch(key, loader, tags))
         if shared:
@@ -164,6 +165,7 @@ class Namespace:
                 return value
         if not policy.l2:
             return None
+        self._rt.check_open()
         read_seq = policy.l1.begin_read() if policy.l1 is not None else None
         try:
             envelope = await self._read_l2(key)

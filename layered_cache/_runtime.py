@@ -131,3 +131,17 @@ class Runtime:
     # ``L2Store.slots`` (taken inside): holders of this one never wait for it again, so
     # the two can't deadlock.
     admission: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(64))
+    # Why calls are refused (``check_open``), None while they may run: set by close()
+    # and in a child forked from the process that started the cache, cleared by start().
+    refusal: str | None = None
+
+    def check_open(self) -> None:
+        """Before anything that would reach Redis or fill L1 (an L1 miss, a write, an
+        invalidation). A closed cache hears no invalidations: serving on, it kept
+        superseded copies, and each call opened a connection nobody closed. A child
+        forked from the process that started the cache would talk on that process's
+        sockets: the parent then read the child's reply as its own (another key's
+        value). L1 hits need no check: both empty L1 (``LayeredCache.close``,
+        ``LayeredCache._after_fork``)."""
+        if self.refusal is not None:
+            raise RuntimeError(self.refusal)

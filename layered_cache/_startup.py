@@ -42,6 +42,7 @@ __all__ = [
     "positioned",
     "reopened",
     "runtime",
+    "started_elsewhere",
 ]
 
 _log = structlog.get_logger("layered_cache")
@@ -196,6 +197,16 @@ def reopened(
     runtime.purges = purges_for(config, purger, stats=runtime.purges.stats)
 
 
+def started_elsewhere(started_in: int) -> str:
+    """Why a cache started in another process, this one's parent, is refused here."""
+    return (
+        f"this LayeredCache was started in process {started_in}, before this one "
+        "was forked from it: its connections are that process's. Build one cache "
+        "per process (in the worker, e.g. in its lifespan), or start it only after "
+        "the fork"
+    )
+
+
 def forked(parts: CacheParts, started_in: int) -> None:
     """A cache built in one process and started in a child forked from it (gunicorn
     ``--preload`` imports the app, and so builds the cache, in the master). Every worker
@@ -206,12 +217,7 @@ def forked(parts: CacheParts, started_in: int) -> None:
     the fork). A cache the parent had *started* holds the parent's connections and
     tasks: refused, not shared."""
     if started_in:
-        raise RuntimeError(
-            f"this LayeredCache was started in process {started_in}, before this one "
-            "was forked from it: its connections are that process's. Build one cache "
-            "per process (in the worker, e.g. in its lifespan), or start it only after "
-            "the fork"
-        )
+        raise RuntimeError(started_elsewhere(started_in))
     parts.instance_id = new_instance_id()
     if parts.publisher is not None:
         parts.publisher.origin = parts.instance_id

@@ -35,15 +35,12 @@ Design (chosen over a set of member keys per tag; docs/tags.md has the measureme
 A missing token key (evicted, deleted by hand) kills every entry of its tag, never back
 to life: a reader takes them for dead, and the next writer makes a new random token.
 
-**Token keys expire** (``version_ttl``): one key per tag ever used would otherwise stay
-for ever, and with tags of unbounded kinds (a search query, a user) fill Redis; under a
-``volatile-*`` policy nothing could evict them. A key lives ``version_ttl`` after its
-last fetch or invalidation: at least a day, and twice the longest life of an entry of a
-tagged namespace (L2 TTL + jitter + stale window), so a token outlives every entry that
-carries it. An instance trusts a token it holds for a quarter of that (at most an
-hour), then fetches it again (which extends the key's life): an instance still holding
-a token Redis no longer has (expired or evicted, with no invalidation to announce it)
-would take every entry written since for dead.
+**Token keys expire** (``version_ttl``): else tags of unbounded kinds (a search query,
+a user) fill Redis, unevictable under ``volatile-*``. A key lives ``version_ttl`` after
+its last fetch or invalidation: a day at least, twice the longest tagged entry's life
+(L2 TTL + jitter + stale window), so a token outlives its entries. An instance trusts a
+token for a quarter of that (an hour at most), then fetches it again (extending its
+life): one holding a token Redis no longer has would take every newer entry for dead.
 """
 
 from __future__ import annotations
@@ -295,23 +292,21 @@ class TagVersions:
             self._trusted_until = self._clock() + self._trust
         return self._versions
 
+    def _pipeline(self, tags: Sequence[str], create: bool) -> Any:
+        pipe = self._store.client.pipeline(transaction=False)
+        for tag in tags:  # its life extended; with ``create``, a new tag gets a token
+            name = tag_version_name(self._prefix, tag)
+            if create:
+                pipe.eval(FETCH_SCRIPT, 1, name, new_version(), self._ttl_ms)
+            else:
+                pipe.eval(PEEK_SCRIPT, 1, name, self._ttl_ms)
+        return pipe
+
     async def _fetch(self, tags: list[str], create: bool) -> dict[str, str]:
         generation, started = self._generation, self._clock()
         results: list[Any] = []
-        # In runs of CHUNK_ITEMS tags, each within one ``redis.timeout``: one pipeline of
-        # every tag of a batch (3,000 pages x 20 tags) outlasted it on a cluster, and
-        # such a batch was never cached.
-        for chunk in by_count(tags):
-            pipe = self._store.client.pipeline(transaction=False)
-            for tag in chunk:
-                # The key's life is extended; with ``create``, a tag never invalidated
-                # gets a token now.
-                name = tag_version_name(self._prefix, tag)
-                if create:
-                    pipe.eval(FETCH_SCRIPT, 1, name, new_version(), self._ttl_ms)
-                else:
-                    pipe.eval(PEEK_SCRIPT, 1, name, self._ttl_ms)
-            results += await self._store.guard(pipe.execute())
+        for chunk in by_count(tags):  # one pipeline of 60,000 outlasted the timeout
+            results += await self._store.guard(self._pipeline(chunk, create).execute())
         fetched = {
             tag: token
             for tag, version in zip(tags, results, strict=True)
@@ -384,11 +379,11 @@ async def invalidate_tags(
     versions = {validate_tag(tag): new_version() for tag in tags}
     if not versions:
         return versions
-    # The loads in flight are revoked first, then the new tokens written: a fill that
-    # lands before the revocation fetched its token before the SETs (the old one: dead
-    # once they land), one after it has no lease. The other order let a load that began
-    # before the change fill between the SETs and the revocation with the new token
-    # (fetched then: a tag this instance had not seen, or no longer trusted).
+    # The loads in flight are revoked first, then the new tokens written: a fill landing
+    # before the revocation fetched its token before the SETs (the old one: dead once
+    # they land), one after it has no lease. The other order let a load that began before
+    # the change fill between the SETs and the revocation with the new token (fetched
+    # then: a tag this instance had not seen, or no longer trusted).
     await take_loading(store, prefix)
     pipe = store.client.pipeline(transaction=False)
     for tag, version in versions.items():

@@ -51,6 +51,7 @@ class Writes:
         was taken: then other instances may still serve their old L1 copies for their
         TTL, and returning normally would promise otherwise. A Redis full under
         noeviction refuses the values: the keys are dropped everywhere instead."""
+        self._rt.check_open()
         if not isinstance(items, list):
             items = list(items)  # read once: written, then purged (an iterator is taken)
         async with self._rt.admission:  # see Runtime.admission
