@@ -8,6 +8,7 @@ keyed by namespace name. It owns no storage logic and no step of the read path.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import time
@@ -84,6 +85,7 @@ class LayeredCache(HitPath):
         for name, own_expiry in (expiry_of or {}).items():
             self.namespace(name).policy.expiry_of = own_expiry
         self._built_in, self._started_in, self._starts = os.getpid(), 0, 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one start() last ran on
         self._follow()
         _after_fork_in_child(self)
 
@@ -127,12 +129,7 @@ class LayeredCache(HitPath):
     async def start(self) -> None:
         """Start following the backplane (L1 coherence) and reporting hot keys; see
         ``_startup`` for what is checked first and why."""
-        forked = os.getpid() != self._built_in  # after construction: gunicorn --preload
-        if forked:
-            startup.forked(self._parts, self._started_in)
-        if forked or self._closed:  # or started again: a second lifespan, a new loop
-            startup.reopened(self._parts, self._rt, self._coherence, self.config, self._purger)
-            self._follow()
+        await _rebind(self)
         self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
         self._rt.refusal, self._starts = None, self._starts + 1
         try:
@@ -317,6 +314,27 @@ def _after_fork_in_child(cache: LayeredCache) -> None:
             _forget_parent(alive)
 
     os.register_at_fork(after_in_child=after_in_child)
+
+
+async def _rebind(cache: LayeredCache) -> None:
+    """What ``start`` makes anew first. In a process forked after construction
+    (gunicorn ``--preload``), ``startup.forked``. Connections made before this start,
+    on another event loop (calls before ``start()``: a warm-up at import under
+    ``asyncio.run``; a loop that ended without ``close()``) or by the parent, are
+    closed: reused here they failed ("Event loop is closed"), or talked on the parent's
+    sockets. Then a closed cache is reopened (``startup.reopened``): a second lifespan,
+    a new loop, a test's new ``TestClient``."""
+    forked = os.getpid() != cache._built_in
+    if forked:
+        startup.forked(cache._parts, cache._started_in)
+    loop = asyncio.get_running_loop()
+    if not cache._closed and (forked or cache._loop is not loop):
+        await cache._parts.close()
+        cache._closed = True
+    if cache._closed:
+        startup.reopened(cache._parts, cache._rt, cache._coherence, cache.config, cache._purger)
+        cache._follow()
+    cache._loop = loop
 
 
 def _forget_parent(cache: LayeredCache) -> None:
