@@ -1,5 +1,5 @@
-"""A private event loop on a daemon thread, with a thread pool for sync loaders: what
-``SyncLayeredCache`` runs the async core on.
+"""A private event loop on a daemon thread, with a pool of daemon threads for sync
+loaders (``_daemonpool``): what ``SyncLayeredCache`` runs the async core on.
 
 A loop thread belongs to the process that started it. ``fork()`` copies only the calling
 thread: in the child the loop object, its sockets and the pool look alive but nothing
@@ -17,6 +17,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from layered_cache._daemonpool import DaemonThreadPool
 from layered_cache._sync_loaders import LoaderInterrupted
 
 __all__ = ["LoopThread", "SyncTimeoutError"]
@@ -56,9 +57,9 @@ class LoopThread:
         self.thread = threading.Thread(target=run, name="layered-cache-loop", daemon=True)
         self.thread.start()
         ready.wait()
-        self.executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix="layered-cache-loader"
-        )
+        # Daemon threads: a loader its caller gave up on must not hold the process's
+        # exit (``_daemonpool``).
+        self.executor = DaemonThreadPool(max_workers, "layered-cache-loader")
         self._calls: set[concurrent.futures.Future[Any]] = set()  # in flight, any thread
         self._calls_lock = threading.Lock()
 
