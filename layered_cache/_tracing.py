@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from layered_cache._cache import LayeredCache
+    from layered_cache.sync import SyncLayeredCache
 
 __all__ = ["SPAN_NAME", "instrument", "load_tracer"]
 
@@ -35,8 +36,10 @@ def load_tracer() -> Any | None:
     return trace.get_tracer("layered_cache", __version__)
 
 
-def instrument(cache: LayeredCache, tracer: Any | None = None) -> bool:
-    """Wrap every load of ``cache`` in a span. Returns whether tracing is active."""
+def instrument(cache: LayeredCache | SyncLayeredCache, tracer: Any | None = None) -> bool:
+    """Wrap every load of ``cache`` in a span. Returns whether tracing is active. A
+    ``SyncLayeredCache`` (or its ``.cache``) keeps the wrapper on every inner cache it
+    builds, after a fork or ``close()`` + ``start()`` too (``_sync_inner``)."""
     tracer = tracer if tracer is not None else load_tracer()
     if tracer is None:
         return False

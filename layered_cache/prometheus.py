@@ -12,6 +12,12 @@ on an L1 hit; they are kept as plain bucket counts here and exported at scrape t
 Several caches registered on one registry are summed per namespace (the breaker gauge
 keeps one series per cache, labelled with its ``instance`` id). Metric names and labels:
 docs/metrics.md.
+
+A ``SyncLayeredCache`` builds a new inner cache in a forked worker and after ``close()``
++ ``start()``: registered (itself, or its inner cache), it is read through the inner
+cache it runs now, and its hooks go on with each (``layered_cache._sync_inner``). So a
+``gunicorn --preload`` worker's ``/metrics`` counts that worker's requests, not the
+master's counters frozen at the fork.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from layered_cache._cache import LayeredCache
 from layered_cache._extras import missing_extra
+from layered_cache._sync_inner import facade_of
+from layered_cache.sync import SyncLayeredCache
 
 try:
     from prometheus_client import (
@@ -41,9 +50,10 @@ try:
 except ImportError as exc:  # an extra: pip install 'layered-cache[prometheus]'
     raise missing_extra("layered_cache.prometheus", "prometheus", exc) from exc
 
+from layered_cache._prometheus_backplane import PREFIX, BackplaneFamilies  # needs the above
+
 if TYPE_CHECKING:
-    from layered_cache._backplane import BackplaneStatus
-    from layered_cache._cache import LayeredCache, RedisStatus
+    from layered_cache._cache import RedisStatus
 
 __all__ = [
     "L2_BUCKETS",
@@ -54,7 +64,6 @@ __all__ = [
     "unregister_cache",
 ]
 
-PREFIX = "layered_cache"
 LOAD_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
@@ -136,7 +145,7 @@ class CacheCollector(Collector):
     """Reads the registered caches at scrape time. One per registry (``register_cache``)."""
 
     def __init__(self) -> None:
-        self._caches: weakref.WeakSet[LayeredCache] = weakref.WeakSet()
+        self._caches: weakref.WeakSet[LayeredCache | SyncLayeredCache] = weakref.WeakSet()
         self.load_seconds = _Histogram(LOAD_BUCKETS)
         self.l2_read_seconds = _Histogram(L2_BUCKETS)
 
@@ -147,14 +156,19 @@ class CacheCollector(Collector):
     def observe_l2_read(self, namespace: str, seconds: float) -> None:
         self.l2_read_seconds.observe((namespace,), seconds)
 
-    def add(self, cache: LayeredCache) -> None:
-        if cache in self._caches:
-            return
+    def add(self, cache: LayeredCache | SyncLayeredCache) -> None:
+        """Export ``cache``; an inner cache of a ``SyncLayeredCache`` is exported as that
+        facade (module doc). Idempotent: each hook is added once."""
+        cache = _exported(cache)
         self._caches.add(cache)
-        cache.hooks.load_observers.append(self.observe_load)
-        cache.hooks.l2_observers.append(self.observe_l2_read)
+        hooks = cache.hooks
+        if self.observe_load not in hooks.load_observers:
+            hooks.load_observers.append(self.observe_load)
+        if self.observe_l2_read not in hooks.l2_observers:
+            hooks.l2_observers.append(self.observe_l2_read)
 
-    def remove(self, cache: LayeredCache) -> None:
+    def remove(self, cache: LayeredCache | SyncLayeredCache) -> None:
+        cache = _exported(cache)
         self._caches.discard(cache)
         while self.observe_load in cache.hooks.load_observers:
             cache.hooks.load_observers.remove(self.observe_load)
@@ -168,8 +182,10 @@ class CacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         scrape = _Scrape()
-        for cache in list(self._caches):
-            scrape.add(cache)
+        for exported in list(self._caches):
+            cache = exported.running_cache() if isinstance(exported, SyncLayeredCache) else exported
+            if cache is not None:  # None: a facade closed, or not yet used in this worker
+                scrape.add(cache)
         yield from scrape.counter_families()
         yield from scrape.gauge_families()
         yield self.load_seconds.family(
@@ -201,7 +217,7 @@ class _Scrape:
             "Circuit breaker state changes",
             labels=["instance"],
         )
-        self.backplane = _BackplaneFamilies()
+        self.backplane = BackplaneFamilies()
         self.purges = CounterMetricFamily(
             f"{PREFIX}_http_purges",
             "Keys and tags sent to HTTP caches ([purge], docs/http.md), by outcome",
@@ -298,53 +314,11 @@ class _Scrape:
         yield from self.backplane.families()
 
 
-class _BackplaneFamilies:
-    """Each cache's backplane listener (L1 coherence), one series per instance."""
-
-    def __init__(self) -> None:
-        def counter(suffix: str, doc: str) -> CounterMetricFamily:
-            return CounterMetricFamily(f"{PREFIX}_backplane_{suffix}", doc, labels=["instance"])
-
-        def gauge(suffix: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"{PREFIX}_backplane_{suffix}", doc, labels=["instance"])
-
-        self.entries = counter(
-            "entries_applied", "Backplane entries from the daemon or other instances applied"
-        )
-        self.keys = counter("keys_applied", "Keys in the backplane entries applied")
-        self.gaps = counter(
-            "gaps", "Whole-L1 clears: the stream was trimmed past our position, or deleted"
-        )
-        self.errors = counter(
-            "errors", "Bugs the listener met reading or applying entries (each cleared L1)"
-        )
-        self.fallback_sent = counter(
-            "fallback_sent",
-            "Announcements the stream refused (full Redis) this instance sent over pub/sub",
-        )
-        self.fallback_received = counter(
-            "fallback_received", "Announcements from others received over the pub/sub fallback"
-        )
-        self.connected = gauge("connected", "1 while the backplane listener is connected")
-        self.lag = gauge(
-            "lag_seconds",
-            "Age of the newest backplane entry when read (0: caught up); while "
-            "disconnected, at least the time since the connection was lost",
-        )
-
-    def add(self, instance: str, status: BackplaneStatus) -> None:
-        self.entries.add_metric([instance], float(status.entries_applied))
-        self.keys.add_metric([instance], float(status.keys_applied))
-        self.gaps.add_metric([instance], float(status.gaps))
-        self.errors.add_metric([instance], float(status.errors))
-        self.fallback_sent.add_metric([instance], float(status.fallback_sent))
-        self.fallback_received.add_metric([instance], float(status.fallback_received))
-        self.connected.add_metric([instance], 1.0 if status.connected else 0.0)
-        self.lag.add_metric([instance], status.lag_seconds)
-
-    def families(self) -> Iterator[Metric]:
-        yield from (self.entries, self.keys, self.gaps, self.errors, self.fallback_sent)
-        yield from (self.fallback_received, self.connected, self.lag)
+def _exported(cache: LayeredCache | SyncLayeredCache) -> LayeredCache | SyncLayeredCache:
+    """What the collector holds for ``cache``: the facade that built it, if one did."""
+    if isinstance(cache, LayeredCache):
+        return facade_of(cache) or cache
+    return cache
 
 
 def _hot_keys(cache: LayeredCache) -> dict[str, Any]:
@@ -370,9 +344,11 @@ _collectors_lock = threading.Lock()
 
 
 def register_cache(
-    cache: LayeredCache, registry: CollectorRegistry = REGISTRY
+    cache: LayeredCache | SyncLayeredCache, registry: CollectorRegistry = REGISTRY
 ) -> CacheCollector | None:
-    """Export ``cache`` on ``registry`` (default: the global one). Idempotent.
+    """Export ``cache`` on ``registry`` (default: the global one). Idempotent. A
+    ``SyncLayeredCache`` (or its ``.cache``) is exported through whichever inner cache it
+    runs at scrape time (module doc).
 
     Returns the registry's collector, or None when ``metrics.enabled = false``.
     """
@@ -388,7 +364,9 @@ def register_cache(
     return collector
 
 
-def unregister_cache(cache: LayeredCache, registry: CollectorRegistry = REGISTRY) -> None:
+def unregister_cache(
+    cache: LayeredCache | SyncLayeredCache, registry: CollectorRegistry = REGISTRY
+) -> None:
     """Stop exporting ``cache`` (its counters leave the sums; histograms are kept)."""
     collector = _collectors.get(registry)
     if collector is not None:

@@ -34,6 +34,8 @@ one load).
   created and started at import is inherited without its loop thread, which only the
   parent has. The child forgets the parent's loop, pool and connections (untouched:
   the parent still uses them) and its first call builds its own, with an empty L1.
+  What was bound to the cache goes on with each one built (``_sync_inner``): the value
+  types ``cached`` declared, the instrumentation ``hooks`` (metrics, tracing).
 - No call waits forever by default: after ``timeout`` (``DEFAULT_TIMEOUT``, 20 s) it
   raises ``SyncTimeoutError`` (a ``TimeoutError``) naming the call; ``timeout=None``
   opts out.
@@ -60,6 +62,8 @@ from layered_cache._loopthread import LoopThread, SyncTimeoutError
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
+from layered_cache._runtime import Hooks
+from layered_cache._sync_inner import InnerCaches
 from layered_cache._sync_loaders import LoaderThreads, LoaderThreadsExhausted
 
 __all__ = ["DEFAULT_TIMEOUT", "LoaderThreadsExhausted", "SyncLayeredCache", "SyncTimeoutError"]
@@ -104,7 +108,7 @@ class SyncLayeredCache:
         threads of their own beyond them (``_sync_loaders``); ``timeout``: seconds a call
         may block before ``SyncTimeoutError`` (a ``TimeoutError``); None: no bound."""
         self.config = config
-        self._cache_kwargs = cache_kwargs
+        self._inner = InnerCaches(config, cache_kwargs)
         self._timeout = timeout
         self._max_workers = max_workers
         self._lock = threading.Lock()
@@ -137,7 +141,7 @@ class SyncLayeredCache:
         if self._runner is not None and self._cache is not None:
             return self._cache
         runner = LoopThread(self._max_workers)
-        opening = _open_cache(self.config, self._cache_kwargs)
+        opening = self._inner.open(self)
         try:
             self._cache = runner.run(opening, self._timeout, "starting the cache")
         except BaseException:
@@ -181,8 +185,7 @@ class SyncLayeredCache:
     def cache(self) -> LayeredCache:
         """The underlying async cache (for metrics registration, policies, stats).
         In a forked child, the first use builds the child's own (lazily)."""
-        cache, runner = self._cache, self._runner
-        if cache is not None and runner is not None and runner.owned_here:
+        if (cache := self.running_cache()) is not None:
             return cache
         with self._lock:
             if not self._started:
@@ -190,6 +193,17 @@ class SyncLayeredCache:
             if self._runner is not None and not self._runner.owned_here:
                 self._forget_parent()  # a fork the at-fork hook did not see
             return self._start_locked()
+
+    def running_cache(self) -> LayeredCache | None:
+        """``cache`` if this process has built it, else None (not started, closed, a
+        forked child before its first call): for a scrape, which must not build one."""
+        cache, runner = self._cache, self._runner
+        return cache if cache is not None and runner is not None and runner.owned_here else None
+
+    @property
+    def hooks(self) -> Hooks:
+        """``cache.hooks``, also before it is built: kept by every inner cache built."""
+        return self._inner.hooks
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -208,17 +222,6 @@ class SyncLayeredCache:
         _refuse_running_loop()
         return self._run(make(self.cache), what)
 
-    def _l1_hit(self, policy: Policy, fields: Mapping[str, object]) -> Any:
-        """The L1 value (counted as an L1 hit) or MISSING; validates the key either way."""
-        key = policy.template.build(fields)
-        l1 = policy.l1
-        if l1 is None or not policy.cache:
-            return MISSING
-        value = l1.get(key)
-        if value is not MISSING:
-            policy.stats.l1_hit += 1
-        return value
-
     # -- public API (same as LayeredCache, blocking) -----------------------------------
 
     def get_or_load(
@@ -233,7 +236,7 @@ class SyncLayeredCache:
         _refuse_async(loader, "get_or_load")
         ns = self.cache.namespace(namespace)
         check_tags(ns.policy, tags)
-        value = self._l1_hit(ns.policy, fields)
+        value = _l1_hit(ns.policy, fields)
         if value is not MISSING:
             return typing.cast(T, value)
         key = ns.policy.template.build(fields)
@@ -246,7 +249,7 @@ class SyncLayeredCache:
     def get(self, namespace: str, fields: Mapping[str, object]) -> Any:
         """The cached value or None; never loads."""
         _refuse_running_loop()
-        value = self._l1_hit(self.cache.namespace(namespace).policy, fields)
+        value = _l1_hit(self.cache.namespace(namespace).policy, fields)
         if value is not MISSING:
             return value
         return self._run(self.cache.get(namespace, fields), f"get({namespace!r})")
@@ -317,7 +320,9 @@ class SyncLayeredCache:
         ns = self.cache.namespace(namespace)  # an unknown namespace fails here, not at a call
 
         def decorate(fn: Callable[P, T]) -> Callable[P, T]:
-            return cached_sync(ns, fn, value_type, ignore, tags, self.get_or_load)
+            wrapper = cached_sync(ns, fn, value_type, ignore, tags, self.get_or_load)
+            self._inner.declared(ns)  # and so in every inner cache built after this one
+            return wrapper
 
         return decorate
 
@@ -334,12 +339,16 @@ class SyncLayeredCache:
         return self.cache.key(namespace, fields)
 
 
-async def _open_cache(config: Config, kwargs: Mapping[str, Any]) -> LayeredCache:
-    """Start a cache (``start`` waits, bounded, until its backplane listener knows its
-    position in the stream: see ``LayeredCache._backplane_positioned``)."""
-    cache = LayeredCache.from_config(config, **kwargs)
-    await cache.start()
-    return cache
+def _l1_hit(policy: Policy, fields: Mapping[str, object]) -> Any:
+    """The L1 value (counted as an L1 hit) or MISSING; validates the key either way."""
+    key = policy.template.build(fields)
+    l1 = policy.l1
+    if l1 is None or not policy.cache:
+        return MISSING
+    value = l1.get(key)
+    if value is not MISSING:
+        policy.stats.l1_hit += 1
+    return value
 
 
 def _refuse_async(loader: Callable[..., Any], call: str) -> None:

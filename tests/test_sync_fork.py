@@ -68,14 +68,27 @@ def _serving(command: list[str], port: int, env: dict[str, str], log_path: Path)
                 proc.wait()
 
 
-@pytest.fixture
-def gunicorn_preload(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[str]:
-    """gunicorn -w 2 --preload serving tests/apps/wsgi_books.py; yields its base URL."""
+@contextlib.contextmanager
+def _gunicorn(workers: int, redis_url: str, prefix: str, tmp_path: Path) -> Iterator[str]:
+    """gunicorn --preload serving tests/apps/wsgi_books.py; yields its base URL."""
     port = free_port()
     env = {**os.environ, "LC_REDIS_URL": redis_url, "LC_PREFIX": prefix}
-    command = [sys.executable, "-m", "gunicorn", "--preload", "-w", "2", "--timeout", "30",
-               "-b", f"127.0.0.1:{port}", "tests.apps.wsgi_books:app"]  # fmt: skip
+    command = [sys.executable, "-m", "gunicorn", "--preload", "-w", str(workers),
+               "--timeout", "30", "-b", f"127.0.0.1:{port}", "tests.apps.wsgi_books:app"]  # fmt: skip
     with _serving(command, port, env, tmp_path / "gunicorn.log") as base:
+        yield base
+
+
+@pytest.fixture
+def gunicorn_preload(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[str]:
+    with _gunicorn(2, redis_url, prefix, tmp_path) as base:
+        yield base
+
+
+@pytest.fixture
+def gunicorn_preload_one_worker(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[str]:
+    """One worker: every request, ``/metrics`` included, is answered by the same one."""
+    with _gunicorn(1, redis_url, prefix, tmp_path) as base:
         yield base
 
 
@@ -123,6 +136,36 @@ def test_gunicorn_preload_worker_follows_invalidations_after_fork(
         assert time.monotonic() < deadline, "a worker kept serving the invalidated value"
         time.sleep(0.05)
     assert all(_get(f"{gunicorn_preload}/book/7")["value"] == "v2" for _ in range(10))
+
+
+def test_gunicorn_preload_workers_return_the_declared_type_on_an_l2_hit(
+    gunicorn_preload: str,
+) -> None:
+    """README: the return annotation of a function ``@cache.cached`` declares the value
+    type; DESIGN.md: "A call returns the same type whichever layer answered it". The
+    master declared it at import and warmed book 1 into L2. Each worker builds its own
+    cache after the fork, which was built without the declared type: its L2 hit came
+    back as a dict, and the view's ``book.title`` an AttributeError."""
+    answers = [_get(f"{gunicorn_preload}/typed/1") for _ in range(10)]
+    assert {answer["type"] for answer in answers} == {"Book"}
+
+
+def test_gunicorn_preload_worker_metrics_count_the_workers_own_loads(
+    gunicorn_preload_one_worker: str,
+) -> None:
+    """docs/metrics.md: register the sync cache's ``.cache`` at import, scraped in each
+    worker. The collector held the master's inner cache, which the worker never uses:
+    its ``/metrics`` showed the master's counters frozen at the fork (its one load),
+    whatever the worker did, and the load histogram never moved. It follows the sync
+    cache to the worker's own now."""
+    for book_id in (2, 3, 4):
+        _get(f"{gunicorn_preload_one_worker}/book/{book_id}")  # three loads in the worker
+    with urllib.request.urlopen(f"{gunicorn_preload_one_worker}/metrics", timeout=10) as reply:
+        metrics = reply.read().decode()
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+    assert float(samples['layered_cache_loads_total{namespace="book"}']) == 3  # not the master's
+    # the histogram's hooks went on with the cache
+    assert float(samples['layered_cache_load_seconds_count{namespace="book",outcome="ok"}']) == 3
 
 
 def _child_reads(cache: SyncLayeredCache, results: Any) -> None:

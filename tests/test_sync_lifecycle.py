@@ -1,5 +1,6 @@
-"""The sync API's life around its loop thread: what close() leaves behind for the
-process's exit."""
+"""The sync API's life around its loop thread: what goes on from one inner cache to the
+next when close() + start() builds a new one (a forked worker's: tests/test_sync_fork.py),
+and what close() leaves behind for the process's exit."""
 
 from __future__ import annotations
 
@@ -7,11 +8,73 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
+
+from layered_cache import instrument
+from layered_cache.prometheus import register_cache
+from layered_cache.sync import SyncLayeredCache
+from tests.helpers import make_config
+from tests.test_metrics import FakeTracer
 
 ROOT = Path(__file__).parent.parent
+
+
+class Book(msgspec.Struct):
+    id: int
+    title: str
+
+
+def test_a_sync_cached_function_keeps_its_declared_type_after_close_and_start(
+    redis_url: str, prefix: str
+) -> None:
+    """DESIGN.md: "A call returns the same type whichever layer answered it". A test
+    suite's setup and teardown, a reload: ``start()`` after ``close()`` builds a new
+    inner cache, which was built without the type ``@cache.cached`` declared, and its
+    L2 hits came back as dicts."""
+    cache = SyncLayeredCache.from_config(make_config(redis_url, prefix))
+    cache.start()
+    try:
+
+        @cache.cached("book")
+        def book_detail(id: int) -> Book:
+            return Book(id=id, title="Emma")
+
+        assert book_detail(1) == Book(id=1, title="Emma")  # loaded, now in L2
+        cache.close()
+        cache.start()
+        assert book_detail(1) == Book(id=1, title="Emma")  # an L2 hit of the new cache
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize(
+    "registered",
+    [lambda sync_cache: sync_cache, lambda sync_cache: sync_cache.cache],
+    ids=["the sync cache", "its inner cache"],
+)
+def test_metrics_and_traces_go_on_with_the_cache_built_after_close_and_start(
+    redis_url: str, prefix: str, registered: Callable[[SyncLayeredCache], Any]
+) -> None:
+    """docs/metrics.md: register the sync cache (or its ``.cache``) once. The collector
+    held the inner cache, which ``close()`` let go: after ``start()`` the new one's
+    loads were neither counted nor timed nor traced."""
+    registry, tracer = CollectorRegistry(), FakeTracer()
+    with SyncLayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        register_cache(registered(cache), registry)
+        instrument(registered(cache), tracer)
+        cache.close()
+        cache.start()
+        cache.get_or_load("book", {"id": 1}, lambda: "v")
+        loads = registry.get_sample_value("layered_cache_loads_total", {"namespace": "book"})
+        labels = {"namespace": "book", "outcome": "ok"}
+        timed = registry.get_sample_value("layered_cache_load_seconds_count", labels)
+    assert (loads, timed, len(tracer.spans)) == (1, 1, 1)
 
 # A script that meets a database that hangs: its call times out, it closes the cache and
 # has nothing left to do.
