@@ -91,6 +91,14 @@ class Writes:
         policy.stats.set += len(keyed)
         read_seq = self._begin([key for key, _ in keyed])
         if not policy.l2:
+            # Each instance's L1 is all there is: the others must drop their copies, as
+            # for invalidate() (they kept the old value for their L1 TTL).
+            keys = [key for key, _ in keyed]
+            try:
+                await self._announce(keys)
+            except asyncio.CancelledError:
+                self._abandoned(keys, announce=True)
+                raise
             for key, value in keyed:
                 fills.fill_l1(key, value, None, read_seq, versions)
             return

@@ -334,6 +334,26 @@ async def test_set_in_an_l1_only_namespace_is_served_from_memory(
         assert cache.stats()["session"]["l1_hit"] == 1
 
 
+async def test_a_set_in_an_l1_only_namespace_drops_the_other_instances_copies(
+    redis_url: str, prefix: str
+) -> None:
+    """In an ``l2 = false`` namespace each L1 is all there is: a set() on one instance
+    left the other serving its old copy for its whole L1 TTL (invalidate() did reach it).
+    Found by a review (2026-12-05)."""
+    namespaces = {"session": {"key": "session:{id}", "l2": False, "l1": {"ttl": "60s"}}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        assert await b.get_or_load("session", {"id": 1}, CountingLoader("old")) == "old"
+        await a.set("session", {"id": 1}, "new")
+        assert await a.get("session", {"id": 1}) == "new"
+        assert await eventually(lambda: _absent_from_l1(b, "session", {"id": 1}), timeout=5)
+
+
+def _absent_from_l1(cache: LayeredCache, namespace: str, fields: dict[str, Any]) -> bool:
+    l1 = cache.namespace(namespace).policy.l1
+    return l1 is not None and cache.key(namespace, fields) not in l1
+
+
 async def test_set_revokes_a_fill_in_flight(redis_url: str, prefix: str) -> None:
     """A slow load that read the old value must not overwrite a value set meanwhile."""
     config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
