@@ -68,8 +68,9 @@ class BatchPath:
             try:
                 envelopes = await self._reader.read_many(missing)
             except L2Unavailable:
-                policy.stats.redis_error += 1
                 envelopes = {}
+            if len(envelopes) < len(missing):  # Redis, or a cluster master, failed
+                policy.stats.redis_error += 1
             now = self._rt.clock()
             for key, envelope in envelopes.items():
                 if envelope is not None and now < envelope.soft_expiry:

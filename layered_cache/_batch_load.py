@@ -6,27 +6,25 @@ path, which waits for the holder's fill as a ``get_or_load`` would."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
+from layered_cache._batch_fill import BatchFill
 from layered_cache._batch_read import BatchReader
-from layered_cache._codec import Envelope
 from layered_cache._failsafe import Misshapen
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
-from layered_cache._l2batch import Fill, L2Batch
+from layered_cache._l2batch import L2Batch
 from layered_cache._loading import Loading
 from layered_cache._miss import MissPath, Read, awaited, call_loader
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
-from layered_cache._tags import tag_names
 
-__all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader", "versions_of"]
+__all__ = ["BatchLoader", "Fields", "LoadMany", "checked", "one_loader"]
 
 Fields = Mapping[str, object]
 LoadMany = Callable[[list[Fields]], Awaitable[Sequence[Any]]]
@@ -51,6 +49,7 @@ class BatchLoader:
         self._reader = reader
         self._batch = batch
         self._loading = Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
+        self._fill = BatchFill(policy, fills, miss, runtime, batch)
 
     async def fetch_many(
         self,
@@ -74,7 +73,10 @@ class BatchLoader:
         try:
             envelopes = await self._reader.read_many(list(fields_of))
         except L2Unavailable:
+            envelopes = {}
+        if len(envelopes) < len(reads):  # Redis, or a cluster master, failed
             policy.stats.redis_error += 1
+        if not envelopes:
             return await self._load_unleased(list(reads.values()), fields_of, load_many)
         found: dict[str, Any] = {}
         now = self._rt.clock()
@@ -88,17 +90,24 @@ class BatchLoader:
             else:
                 policy.stats.miss += 1
                 reads[key].stale = envelope if self._fills.within_stale(envelope, now) else None
-        misses = [read for key, read in reads.items() if key not in found]
-        if misses:
+        misses = [read for key, read in reads.items() if key in envelopes and key not in found]
+        unread = [read for key, read in reads.items() if key not in envelopes]
+        if misses or unread:
             on_hits(found)
-            found.update(await self._load_misses(misses, fields_of, load_many))
+            found.update(await self._load_misses(misses, unread, fields_of, load_many))
         return found
 
     async def _load_misses(
-        self, reads: list[Read], fields_of: dict[str, Fields], load_many: LoadMany
+        self,
+        reads: list[Read],
+        unread: list[Read],
+        fields_of: dict[str, Fields],
+        load_many: LoadMany,
     ) -> dict[str, Any]:
         """Take every miss's lease in one round trip; load the won keys in one call and
-        hand the lost ones to the single-key path (it waits for the holder's fill)."""
+        hand the lost ones to the single-key path (it waits for the holder's fill).
+        ``unread``, and misses whose lease a failed master couldn't give, load in a call
+        of their own without writing L2, as a single read does when its master is down."""
         policy = self._policy
         token = new_token()
         ttl_ms = max(1, int(policy.lease_ttl * 1000))
@@ -108,23 +117,31 @@ class BatchLoader:
             )
         except L2Unavailable:
             policy.stats.redis_error += 1
-            self._give_back(reads, token)  # some SET NXs may have landed: see _l2batch
-            return await self._load_unleased(reads, fields_of, load_many)
+            self._fill.give_back(reads, token)  # some SET NXs may have landed: see _l2batch
+            return await self._load_unleased(reads + unread, fields_of, load_many)
         except asyncio.CancelledError:
-            self._give_back(reads, token)  # the SET NXs may have landed before the cancel
+            self._fill.give_back(reads, token)  # the SET NXs may have landed before the cancel
             raise
-        won = [read for read, ours in zip(reads, held, strict=True) if ours]
-        lost = [read for read, ours in zip(reads, held, strict=True) if not ours]
+        failed = [read for i, read in enumerate(reads) if i in held.failed]
+        if failed:
+            policy.stats.redis_error += 1
+            self._fill.give_back(failed, token)  # as above, for their master's round trip
+        won = [read for read, ours in zip(reads, held.values, strict=True) if ours]
+        lost = [r for i, r in enumerate(reads) if not held.values[i] and i not in held.failed]
         policy.stats.lease_lost += len(lost)
         waits = [self._get_or_load_lost(r, fields_of[r.key], load_many) for r in lost]
+        ours = [
+            self._load_won(won, fields_of, load_many, token),
+            self._load_unleased(unread + failed, fields_of, load_many),
+        ]
         try:
-            results = await all_or_none([self._load_won(won, fields_of, load_many, token), *waits])
+            results = await all_or_none([*ours, *waits])
         except BaseException:
             # The lost keys' waits give back their own (``MissPath.load_under_lease``).
-            self._give_back(won, token)
+            self._fill.give_back(won, token)
             raise
-        found: dict[str, Any] = results[0]
-        found.update(zip((r.key for r in lost), results[1:], strict=True))
+        found: dict[str, Any] = {**results[0], **results[1]}
+        found.update(zip((r.key for r in lost), results[2:], strict=True))
         return found
 
     async def _get_or_load_lost(self, read: Read, fields: Fields, load_many: LoadMany) -> Any:
@@ -137,7 +154,7 @@ class BatchLoader:
     ) -> dict[str, Any]:
         if not reads:
             return {}
-        found = await self._filled_meanwhile(reads, token)
+        found = await self._fill.filled_meanwhile(reads, token)
         todo = [read for read in reads if read.key not in found]
         if not todo:
             return found
@@ -148,7 +165,7 @@ class BatchLoader:
                 await self._loading.enter(leases, token)
             except L2Unavailable:
                 self._policy.stats.redis_error += 1
-                await self._release([r.key for r in todo], token)
+                await self._fill.release([r.key for r in todo], token)
                 found.update(await self._load_unleased(todo, fields_of, load_many))
                 return found
         started = time.monotonic()
@@ -157,7 +174,7 @@ class BatchLoader:
         except asyncio.CancelledError:
             raise  # the batch's caller gives every won lease back (``_get_or_load``)
         except BaseException as exc:  # as ``MissPath.load_and_fill``
-            await self._release([r.key for r in todo], token)
+            await self._fill.release([r.key for r in todo], token)
             if not isinstance(exc, Exception):
                 raise  # not an error to serve stale for (GreenletExit, an app's abort)
             found.update(await self._miss.failsafe.serve_all_or_raise(todo, exc))
@@ -166,118 +183,29 @@ class BatchLoader:
             # Each entry's recompute time for XFetch (with 0 none was refreshed early).
             delta = time.monotonic() - started
             try:
-                found.update(await self._fill_many(todo, values, token, delta))
+                found.update(await self._fill.fill_many(todo, values, token, delta))
             except Exception:
-                # Not Redis (``_fill_many`` handles that): a tag function that raised or
+                # Not Redis (``BatchFill.fill_many`` handles that): a tag function that raised or
                 # a bad tag. The leases go back, as ``MissPath.fill`` does, or every
                 # reader of these keys would wait ``max_wait`` for fills that never land.
-                await self._release([r.key for r in todo], token)
+                await self._fill.release([r.key for r in todo], token)
                 raise
         finally:
             if self._policy.tags:
                 self._loading.leave(leases, token)
         return found
 
-    async def _filled_meanwhile(self, reads: list[Read], token: str) -> dict[str, Any]:
-        """Fills that landed between our MGET and our SET NX (``MissPath._filled_meanwhile``)."""
-        try:
-            data = await self._batch.get_many([r.key for r in reads])
-        except L2Unavailable:
-            return {}
-        now = self._rt.clock()
-        filled: list[tuple[Read, Envelope[Any]]] = []
-        for read, value in zip(reads, data, strict=True):
-            envelope = self._fills.recheck(value)
-            if envelope is not None and now < envelope.soft_expiry:
-                filled.append((read, envelope))
-        # A tagged copy counts only if its tags are current, judged as the MGET judged
-        # it (``BatchReader._alive``): the copy found here may be the very one the MGET
-        # refused as dead, not a fill that landed since.
-        tagged = [(read, envelope) for read, envelope in filled if envelope.tags is not None]
-        try:
-            verdicts = await self._fills.versions.valid_many([e.tags or {} for _, e in tagged])
-        except L2Unavailable:
-            verdicts = [False] * len(tagged)
-        dead = {read.key for (read, _), valid in zip(tagged, verdicts, strict=True) if not valid}
-        found: dict[str, Any] = {}
-        for read, envelope in filled:
-            if read.key in dead:
-                continue
-            self._policy.stats.lease_wait_filled += 1
-            self._fills.fill_l1(
-                read.key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags
-            )
-            found[read.key] = envelope.value
-        await self._release(list(found), token)
-        return found
-
-    async def _fill_many(
-        self, reads: list[Read], values: Sequence[Any], token: str, delta: float
-    ) -> dict[str, Any]:
-        """Each value under its lease, in one pipeline (hot keys: ``_replicas``); L1 then."""
-        policy, fills = self._policy, self._fills
-        found: dict[str, Any] = {}
-        batch: list[tuple[Read, Fill, Any, float, dict[str, str] | None]] = []
-        hot: list[tuple[Read, Any]] = []
-        uncacheable: list[str] = []  # not encodable or too large: served, not stored
-        try:
-            versions = await versions_of(self._fills, reads, values)
-        except L2Unavailable:  # no version, no fill: the values are served, not stored
-            policy.stats.redis_error += 1
-            await self._release([r.key for r in reads], token)
-            return {r.key: self._miss.as_read(r, v) for r, v in zip(reads, values, strict=True)}
-        for read, value, tagged in zip(reads, values, versions, strict=True):
-            if fills.is_hot(read.key):
-                hot.append((read, value))
-                continue
-            soft_expiry = policy.soft_expiry(value, self._rt.clock())
-            encoded = fills.encode(read.key, value, soft_expiry, delta, tagged)
-            found[read.key] = encoded.value
-            read.owned = encoded.value is value  # not encodable: handed back as it came
-            if encoded.data is None:
-                uncacheable.append(read.key)
-                continue
-            data = encoded.data
-            fill = (read.key, lease_name(read.key), data, fills.redis_ttl_ms(soft_expiry))
-            batch.append((read, fill, found[read.key], soft_expiry, tagged))
-        await self._release(uncacheable, token)
-        try:
-            written = await self._batch.fill_many([b[1] for b in batch], token)
-        except L2Unavailable:
-            policy.stats.redis_error += 1
-            await self._release([b[1][0] for b in batch], token)
-            written = [False] * len(batch)
-        for (read, _, value, soft_expiry, tagged), done in zip(batch, written, strict=True):
-            if done:
-                fills.fill_l1(read.key, value, soft_expiry, read.seq, tagged)
-            else:
-                policy.stats.fill_revoked += 1
-                read.revoked = True  # served, but no gateway may keep it (``Served``)
-        # Hot keys fill one by one through the replica protocol (reserve, check, write
-        # replicas): rare, and each spans several slots.
-        filled = await asyncio.gather(*(self._miss.fill(r, token, v, delta) for r, v in hot))
-        found.update((read.key, result) for (read, _), result in zip(hot, filled, strict=True))
-        return found
-
     async def _load_unleased(
         self, reads: list[Read], fields_of: dict[str, Fields], load_many: LoadMany
     ) -> dict[str, Any]:
         """Load without writing L2 (Redis unavailable): the type an L2 hit would give."""
+        if not reads:
+            return {}
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in reads])
         except Exception as exc:
             return await self._miss.failsafe.serve_all_or_raise(reads, exc)
         return {r.key: self._miss.as_read(r, v) for r, v in zip(reads, values, strict=True)}
-
-    def _give_back(self, reads: list[Read], token: str) -> None:
-        """``_release`` in the background, for a cancelled batch (``MissPath.give_back``)."""
-        if reads:
-            self._rt.tasks.spawn(self._release([r.key for r in reads], token))
-
-    async def _release(self, keys: list[str], token: str) -> None:
-        # Redis down: the leases expire by themselves (lease_ttl).
-        with contextlib.suppress(L2Unavailable):
-            await self._batch.release_many([lease_name(key) for key in keys], token)
 
     async def call(self, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:
         """``load_many`` through the loader hooks, counted once per key."""
@@ -325,16 +253,3 @@ def one_loader(name: str, fields: Fields, load_many: LoadMany) -> Callable[[], A
         return (await checked(name, load_many, [fields]))[0]
 
     return load
-
-
-async def versions_of(
-    fills: Fills, reads: list[Read], values: Sequence[Any]
-) -> list[dict[str, str] | None]:
-    """Each loaded value's ``{tag: version}`` (versions of all of them fetched in one
-    round trip), or None per value when the batch has no tags."""
-    tags_of = reads[0].tags_of if reads else None
-    if tags_of is None:
-        return [None] * len(reads)
-    names = [tag_names(tags_of, value) for value in values]
-    current = await fills.versions.current(t for tags in names for t in tags)
-    return [{tag: current[tag] for tag in tags} for tags in names]

@@ -9,7 +9,8 @@ from typing import Any
 from layered_cache._codec import Envelope
 from layered_cache._fills import Fills
 from layered_cache._l1 import MISSING
-from layered_cache._l2batch import L2Batch
+from layered_cache._l2 import L2Unavailable
+from layered_cache._l2batch import L2Batch, Replies
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
@@ -41,7 +42,9 @@ class BatchReader:
         return found, missing
 
     async def read_many(self, keys: list[str]) -> dict[str, Envelope[Any] | None]:
-        """One MGET of ``keys`` (a replica's name for a hot key), decoded."""
+        """One MGET of ``keys`` (a replica's name for a hot key), decoded. A key whose
+        master failed (a cluster: ``L2Batch``) is left out, neither a hit nor a miss;
+        ``L2Unavailable`` if none could be read."""
         policy, store = self._policy, self._rt.store
         names = list(keys)
         hot: dict[str, int] = {}
@@ -50,7 +53,7 @@ class BatchReader:
                 if policy.hot.record(key):
                     index, names[position] = store.placement.pick(key, policy.replicas)
                     hot[key] = index
-        data = dict(zip(keys, await self._batch.get_many(names), strict=True))
+        data = _answered(keys, await self._batch.get_many(names))
         if hot:
             await self._replica_misses(hot, data)
         decoded = {key: self._fills.decode(key, value) for key, value in data.items()}
@@ -71,22 +74,40 @@ class BatchReader:
         return decoded
 
     async def _replica_misses(self, hot: dict[str, int], data: dict[str, bytes | None]) -> None:
-        """A hot key whose replica was missing: read the base key (one more MGET) and
+        """A hot key whose replica was missing, or whose replica's master failed: read the
+        base key (one more MGET; it may be on a healthy master) and, for a missing one,
         start copying it to the replicas, as a single read does."""
         stats = self._policy.stats
         for key, index in hot.items():
-            if data[key] is not None:
+            if data.get(key) is not None:
                 stats.replica_reads[index] += 1
-        empty = [key for key in hot if data[key] is None]
-        if not empty:
+        empty = [key for key in hot if key in data and data[key] is None]
+        again = empty + [key for key in hot if key not in data]
+        if not again:
             return
         stats.replica_miss += len(empty)
         placement = self._rt.store.placement
-        for key in empty:
+        for key in again:
             placement.move_on(key)
-        for key, value in zip(empty, await self._batch.get_many(empty), strict=True):
-            data[key] = value
-            if value is not None:
+        try:
+            base = _answered(again, await self._batch.get_many(again))
+        except L2Unavailable:
+            base = {}  # these keys stay unread; the others were read
+        for key in again:
+            if key not in base:
+                data.pop(key, None)
+                continue
+            data[key] = base[key]
+            if base[key] is not None and key in empty:
                 self._refresher.copy_to_replicas(key)
 
-    # -- get_or_load_many --------------------------------------------------------------
+
+def _answered(keys: list[str], replies: Replies[bytes | None]) -> dict[str, bytes | None]:
+    """Each key's reply, the keys whose master failed left out."""
+    if not replies.failed:
+        return dict(zip(keys, replies.values, strict=True))
+    return {
+        key: value
+        for position, (key, value) in enumerate(zip(keys, replies.values, strict=True))
+        if position not in replies.failed
+    }

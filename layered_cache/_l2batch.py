@@ -1,88 +1,172 @@
-"""Multi-key Redis operations of a batch (``get_many``, ``get_or_load_many``,
-``set_many``): one round trip on a single node, one pipelined round trip per master in
-a cluster (redis-py groups a cluster pipeline's commands by node and sends them
-concurrently).
+"""Multi-key Redis operations of a batch (``get_many``, ``get_or_load_many``): one round
+trip on a single node, one per master in a cluster.
 
-Every operation goes through ``L2Store.guard``: the shared breaker (a batch spans
-nodes), the concurrency bound, and failures as ``L2Unavailable``. Scripts go as EVAL,
-not EVALSHA: cluster pipelines refuse EVALSHA, and Redis caches the compiled script by
-its SHA anyway.
+Every operation goes through ``L2Store.guard``: a breaker, the concurrency bound, and
+failures as ``L2Unavailable``. On a single node it is one operation under the shared
+breaker. In a cluster the batch's names are split by master (the client's slot map,
+``NodeBreakers.by_master``) and each master's part runs under that master's breaker,
+the masters concurrently. Why: sent as one operation (an ``mget_nonatomic``, a pipeline
+redis-py splits per node), one slow or dead master failed all of it and counted against
+the shared breaker, so its failure sent every key of the batch to the database and
+could open the breaker every multi-master operation of the instance uses. Now only its
+own keys fail (``Replies.failed``; the callers load them without writing L2, as a
+single read does when its master is down), and the operation raises only when no
+master answered.
+
+Scripts go as EVAL, not EVALSHA: cluster pipelines refuse EVALSHA, and Redis caches the
+compiled script by its SHA anyway.
 
 A large batch goes in round trips of at most 1,000 keys (fills: also about 1 MB of
-values), each under one ``redis.timeout`` (``_chunks`` says why).
+values), each under one ``redis.timeout`` (``_chunks`` says why). A master's round trips
+go one after another, and its first failure ends its part: the next one would wait the
+same timeout (or meet the breaker it just opened).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from layered_cache import _direct as direct
 from layered_cache._chunks import by_count, by_size
 from layered_cache._keys import fill_channel
-from layered_cache._l2 import L2Store
+from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._scripts import FILL_SCRIPT, RELEASE_SCRIPT, fill_args
 
-__all__ = ["Fill", "L2Batch"]
+__all__ = ["Fill", "L2Batch", "Replies"]
 
 Fill = tuple[str, str, bytes, int]  # (key, its lease, envelope bytes, ttl in ms)
+Send = Callable[[Sequence[int]], Awaitable[None]]  # one round trip, by positions
+Cut = Callable[[Sequence[int]], Iterator[Sequence[int]]]  # positions into round trips
+
+T = TypeVar("T")
 
 
-def _fill_size(fill: Fill) -> int:
-    return len(fill[2])
+@dataclass(frozen=True, slots=True)
+class Replies(Generic[T]):
+    """One reply per name, in order. ``failed``: the positions whose master failed (a
+    cluster): their reply is unknown, left at the default (None, False)."""
+
+    values: list[T]
+    failed: frozenset[int] = frozenset()
 
 
 class L2Batch:
     def __init__(self, store: L2Store) -> None:
         self._store = store
 
-    async def get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        """The values of ``names`` in order (None: missing, or not a string)."""
-        values: list[bytes | None] = []
-        for chunk in by_count(names):
-            values += await self._get_chunk(chunk)
-        return values
-
-    async def _get_chunk(self, names: Sequence[str]) -> list[bytes | None]:
+    async def get_many(self, names: Sequence[str]) -> Replies[bytes | None]:
+        """The values of ``names`` in order (None: missing, not a string, or failed)."""
         store = self._store
-        if store.cluster:
-            # Groups by slot, one pipelined MGET per slot: a round trip per master.
-            operation = store.client.mget_nonatomic(list(names))  # type: ignore[union-attr]
-        else:
+        if not store.cluster:
             # Packed and parsed by ``_direct``, on a kept connection: redis-py's parser
             # awaits the stream once per value (50 of them on a list page), and its pool
             # checkout and ``wait_for`` cost as much again (``_direct``).
             assert store.direct is not None
-            operation = direct.execute_command(store.direct, "MGET", *names)
-        return list(await store.guard(operation))
+            found: list[bytes | None] = []
+            for chunk in by_count(names):
+                found += await store.guard(direct.execute_command(store.direct, "MGET", *chunk))
+            return Replies(found)
+        values: list[bytes | None] = [None] * len(names)
 
-    async def acquire_leases(self, leases: Sequence[str], token: str, ttl_ms: int) -> list[bool]:
+        async def send(run: Sequence[int]) -> None:
+            part = [names[i] for i in run]
+            # Groups by slot, one pipelined MGET per slot: all on this part's master.
+            operation = store.client.mget_nonatomic(part)  # type: ignore[union-attr]
+            for i, value in zip(run, await store.guard(operation, names=part), strict=True):
+                values[i] = value
+
+        return Replies(values, await self._per_master(names, send))
+
+    async def acquire_leases(self, leases: Sequence[str], token: str, ttl_ms: int) -> Replies[bool]:
         """SET NX PX every lease with one token: which ones we hold now. A failure may
-        come after some chunks (or some commands of one) took theirs: the caller gives
-        back every lease it asked for (a compare-and-delete by ``token``)."""
-        held: list[bool] = []
-        for chunk in by_count(leases):
-            pipe = self._store.client.pipeline(transaction=False)
-            for lease in chunk:
-                pipe.set(lease, token, nx=True, px=ttl_ms)
-            held += [bool(won) for won in await self._store.guard(pipe.execute())]
-        return held
+        come after some round trips (or some commands of one) took theirs: the caller
+        gives back every lease it asked for and doesn't hold for sure, the failed ones
+        (a compare-and-delete by ``token``)."""
+        held = [False] * len(leases)
 
-    async def fill_many(self, fills: Sequence[Fill], token: str) -> list[bool]:
+        async def send(run: Sequence[int]) -> None:
+            pipe = self._store.client.pipeline(transaction=False)
+            for i in run:
+                pipe.set(leases[i], token, nx=True, px=ttl_ms)
+            replies = await self._store.guard(pipe.execute(), names=[leases[i] for i in run])
+            for i, won in zip(run, replies, strict=True):
+                held[i] = bool(won)
+
+        return Replies(held, await self._per_master(leases, send))
+
+    async def fill_many(self, fills: Sequence[Fill], token: str) -> Replies[bool]:
         """Each key written only while ``token`` holds its lease (the FILL script, which
         also releases the lease and wakes the key's waiters): which ones were written."""
-        written: list[bool] = []
-        for chunk in by_size(fills, _fill_size):
+        cluster = self._store.cluster
+        written = [False] * len(fills)
+
+        async def send(run: Sequence[int]) -> None:
             pipe = self._store.client.pipeline(transaction=False)
-            for key, lease, data, ttl_ms in chunk:
-                args = fill_args(token, data, ttl_ms, fill_channel(key), True, self._store.cluster)
+            for i in run:
+                key, lease, data, ttl_ms = fills[i]
+                args = fill_args(token, data, ttl_ms, fill_channel(key), True, cluster)
                 pipe.eval(FILL_SCRIPT, 2, key, lease, *args)
-            written += [bool(done) for done in await self._store.guard(pipe.execute())]
-        return written
+            replies = await self._store.guard(pipe.execute(), names=[fills[i][0] for i in run])
+            for i, done in zip(run, replies, strict=True):
+                written[i] = bool(done)
+
+        def cut(positions: Sequence[int]) -> Iterator[Sequence[int]]:
+            return by_size(positions, lambda i: len(fills[i][2]))
+
+        keys = [fill[0] for fill in fills]  # a key and its lease share a slot
+        return Replies(written, await self._per_master(keys, send, cut))
 
     async def release_many(self, leases: Sequence[str], token: str) -> None:
-        """Compare-and-delete each lease still holding ``token``."""
-        for chunk in by_count(leases):
+        """Compare-and-delete each lease still holding ``token`` (``L2Unavailable`` if a
+        master failed: its leases expire by themselves)."""
+
+        async def send(run: Sequence[int]) -> None:
             pipe = self._store.client.pipeline(transaction=False)
-            for lease in chunk:
-                pipe.eval(RELEASE_SCRIPT, 1, lease, token)
-            await self._store.guard(pipe.execute())
+            for i in run:
+                pipe.eval(RELEASE_SCRIPT, 1, leases[i], token)
+            await self._store.guard(pipe.execute(), names=[leases[i] for i in run])
+
+        if await self._per_master(leases, send):
+            raise L2Unavailable("a master failed: its leases expire by themselves")
+
+    async def _per_master(
+        self, names: Sequence[str], send: Send, cut: Cut = by_count
+    ) -> frozenset[int]:
+        """``send`` each round trip (``cut``) of each master's positions of ``names``: a
+        master's in order, the masters concurrently. Returns the positions of the masters
+        whose part failed, from its failed round trip on; raises ``L2Unavailable`` when
+        nothing got through (the one part of a single node or of a batch on one master)."""
+        groups = self._store.breakers.by_master(names)
+        if len(groups) <= 1:
+            for run in cut(groups[0] if groups else []):
+                await send(run)
+            return frozenset()
+        # gather, not a TaskGroup: a master's failure (``_part`` returns it) must not
+        # cancel the others' parts. Anything else (a bug, a CancelledError of a part)
+        # is raised once every part ended; our own cancellation cancels them all.
+        parts = await asyncio.gather(
+            *(_part(group, send, cut) for group in groups), return_exceptions=True
+        )
+        failed: list[int] = []
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+            failed += part
+        if len(failed) == len(names):
+            raise L2Unavailable("no master of the batch answered")
+        return frozenset(failed)
+
+
+async def _part(positions: list[int], send: Send, cut: Cut) -> list[int]:
+    """One master's round trips, in order: the positions from its first failure on."""
+    sent = 0
+    try:
+        for run in cut(positions):
+            await send(run)
+            sent += len(run)
+    except L2Unavailable:
+        return positions[sent:]
+    return []

@@ -4,14 +4,15 @@ In a cluster each master gets its own breaker: one dead master must not make eve
 instance skip the healthy ones (all their reads would fall through to the database
 during a failover), nor refuse their writes (a key's ``set()`` and ``invalidate()``
 touch the key and its lease, one slot: that master's breaker). Operations on names of
-several masters, a single node, and a slot map not known yet use the shared breaker.
+several masters, a single node, and a slot map not known yet use the shared breaker; a
+batch splits its names by master first (``by_master``, ``_l2batch``).
 Breakers of masters that left the slot map are dropped, so a failed-over master doesn't
 show "open" in ``redis_status()`` and the metrics forever.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
@@ -46,6 +47,18 @@ class NodeBreakers:
         nodes = {self._node_of(name) for name in names}
         node = nodes.pop() if len(nodes) == 1 else None
         return self.shared if node is None else self._of_node(node)
+
+    def by_master(self, names: Sequence[str | bytes]) -> list[list[int]]:
+        """The positions of ``names`` grouped by the master holding them, in order: each
+        group's operation is guarded by that master's breaker (``for_names``). One group
+        on a single node; names whose slot the map doesn't know yet form one more (the
+        shared breaker's). No group for no names."""
+        if self._cluster is None:
+            return [list(range(len(names)))] if names else []
+        groups: dict[str | None, list[int]] = {}
+        for position, name in enumerate(names):
+            groups.setdefault(self._node_of(name), []).append(position)
+        return list(groups.values())
 
     def _node_of(self, name: str | bytes) -> str | None:
         assert self._cluster is not None

@@ -166,13 +166,13 @@ async def test_a_read_joining_a_batch_whose_tag_versions_failed_is_told_the_valu
     what each key's read served"): a value that could not be encoded is the loader's own
     object, stored nowhere, and nothing may be keyed on its identity (``http.ETags``);
     the single-key path says so on every branch (``MissPath.as_read`` after a failed
-    tag-version read). ``BatchLoader._fill_many``'s branch for Redis failing at
+    tag-version read). ``BatchFill.fill_many``'s branch for Redis failing at
     ``versions_of`` returns ``fills.as_read(...)`` without setting ``read.owned``, so a
     read joining the batch's flight (``CachedResponses.respond`` -> ``_serve``) gets
     ``Served(owned=False)`` for the loader's own object and memoizes its ETag on it."""
     import asyncio
 
-    import layered_cache._batch_load as batch_load
+    import layered_cache._batch_fill as batch_fill
     from layered_cache._l2 import L2Unavailable
 
     namespaces = {"book": {"key": "book:{id}", "tags": True}}
@@ -187,7 +187,7 @@ async def test_a_read_joining_a_batch_whose_tag_versions_failed_is_told_the_valu
     async def versions_fail(*args: Any) -> Any:
         raise L2Unavailable("redis went away while the batch loaded")
 
-    monkeypatch.setattr(batch_load, "versions_of", versions_fail)
+    monkeypatch.setattr(batch_fill, "versions_of", versions_fail)
     async with LayeredCache.from_config(make_config(redis_url, prefix, namespaces)) as cache:
         ns = cache.namespace("book")
         key = ns.key({"id": 1})

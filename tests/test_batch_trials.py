@@ -5,6 +5,7 @@ single-key guarantee", "Bulk work completes"); the docstrings say what failed be
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,63 @@ def _cluster_config(cluster: Cluster, prefix: str) -> Any:
         cluster.url, prefix, {"book": {"key": "book:{id}", "l1": False}},
         redis={"cluster": True, "timeout": "200ms", "connect_timeout": "200ms"},
     )
+
+
+async def test_a_cluster_get_or_load_many_with_one_slow_master_loads_only_that_masters_keys(
+    redis_cluster: Cluster, prefix: str
+) -> None:
+    """Promise (README, "Redis trouble degrades, never fails"): "In a cluster each master
+    has its own breaker, so one dead master doesn't send the healthy masters' keys to
+    the database"; docs/operations.md: "the dead master's keys fail fast on its breaker
+    and go to the loader, the other masters' keys are served from L2 undisturbed"
+    (only *writes* spanning masters are named as going through the shared breaker).
+
+    Scenario: 30 books, all in L2, spread over 3 masters; one master stalls (CLIENT
+    PAUSE). A single get() of a healthy master's key is still an L2 hit, but
+    get_or_load_many of the 30 sends all 30 to load_many (the database), and its
+    failure counts against the *shared* breaker, which opens: every batch of the
+    instance then skips Redis for breaker.reset, and so does everything else guarded
+    by the shared breaker (tag-version fetches, invalidate_tag's SETs).
+    Expected: load_many is asked only for the stalled master's keys.
+    Cause: ``_l2batch.L2Batch._get_chunk`` runs a cluster MGET as one
+    ``mget_nonatomic`` under ``store.guard(operation)`` with no names (the shared
+    breaker, ``_nodebreakers.for_name(None)``): one node's timeout fails the whole
+    operation, ``BatchLoader.fetch_many`` then takes ``_load_unleased`` for every key."""
+    ids = list(range(1, 31))
+    load_many = _LoadMany()
+    async with LayeredCache.from_config(_cluster_config(redis_cluster, prefix)) as cache:
+        await cache.set_many("book", [({"id": i}, f"v{i}") for i in ids])
+        admin, on_slow = await _pause_one_master(cache, redis_cluster, prefix, ids, 1500)
+        try:
+            values = await cache.get_or_load_many("book", [{"id": i} for i in ids], load_many)
+            status = cache.redis_status()
+        finally:
+            await asyncio.sleep(1.6)  # the pause ends: the session's cluster is shared
+            await admin.aclose()
+    assert values == [f"loaded {i}" if i in on_slow else f"v{i}" for i in ids]
+    assert sorted(load_many.asked) == on_slow, (
+        f"load_many asked for {len(load_many.asked)} keys, {len(on_slow)} on the slow master"
+    )
+    assert status.breaker == "closed", status
+
+
+async def test_a_cluster_get_many_with_one_slow_master_still_serves_the_other_masters_keys(
+    redis_cluster: Cluster, prefix: str
+) -> None:
+    """Same promise and cause as above, for get_many: with one master stalled, get_many
+    of 30 cached books returns 30 misses, where single get()s of the same keys return
+    the values the healthy masters hold. Expected: only the stalled master's keys are
+    misses."""
+    ids = list(range(1, 31))
+    async with LayeredCache.from_config(_cluster_config(redis_cluster, prefix)) as cache:
+        await cache.set_many("book", [({"id": i}, f"v{i}") for i in ids])
+        admin, on_slow = await _pause_one_master(cache, redis_cluster, prefix, ids, 1500)
+        try:
+            values = await cache.get_many("book", [{"id": i} for i in ids])
+        finally:
+            await asyncio.sleep(1.6)
+            await admin.aclose()
+    assert values == [None if i in on_slow else f"v{i}" for i in ids]
 
 
 async def test_a_cluster_batch_of_pages_with_many_distinct_tags_is_cached(
@@ -126,5 +184,3 @@ def test_a_sync_batch_loader_may_read_a_cached_key_of_its_own_batch(
 
         values = cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many)
     assert values == [{"id": 1, "title": "Dune"}, {"id": 2, "prequel": "Dune"}]
-
-
