@@ -9,7 +9,9 @@ master in a cluster), its misses take their leases in one round trip, load in on
 - a key whose lease another process holds is handed to the single-key miss path, which
   waits for that fill (woken by pub/sub) exactly as a ``get_or_load`` would;
 - fills write only under their lease, L1 only if no invalidation arrived since the read
-  began, and a failed load falls back to a stale value only where ``MissPath`` allows.
+  began, and a failed load falls back to a stale value only where ``MissPath`` allows;
+  a load slower than ``load_timeout`` serves stale values as ``MissPath`` does, when
+  every key it loads has one (``_batch_fill``).
 """
 
 from __future__ import annotations

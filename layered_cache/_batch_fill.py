@@ -1,13 +1,18 @@
-"""The won keys of a batch, after their load: the fills that landed before our leases,
-the fill of the loaded values under their leases (one pipeline per master), and the
-leases given back where nothing will fill. ``MissPath`` does the same for one key."""
+"""The won keys of a batch: the fills that landed before our leases, the load (one
+``load_many`` call) and the fill of its values under their leases (one pipeline per
+master), the leases given back where nothing will fill. ``MissPath`` does the same for
+one key, and so does this: a slow load with a stale value at hand for every key serves
+them after ``load_timeout`` and fills in the background (``load_and_fill``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+import time
+from collections.abc import Coroutine, Sequence
 from typing import Any
+
+import structlog
 
 from layered_cache._codec import Envelope
 from layered_cache._failsafe import Read
@@ -15,12 +20,15 @@ from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch, Replies
-from layered_cache._miss import MissPath
+from layered_cache._loading import Loading
+from layered_cache._miss import MissPath, retrieve_outcome
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 from layered_cache._tags import tag_names
 
 __all__ = ["BatchFill", "versions_of"]
+
+_log = structlog.get_logger("layered_cache")
 
 
 class BatchFill:
@@ -32,6 +40,113 @@ class BatchFill:
         self._miss = miss
         self._rt = runtime
         self._batch = batch
+        self._loading = Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
+
+    async def enter(self, reads: list[Read], token: str) -> bool:
+        """A tagged batch's won keys join the loading set before their load (``_tags``).
+        False: Redis failed, the leases went back (load without writing L2)."""
+        if not self._policy.tags:
+            return True
+        try:
+            await self._loading.enter([lease_name(r.key) for r in reads], token)
+        except L2Unavailable:
+            self._policy.stats.redis_error += 1
+            await self.release([r.key for r in reads], token)
+            return False
+        return True
+
+    def _leave(self, reads: list[Read], token: str) -> None:
+        if self._policy.tags:
+            self._loading.leave([lease_name(r.key) for r in reads], token)
+
+    async def load_and_fill(
+        self, reads: list[Read], token: str, load: Coroutine[Any, Any, Sequence[Any]]
+    ) -> dict[str, Any]:
+        """Run ``load`` (of every key of ``reads``, under our leases), then fill. With a
+        stale value at hand for every key, a load slower than ``load_timeout`` serves
+        them and fills in the background (``MissPath.load_and_fill``)."""
+        started = time.monotonic()
+        task: asyncio.Task[Sequence[Any]] = asyncio.ensure_future(load)
+        # After stale was served only ``_finish`` awaits the load, and close() may cancel
+        # it first: a failure (counted in load_error already) must not surface as "Task
+        # exception was never retrieved".
+        task.add_done_callback(retrieve_outcome)
+        try:
+            if await self._timed_out(reads, task):
+                # Tracked by the runtime: close() waits a moment for it, then cancels it,
+                # and a cancelled fill gives its leases back (``_finish``).
+                self._rt.tasks.spawn(self._finish(reads, token, task, started))
+                return {read.key: read.stale.value for read in reads if read.stale is not None}
+            values = await task
+        except asyncio.CancelledError:
+            # Unlike a single key's, a batch's load ends with its caller: awaiting the
+            # task cancels it with us, ``asyncio.wait`` in ``_timed_out`` doesn't, hence
+            # the cancel. The caller gives every won lease back (``_load_misses``).
+            task.cancel()
+            self._leave(reads, token)
+            raise
+        except BaseException as exc:  # nobody will fill: the leases go back
+            task.cancel()  # if ``_timed_out`` failed, not the load: it must not run on
+            await self.release([r.key for r in reads], token)
+            self._leave(reads, token)
+            if not isinstance(exc, Exception):
+                raise  # not an error to serve stale for (GreenletExit, an app's abort)
+            return await self._miss.failsafe.serve_all_or_raise(reads, exc)
+        return await self._fill_loaded(reads, token, values, started)
+
+    async def _timed_out(self, reads: list[Read], task: asyncio.Task[Sequence[Any]]) -> bool:
+        """Whether ``load_timeout`` passed before the load ended and every key's stale
+        value may be served (``FailSafe.usable``: not invalidated or overwritten since
+        the read). A batch returns all its values at once, so serving some stale would
+        still wait for the load: all or none."""
+        policy = self._policy
+        if policy.load_timeout is None or any(read.stale is None for read in reads):
+            return False
+        done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
+        if done:
+            return False
+        usable = await asyncio.gather(*(self._miss.failsafe.usable(read) for read in reads))
+        if not all(usable):
+            return False  # the load is awaited, as for a single key
+        policy.stats.stale_served += len(reads)
+        _log.warning("load_timeout_serving_stale", namespace=policy.name, keys=len(reads))
+        return True
+
+    async def _finish(
+        self, reads: list[Read], token: str, task: asyncio.Task[Sequence[Any]], started: float
+    ) -> None:
+        """The fill of a load whose caller was served stale (``MissPath._finish_fill``)."""
+        try:
+            values = await task
+        except BaseException as exc:
+            # A failed load (whatever it raised), or a cancelled one (a loader that raised
+            # CancelledError, or close() stopping us): nobody will fill, the leases go back.
+            await self.release([r.key for r in reads], token)
+            self._leave(reads, token)
+            current = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and current and current.cancelling():
+                raise
+            return
+        # Each read's seq is the request's: an invalidation delivered while this slow
+        # load ran (or between its L2 write and its L1 fill) keeps it out of L1, and one
+        # that deleted a lease meanwhile refuses its fill (``fill_many``).
+        await self._fill_loaded(reads, token, values, started)
+
+    async def _fill_loaded(
+        self, reads: list[Read], token: str, values: Sequence[Any], started: float
+    ) -> dict[str, Any]:
+        # Each entry's recompute time for XFetch (with 0 none was refreshed early).
+        delta = time.monotonic() - started
+        try:
+            return await self.fill_many(reads, values, token, delta)
+        except Exception:
+            # Not Redis (``fill_many`` handles that): a tag function that raised or a bad
+            # tag. The leases go back, as ``MissPath.fill`` does, or every reader of these
+            # keys would wait ``max_wait`` for fills that never land.
+            await self.release([r.key for r in reads], token)
+            raise
+        finally:
+            self._leave(reads, token)
 
     async def filled_meanwhile(self, reads: list[Read], token: str) -> dict[str, Any]:
         """Fills that landed between our MGET and our SET NX (``MissPath._filled_meanwhile``)."""

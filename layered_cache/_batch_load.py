@@ -1,12 +1,11 @@
 """The load half of ``get_or_load_many``: the keys this call claimed are read in one
 MGET; the misses take their leases in one round trip; the won keys load in one
-``load_many`` call and fill in one pipeline; the lost keys go to the single-key miss
-path, which waits for the holder's fill as a ``get_or_load`` would."""
+``load_many`` call and fill in one pipeline (``_batch_fill``); the lost keys go to the
+single-key miss path, which waits for the holder's fill as a ``get_or_load`` would."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +16,6 @@ from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import L2Batch
-from layered_cache._loading import Loading
 from layered_cache._miss import MissPath, Read, awaited, call_loader
 from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
@@ -48,7 +46,6 @@ class BatchLoader:
         self._rt = runtime
         self._reader = reader
         self._batch = batch
-        self._loading = Loading(runtime.store, runtime.prefix, runtime.tasks.spawn)
         self._fill = BatchFill(policy, fills, miss, runtime, batch)
 
     async def fetch_many(
@@ -159,40 +156,11 @@ class BatchLoader:
         if not todo:
             return found
         self._policy.stats.lease_won += len(todo)
-        leases = [lease_name(r.key) for r in todo]
-        if self._policy.tags:
-            try:  # before the load: see ``_tags``
-                await self._loading.enter(leases, token)
-            except L2Unavailable:
-                self._policy.stats.redis_error += 1
-                await self._fill.release([r.key for r in todo], token)
-                found.update(await self._load_unleased(todo, fields_of, load_many))
-                return found
-        started = time.monotonic()
-        try:
-            values = await self.call(load_many, [fields_of[r.key] for r in todo])
-        except asyncio.CancelledError:
-            raise  # the batch's caller gives every won lease back (``_get_or_load``)
-        except BaseException as exc:  # as ``MissPath.load_and_fill``
-            await self._fill.release([r.key for r in todo], token)
-            if not isinstance(exc, Exception):
-                raise  # not an error to serve stale for (GreenletExit, an app's abort)
-            found.update(await self._miss.failsafe.serve_all_or_raise(todo, exc))
+        if not await self._fill.enter(todo, token):
+            found.update(await self._load_unleased(todo, fields_of, load_many))
             return found
-        else:
-            # Each entry's recompute time for XFetch (with 0 none was refreshed early).
-            delta = time.monotonic() - started
-            try:
-                found.update(await self._fill.fill_many(todo, values, token, delta))
-            except Exception:
-                # Not Redis (``BatchFill.fill_many`` handles that): a tag function that raised or
-                # a bad tag. The leases go back, as ``MissPath.fill`` does, or every
-                # reader of these keys would wait ``max_wait`` for fills that never land.
-                await self._fill.release([r.key for r in todo], token)
-                raise
-        finally:
-            if self._policy.tags:
-                self._loading.leave(leases, token)
+        load = self.call(load_many, [fields_of[r.key] for r in todo])
+        found.update(await self._fill.load_and_fill(todo, token, load))
         return found
 
     async def _load_unleased(

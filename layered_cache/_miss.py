@@ -147,7 +147,7 @@ class MissPath:
         # The load runs on if our caller is cancelled (it holds the lease; shield below):
         # then nobody awaits it, and its failure must not surface as "Task exception was
         # never retrieved" (it is counted in load_error already).
-        task.add_done_callback(_retrieve_outcome)
+        task.add_done_callback(retrieve_outcome)
         try:
             if read.stale is not None and policy.load_timeout is not None:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
@@ -320,7 +320,7 @@ def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:
         )
 
 
-def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
+def retrieve_outcome(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 

@@ -6,6 +6,7 @@ single-key guarantee", "Bulk work completes"); the docstrings say what failed be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -184,3 +185,126 @@ def test_a_sync_batch_loader_may_read_a_cached_key_of_its_own_batch(
 
         values = cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many)
     assert values == [{"id": 1, "title": "Dune"}, {"id": 2, "prequel": "Dune"}]
+
+
+
+async def test_a_batch_with_stale_values_at_hand_serves_them_after_load_timeout_like_a_single_read(
+    redis_url: str, prefix: str
+) -> None:
+    """Promise (README, "Batches keep every single-key guarantee"); the single-key one
+    (``stampede.load_timeout``, README config table and "load_timeout background fill";
+    ``MissPath.load_and_fill``: "A slow loader with a stale value at hand serves stale
+    after load_timeout and fills in the background").
+
+    Scenario: books 1 and 2 are past their soft expiry, within stale.max_age, and
+    load_timeout is 50 ms. A get_or_load of book 1 with a 2 s loader returns the stale
+    value after ~50 ms. get_or_load_many of books 1 and 2 with a 2 s load_many waits the
+    full 2 s: a batch ignores load_timeout (a page of 50 books waits for the slow
+    database where each single read would not).
+    Expected: the stale values, well before the load ends (then filled in the background).
+    Cause: ``_batch_load.BatchLoader._load_won`` awaits ``self.call(load_many, ...)``
+    with no ``load_timeout`` branch (``MissPath.load_and_fill`` has one)."""
+    ns = {"book": {"key": "book:{id}", "l1": False, "l2": {"ttl": "200ms", "jitter": 0},
+                   "stale": {"max_age": "1m"},
+                   "stampede": {"load_timeout": "50ms", "early_refresh_beta": 0}}}
+    loop = asyncio.get_running_loop()
+
+    async def slow_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        await asyncio.sleep(2.0)
+        return [f"new{fields['id']}" for fields in fields_list]
+
+    async def slow_one() -> str:
+        await asyncio.sleep(2.0)
+        return "new1"
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, ns)) as cache:
+        await cache.set_many("book", [({"id": i}, f"old{i}") for i in (1, 2, 3)])
+        await asyncio.sleep(0.3)  # past the soft expiry, within stale.max_age
+        started = loop.time()
+        single = await cache.get_or_load("book", {"id": 3}, slow_one)
+        single_took = loop.time() - started
+        started = loop.time()
+        values = await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], slow_many)
+        batch_took = loop.time() - started
+    assert single == "old3" and single_took < 1.0  # the single-key guarantee holds
+    assert values == ["old1", "old2"] and batch_took < 1.0, (values, round(batch_took, 2))
+
+
+def _stale_books(redis_url: str, prefix: str, load_timeout: str) -> Any:
+    return make_config(redis_url, prefix, {"book": {
+        "key": "book:{id}", "l1": False, "l2": {"ttl": "200ms", "jitter": 0},
+        "stale": {"max_age": "1m"},
+        "stampede": {"load_timeout": load_timeout, "early_refresh_beta": 0,
+                     "lease_ttl": "5s", "max_wait": "3s"},
+    }})  # fmt: skip
+
+
+async def _read_elsewhere(config: Any) -> tuple[list[Any], float]:
+    """get_or_load_many of books 1 and 2 by another instance, and how long it took: a
+    lease left behind makes it wait ``max_wait`` (3 s)."""
+
+    async def fast_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        return [f"other{fields['id']}" for fields in fields_list]
+
+    loop = asyncio.get_running_loop()
+    async with LayeredCache.from_config(config) as other:
+        started = loop.time()
+        values = await other.get_or_load_many("book", [{"id": 1}, {"id": 2}], fast_many)
+        return values, loop.time() - started
+
+
+async def test_a_batch_served_stale_after_load_timeout_gives_its_leases_back_if_the_load_fails(
+    redis_url: str, prefix: str
+) -> None:
+    """The background fill of a batch served stale after ``load_timeout``: its load fails,
+    nobody will fill, and the leases go back at once (``MissPath._finish_fill``), not
+    after ``lease_ttl`` with every reader waiting ``max_wait``."""
+    config = _stale_books(redis_url, prefix, "50ms")
+    fail = asyncio.Event()
+
+    async def failing_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        await fail.wait()
+        raise RuntimeError("database down")
+
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set_many("book", [({"id": i}, f"old{i}") for i in (1, 2)])
+        await asyncio.sleep(0.3)  # past the soft expiry, within stale.max_age
+        books = [{"id": 1}, {"id": 2}]
+        reading = cache.get_or_load_many("book", books, failing_many)
+        assert await asyncio.wait_for(reading, 5) == ["old1", "old2"]
+        fail.set()
+        await asyncio.sleep(0.05)
+        assert cache.stats()["book"]["load_error"] == 1  # the one load_many call
+        values, took = await _read_elsewhere(config)
+    assert values == ["other1", "other2"] and took < 1.0, round(took, 2)
+
+
+async def test_a_batch_cancelled_while_it_waits_for_load_timeout_ends_its_load_and_gives_its_leases_back(
+    redis_url: str, prefix: str
+) -> None:
+    """A batch's load ends with its caller (its values were for that caller only), also
+    while it waits for ``load_timeout``: the load is cancelled, the leases go back."""
+    config = _stale_books(redis_url, prefix, "2s")
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    async def slow_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        finally:
+            ended.set()
+        return [f"new{fields['id']}" for fields in fields_list]
+
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set_many("book", [({"id": i}, f"old{i}") for i in (1, 2)])
+        await asyncio.sleep(0.3)
+        books = [{"id": 1}, {"id": 2}]
+        reading = asyncio.ensure_future(cache.get_or_load_many("book", books, slow_many))
+        await asyncio.wait_for(started.wait(), 5)
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        await asyncio.wait_for(ended.wait(), 1)  # the load was cancelled with it
+        await asyncio.sleep(0.05)
+        values, took = await _read_elsewhere(config)
+    assert values == ["other1", "other2"] and took < 1.0, round(took, 2)

@@ -263,6 +263,44 @@ async def test_load_timeout_background_fill_does_not_fill_l1_after_an_invalidati
         assert await local.get("book", {"id": 1}) is None
 
 
+async def test_load_timeout_background_fill_of_a_batch_does_not_fill_l1_after_an_invalidation(
+    redis_url: str, prefix: str
+) -> None:
+    """The batch's load_timeout (as a single read's, above): the caller gets the stale
+    values, the fill runs on in the background with the request's L1 sequence, so an
+    invalidation delivered between its L2 write and its L1 fill keeps that key out of L1."""
+    config = make_config(redis_url, prefix, STALE)
+    opened = asyncio.Event()
+
+    async def load_many(fields_list: list[Any]) -> list[str]:
+        await opened.wait()
+        return [f"fresh{fields['id']}" for fields in fields_list]
+
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        assert local._backplane is not None
+        await asyncio.wait_for(local._backplane.connected.wait(), 5)
+        await remote.set_many("book", [({"id": 1}, "stale1"), ({"id": 2}, "stale2")])
+        await asyncio.sleep(0.3)  # past the soft expiry: stale, within stale.max_age
+        l2batch = local.namespace("book")._batch._loader._batch
+        gate = Gate(l2batch.fill_many, after=True)
+        l2batch.fill_many = gate  # type: ignore[method-assign]
+        books = [{"id": 1}, {"id": 2}]
+        reading = local.get_or_load_many("book", books, load_many)
+        assert await asyncio.wait_for(reading, 5) == ["stale1", "stale2"]
+        opened.set()
+        await asyncio.wait_for(gate.entered.wait(), 5)  # L2 filled, L1 not yet
+        seen = local._backplane.entries_seen
+        await remote.invalidate("book", {"id": 1})
+        await _backplane_delivered(local, seen)
+        gate.release()
+        await asyncio.sleep(0.05)
+        assert await local.get("book", {"id": 1}) is None
+        assert await local.get("book", {"id": 2}) == "fresh2"  # not invalidated: filled
+
+
 async def test_callers_after_a_remote_invalidation_do_not_join_the_older_load(
     redis_url: str, prefix: str
 ) -> None:
@@ -355,6 +393,35 @@ async def test_load_timeout_does_not_serve_an_invalidated_stale_value(
         assert not reading.done()
         loader.release()
         assert await reading == "fresh"
+
+
+async def test_a_batch_load_timeout_does_not_serve_an_invalidated_stale_value(
+    redis_url: str, prefix: str
+) -> None:
+    """The batch's load_timeout checks each stale value as a single read's does: one
+    invalidated since the read, and the batch waits for its load."""
+    config = _stale_config(redis_url, prefix, load_timeout="300ms")
+    started, opened = asyncio.Event(), asyncio.Event()
+
+    async def load_many(fields_list: list[Any]) -> list[str]:
+        started.set()
+        await opened.wait()
+        return [f"fresh{fields['id']}" for fields in fields_list]
+
+    async with (
+        LayeredCache.from_config(config) as local,
+        LayeredCache.from_config(config) as remote,
+    ):
+        await remote.set_many("book", [({"id": 1}, "stale1"), ({"id": 2}, "stale2")])
+        await asyncio.sleep(0.3)
+        books = [{"id": 1}, {"id": 2}]
+        reading = asyncio.ensure_future(local.get_or_load_many("book", books, load_many))
+        await asyncio.wait_for(started.wait(), 5)
+        await remote.invalidate("book", {"id": 1})  # before load_timeout fires
+        await asyncio.sleep(0.4)
+        assert not reading.done()
+        opened.set()
+        assert await reading == ["fresh1", "fresh2"]
 
 
 @pytest.fixture
