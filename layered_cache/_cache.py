@@ -85,7 +85,6 @@ class LayeredCache(HitPath):
         for name, own_expiry in (expiry_of or {}).items():
             self.namespace(name).policy.expiry_of = own_expiry
         self._built_in, self._started_in, self._starts = os.getpid(), 0, 0
-        self._loop: asyncio.AbstractEventLoop | None = None  # the one start() last ran on
         self._follow()
         _after_fork_in_child(self)
 
@@ -318,23 +317,23 @@ def _after_fork_in_child(cache: LayeredCache) -> None:
 
 async def _rebind(cache: LayeredCache) -> None:
     """What ``start`` makes anew first. In a process forked after construction
-    (gunicorn ``--preload``), ``startup.forked``. Connections made before this start,
-    on another event loop (calls before ``start()``: a warm-up at import under
-    ``asyncio.run``; a loop that ended without ``close()``) or by the parent, are
-    closed: reused here they failed ("Event loop is closed"), or talked on the parent's
-    sockets. Then a closed cache is reopened (``startup.reopened``): a second lifespan,
-    a new loop, a test's new ``TestClient``."""
+    (gunicorn ``--preload``), ``startup.forked``. Connections made on another event loop
+    (calls before ``start()``: a warm-up at import under ``asyncio.run``; a start whose
+    loop ended without ``close()``) or by the parent are closed: reused here they failed
+    ("Event loop is closed"), or talked on the parent's sockets. Then a closed cache is
+    reopened (``startup.reopened``): a second lifespan, a new loop, a new ``TestClient``.
+    Calls before a start on their own loop (a lifespan's) keep what they made."""
     forked = os.getpid() != cache._built_in
     if forked:
         startup.forked(cache._parts, cache._started_in)
-    loop = asyncio.get_running_loop()
-    if not cache._closed and (forked or cache._loop is not loop):
+    loop, used_on = asyncio.get_running_loop(), cache._rt.loop
+    if not cache._closed and (forked or (used_on is not None and used_on is not loop)):
         await cache._parts.close()
         cache._closed = True
     if cache._closed:
         startup.reopened(cache._parts, cache._rt, cache._coherence, cache.config, cache._purger)
         cache._follow()
-    cache._loop = loop
+    cache._rt.loop = loop
 
 
 def _forget_parent(cache: LayeredCache) -> None:

@@ -131,7 +131,10 @@ class RedisClock:
             if not await self.sample():
                 break
         self._log_synced()
-        if self._task is None:
+        task = self._task
+        # A task of a loop that ended without stop() (``LayeredCache.start`` on a new
+        # loop) never samples again: the clock would keep the old offset for good.
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:

@@ -10,10 +10,12 @@ import asyncio
 import os
 import sys
 import textwrap
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from layered_cache import LayeredCache
-from tests.helpers import make_config
+from tests.helpers import eventually, make_config
 from tests.servers import free_port
 from tests.test_sync_fork import ROOT, _get, _serving
 
@@ -151,3 +153,74 @@ def test_gunicorn_preload_uvicorn_worker_serves_the_first_requests_of_a_cache_wa
         answers = [_get(f"{base}/book/{book_id}") for book_id in range(20)]
     errors = [a["error"] for a in answers if "error" in a]
     assert errors == [], f"{len(errors)} of 20 requests failed: {errors[:2]}"
+
+
+class _HungGateway:
+    """A purger whose gateway never answers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls += 1
+        await asyncio.Event().wait()
+
+
+async def test_a_purge_queued_before_start_is_closed_and_counted_with_the_cache(
+    redis_url: str, prefix: str
+) -> None:
+    """README: the cache works before ``start()`` ("at import: the cache need not be
+    started yet"); docs/http.md: "Purges still queued (or in flight ...) when the cache
+    closes (close() gives them 1 s) are dropped. Each case is logged and counted";
+    docs/metrics.md: "delivered + failed + dropped add up to submitted". Since e0965f8
+    the *first* ``start()`` runs ``startup.reopened`` too (``_rebind``: ``cache._loop``
+    is None), which replaces ``runtime.purges`` without closing the old ``Purges``: a
+    purge a set() queued before start() (a warm-up, a fixture's seed) is never closed,
+    never counted, and its worker task outlives ``close()`` (an owned VarnishPurger's
+    httpx client is never closed either)."""
+    config = make_config(
+        redis_url, prefix, {"book": {"key": "book:{id}"}},
+        purge={"repeat_after": "0s", "retries": 0},
+    )  # fmt: skip
+    before = asyncio.all_tasks()
+    gateway = _HungGateway()
+    cache = LayeredCache.from_config(config, purger=gateway)
+    await cache.set("book", {"id": 1}, "v")  # before start(): allowed
+    await eventually(lambda: gateway.calls == 1, timeout=3)
+    await cache.start()
+    await cache.close()
+    await asyncio.sleep(0.1)
+    stats = cache.purge_stats()
+    left = sorted(t.get_coro().__qualname__ for t in asyncio.all_tasks() - before if not t.done())
+    for task in asyncio.all_tasks() - before:  # the test's own cleanup
+        task.cancel()
+    assert stats.delivered + stats.failed + stats.dropped == stats.submitted, (
+        f"purge queued before start() never counted after close(): {stats}"
+    )
+    assert left == [], f"running after close() returned: {left}"
+
+
+async def test_a_cache_whose_loop_ended_without_close_keeps_its_clock_synced_on_the_new_loop(
+    redis_url: str, prefix: str
+) -> None:
+    """e0965f8 claims start() "closes what those loops left and starts anew" for "a loop
+    that ended without close()". The Redis clock's sampling task is not among it:
+    ``asyncio.run`` cancelled it with loop 1, ``RedisClock.start`` only makes a task
+    ``if self._task is None``, and ``_rebind`` never resets it. On the new loop the
+    clock never samples again (``_redisclock``: "keep sampling in the background"),
+    so a host clock stepped by NTP (the case ``RedisClock.sample`` handles) is never
+    corrected: an hour's step and every value is judged an hour off (all L2 hits
+    expired, or values served an hour past their TTL)."""
+    skew = [0.0]
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    cache = LayeredCache.from_config(config, clock=lambda: time.time() + skew[0])
+    cache._clock._refresh = 0.1  # 30 s in production: the test does not wait that long
+    await asyncio.to_thread(asyncio.run, cache.start())  # loop 1 ends, close() never ran
+    await cache.start()
+    try:
+        skew[0] = 3600.0  # NTP steps the host clock an hour ahead
+        await asyncio.sleep(1.0)  # ten refresh periods
+        off = cache._rt.clock() - time.time()  # Redis runs on this host: its TIME is ours
+    finally:
+        await cache.close()
+    assert abs(off) < 5, f"the cache's Redis clock is {off:.0f} s off after the step"
