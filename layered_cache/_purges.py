@@ -136,6 +136,7 @@ class PurgeQueue:
         self._worker: asyncio.Task[None] | None = None
         self._timers: dict[asyncio.TimerHandle, int] = {}  # repeats not queued yet: size
         self._current: tuple[list[str], list[str], bool] | None = None  # being delivered
+        self._closed = False  # a submit after close() starts no worker nobody would stop
 
     def submit(self, keys: Iterable[str] = (), tags: Iterable[str] = ()) -> None:
         """Queue a purge; never blocks, never raises (a full queue drops and counts)."""
@@ -146,6 +147,10 @@ class PurgeQueue:
         if not size:
             return
         self.stats.submitted += size
+        if self._closed:  # a write that was in flight when the cache closed
+            self.stats.dropped += size
+            _log.warning("http_purge_dropped", reason="closed", count=size, keys=job[0][:5])
+            return
         self.start()  # in the caller's loop, at the first purge: no start() call needed
         self._put(job, size)
 
@@ -179,6 +184,7 @@ class PurgeQueue:
 
     async def close(self, grace: float = 1.0) -> None:
         """Deliver what is queued for up to ``grace`` seconds, then stop."""
+        self._closed = True
         if self._worker is None:
             return
         with contextlib.suppress(TimeoutError):

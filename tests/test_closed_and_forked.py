@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
 from layered_cache import LayeredCache
+from tests.faults.proxy import ToxicProxy
 from tests.helpers import make_config
 
 _COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
@@ -211,3 +214,56 @@ async def test_a_forked_child_using_the_cache_does_not_make_the_parent_serve_ano
             await asyncio.sleep(0.1)  # the parent's loop goes on serving meanwhile
             served += [await cache.get("book", {"id": book_id}) for book_id in (7, 8, 9)]
     assert served == ["v7", "v8", "v9"] * 3, f"the parent served {served} for books 7, 8, 9"
+
+
+class _HungGateway:
+    """A purger whose gateway never answers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls += 1
+        await asyncio.Event().wait()
+
+
+async def test_a_set_in_flight_when_the_cache_closes_leaves_no_purge_worker_running(
+    redis_url: str, prefix: str
+) -> None:
+    """``close()``: "Calls are refused from here on"; ``BackgroundTasks``: "no task
+    outlives the cache"; docs/http.md: purges left "when the cache closes ... are
+    dropped" and counted. A set() still running when the lifespan closes the cache
+    (uvicorn's graceful-shutdown timeout; the case test_closed_and_forked.py names)
+    passed ``check_open`` before close(); its ``finally`` submits its purge to the
+    closed ``Purges`` afterwards, and ``PurgeQueue.submit`` starts a new worker
+    (``self.start()``: "no start() call needed"): a task nobody closes, on a cache that
+    is closed, counted in ``submitted`` and never in ``dropped``."""
+    address = urlsplit(redis_url)
+    proxy = await ToxicProxy(address.hostname or "127.0.0.1", address.port or 6379).start()
+    proxied_url = redis_url.replace(f":{address.port}/", f":{proxy.port}/", 1)
+    gateway = _HungGateway()
+    config = make_config(
+        proxied_url, prefix, {"book": {"key": "book:{id}"}},
+        redis={"timeout": "2s"}, purge={"repeat_after": "0s", "retries": 0},
+    )  # fmt: skip
+    before = asyncio.all_tasks()
+    try:
+        cache = LayeredCache.from_config(config, purger=gateway)
+        await cache.start()
+        proxy.hold_at = b"EVALSHA"
+        writing = asyncio.ensure_future(cache.set("book", {"id": 1}, "v"))
+        await asyncio.wait_for(proxy.holding.wait(), 5)
+        closing = asyncio.ensure_future(cache.close())
+        await asyncio.sleep(0.3)
+        proxy.release.set()
+        await asyncio.gather(writing, closing, return_exceptions=True)
+        await asyncio.sleep(0.3)
+        stats = cache.purge_stats()
+        left = sorted(t.get_coro().__qualname__ for t in asyncio.all_tasks() - before if not t.done())
+        for task in asyncio.all_tasks() - before:
+            task.cancel()
+        assert left == [], f"running after close() returned: {left}; purges {stats}"
+        assert stats.delivered + stats.failed + stats.dropped == stats.submitted, stats
+    finally:
+        proxy.release.set()
+        await proxy.stop()
