@@ -168,6 +168,7 @@ class FallbackSubscriber:
             # Another version's format, a forged message: it may name invalidations we
             # can't read, so L1 goes whole, as for such a stream entry (``_unreadable``).
             _log.warning("backplane_bad_fallback_message")
+            self.errors += 1  # a whole-L1 clear: counted, as every other one
             self._on_error()
             return
         if self._origin and message.origin == self._origin:

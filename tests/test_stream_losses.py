@@ -151,3 +151,28 @@ async def test_an_entry_in_another_format_without_a_keys_field_clears_l1(
             f"B read an entry it could not interpret ({field!r}) and kept book 2 in L1; "
             f"gaps={b._backplane.gaps}"
         )
+
+
+async def test_a_fallback_message_that_clears_l1_is_counted(redis_url: str, prefix: str) -> None:
+    """docs/metrics.md: ``layered_cache_backplane_gaps_total`` counts "whole-L1 clears",
+    ``..._errors_total`` each clear by the fallback subscriber; 9cbb91e makes an
+    undecodable fallback message clear L1 (``FallbackSubscriber._apply`` ->
+    ``on_error`` = ``Coherence.forget_all``) but counts it nowhere: anyone who can
+    PUBLISH on the channel (a forged or older-format message, in a loop) empties every
+    instance's L1 with ``gaps`` and ``errors`` at 0, only a warning in the log."""
+    config = make_config(redis_url, prefix, _NAMESPACES, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as cache:
+        assert cache._fallback is not None
+        assert await eventually(cache._fallback.subscribed.is_set)
+        await cache.get_or_load("book", {"id": 2}, CountingLoader("old"))
+        admin = aioredis.from_url(redis_url)
+        try:
+            channel = fallback_channel(prefix + cache.config.backplane.stream)
+            assert await admin.publish(channel, b"\xc1not msgpack") >= 1
+        finally:
+            await admin.aclose()
+        await eventually(lambda: not in_l1(cache, 2), timeout=3)
+        assert not in_l1(cache, 2)  # cleared, as 9cbb91e wants
+        status = cache.backplane_status()
+        assert status is not None
+        assert status.gaps + status.errors >= 1, f"an L1 clear nobody can see: {status}"
