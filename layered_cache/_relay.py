@@ -361,8 +361,16 @@ class Relay:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(remaining, _LEFT_CHECK)):
                     await arrived.wait()
-            if client.at_eof():
+            if _left(client):
                 raise ConnectionResetError("the client left during its blocking read")
+
+
+def _left(client: asyncio.StreamReader) -> bool:
+    """Whether the client closed its side. ``at_eof()`` stays False while bytes it sent
+    sit unread: a client that pipelined a command behind ``XREAD BLOCK 0`` and left was
+    held until the next entry (days on an idle stream). ``StreamReader`` has no public
+    "EOF received" (CPython keeps it in ``_eof``)."""
+    return client.at_eof() or bool(getattr(client, "_eof", False))
 
 
 def _entries_reply(stream: bytes, entries: list[bytes]) -> bytes:
