@@ -314,7 +314,7 @@ class Relay:
     async def _forward(self, command: Sequence[bytes]) -> bytes:
         self._forwarded += 1
         try:
-            return encode(await self._upstream.execute(*command))
+            return encode(await self._upstream.forward(*command))
         except ResponseError as exc:
             return encode_error(exc)
         except Exception as exc:

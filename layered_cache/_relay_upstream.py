@@ -3,6 +3,7 @@ another relay (a tree of relays, ``_relay``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -21,6 +22,12 @@ from layered_cache._stream import missed_entries, parse_id, stream_info
 
 __all__ = ["Upstream"]
 
+# Clients' commands forwarded at once (catch-up reads older than the relay's memory, the
+# listeners' XINFO/XREVRANGE/start markers). The pool opens a connection per command in
+# flight: unbounded, a failover's catch-up of 40 instances held 40 connections on Redis
+# for as long as the relay ran, against "one reader per relay".
+FORWARDS_AT_ONCE = 2
+
 
 class Upstream:
     """The relay's connection to the master that holds the stream (or to another relay).
@@ -36,6 +43,12 @@ class Upstream:
         self._stream = stream
         self._url = url
         self._client: redis.Redis | None = None
+        self._forwards = asyncio.Semaphore(FORWARDS_AT_ONCE)
+
+    async def forward(self, *args: Any) -> Any:
+        """A client's command, at most ``FORWARDS_AT_ONCE`` at a time (the others wait)."""
+        async with self._forwards:
+            return await self.execute(*args)
 
     async def execute(self, *args: Any) -> Any:
         if self._client is None:
