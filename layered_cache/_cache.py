@@ -327,13 +327,14 @@ async def _rebind(cache: LayeredCache) -> None:
     if forked:
         startup.forked(cache._parts, cache._started_in)
     loop, used_on = asyncio.get_running_loop(), cache._rt.loop
-    if not cache._closed and (forked or (used_on is not None and used_on is not loop)):
+    moved = cache._rt.other_loop or (used_on is not None and used_on is not loop)
+    if not cache._closed and (forked or moved):
         await cache._parts.close()
         cache._closed = True
     if cache._closed:
         startup.reopened(cache._parts, cache._rt, cache._coherence, cache.config, cache._purger)
         cache._follow()
-    cache._rt.loop = loop
+    cache._rt.loop, cache._rt.other_loop = loop, False
 
 
 def _forget_parent(cache: LayeredCache) -> None:

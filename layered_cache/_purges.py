@@ -106,6 +106,11 @@ class Purges:
         """Each queue gets ``grace`` to deliver, at the same time."""
         await asyncio.gather(*(queue.close(grace) for queue in self._queues))
 
+    def abandon(self) -> None:
+        """``close`` for queues whose event loop has ended: what they hold is counted."""
+        for queue in self._queues:
+            queue.abandon()
+
 
 class PurgeQueue:
     """One purger behind a bounded queue. ``start`` in a running loop, ``close`` to end.
@@ -183,9 +188,11 @@ class PurgeQueue:
         await self._queue.join()
 
     async def close(self, grace: float = 1.0) -> None:
-        """Deliver what is queued for up to ``grace`` seconds, then stop."""
-        self._closed = True
+        """Deliver what is queued for up to ``grace`` seconds, then stop. A purge
+        submitted during the grace is queued (a write that landed meanwhile); after it,
+        dropped (counted)."""
         if self._worker is None:
+            self._closed = True
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._queue.join(), grace)
@@ -194,11 +201,22 @@ class PurgeQueue:
         self._worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._worker
-        self._worker = None
+        self._worker, self._closed = None, True
         self._count_abandoned()
         aclose = getattr(self.purger, "aclose", None)
         if self._owned and aclose is not None:
             await aclose()
+
+    def abandon(self) -> None:
+        """Without awaiting (its worker's loop has ended: a warm-up under ``asyncio.run``
+        before ``start()`` on the server's loop): what it holds is counted as dropped,
+        as ``close`` counts it. A closed queue holds nothing."""
+        if self._closed:
+            return
+        for timer in self._timers:
+            timer.cancel()
+        self._worker, self._closed = None, True
+        self._count_abandoned()
 
     def _count_abandoned(self) -> None:
         """What ``close`` leaves undelivered (in flight, queued, repeats not yet due) is

@@ -134,9 +134,11 @@ class Runtime:
     # Why calls are refused (``check_open``), None while they may run: set by close()
     # and in a child forked from the process that started the cache, cleared by start().
     refusal: str | None = None
-    # The event loop calls last reached Redis on (``check_open``; ``start``): a start on
-    # another one closes the connections they left (``LayeredCache._rebind``).
+    # The event loop calls last reached Redis on (``check_open``; ``start``), and whether
+    # an earlier one did since the last (re)build: a start on another loop, or after
+    # calls on two, closes the connections the other loop left (``LayeredCache._rebind``).
     loop: asyncio.AbstractEventLoop | None = None
+    other_loop: bool = False
 
     def check_open(self) -> None:
         """Before anything that would reach Redis or fill L1 (an L1 miss, a write, an
@@ -148,4 +150,6 @@ class Runtime:
         ``LayeredCache._after_fork``)."""
         if self.refusal is not None:
             raise RuntimeError(self.refusal)
-        self.loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            self.other_loop, self.loop = self.other_loop or self.loop is not None, loop

@@ -193,7 +193,9 @@ def reopened(
     parts.notifier.reopen()
     parts.store.slots = asyncio.Semaphore(parts.store.max_in_flight)
     runtime.admission = asyncio.Semaphore(config.redis.max_connections)
-    # purge_stats() counts on across restarts.
+    # purge_stats() counts on across restarts; queues a close() didn't end (their loop
+    # ended first) count what they held.
+    runtime.purges.abandon()
     runtime.purges = purges_for(config, purger, stats=runtime.purges.stats)
 
 

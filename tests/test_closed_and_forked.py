@@ -267,3 +267,63 @@ async def test_a_set_in_flight_when_the_cache_closes_leaves_no_purge_worker_runn
     finally:
         proxy.release.set()
         await proxy.stop()
+
+
+class _GatedGateway:
+    """A purger whose first purge waits for ``gate``; records every key purged."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.keys: list[str] = []
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        if not self.keys:
+            await self.gate.wait()
+        self.keys += keys
+
+
+async def test_a_set_that_lands_during_the_close_grace_still_gets_its_purge_delivered(
+    redis_url: str, prefix: str
+) -> None:
+    """docs/http.md: purges "still queued (or in flight) when the cache closes (close()
+    gives them 1 s)" go out within that second. 59cfc9d sets ``PurgeQueue._closed`` at the
+    *start* of ``close()``, before the grace: a set() in flight at shutdown (uvicorn's
+    graceful timeout) whose write lands while the worker is still delivering the backlog
+    now has its purge dropped, where before it was queued behind the backlog and
+    delivered in the grace. The gateway keeps the old response for its s-maxage."""
+    address = urlsplit(redis_url)
+    proxy = await ToxicProxy(address.hostname or "127.0.0.1", address.port or 6379).start()
+    proxied_url = redis_url.replace(f":{address.port}/", f":{proxy.port}/", 1)
+    gateway = _GatedGateway()
+    config = make_config(
+        proxied_url, prefix, {"book": {"key": "book:{id}"}},
+        redis={"timeout": "2s"}, purge={"repeat_after": "0s", "retries": 0},
+    )  # fmt: skip
+    try:
+        cache = LayeredCache.from_config(config, purger=gateway)
+        await cache.start()
+        await cache.set("book", {"id": 0}, "v0")  # its purge waits at the gateway
+        proxy.hold_at = b"EVALSHA"
+        writing = asyncio.ensure_future(cache.set("book", {"id": 1}, "v1"))
+        await asyncio.wait_for(proxy.holding.wait(), 5)
+        queue = cache._rt.purges._queues[0]
+        in_grace, close_queue = asyncio.Event(), queue.close
+
+        async def close_with_grace(grace: float = 1.0) -> None:
+            in_grace.set()
+            await close_queue(grace)
+
+        queue.close = close_with_grace  # type: ignore[method-assign]
+        closing = asyncio.ensure_future(cache.close())
+        await asyncio.wait_for(in_grace.wait(), 5)  # close() gives the purges their grace
+        proxy.release.set()
+        await asyncio.wait_for(writing, 5)  # landed: its purge submitted, worker alive
+        gateway.gate.set()  # the backlog goes out, well within the grace
+        await asyncio.wait_for(closing, 5)
+        stats = cache.purge_stats()
+        assert cache.key("book", {"id": 1}) in gateway.keys, (
+            f"purged {gateway.keys}; the write that landed in the grace was dropped: {stats}"
+        )
+    finally:
+        proxy.release.set()
+        await proxy.stop()

@@ -7,6 +7,7 @@ closes what those loops left and starts anew; the first requests used to fail wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import textwrap
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from layered_cache import LayeredCache
-from tests.helpers import eventually, make_config
+from tests.helpers import eventually, in_l1, make_config
 from tests.servers import free_port
 from tests.test_sync_fork import ROOT, _get, _serving
 
@@ -224,3 +225,65 @@ async def test_a_cache_whose_loop_ended_without_close_keeps_its_clock_synced_on_
     finally:
         await cache.close()
     assert abs(off) < 5, f"the cache's Redis clock is {off:.0f} s off after the step"
+
+
+async def test_a_call_on_the_new_loop_before_start_makes_start_keep_what_the_dead_loop_left(
+    redis_url: str, prefix: str
+) -> None:
+    """b5542c6: ``check_open`` records the loop of every call (``Runtime.loop``) and
+    ``_rebind`` rebuilds only if that loop is not start()'s. A cache started on loop 1
+    that ended without close() (``asyncio.run(cache.start())``, the case
+    test_start_on_another_loop.py accepts), then one call on the server's loop before
+    its lifespan's start() (a warm-up; the docstring: "Calls before a start on their
+    own loop (a lifespan's) keep what they made"): the call overwrote ``Runtime.loop``
+    with the new loop, so start() rebuilds nothing. The listener task recorded is loop
+    1's: start() fails with a bare ``RuntimeError: Event loop is closed`` (the fallback's
+    Event, the listener task, pooled connections of loop 1). Before b5542c6 ``_loop``
+    was set only by start() and this start rebuilt."""
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    cache = LayeredCache.from_config(config)
+    await asyncio.to_thread(asyncio.run, cache.start())  # loop 1 ends, close() never ran
+
+    async def old() -> str:
+        return "old"
+
+    with contextlib.suppress(Exception):  # the lifespan's warm-up, before its start()
+        await cache.get_or_load("book", {"id": 2}, old)
+    await cache.start()
+    try:
+        assert await cache.get_or_load("book", {"id": 1}, old) == "old"
+        async with LayeredCache.from_config(config) as other:
+            await other.set("book", {"id": 1}, "new")
+        await eventually(lambda: not in_l1(cache, 1), timeout=3)
+        assert await cache.get("book", {"id": 1}) == "new", "L1 never heard the set()"
+    finally:
+        await cache.close()
+
+
+async def test_a_purge_queued_by_a_warm_up_on_another_loop_is_counted_when_start_rebuilds(
+    redis_url: str, prefix: str
+) -> None:
+    """README's pattern: a warm-up at import under ``asyncio.run``, then the lifespan's
+    start() on the server's loop. b5542c6 fixed the count for a warm-up on the *same*
+    loop only: on another loop ``_rebind`` still replaces ``runtime.purges``
+    (``startup.reopened``) without counting what the old queues held (the purge in
+    flight when loop 1 ended). docs/http.md / Purges: "delivered + failed + dropped adds
+    up to submitted"."""
+    config = make_config(
+        redis_url, prefix, {"book": {"key": "book:{id}"}},
+        purge={"repeat_after": "0s", "retries": 0},
+    )  # fmt: skip
+    gateway = _HungGateway()
+    cache = LayeredCache.from_config(config, purger=gateway)
+
+    async def warm_up() -> None:  # at import, on a loop of its own
+        await cache.set("book", {"id": 1}, "v")
+        await eventually(lambda: gateway.calls == 1, timeout=3)
+
+    await asyncio.to_thread(asyncio.run, warm_up())
+    await cache.start()  # the lifespan, on the server's loop
+    await cache.close()
+    stats = cache.purge_stats()
+    assert stats.delivered + stats.failed + stats.dropped == stats.submitted, (
+        f"the warm-up's purge vanished uncounted: {stats}"
+    )
