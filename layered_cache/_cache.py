@@ -362,4 +362,5 @@ def _backplane_status(
         fallback_sent=invalidator.fallback_deliveries,
         fallback_received=fallback.received if fallback is not None else 0,
         errors=status.errors + (fallback.errors if fallback is not None else 0),
+        gaps=status.gaps + (fallback.clears if fallback is not None else 0),
     )

@@ -106,6 +106,7 @@ class FallbackSubscriber:
         self._lost_at = float("-inf")  # monotonic time the subscription last ended
         self.received = 0  # messages from others applied
         self.errors = 0  # bugs met applying a message (each cleared L1)
+        self.clears = 0  # messages it could not read (each cleared L1: a gap, not a bug)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -168,7 +169,7 @@ class FallbackSubscriber:
             # Another version's format, a forged message: it may name invalidations we
             # can't read, so L1 goes whole, as for such a stream entry (``_unreadable``).
             _log.warning("backplane_bad_fallback_message")
-            self.errors += 1  # a whole-L1 clear: counted, as every other one
+            self.clears += 1  # a whole-L1 clear, counted with the stream's gaps
             self._on_error()
             return
         if self._origin and message.origin == self._origin:

@@ -153,13 +153,17 @@ async def test_an_entry_in_another_format_without_a_keys_field_clears_l1(
         )
 
 
-async def test_a_fallback_message_that_clears_l1_is_counted(redis_url: str, prefix: str) -> None:
-    """docs/metrics.md: ``layered_cache_backplane_gaps_total`` counts "whole-L1 clears",
-    ``..._errors_total`` each clear by the fallback subscriber; 9cbb91e makes an
-    undecodable fallback message clear L1 (``FallbackSubscriber._apply`` ->
-    ``on_error`` = ``Coherence.forget_all``) but counts it nowhere: anyone who can
-    PUBLISH on the channel (a forged or older-format message, in a loop) empties every
-    instance's L1 with ``gaps`` and ``errors`` at 0, only a warning in the log."""
+async def test_an_undecodable_fallback_message_counts_as_a_whole_l1_clear_not_as_a_bug(
+    redis_url: str, prefix: str
+) -> None:
+    """5498a41 counts an undecodable fallback message (another version's format in a
+    rolling upgrade, or anyone's PUBLISH on the channel) in ``errors``, which
+    docs/metrics.md defines as "bugs ... logged as backplane_fallback_error with the
+    traceback ... Any increase is a bug to report" and pages on
+    (``increase(layered_cache_backplane_errors_total[15m]) > 0``: "the backplane
+    listener met a bug"). Its stream twin, an undecodable entry, is counted where
+    metrics.md puts whole-L1 clears, ``gaps`` (``_unreadable`` -> ``_gap``), with
+    ``errors`` untouched. Same event, two counters; one of them a false bug alert."""
     config = make_config(redis_url, prefix, _NAMESPACES, backplane={"block": "200ms"})
     async with LayeredCache.from_config(config) as cache:
         assert cache._fallback is not None
@@ -171,8 +175,9 @@ async def test_a_fallback_message_that_clears_l1_is_counted(redis_url: str, pref
             assert await admin.publish(channel, b"\xc1not msgpack") >= 1
         finally:
             await admin.aclose()
-        await eventually(lambda: not in_l1(cache, 2), timeout=3)
-        assert not in_l1(cache, 2)  # cleared, as 9cbb91e wants
+        assert await eventually(lambda: not in_l1(cache, 2), timeout=3)
         status = cache.backplane_status()
         assert status is not None
-        assert status.gaps + status.errors >= 1, f"an L1 clear nobody can see: {status}"
+        assert (status.gaps, status.errors) == (1, 0), (
+            f"an unreadable message is not a bug, it is a whole-L1 clear: {status}"
+        )
