@@ -14,8 +14,8 @@ __all__ = ["refused_forward", "xread_arguments"]
 _LARGEST = 2**63 - 1  # COUNT and BLOCK, as Redis parses them (a long long)
 # As Redis reads them: ASCII digits only (Python's int() also takes "+3", "1_0" and
 # other scripts' digits, where Redis answers an error).
-_INTEGER = re.compile(rb"-?[0-9]+")
-_STREAM_ID = re.compile(rb"([0-9]+)(?:-([0-9]+))?")
+_INTEGER = re.compile(rb"0|-?[1-9][0-9]*")  # no leading zeros, no "-0" (string2ll)
+_STREAM_ID = re.compile(rb"\+?([0-9]+)(?:-\+?([0-9]+))?")  # string2ull takes a "+"
 _ORIGIN = re.compile(rb"[0-9a-zA-Z_.:-]{1,64}")  # an instance ID (or "-"), nothing more
 
 

@@ -202,3 +202,23 @@ async def test_catch_up_reads_through_a_relay_do_not_open_a_redis_connection_per
             await client.aclose()
         await relay.close()
         await direct.aclose()
+
+
+@pytest.mark.parametrize(
+    ("head", "position"),
+    [
+        pytest.param(("XREAD", "COUNT", "007", "STREAMS"), None, id="count-with-leading-zeros"),
+        pytest.param(("XREAD", "COUNT", "-0", "STREAMS"), None, id="count-minus-zero"),
+        pytest.param(("XREAD", "STREAMS"), b"+3", id="id-with-plus-sign"),
+    ],
+)
+async def test_the_relay_reads_xread_arguments_as_redis_does(
+    redis_url: str, prefix: str, head: tuple[str, ...], position: bytes | None
+) -> None:
+    """d13c1ab, docs/operations.md: "XREAD's COUNT and IDs are read as Redis reads them
+    (... +3 ... are errors)". Redis's COUNT goes through ``string2ll``, which refuses
+    leading zeros and "-0" ("value is not an integer"); the relay's ``_INTEGER``
+    (``-?[0-9]+``) takes them. Redis's IDs go through ``string2ull`` -> ``strtoull``,
+    which takes "+3"; the relay's ``_STREAM_ID`` refuses it. (Low severity: no library
+    client sends these; the documented parity is what fails.)"""
+    await _compare(redis_url, prefix, head, position)
