@@ -14,8 +14,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon import Daemon
+from layered_cache.daemon.watch import INTERVAL
 from tests.helpers import eventually
 from tests.servers import KafkaBroker, RedisServer, create_topic
 from tests.test_daemon import daemon_config, http_get, price_changed, producer, running
@@ -191,3 +193,48 @@ async def test_the_lag_gauge_grows_while_a_redis_outage_piles_up_events(
             assert await eventually(lag_of_the_backlog, timeout=10, interval=0.5), daemon.lag
             server.start()
             assert await eventually(lambda: daemon.stats.events >= 151, timeout=30)
+
+
+async def test_a_partition_moved_while_the_watch_asks_the_broker_leaves_the_lag_gauge(
+    prefix: str, redis_url: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """A's watch asks the broker for the committed offset of a partition A has not
+    committed yet (1); meanwhile B joins and takes every partition. The lag of partition
+    0, worked out before that answer, came back with it: A's gauge and /metrics showed
+    a partition B owns, for good (only a revocation removes one, and A had none left)."""
+    group = f"g-lag-{prefix.rstrip(':')}"
+    await create_topic(kafka_bootstrap, unique_topic, 2)
+
+    def make(tag: bytes) -> Daemon:
+        config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic, group=group)
+        options = {"partition_assignment_strategy": (prefer(tag),)}
+        return Daemon(config, health_port=0, consumer_options=options)
+
+    a, b = make(b"A"), make(b"B")
+    task_b: asyncio.Task[None] | None = None
+    async with running(a), producer(kafka_bootstrap) as p:
+        await p.send_and_wait(unique_topic, price_changed(1), partition=0)
+        assert await eventually(lambda: (unique_topic, 0) in a.lag, timeout=10)
+        consumer = a._kafka.consumer
+        assert consumer is not None
+        ask = consumer.committed
+
+        async def answered_after_b_joined(tp: TopicPartition) -> int | None:
+            nonlocal task_b
+            if tp.partition == 1 and task_b is None:
+                task_b = asyncio.create_task(b.run())
+                assert await eventually(lambda: not a.assignment, timeout=2.5, interval=0.01)
+            return await ask(tp)
+
+        consumer.committed = answered_after_b_joined  # type: ignore[method-assign]
+        try:
+            assert await eventually(lambda: len(b.assignment) == 2, timeout=20)
+            await asyncio.sleep(2 * INTERVAL + 0.5)  # the watch's next rounds
+            assert not a.assignment and a.lag == {}, f"A's gauge shows {a.lag}"
+            assert a.health is not None and a.health.bound_port
+            metrics = (await http_get(a.health.bound_port, "/metrics"))[1]
+            assert b"layered_cache_daemon_lag{" not in metrics  # no partition at all
+        finally:
+            b.stop()
+            if task_b is not None:
+                await asyncio.wait_for(task_b, 20)

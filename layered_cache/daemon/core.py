@@ -94,6 +94,8 @@ class Daemon:
         self.stats = DaemonStats()
         self.lag: dict[tuple[str, int], int] = {}  # per owned partition: last batch, or watch
         self._commits = Commits(self.stats)  # commits, and what was committed (the watch's lag)
+        # Replaced, never changed in place, at every rebalance: the watch's ``broker_lag``
+        # tells by the set's identity that a rebalance happened during its round trips.
         self.assignment: set[TopicPartition] = set()
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)

@@ -96,16 +96,26 @@ async def broker_lag(
     broker now (so it grows while a batch is being retried). ``committed`` caches the
     group's offsets: the daemon records its own commits there, the broker is asked once
     for a partition it has not committed since it got it. A partition never committed
-    is left out (the last batch's figure stands)."""
-    partitions = sorted(owned())
-    if not partitions:
+    is left out (the last batch's figure stands).
+
+    A rebalance can happen during any of the round trips here. ``owned()`` is the
+    daemon's assignment, a new set at every revocation and assignment, so the same set
+    after the last await means none happened; otherwise nothing is reported or cached
+    this round. Checking each partition as it came, the lag of one worked out before a
+    later round trip came back after its revocation (which alone clears the gauge): the
+    gauge showed a partition another daemon owned, for good, and a cached offset went
+    stale for when it came back."""
+    mine = owned()
+    if not mine:
         await consumer.topics()  # a standby: one metadata round trip says the broker answers
         return {}
-    ends = await consumer.end_offsets(partitions)
-    lag: dict[tuple[str, int], int] = {}
-    for tp, end in ends.items():
+    ends = await consumer.end_offsets(sorted(mine))
+    for tp in ends:
         if tp not in committed and (offset := await consumer.committed(tp)) is not None:
+            if owned() is not mine:
+                return {}  # moved meanwhile: this answer may be older than its new owner's
             committed[tp] = offset
-        if tp in committed and tp in owned():
-            lag[(tp.topic, tp.partition)] = max(0, end - committed[tp])
-    return lag
+    if owned() is not mine:
+        return {}
+    lag = {tp: max(0, end - committed[tp]) for tp, end in ends.items() if tp in committed}
+    return {(tp.topic, tp.partition): behind for tp, behind in lag.items()}
