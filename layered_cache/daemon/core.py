@@ -41,7 +41,7 @@ from layered_cache.daemon.commits import Commits
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import Poison, dead_letter
 from layered_cache.daemon.health import HealthServer
-from layered_cache.daemon.kafka import KafkaClients, KafkaSetupError, uncommitted_starts
+from layered_cache.daemon.kafka import KafkaClients, KafkaSetupError, poll, uncommitted_starts
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
@@ -136,9 +136,8 @@ class Daemon:
                 health_port=self.health.bound_port if self.health else None,
             )
             while not self._stopping.is_set():
-                # A short poll timeout keeps stop() responsive without a second task.
                 try:
-                    records = await consumer.getmany(timeout_ms=200, max_records=kafka.max_batch)
+                    records = await poll(consumer, self._stopping, max_records=kafka.max_batch)
                 except UNREADABLE as exc:
                     # A record aiokafka can't unpack (``unreadable``): record by record
                     # until it is found and set aside, the records around it handled.
@@ -149,9 +148,11 @@ class Daemon:
                         self._handle,
                         self._set_aside,
                         kafka.max_batch,
-                        self._stopping.is_set,
+                        self._stopping,
                     )
                     continue
+                if records is None:
+                    break  # stop() during the poll (a rebalance may hold it: ``poll``)
                 if records and not await self._handle(records):
                     continue  # abandoned: its partitions' positions are past it, see Commits
                 await self._catch_up(consumer)

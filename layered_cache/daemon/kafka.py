@@ -1,6 +1,6 @@
 """aiokafka clients from ``KafkaConfig``: settings (one place for security pass-through),
-the consumer + DLQ producer pair the daemon opens and closes together, and where a
-newly assigned partition starts."""
+the consumer + DLQ producer pair the daemon opens and closes together, the poll that
+gives way to ``stop()``, and where a newly assigned partition starts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.helpers import create_ssl_context
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from layered_cache._config import KafkaConfig
 
@@ -23,11 +23,15 @@ __all__ = [
     "KafkaSetupError",
     "client_kwargs",
     "consumer_kwargs",
+    "poll",
     "producer_kwargs",
     "uncommitted_starts",
 ]
 
 FETCH_MAX_WAIT_MS = 50
+# How long one poll waits for records when none are buffered: the loop's idle tick (the
+# catch-up commit runs between polls).
+POLL_MS = 200
 # How long closing one client may take: with the broker gone, LeaveGroup and the
 # producer's flush have nobody to talk to, and a SIGTERM must still end the process.
 STOP_TIMEOUT = 10.0
@@ -139,6 +143,46 @@ async def _stop(client: AIOKafkaConsumer | AIOKafkaProducer, name: str) -> None:
         _log.warning("kafka_stop_interrupted", client=name)
     except Exception as exc:  # TimeoutError included: closing goes on without it
         _log.warning("kafka_stop_failed", client=name, error=f"{type(exc).__name__}: {exc}")
+
+
+async def poll(
+    consumer: AIOKafkaConsumer,
+    stopping: asyncio.Event,
+    *partitions: TopicPartition,
+    max_records: int,
+) -> dict[TopicPartition, list[ConsumerRecord[Any, Any]]] | None:
+    """``getmany`` of ``partitions`` (all assigned if none), or None once ``stopping``
+    is set, whichever comes first; getmany's errors are raised as they are.
+
+    Its timeout alone did not make ``stop()`` responsive: while the group rebalances,
+    getmany first waits for the next assignment, whatever its timeout, as long as the
+    rebalance lasts, and for ever when the broker dies before the group is formed again.
+    A SIGTERM then went unseen until the SIGKILL. Cancelling getmany is safe: it takes
+    records from the fetched buffer (moving the positions) only in the stretch without
+    an await right before it returns, so a cancelled getmany consumed nothing. (It
+    leaves aiokafka's count of polls in progress one too high, which only its
+    ``max_poll_interval_ms`` check reads, on a consumer that is closed next.)"""
+    if stopping.is_set():
+        return None
+    fetch = asyncio.ensure_future(
+        consumer.getmany(*partitions, timeout_ms=POLL_MS, max_records=max_records)
+    )
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((fetch, stop), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        fetch.cancel()  # this task cancelled: so is the poll, which consumed nothing
+        raise
+    finally:
+        stop.cancel()
+    if fetch.done():
+        records: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = fetch.result()
+        return records  # records that came with stop() are handled, as before
+    fetch.cancel()
+    await asyncio.wait((fetch,))  # let it end; our own cancellation still gets through
+    if not fetch.cancelled():
+        fetch.exception()  # ended otherwise as it was cancelled: stopping, left unread
+    return None
 
 
 async def uncommitted_starts(

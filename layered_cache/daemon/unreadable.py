@@ -25,6 +25,7 @@ refusing, authorisation) is about no one record, and is raised as before.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from aiokafka.errors import CorruptRecordException, IllegalStateError, InvalidMe
 from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon.dlq import Poison, cap_text
+from layered_cache.daemon.kafka import poll
 
 __all__ = ["UNREADABLE", "read_carefully", "rewind"]
 
@@ -83,20 +85,19 @@ async def read_carefully(
     handle: Callable[[Records], Awaitable[bool]],
     set_aside: Callable[[Poison, TopicPartition], Awaitable[bool]],
     limit: int,
-    stopping: Callable[[], bool],
+    stopping: asyncio.Event,
 ) -> None:
     """One careful pass: each assigned partition, one record at a time, until it has
     nothing fetched, ``limit`` records were handled, or an unreadable record was set
     aside (``set_aside`` dead-letters it, seeks past it and commits). ``handle`` or
     ``set_aside`` returning False (not done: stopping, revoked) ends the pass, and so
-    does ``stopping()`` before each record: every record here succeeding, it was never
-    asked, and a SIGTERM read on through up to ``limit`` records of every partition."""
+    does ``stopping`` before each record and during its poll (``poll``): every record
+    here succeeding, it was never asked, and a SIGTERM read on through up to ``limit``
+    records of every partition."""
     for tp in sorted(consumer.assignment()):
         for _ in range(limit):
-            if stopping():
-                return  # nothing read past what was handled: the next owner reads on
             try:
-                records = await consumer.getmany(tp, timeout_ms=200, max_records=1)
+                records = await poll(consumer, stopping, tp, max_records=1)
             except IllegalStateError:
                 return  # the partition moved in a rebalance meanwhile
             except UNREADABLE as exc:
@@ -114,6 +115,8 @@ async def read_carefully(
                 if not await set_aside(_unreadable(tp, offset, exc), tp):
                     return
                 break
+            if records is None:
+                return  # nothing read past what was handled: the next owner reads on
             if not records:
                 break
             if not await handle(records):
