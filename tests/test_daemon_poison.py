@@ -39,6 +39,7 @@ from tests.test_daemon import (
     running,
     seed,
 )
+from tests.test_daemon_readiness import prefer
 
 pytestmark = pytest.mark.kafka
 
@@ -566,3 +567,72 @@ async def test_a_set_aside_whose_partition_moves_is_given_up_and_the_new_partiti
     task_a.result()  # run() returned, it did not raise
     dead = await read_all(kafka_bootstrap, config_a.kafka.dead_letter_topic, 1)
     assert [dict(r.headers)["dlq.original.offset"] for r in dead][:1] == [b"0"]
+
+
+class _LateDeadLetterAck:
+    """The first dead-letter record is written at once; its writer sees the broker's
+    ack only after ``release()`` (a slow acknowledgement, the record already stored)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, topic: str) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        self.held = False
+        self._released = asyncio.Event()
+        real_send = AIOKafkaProducer.send
+
+        async def send(producer: Any, to: str, *args: Any, **kwargs: Any) -> Any:
+            ack = await real_send(producer, to, *args, **kwargs)
+            if to != topic or self.held:
+                return ack
+            self.held = True
+
+            async def late() -> Any:
+                await self._released.wait()
+                return await ack
+
+            return asyncio.ensure_future(late())
+
+        monkeypatch.setattr(AIOKafkaProducer, "send", send)
+
+    def release(self) -> None:
+        self._released.set()
+
+
+async def test_a_dead_letter_written_as_its_partition_moves_is_written_again_by_its_new_owner(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/daemon.md: the dead-letter topic is at-least-once. A's copy of a poison event
+    is stored, but the ack comes after B took the partition over (A's wait for its batch,
+    half the rebalance timeout, ran out). A's commit is refused, B reads the event again
+    and writes it again: two copies with the same origin headers, which is how a reader
+    tells them apart. The partition moves past the event; nothing is lost."""
+    group = f"g-dup-{prefix.rstrip(':')}"
+
+    def make(tag: bytes) -> Daemon:
+        config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic, group=group)
+        options = {"partition_assignment_strategy": (prefer(tag),)}
+        return Daemon(config, consumer_options=options)
+
+    a, b = make(b"A"), make(b"B")
+    dlq = a.config.kafka.dead_letter_topic
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    await create_topic(kafka_bootstrap, dlq, 1)
+    late = _LateDeadLetterAck(monkeypatch, dlq)
+    source = TopicPartition(unique_topic, 0)
+    async with running(a), producer(kafka_bootstrap) as p:
+        await p.send_and_wait(unique_topic, b"not json")
+        assert await eventually(lambda: late.held, timeout=15)
+        async with running(b):  # joins; the test's assignor gives B every partition
+            assert await eventually(lambda: not a.assignment, timeout=30)
+            assert await eventually(lambda: b.stats.dead_letters == 1, timeout=15)
+            late.release()
+            assert await eventually(lambda: a.stats.dead_letters == 1, timeout=10)
+            assert a.stats.commit_failures >= 1  # A's commit: the partition is B's
+    dead = await read_all(kafka_bootstrap, dlq, 3, timeout=5)
+    origins = [
+        tuple(dict(r.headers)[f"dlq.original.{h}"] for h in ("topic", "partition", "offset"))
+        for r in dead
+    ]
+    assert origins == [(unique_topic.encode(), b"0", b"0")] * 2
+    assert await committed(kafka_bootstrap, group, [source]) == {0: 1}
