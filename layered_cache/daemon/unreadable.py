@@ -34,7 +34,12 @@ from typing import Any
 import cramjam
 import structlog
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import CorruptRecordException, IllegalStateError, InvalidMessageError
+from aiokafka.errors import (
+    CorruptRecordException,
+    IllegalStateError,
+    InvalidMessageError,
+    RecordTooLargeError,
+)
 from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon.dlq import Poison, cap_text
@@ -47,8 +52,12 @@ _log = structlog.get_logger("layered_cache.daemon")
 #: What aiokafka raises for one record or batch it cannot unpack: a header name or key
 #: that is not UTF-8, a bad CRC or record, a body that does not decompress with its
 #: declared codec (gzip: ``BadGzipFile``, ``zlib.error``, ``EOFError`` when cut short;
-#: snappy, lz4, zstd: cramjam). Not ``OSError`` at large: a network error is no record's.
+#: snappy, lz4, zstd: cramjam), a batch cut short at ``max_partition_fetch_bytes``
+#: (``RecordTooLargeError``: only brokers before Kafka 0.10.1 cut one, newer ones answer
+#: it whole, KIP-74; no fetch size gets it whole from them). Not ``OSError`` at large:
+#: a network error is no record's.
 UNREADABLE: tuple[type[BaseException], ...] = (
+    RecordTooLargeError,
     UnicodeError,
     CorruptRecordException,
     InvalidMessageError,
@@ -102,7 +111,7 @@ async def read_carefully(
                 return  # the partition moved in a rebalance meanwhile
             except UNREADABLE as exc:
                 try:
-                    offset = await consumer.position(tp)
+                    offset = _offset_of(exc, await consumer.position(tp))
                 except IllegalStateError:
                     return  # moved meanwhile: its new owner finds the record again
                 _log.warning(
@@ -121,6 +130,18 @@ async def read_carefully(
                 break
             if not await handle(records):
                 return
+
+
+def _offset_of(exc: BaseException, position: int) -> int:
+    """The unreadable record's offset, ``position`` being its partition's after ``exc``.
+    Read one record at a time, nothing was taken past it: the position is the record's.
+    Not for ``RecordTooLargeError``: aiokafka moves the position one past the record
+    before raising it (``consumed_to(position + 1)``), and names the record's offset
+    in it; taking the position, the pass set aside and skipped the record after it."""
+    if not isinstance(exc, RecordTooLargeError):
+        return position
+    named = exc.args[2] if len(exc.args) > 2 else None  # (message, tp, offset, fetch size)
+    return named if isinstance(named, int) else position - 1
 
 
 def _unreadable(tp: TopicPartition, offset: int, exc: BaseException) -> Poison:
