@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,13 +27,22 @@ from layered_cache._failsafe import FailSafe, Read
 from layered_cache._fills import Fills, FillWatch
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._loader_call import (
+    LoaderCancelledError,
+    awaited,
+    call_loader,
+    retrieve_outcome,
+)
 from layered_cache._loading import Loading
 from layered_cache._policy import Policy
-from layered_cache._runtime import Hooks, Runtime
+from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
 from layered_cache._tags import TagsOf, tag_names
 
-__all__ = ["LoaderCancelledError", "MissPath", "Read", "TagsOf"]
+__all__ = [
+    "LoaderCancelledError", "MissPath", "Read", "TagsOf", "awaited", "call_loader",
+    "retrieve_outcome",
+]
 
 Loader = Callable[[], Awaitable[Any]]
 
@@ -62,7 +70,7 @@ class MissPath:
             token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl, mine)
             if token is None:
                 policy.stats.lease_lost += 1
-                waited = await self._wait_for_fill(read, mine)
+                waited = await wait_or_stale(self, read, mine)
                 if isinstance(waited, _Filled):
                     return waited.value
                 if waited is None:
@@ -165,12 +173,13 @@ class MissPath:
             self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
             raise
         except BaseException as exc:  # nobody will fill: the lease goes back
-            await self.release(read.key, token)
+            self.give_back(read.key, token)  # not awaited: a cancel then kept the lease
             self._unregister(read, token)
             if not isinstance(exc, Exception):
                 raise  # not an error to serve stale for (GreenletExit, an app's abort)
             return await self.failsafe.serve_or_raise(read, exc)
-        return await self.fill(read, token, value, time.monotonic() - started)
+        elapsed = time.monotonic() - started  # to completion: a cancel here made joiners reload
+        return await self._rt.tasks.to_completion(self.fill(read, token, value, elapsed))
 
     async def _register(self, read: Read, token: str) -> bool:
         """A tagged load joins the set ``invalidate_tag`` revokes, before it starts
@@ -299,6 +308,31 @@ class _Filled:
     value: Any
 
 
+async def wait_or_stale(miss: MissPath, read: Read, token: str) -> _Filled | str | None:
+    """``MissPath._wait_for_fill``, but with a stale value at hand and ``load_timeout``
+    set, at most ``load_timeout``: then the stale value, as the winner's own caller got
+    it (another reader of the key waited for the whole slow load)."""
+    policy = miss._policy
+    if read.stale is None or policy.load_timeout is None:
+        return await miss._wait_for_fill(read, token)
+    waiting = asyncio.ensure_future(miss._wait_for_fill(read, token))
+    try:
+        done, _ = await asyncio.wait({waiting}, timeout=policy.load_timeout)
+        if not done and await miss.failsafe.usable(read):
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            miss.give_back(read.key, token)  # if the wait had just taken the lease over
+            policy.stats.stale_served += 1
+            _log.warning("load_timeout_serving_stale", namespace=policy.name, key=read.key)
+            assert read.stale is not None
+            return _Filled(read.stale.value)
+        return await waiting
+    except asyncio.CancelledError:
+        waiting.cancel()  # asyncio.wait leaves it running
+        raise
+
+
 async def bound_lease(store: L2Store, key: str, lease_ttl: float) -> None:
     """A lease name holding something without a TTL (a value planted at ``{key}:lease``,
     a tool's leftover) is no lease of ours, and every miss of the key would wait
@@ -318,61 +352,6 @@ def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:
             "load_outlived_lease", namespace=policy.name, key=key, load_s=round(load_s, 3),
             lease_ttl_s=policy.lease_ttl, fix="raise stampede.lease_ttl above the slowest load",
         )
-
-
-def retrieve_outcome(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-class LoaderCancelledError(RuntimeError):
-    """The loader raised ``CancelledError`` while nobody had cancelled the load (it
-    awaited a task that someone else cancelled, or raised it itself). Passed on as it
-    was, it read as the caller's own cancellation: no stale value served, no load error
-    counted, and the calling task ending as if cancelled. It is a load error instead."""
-
-
-async def call_loader(policy: Policy, hooks: Hooks, loader: Loader) -> Any:
-    """Call the loader through the instrumentation hooks, counting loads and failures."""
-    policy.stats.load += 1
-    started = time.perf_counter()
-    ok = False
-    task = asyncio.current_task()
-    cancels = task.cancelling() if task is not None else 0
-    try:
-        try:
-            if hooks.load_wrapper is not None:
-                value = await hooks.load_wrapper(policy.name, loader)
-            else:
-                value = await awaited(policy.name, loader)
-        except asyncio.CancelledError as exc:
-            if task is None or task.cancelling() > cancels:
-                raise  # our load was cancelled: the caller's cancellation, passed on
-            raise LoaderCancelledError(
-                f"namespace {policy.name!r}: the loader raised CancelledError without "
-                "being cancelled"
-            ) from exc
-        ok = True
-        return value
-    except Exception:
-        policy.stats.load_error += 1
-        raise
-    finally:
-        for observe in hooks.load_observers:
-            observe(policy.name, time.perf_counter() - started, ok)
-
-
-def awaited(namespace: str, loader: Loader) -> Awaitable[Any]:
-    """``loader()``, refused with a clear error unless it is awaitable: a plain function
-    passed to the async API would otherwise fail as "object dict can't be used in
-    'await' expression", far from the mistake."""
-    result = loader()
-    if not inspect.isawaitable(result):
-        raise TypeError(
-            f"namespace {namespace!r}: the loader returned a {type(result).__name__}, not "
-            "an awaitable: pass an async function (sync loaders: SyncLayeredCache)"
-        )
-    return result
 
 
 def _ignore(key: str) -> None:
