@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 
 from layered_cache import _replicas as replicas
+from layered_cache._clients import resurface_cancel
 from layered_cache._failsafe import FailSafe, Read
 from layered_cache._fills import Fills, FillWatch
 from layered_cache._keys import lease_name
@@ -316,13 +317,18 @@ async def wait_or_stale(miss: MissPath, read: Read, token: str) -> _Filled | str
     if read.stale is None or policy.load_timeout is None:
         return await miss._wait_for_fill(read, token)
     waiting = asyncio.ensure_future(miss._wait_for_fill(read, token))
+    caller = asyncio.current_task()
+    requested = caller.cancelling() if caller is not None else 0
     try:
         done, _ = await asyncio.wait({waiting}, timeout=policy.load_timeout)
-        if not done and await miss.failsafe.usable(read):
+        if not done and await miss.failsafe.usable(read) and not waiting.done():
             waiting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await waiting
             miss.give_back(read.key, token)  # if the wait had just taken the lease over
+            # A cancel of our caller that arrived meanwhile went to ``waiting`` (the task
+            # we awaited), and the suppress above ate it: raise it here.
+            resurface_cancel(caller, requested)
             policy.stats.stale_served += 1
             _log.warning("load_timeout_serving_stale", namespace=policy.name, key=read.key)
             assert read.stale is not None

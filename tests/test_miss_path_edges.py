@@ -209,3 +209,76 @@ async def test_a_second_read_while_a_load_timeout_background_fill_runs_serves_st
         second, took_second = await _timed(cache.get_or_load("book", {"id": 1}, loader))
     assert second in ("v1", "v2")
     assert took_second < 0.5, f"second read waited {took_second:.2f} s for the slow load"
+
+
+STALE_NS = {
+    "book": {
+        "key": "book:{id}",
+        "l2": {"ttl": "300ms", "jitter": 0},
+        "l1": {"ttl": "100ms"},
+        "stale": {"max_age": "30s"},
+        "stampede": {
+            "early_refresh_beta": 0,
+            "load_timeout": "100ms",
+            "lease_ttl": "10s",
+            "max_wait": "5s",
+        },
+    }
+}
+
+
+# -- wait_or_stale: the caller's own cancel, landing while the inner wait unwinds ------
+
+
+async def test_a_reader_cancelled_as_wait_or_stale_serves_stale_ends_cancelled(
+    redis_url: str, prefix: str
+) -> None:
+    """Another instance's slow load holds the lease; a reader with a stale value at hand
+    serves it after load_timeout (``wait_or_stale``). Its client's deadline lands just
+    as it does, while ``wait_or_stale`` awaits the inner wait it cancelled
+    (``with suppress(CancelledError): await waiting``). The caller's cancel is
+    swallowed there: ``Task.cancel`` passes it to the awaited ``waiting`` task, whose
+    CancelledError the suppress eats, so the read returns the stale value and the task
+    runs on as if never cancelled (a handler loop does not stop, a server's shutdown
+    waits on it). Every other cancel on the miss path surfaces (README)."""
+    config = make_config(redis_url, prefix, STALE_NS)
+    admin = redis.Redis.from_url(redis_url)
+    swallowed: list[int] = []
+    async with LayeredCache.from_config(config) as cache:
+        miss = cache.namespace("book")._miss
+        usable = miss.failsafe.usable
+        for turns in range(3):
+            fields = {"id": 10 + turns}
+            await cache.get_or_load("book", fields, CountingLoader("v1"))
+            await asyncio.sleep(0.4)  # stale (soft expiry 300 ms), within max_age
+            # Another instance's slow load of the key holds its lease.
+            await admin.set(lease_name(f"{prefix}book:{10 + turns}"), "theirs", px=10_000)
+            caller: asyncio.Task[Any] | None = None
+
+            async def deadline_at_serve(read: Any, turns: int = turns) -> bool:
+                ok = await usable(read)
+                if ok and caller is not None:
+                    loop = asyncio.get_running_loop()
+
+                    def step(left: int) -> None:
+                        if left <= 0:
+                            assert caller is not None
+                            caller.cancel()
+                        else:
+                            loop.call_soon(step, left - 1)
+
+                    loop.call_soon(step, turns)  # the client's deadline, a turn later
+                return ok
+
+            miss.failsafe.usable = deadline_at_serve  # type: ignore[method-assign]
+            caller = asyncio.create_task(cache.get_or_load("book", fields, CountingLoader("v2")))
+            outcome = (await asyncio.gather(caller, return_exceptions=True))[0]
+            miss.failsafe.usable = usable  # type: ignore[method-assign]
+            if not caller.cancelled():
+                swallowed.append(turns)
+                print(f"turns={turns}: returned {outcome!r}, cancelling()={caller.cancelling()}")
+    await admin.aclose()
+    assert swallowed == [], f"the caller's cancel was swallowed (turns {swallowed}): it returned"
+
+
+# -- RecordTooLargeError: the catch-up commit skips the record before it is raised ------
