@@ -73,6 +73,16 @@ class Commits:
                     position = await consumer.position(tp)
             except (IllegalStateError, TimeoutError):
                 continue  # moved, or being reset: the next idle poll looks again
-            if position > offset:
+            if position > offset and not _error_pending(consumer, tp):
                 ahead[tp] = position
         return ahead if ahead and await self.commit(consumer, ahead) else {}
+
+
+def _error_pending(consumer: AIOKafkaConsumer, tp: TopicPartition) -> bool:
+    """Whether aiokafka holds an error for ``tp`` that ``getmany`` has yet to raise. A
+    record larger than the fetch size (``RecordTooLargeError``, old brokers) moves the
+    position past it when the fetch comes back, not when the error is raised: committing
+    that position skipped the record unapplied and never set aside. aiokafka has no
+    public way to ask, so its fetcher's buffer is read; anything else reads as none."""
+    buffered = getattr(getattr(consumer, "_fetcher", None), "_records", {}).get(tp)
+    return type(buffered).__name__ == "FetchError"
