@@ -194,14 +194,17 @@ class PurgeQueue:
         if self._worker is None:
             self._closed = True
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._queue.join(), grace)
-        for timer in self._timers:  # a repeat queued after close would wait for ever
-            timer.cancel()
-        self._worker.cancel()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._queue.join(), grace)
+        finally:  # also when our caller's deadline cuts the grace short
+            self._closed = True
+            for timer in self._timers:  # a repeat queued after close would wait for ever
+                timer.cancel()
+            self._worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._worker
-        self._worker, self._closed = None, True
+        self._worker = None
         self._count_abandoned()
         aclose = getattr(self.purger, "aclose", None)
         if self._owned and aclose is not None:

@@ -33,9 +33,13 @@ _log = structlog.get_logger("layered_cache")
 
 
 def _log_orphan_failure(task: asyncio.Task[Any]) -> None:
+    """An invalidation's steps, a write's announcement or a load's fill (``to_completion``,
+    ``spawn_orphan``) that failed once its caller had gone: named by its coroutine."""
     if not task.cancelled() and (exc := task.exception()) is not None:
         _log.warning(
-            "invalidation_failed_after_its_caller_left", error=f"{type(exc).__name__}: {exc}"
+            "background_step_failed_after_its_caller_left",
+            step=task.get_coro().__qualname__,  # type: ignore[union-attr]
+            error=f"{type(exc).__name__}: {exc}",
         )
 
 
