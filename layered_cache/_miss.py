@@ -95,9 +95,8 @@ class MissPath:
 
     def give_back(self, key: str, token: str) -> None:
         """Release our lease (if ``token`` holds it) in the background, for a caller being
-        cancelled (it can't await) or whose Redis step timed out: kept, it would make every
-        reader of the key, in every process, wait ``max_wait`` for a fill nobody runs.
-        Compare-and-delete: a no-op where we never held it (a late SET NX reply)."""
+        cancelled (it can't await) or whose Redis step timed out: kept, every reader of the
+        key, fleet-wide, waits ``max_wait``. A no-op where we never held it (compare-and-delete)."""
         self._rt.tasks.spawn(self.release(key, token))
 
     async def _wait_for_fill(self, read: Read, token: str) -> _Filled | str | None:
@@ -174,7 +173,8 @@ class MissPath:
             self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
             raise
         except BaseException as exc:  # nobody will fill: the lease goes back
-            self.give_back(read.key, token)  # not awaited: a cancel then kept the lease
+            # Released before our caller hears of it; a cancel now leaves the release going.
+            await self._rt.tasks.to_completion(self.release(read.key, token))
             self._unregister(read, token)
             if not isinstance(exc, Exception):
                 raise  # not an error to serve stale for (GreenletExit, an app's abort)
