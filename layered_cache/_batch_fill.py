@@ -76,6 +76,8 @@ class BatchFill:
                 # Tracked by the runtime: close() waits a moment for it, then cancels it,
                 # and a cancelled fill gives its leases back (``_finish``).
                 self._rt.tasks.spawn(self._finish(reads, token, task, started))
+                for read in reads:  # their leases are the fill's now, not our caller's
+                    read.handed_over = True
                 return {read.key: read.stale.value for read in reads if read.stale is not None}
             values = await task
         except asyncio.CancelledError:
@@ -139,10 +141,12 @@ class BatchFill:
         delta = time.monotonic() - started
         try:
             return await self.fill_many(reads, values, token, delta)
-        except Exception:
+        except BaseException:
             # Not Redis (``fill_many`` handles that): a tag function that raised or a bad
-            # tag. The leases go back, as ``MissPath.fill`` does, or every reader of these
-            # keys would wait ``max_wait`` for fills that never land.
+            # tag, or a cancel (close() stopping a background fill). The leases go back,
+            # as ``MissPath.fill`` does, or every reader of these keys would wait
+            # ``max_wait`` for fills that never land (compare-and-delete: a no-op where
+            # the fill landed and released them).
             await self.release([r.key for r in reads], token)
             raise
         finally:

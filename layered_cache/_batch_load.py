@@ -134,8 +134,9 @@ class BatchLoader:
         try:
             results = await all_or_none([*ours, *waits])
         except BaseException:
-            # The lost keys' waits give back their own (``MissPath.load_under_lease``).
-            self._fill.give_back(won, token)
+            # The lost keys' waits give back their own (``MissPath.load_under_lease``), and
+            # a background fill those its keys handed it (served stale: ``handed_over``).
+            self._fill.give_back([read for read in won if not read.handed_over], token)
             raise
         found: dict[str, Any] = {**results[0], **results[1]}
         found.update(zip((r.key for r in lost), results[2:], strict=True))

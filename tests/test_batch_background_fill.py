@@ -1,0 +1,127 @@
+"""A batch's background fill (stale served after load_timeout) and its leases: given back
+when close() stops the fill, kept for the fill when the batch's caller is cancelled
+after serving stale. From an adversarial review (2026-12-05); each test failed before."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from layered_cache import LayeredCache
+from layered_cache._keys import lease_name
+from tests.helpers import CountingLoader, make_config
+from tests.test_invalidation_wins import Gate
+
+
+class _LoadMany:
+    """``load_many`` that records the ids it was asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    async def __call__(self, fields_list: list[Mapping[str, object]]) -> list[Any]:
+        ids = [int(str(fields["id"])) for fields in fields_list]
+        self.asked += ids
+        return [f"loaded {i}" for i in ids]
+
+
+
+def _stale_books(redis_url: str, prefix: str, load_timeout: str = "50ms") -> Any:
+    """Books past their soft expiry 200 ms after a write, servable stale for a minute."""
+    return make_config(redis_url, prefix, {"book": {
+        "key": "book:{id}", "l1": False, "l2": {"ttl": "200ms", "jitter": 0},
+        "stale": {"max_age": "1m"},
+        "stampede": {"load_timeout": load_timeout, "early_refresh_beta": 0,
+                     "lease_ttl": "5s", "max_wait": "3s"},
+    }})  # fmt: skip
+
+
+async def test_close_during_a_batchs_background_fill_gives_its_leases_back(
+    redis_url: str, prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """README ("Leases are given back"): "one that served stale after load_timeout fills
+    in the background, and gives them back if its load fails or close() stops it".
+    Scenario: a batch served stale after load_timeout; its load ends, its fill pipeline is
+    slow (held at ``L2Batch.fill_many``); close() cancels the background fill there.
+    Expected: the leases go back (as ``MissPath.fill`` gives a cancelled fill's back).
+    Actual: ``BatchFill._fill_loaded`` (layered_cache/_batch_fill.py:142) releases only on
+    ``Exception``; a CancelledError passes, both leases stay for lease_ttl (5 s) and every
+    reader of those keys, fleet-wide, waits max_wait."""
+    config = _stale_books(redis_url, prefix)
+    loaded = asyncio.Event()
+
+    async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        await loaded.wait()
+        return [f"new{fields['id']}" for fields in fields_list]
+
+    cache = LayeredCache.from_config(config)
+    await cache.start()
+    try:
+        await cache.set_many("book", [({"id": i}, f"old{i}") for i in (1, 2)])
+        await asyncio.sleep(0.3)  # past the soft expiry, within stale.max_age
+        l2batch = cache.namespace("book")._batch._loader._batch
+        gate = Gate(l2batch.fill_many)
+        l2batch.fill_many = gate  # type: ignore[method-assign]
+        books = [{"id": 1}, {"id": 2}]
+        assert await asyncio.wait_for(cache.get_or_load_many("book", books, load_many), 5) == [
+            "old1", "old2",
+        ]
+        loaded.set()
+        await asyncio.wait_for(gate.entered.wait(), 5)  # the background fill is under way
+    finally:
+        await cache.close()
+    await asyncio.sleep(0.1)
+    keys = [cache.key("book", book) for book in books]
+    held = [await redis_client.exists(lease_name(key)) for key in keys]
+    assert held == [0, 0], "leases kept after close() stopped the background fill"
+
+
+async def test_a_batch_cancelled_after_serving_stale_keeps_the_leases_of_its_background_fill(
+    redis_url: str, prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """README: "a key another process is loading is waited for, not loaded again";
+    "one that served stale after load_timeout fills in the background".
+    Scenario: a batch of books 1, 2 (stale at hand) and 3 (no value; another process holds
+    its lease). After load_timeout books 1 and 2 are served stale and their load goes on
+    in the background under their leases; the batch still waits for book 3's holder, and
+    its caller is cancelled (a client timeout).
+    Expected: the background load keeps its leases and fills: another reader of book 1
+    waits for it (serves stale) instead of loading it again, and L2 gets the new value.
+    Actual: ``BatchLoader._load_misses`` (layered_cache/_batch_load.py:398-401) gives back
+    every won lease on any exception of ``all_or_none``, also those a background fill
+    (``BatchFill._finish``) still loads under: the other reader takes the lease and
+    loads again, the background fill is refused (fill_revoked)."""
+    config = _stale_books(redis_url, prefix)
+    calls = 0
+
+    async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(1.0)  # a slow database
+        return [f"new{fields['id']}" for fields in fields_list]
+
+    async with (
+        LayeredCache.from_config(config) as cache,
+        LayeredCache.from_config(config) as other,
+    ):
+        await cache.set_many("book", [({"id": i}, f"old{i}") for i in (1, 2)])
+        await asyncio.sleep(0.3)  # past the soft expiry, within stale.max_age
+        await redis_client.set(lease_name(cache.key("book", {"id": 3})), "another", px=5000)
+        books = [{"id": 1}, {"id": 2}, {"id": 3}]
+        reading = asyncio.ensure_future(cache.get_or_load_many("book", books, load_many))
+        await asyncio.sleep(0.3)  # 1 and 2 were served stale; the batch waits for 3
+        assert calls == 1 and not reading.done()
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        lease = await redis_client.get(lease_name(cache.key("book", {"id": 1})))
+        reloaded = CountingLoader("other1")
+        value = await other.get_or_load("book", {"id": 1}, reloaded)
+        await asyncio.sleep(1.2)  # the background load ends and fills
+        revoked = cache.stats()["book"]["fill_revoked"]
+    assert (lease is not None, value, reloaded.calls, revoked) == (True, "old1", 0, 0), (
+        "lease held by the background fill", lease, value, reloaded.calls, revoked,
+    )
