@@ -64,11 +64,17 @@ class InnerCaches:
         ``LayeredCache._backplane_positioned``."""
         types = dict(self._value_types)
         cache = LayeredCache.from_config(self._config, value_types=types, **self._kwargs)
-        hooks = cache.hooks
-        hooks.load_observers = self.hooks.load_observers
-        hooks.l2_observers = self.hooks.l2_observers
-        hooks.load_wrapper = self.hooks.load_wrapper
-        await cache.start()
+        hooks, before = cache.hooks, self.hooks
+        hooks.load_observers = before.load_observers
+        hooks.l2_observers = before.l2_observers
+        hooks.load_wrapper = before.load_wrapper
+        # The new cache's from here: a wrapper set while start() awaits Redis (another
+        # thread's ``instrument``) landed on the old object, and no load was traced.
         self.hooks = hooks
+        try:
+            await cache.start()
+        except BaseException:
+            self.hooks = before
+            raise
         _BUILT_BY[cache] = weakref.ref(facade)
         return cache

@@ -4,6 +4,7 @@ and what close() leaves behind for the process's exit."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -117,3 +118,32 @@ def test_a_process_exits_after_close_while_a_loader_its_caller_gave_up_on_still_
         output, _ = proc.communicate()
         pytest.fail(f"still running {time.monotonic() - started:.0f} s on: {output[-300:]!r}")
     assert proc.returncode == 0 and b"closed\n" in output, output[-500:]
+
+
+async def test_instrument_during_a_sync_caches_rebuild_keeps_the_span(
+    late_replies: Any, prefix: str
+) -> None:
+    """_tracing.instrument: "A SyncLayeredCache (or its .cache) keeps the wrapper on every
+    inner cache it builds"; the brief of ``_sync_inner``: "a hook added to one is on all".
+    Scenario: one thread's first call builds the inner cache (its start takes a while: a
+    Redis with some latency) while another thread instruments the sync cache (a framework's
+    startup hook). Expected: the loads after are traced. Actual: ``InnerCaches.open``
+    (layered_cache/_sync_inner.py:67-72) copies ``load_wrapper`` from ``self.hooks`` before
+    ``await cache.start()`` and replaces ``self.hooks`` after it: a wrapper set on
+    ``sync_cache.hooks`` meanwhile (the old Hooks) is dropped. The observer lists are shared
+    and survive; the wrapper, a plain attribute, does not."""
+    late_replies.latency = 0.05  # every reply 50 ms late: start() takes several of them
+    tracer = FakeTracer()
+    sync_cache = SyncLayeredCache.from_config(
+        make_config(late_replies.url, prefix, redis={"timeout": "2s", "connect_timeout": "2s"})
+    )
+    try:
+        starting = asyncio.ensure_future(asyncio.to_thread(sync_cache.start))
+        await asyncio.sleep(0.15)  # the inner cache is being built
+        assert not starting.done(), "start() ended too early to race"
+        assert instrument(sync_cache, tracer)
+        await starting
+        await asyncio.to_thread(sync_cache.get_or_load, "book", {"id": 1}, lambda: "v")
+    finally:
+        await asyncio.to_thread(sync_cache.close)
+    assert len(tracer.spans) == 1, "the span wrapper was lost by the rebuild"
