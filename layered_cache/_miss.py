@@ -174,8 +174,8 @@ class MissPath:
             raise
         except BaseException as exc:  # nobody will fill: the lease goes back
             # Released before our caller hears of it; a cancel now leaves the release going.
+            self._unregister(read, token)  # first: a cancel in the release skips what follows
             await self._rt.tasks.to_completion(self.release(read.key, token))
-            self._unregister(read, token)
             if not isinstance(exc, Exception):
                 raise  # not an error to serve stale for (GreenletExit, an app's abort)
             return await self.failsafe.serve_or_raise(read, exc)

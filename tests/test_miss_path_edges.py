@@ -6,13 +6,15 @@ second reader while a load_timeout background fill runs. From an adversarial rev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
-from layered_cache._keys import lease_name
+from layered_cache._keys import lease_name, loading_set_name
 from tests.helpers import CountingLoader, make_config
 
 PROMPT = 1.0  # seconds: well under max_wait (3 s) and lease_ttl (4 s)
@@ -282,3 +284,61 @@ async def test_a_reader_cancelled_as_wait_or_stale_serves_stale_ends_cancelled(
 
 
 # -- RecordTooLargeError: the catch-up commit skips the record before it is raised ------
+
+
+TAGGED = {
+    "category": {
+        "key": "category:{slug}",
+        "tags": True,
+        "stampede": {"lease_ttl": "4s", "max_wait": "3s"},
+    },
+}
+
+
+def _tags_of(page: Mapping[str, Any]) -> list[str]:
+    return ["book:42"]
+
+
+async def test_a_failed_tagged_load_cancelled_during_its_lease_release_leaves_the_loading_set(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    """e98d5e5. Scenario: a tagged load fails; while ``MissPath.load_and_fill`` awaits
+    the lease's release (``tasks.to_completion``, one round trip), the caller is
+    cancelled (a request deadline). Expected: as before the commit (``give_back`` then
+    ``_unregister``, both synchronous), the load's member leaves the loading set.
+    Actual: the CancelledError raised out of ``to_completion`` skips ``self._unregister``
+    (layered_cache/_miss.py:177-178): the member stays in a set without TTL."""
+    config = make_config(redis_url, prefix, TAGGED)
+    async with LayeredCache.from_config(config) as cache:
+        miss = cache.namespace("category")._miss
+        real_release = miss.release
+        releasing = asyncio.Event()
+
+        async def slow_release(key: str, token: str, **kwargs: Any) -> None:
+            releasing.set()
+            await asyncio.sleep(0.2)  # a Redis round trip with some latency
+            await real_release(key, token, **kwargs)
+
+        miss.release = slow_release  # type: ignore[method-assign]
+
+        loading = asyncio.Event()
+
+        async def failing() -> Any:
+            loading.set()
+            await asyncio.sleep(0.1)
+            raise RuntimeError("db down")
+
+        reading = asyncio.ensure_future(
+            cache.get_or_load("category", {"slug": "scifi"}, failing, tags=_tags_of)
+        )
+        await asyncio.wait_for(loading.wait(), 5)
+        members_during = await redis_client.smembers(loading_set_name(prefix))
+        await asyncio.wait_for(releasing.wait(), 5)
+        await asyncio.sleep(0.01)
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+            await reading
+        await asyncio.sleep(0.5)  # the release (orphaned) and any leave have run
+        members = await redis_client.smembers(loading_set_name(prefix))
+    assert members_during, "the load was registered"
+    assert members == set(), f"loading-set member left behind: {members}"
