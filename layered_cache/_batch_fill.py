@@ -141,12 +141,17 @@ class BatchFill:
         delta = time.monotonic() - started
         try:
             return await self.fill_many(reads, values, token, delta)
-        except BaseException:
+        except asyncio.CancelledError:
+            # Our caller's deadline, or close() stopping a background fill: the leases go
+            # back without our waiting for it (a cancelled caller can't; close() waits
+            # for orphans once more after its cancels). Compare-and-delete: a no-op
+            # where the fill landed and released them.
+            self._rt.tasks.spawn_orphan(self.release([r.key for r in reads], token))
+            raise
+        except Exception:
             # Not Redis (``fill_many`` handles that): a tag function that raised or a bad
-            # tag, or a cancel (close() stopping a background fill). The leases go back,
-            # as ``MissPath.fill`` does, or every reader of these keys would wait
-            # ``max_wait`` for fills that never land (compare-and-delete: a no-op where
-            # the fill landed and released them).
+            # tag. The leases go back, as ``MissPath.fill`` does, or every reader of these
+            # keys would wait ``max_wait`` for fills that never land.
             await self.release([r.key for r in reads], token)
             raise
         finally:

@@ -110,6 +110,8 @@ class BackgroundTasks:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._orphans:  # what the cancelled ones left to finish (a lease given back)
+            await asyncio.wait(list(self._orphans), timeout=self.ORPHAN_GRACE)
 
 
 @dataclass(slots=True, eq=False)

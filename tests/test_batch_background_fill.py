@@ -5,6 +5,7 @@ after serving stale. From an adversarial review (2026-12-05); each test failed b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,3 +126,47 @@ async def test_a_batch_cancelled_after_serving_stale_keeps_the_leases_of_its_bac
     assert (lease is not None, value, reloaded.calls, revoked) == (True, "old1", 0, 0), (
         "lease held by the background fill", lease, value, reloaded.calls, revoked,
     )
+
+
+async def test_a_batch_cancelled_during_its_fill_returns_without_awaiting_the_lease_release(
+    redis_url: str, prefix: str
+) -> None:
+    """c0a45bc. ``MissPath.give_back``: a caller being cancelled "can't await" the release,
+    it goes in the background. Scenario: a batch's load is done, its fill pipeline is slow
+    (Redis late: held at ``L2Batch.fill_many``) and the caller's deadline (0.3 s) lands
+    there; the lease release is slow as well (1 s). Expected: the caller gets its
+    TimeoutError at the deadline, the leases go back in the background (``_load_misses``'s
+    ``give_back``), as before the commit. Actual: ``BatchFill._fill_loaded``
+    (layered_cache/_batch_fill.py:144-150) now catches the CancelledError too and awaits
+    the release before re-raising: the deadline overshoots by the release's round trip
+    (up to redis.timeout when Redis is slow, which is when deadlines fire)."""
+    import time
+
+    from tests.test_invalidation_wins import Gate
+
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}"}})
+    async with LayeredCache.from_config(config) as cache:
+        l2batch = cache.namespace("book")._batch._loader._batch
+        gate = Gate(l2batch.fill_many)
+        l2batch.fill_many = gate  # type: ignore[method-assign]
+        real_release = l2batch.release_many
+
+        async def slow_release(leases: Any, token: str) -> Any:
+            if leases:  # not ``filled_meanwhile``'s empty one
+                await asyncio.sleep(1.0)
+            return await real_release(leases, token)
+
+        l2batch.release_many = slow_release  # type: ignore[method-assign]
+
+        async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+            return [f"v{fields['id']}" for fields in fields_list]
+
+        started = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many)
+        took = time.monotonic() - started
+        entered = gate.entered.is_set()
+        gate.release()
+    assert entered, "the deadline did not land in the fill"
+    assert took < 0.7, f"the cancelled batch returned after {took:.2f} s (deadline 0.3 s)"
