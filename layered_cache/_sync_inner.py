@@ -74,6 +74,7 @@ class InnerCaches:
         try:
             await cache.start()
         except BaseException:
+            before.load_wrapper = hooks.load_wrapper  # one set meanwhile goes on too
             self.hooks = before
             raise
         _BUILT_BY[cache] = weakref.ref(facade)

@@ -147,3 +147,43 @@ async def test_instrument_during_a_sync_caches_rebuild_keeps_the_span(
     finally:
         await asyncio.to_thread(sync_cache.close)
     assert len(tracer.spans) == 1, "the span wrapper was lost by the rebuild"
+
+
+async def test_instrument_during_a_sync_start_that_times_out_survives_the_retry(
+    late_replies: Any, prefix: str
+) -> None:
+    """9c5db4a. Scenario: the first start() of a sync cache is slow (Redis 200 ms late per
+    reply) and hits the facade's timeout; meanwhile another thread instruments the cache
+    (a framework's startup hook: ``sync_cache.hooks`` is the new inner cache's Hooks by
+    then). The app retries start() once Redis is quick again. Expected: the loads after
+    are traced (``instrument``: "keeps the wrapper on every inner cache it builds").
+    Actual: ``InnerCaches.open``'s rollback (layered_cache/_sync_inner.py:76-78) puts the
+    old Hooks back, without the wrapper set on the new one meanwhile; the retry copies the
+    old one's ``load_wrapper`` (None): no span."""
+    from layered_cache import instrument
+    from layered_cache.sync import SyncLayeredCache, SyncTimeoutError
+    from tests.test_metrics import FakeTracer
+
+    late_replies.latency = 0.2
+    tracer = FakeTracer()
+    sync_cache = SyncLayeredCache.from_config(
+        make_config(late_replies.url, prefix, redis={"timeout": "2s", "connect_timeout": "2s"}),
+        timeout=0.6,
+    )
+    try:
+        starting = asyncio.ensure_future(asyncio.to_thread(sync_cache.start))
+        await asyncio.sleep(0.3)  # the inner cache is being built
+        assert not starting.done(), "start() ended too early to race"
+        assert instrument(sync_cache, tracer)
+        try:
+            await starting
+        except SyncTimeoutError:
+            pass
+        else:
+            raise AssertionError("the first start() did not time out")
+        late_replies.latency = 0.0
+        await asyncio.to_thread(sync_cache.start)
+        await asyncio.to_thread(sync_cache.get_or_load, "book", {"id": 1}, lambda: "v")
+    finally:
+        await asyncio.to_thread(sync_cache.close)
+    assert len(tracer.spans) == 1, "the span wrapper set during the failed start was lost"
