@@ -86,7 +86,7 @@ class Progress:
         self._step = 0  # plain lines: the tenths of the file already reported
         self._started = time.monotonic()
         self._open = False
-        self._said: tuple[int, int] | None = None  # (line, warmed) of the last plain line
+        self._said: tuple[str, int, int] | None = None  # the last plain line, rate apart
 
     def update(self, position: int, warmed: int, line: int, force: bool = False) -> None:
         now = time.monotonic()
@@ -105,10 +105,10 @@ class Progress:
             self.stream.write(f"\r{self.label} {bar}{counts}")
             self._open = True
         else:
-            if (line, warmed) == self._said:
-                return  # the last line already said it (the 100 % step, then the last)
-            self._step, self._said = int((fraction or 0.0) * self.PLAIN_STEPS), (line, warmed)
             done = "" if fraction is None else f"{fraction:.0%}, "
+            if (done, line, warmed) == self._said:
+                return  # the last line already said it (the 100 % step, then the last)
+            self._step, self._said = int((fraction or 0.0) * self.PLAIN_STEPS), (done, line, warmed)
             self.stream.write(f"{self.label}: {done}{counts}\n")
         self.stream.flush()
 

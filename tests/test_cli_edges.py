@@ -240,3 +240,24 @@ def test_warm_progress_from_a_pipe_shows_counts_without_a_percentage() -> None:
     progress.update(0, 0, 1, force=True)
     progress.update(500, 499, 501)  # not due: no size to report tenths of
     assert log.getvalue() == "warm book: line 1, 0 warmed, 0/s\n"
+
+
+def test_warm_resumed_at_the_end_of_its_file_still_writes_its_last_progress_line() -> None:
+    """92ced5e. docs/cli.md: plain progress lines are "the first, one per 10 % of the file,
+    one at least every 30 s, and the last". Scenario: ``warm --start-line 4`` on a file of
+    3 lines (the resume line a run interrupted after its last write printed): the first
+    line is ``0%, line 4, 0 warmed``; the reader then skips the 3 lines (position at the
+    end) and the final update is ``100%, line 4, 0 warmed``. Actual: only the 0 % line;
+    the dedupe in ``Progress.update`` (layered_cache/_warm.py:108) compares (line, warmed)
+    only, not the percentage, and drops a last line that says something else."""
+    import io
+
+    from layered_cache._warm import Progress
+
+    log = io.StringIO()
+    progress = Progress(99, "warm book", log)
+    progress.update(0, 0, 4, force=True)  # Warmer.run: the first line
+    progress.update(99, 0, 4, force=True)  # Warmer.run: the last (every line skipped)
+    progress.finish()
+    lines = log.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["warm book: 0%", "warm book: 100%"], lines
