@@ -227,6 +227,21 @@ def test_warm_into_a_log_file_writes_plain_progress_lines(
     assert len(lines) <= 12
 
 
+def test_warm_from_dash_reads_standard_input(tmp_path: Path, redis_url: str, prefix: str) -> None:
+    """``--from -`` is standard input, as most tools read it (``zcat x.gz | ... --from -``):
+    it was refused, "-: cannot read: No such file or directory" (a new user's review)."""
+    config = write_config(tmp_path, redis_url, prefix)
+    lines = "".join(f'{{"key": {{"id": {i}}}, "value": {i}}}\n' for i in range(5))
+    result = subprocess.run(
+        [sys.executable, "-m", "layered_cache", "warm", "book", "--from", "-",
+         "--config", str(config)],
+        input=lines, capture_output=True, text=True, timeout=60, cwd=ROOT, env=_cli_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "warmed 5 of 5 book entries" in result.stdout
+    assert "%" not in result.stderr  # a pipe has no size: counts, no percentage
+
+
 def test_warm_progress_from_a_pipe_shows_counts_without_a_percentage() -> None:
     """A pipe (``--from /dev/stdin``, ``<(zcat ...)``) has no size: the bar said 100%
     from the first line, and in a log no line came after it for 30 s."""

@@ -99,7 +99,8 @@ def _add_warm(commands: _Commands) -> None:
     warm = commands.add_parser("warm", help="bulk fill a namespace from a JSONL file")
     warm.add_argument("namespace", metavar="NAMESPACE")
     warm.add_argument("--from", dest="source", required=True, metavar="FILE",
-                      help='JSONL: one {"key": {...fields}, "value": ...} per line')  # fmt: skip
+                      help='JSONL: one {"key": {...fields}, "value": ...} per line; '
+                           '"-" reads standard input')  # fmt: skip
     warm.add_argument("--config", required=True, metavar="FILE")
     warm.add_argument("--concurrency", type=int, default=32, help="parallel writes (32)")
     warm.add_argument("--start-line", type=int, default=1, metavar="K",

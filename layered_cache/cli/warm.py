@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -133,7 +134,11 @@ def cmd_warm(args: argparse.Namespace, out: TextIO) -> int:
         raise CliError("--start-line must be >= 1")
     warm = WarmArgs(args.namespace, args.source, args.concurrency, args.start_line)
     try:
-        source = open(warm.path, "rb")  # noqa: SIM115 - closed by the with below
+        # "-": standard input, as most tools read it (`zcat books.jsonl.gz | ... --from -`).
+        if warm.path == "-":
+            source = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+        else:
+            source = open(warm.path, "rb")  # noqa: SIM115 - closed by the with below
     except OSError as exc:
         raise CliError(f"{warm.path}: cannot read: {exc.strerror or exc}") from None
     with source:
