@@ -100,18 +100,23 @@ class BackgroundTasks:
         round trip), the writes cancelled callers left running up to ``ORPHAN_GRACE``,
         then cancel what is left."""
         await asyncio.sleep(0)  # a call cancelled just before us spawns its cleanup first
+        loop = asyncio.get_running_loop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace)
+        until = loop.time() + self.ORPHAN_GRACE  # one grace for every orphan, however made
         if self._orphans:
             await asyncio.wait(list(self._orphans), timeout=self.ORPHAN_GRACE)
-        tasks = list(self._tasks)
+        await self._cancel(list(self._tasks))
+        if self._orphans:  # what the cancelled ones left to finish (a lease given back)
+            await asyncio.wait(list(self._orphans), timeout=max(0.0, until - loop.time()))
+        await self._cancel(list(self._orphans))  # nothing outlives the clients closed next
+
+    async def _cancel(self, tasks: list[asyncio.Task[Any]]) -> None:
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._orphans:  # what the cancelled ones left to finish (a lease given back)
-            await asyncio.wait(list(self._orphans), timeout=self.ORPHAN_GRACE)
 
 
 @dataclass(slots=True, eq=False)

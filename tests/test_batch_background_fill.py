@@ -170,3 +170,59 @@ async def test_a_batch_cancelled_during_its_fill_returns_without_awaiting_the_le
         gate.release()
     assert entered, "the deadline did not land in the fill"
     assert took < 0.7, f"the cancelled batch returned after {took:.2f} s (deadline 0.3 s)"
+
+
+async def test_close_leaves_no_lease_release_running_after_it_returns(
+    redis_url: str, prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """853913e. ``BackgroundTasks``: "close cancels and awaits [its tasks], so no task
+    outlives the cache or its Redis clients". Scenario: close() stops a batch's background
+    fill held in its fill pipeline; the fill's CancelledError now spawns the lease release
+    as an orphan (``_batch_fill.py:149``), and Redis is slow (the release hangs). Expected:
+    when close() returns, nothing of the cache still runs (its clients are closed next).
+    Actual: ``BackgroundTasks.close`` (``_runtime.py:113-114``) only *waits* ORPHAN_GRACE for
+    the orphans its cancels spawned, never cancels them: the release is still running
+    against the closed clients after close() returned."""
+    config = _stale_books(redis_url, prefix)
+    loaded = asyncio.Event()
+
+    async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        await loaded.wait()
+        return [f"new{fields['id']}" for fields in fields_list]
+
+    cache = LayeredCache.from_config(config)
+    await cache.start()
+    cache._rt.tasks.ORPHAN_GRACE = 0.3  # type: ignore[misc]  # keep the test short
+    releasing = asyncio.Event()
+    ended = asyncio.Event()
+    try:
+        await cache.set_many("book", [({"id": i}, f"old{i}") for i in (1, 2)])
+        await asyncio.sleep(0.3)
+        l2batch = cache.namespace("book")._batch._loader._batch
+        gate = Gate(l2batch.fill_many)
+        l2batch.fill_many = gate  # type: ignore[method-assign]
+        real_release = l2batch.release_many
+
+        async def hung_release(leases: Any, token: str) -> Any:
+            if not leases:
+                return await real_release(leases, token)
+            releasing.set()
+            try:
+                await asyncio.sleep(2.0)  # Redis late (bounded by redis.timeout)
+                return await real_release(leases, token)
+            finally:
+                ended.set()
+
+        l2batch.release_many = hung_release  # type: ignore[method-assign]
+        books = [{"id": 1}, {"id": 2}]
+        assert await asyncio.wait_for(cache.get_or_load_many("book", books, load_many), 5) == [
+            "old1", "old2",
+        ]
+        loaded.set()
+        await asyncio.wait_for(gate.entered.wait(), 5)
+    finally:
+        await cache.close()
+    still_running = releasing.is_set() and not ended.is_set()
+    await asyncio.sleep(2.2)  # let it end before the loop closes
+    assert releasing.is_set(), "close() did not cancel the fill into a release"
+    assert not still_running, "a lease release of the cache was still running after close()"
