@@ -276,3 +276,48 @@ def test_warm_resumed_at_the_end_of_its_file_still_writes_its_last_progress_line
     progress.finish()
     lines = log.getvalue().splitlines()
     assert [line.split(",")[0] for line in lines] == ["warm book: 0%", "warm book: 100%"], lines
+
+
+def test_warm_from_dash_with_stdin_closed_is_one_clear_error(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    """3a436b5. ``warm --from -`` run with standard input closed (``0<&-``, a daemon, a
+    cron job, ``nohup`` under some shells): Python sets ``sys.stdin`` to None. Expected: one
+    line on stderr and exit 2, as for an unreadable file ("FILE: cannot read: ...").
+    Actual: ``cmd_warm`` (layered_cache/cli/warm.py:139) calls ``sys.stdin.fileno()``:
+    AttributeError, not caught (only OSError is), a traceback."""
+    config = write_config(tmp_path, redis_url, prefix)
+    result = subprocess.run(
+        ["/bin/sh", "-c", 'exec "$0" -m layered_cache warm book --from - --config "$1" 0<&-',
+         sys.executable, str(config)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=_cli_env(),
+    )  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, (result.returncode, result.stderr)
+
+
+def test_warm_from_dash_on_a_terminal_is_refused_at_once(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    """``warm book --from -`` with standard input a terminal: the reader's ``readline``
+    blocked the event loop, so Ctrl-C went unheard until more input or Ctrl-D (a review
+    of 3a436b5). Lines are meant to be piped in: a terminal is refused, one line, exit 2."""
+    import os
+    import pty
+
+    config = write_config(tmp_path, redis_url, prefix)
+    controller, terminal = pty.openpty()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "layered_cache", "warm", "book", "--from", "-",
+             "--config", str(config)],
+            stdin=terminal, capture_output=True, text=True, timeout=30, cwd=ROOT,
+            env=_cli_env(),
+        )  # fmt: skip
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert result.stderr.strip() == (
+        "layered-cache: error: -: standard input is a terminal: pipe the JSONL into it"
+    )

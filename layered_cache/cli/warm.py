@@ -125,6 +125,20 @@ def _exit_code(report: WarmReport) -> int:
     return EXIT_PARTIAL if report.failed or report.not_cached else 0
 
 
+def _opened(path: str) -> BinaryIO:
+    """The JSONL source. "-": standard input, as most tools read it (``zcat x.gz | ...
+    --from -``), but not a terminal: lines are read in the event loop, where a read
+    blocked on a terminal left Ctrl-C unheard. fd 0 closed (cron): ``os.dup`` raises."""
+    if path == "-" and os.isatty(0):
+        raise CliError("-: standard input is a terminal: pipe the JSONL into it")
+    try:
+        if path == "-":
+            return os.fdopen(os.dup(0), "rb")
+        return open(path, "rb")  # the caller's with closes it
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
 def cmd_warm(args: argparse.Namespace, out: TextIO) -> int:
     """The summary goes to ``out``; progress and failed lines to stderr."""
     config = load(args.config)
@@ -133,15 +147,7 @@ def cmd_warm(args: argparse.Namespace, out: TextIO) -> int:
     if args.start_line < 1:
         raise CliError("--start-line must be >= 1")
     warm = WarmArgs(args.namespace, args.source, args.concurrency, args.start_line)
-    try:
-        # "-": standard input, as most tools read it (`zcat books.jsonl.gz | ... --from -`).
-        if warm.path == "-":
-            source = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
-        else:
-            source = open(warm.path, "rb")  # noqa: SIM115 - closed by the with below
-    except OSError as exc:
-        raise CliError(f"{warm.path}: cannot read: {exc.strerror or exc}") from None
-    with source:
+    with _opened(warm.path) as source:
         report = run(_warm(config, warm, source, sys.stderr))
     _warm_failures(report, warm.path, sys.stderr)
     _warm_summary(report, warm, out)
