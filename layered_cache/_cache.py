@@ -173,7 +173,7 @@ class LayeredCache(HitPath):
             await self._clock.stop()
             await self._rt.tasks.close()
         finally:
-            self._started_in, self._closed = 0, True  # nothing left to a fork; start reopens
+            self._started_in = 0  # nothing left to a fork; start reopens (``_closed``)
             self._coherence.forget_all()  # no listener keeps it coherent any more
             await self._parts.close()
 

@@ -93,12 +93,7 @@ class Writes:
         if not policy.l2:
             # Each instance's L1 is all there is: the others must drop their copies, as
             # for invalidate() (they kept the old value for their L1 TTL).
-            keys = [key for key, _ in keyed]
-            try:
-                await self._announce(keys)
-            except asyncio.CancelledError:
-                self._abandoned(keys, announce=True)
-                raise
+            await self._announce_or_abandon([key for key, _ in keyed])
             for key, value in keyed:
                 fills.fill_l1(key, value, None, read_seq, versions)
             return
@@ -153,12 +148,16 @@ class Writes:
             await self._drop(keys)
             return False
         if announcement is None or not appended:
-            try:
-                await self._announce(keys)
-            except asyncio.CancelledError:
-                self._abandoned(keys, announce=True)
-                raise
+            await self._announce_or_abandon(keys)
         return True
+
+    async def _announce_or_abandon(self, keys: list[str]) -> None:
+        """``_announce``; our caller cancelled meanwhile, it goes on in the background."""
+        try:
+            await self._announce(keys)
+        except asyncio.CancelledError:
+            self._abandoned(keys, announce=True)
+            raise
 
     def _abandoned(self, keys: list[str], *, announce: bool) -> None:
         """Our caller was cancelled while the write was in flight: it may have landed.
