@@ -14,30 +14,8 @@ import redis.asyncio as aioredis
 from layered_cache import LayeredCache
 from layered_cache._keys import lease_name
 from tests.helpers import CountingLoader, make_config
+from tests.test_batch_trials import _stale_books
 from tests.test_invalidation_wins import Gate
-
-
-class _LoadMany:
-    """``load_many`` that records the ids it was asked for."""
-
-    def __init__(self) -> None:
-        self.asked: list[int] = []
-
-    async def __call__(self, fields_list: list[Mapping[str, object]]) -> list[Any]:
-        ids = [int(str(fields["id"])) for fields in fields_list]
-        self.asked += ids
-        return [f"loaded {i}" for i in ids]
-
-
-
-def _stale_books(redis_url: str, prefix: str, load_timeout: str = "50ms") -> Any:
-    """Books past their soft expiry 200 ms after a write, servable stale for a minute."""
-    return make_config(redis_url, prefix, {"book": {
-        "key": "book:{id}", "l1": False, "l2": {"ttl": "200ms", "jitter": 0},
-        "stale": {"max_age": "1m"},
-        "stampede": {"load_timeout": load_timeout, "early_refresh_beta": 0,
-                     "lease_ttl": "5s", "max_wait": "3s"},
-    }})  # fmt: skip
 
 
 async def test_close_during_a_batchs_background_fill_gives_its_leases_back(
@@ -51,7 +29,7 @@ async def test_close_during_a_batchs_background_fill_gives_its_leases_back(
     Actual: ``BatchFill._fill_loaded`` (layered_cache/_batch_fill.py:142) releases only on
     ``Exception``; a CancelledError passes, both leases stay for lease_ttl (5 s) and every
     reader of those keys, fleet-wide, waits max_wait."""
-    config = _stale_books(redis_url, prefix)
+    config = _stale_books(redis_url, prefix, "50ms")
     loaded = asyncio.Event()
 
     async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
@@ -95,7 +73,7 @@ async def test_a_batch_cancelled_after_serving_stale_keeps_the_leases_of_its_bac
     every won lease on any exception of ``all_or_none``, also those a background fill
     (``BatchFill._finish``) still loads under: the other reader takes the lease and
     loads again, the background fill is refused (fill_revoked)."""
-    config = _stale_books(redis_url, prefix)
+    config = _stale_books(redis_url, prefix, "50ms")
     calls = 0
 
     async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
@@ -183,7 +161,7 @@ async def test_close_leaves_no_lease_release_running_after_it_returns(
     Actual: ``BackgroundTasks.close`` (``_runtime.py:113-114``) only *waits* ORPHAN_GRACE for
     the orphans its cancels spawned, never cancels them: the release is still running
     against the closed clients after close() returned."""
-    config = _stale_books(redis_url, prefix)
+    config = _stale_books(redis_url, prefix, "50ms")
     loaded = asyncio.Event()
 
     async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:

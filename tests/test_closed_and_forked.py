@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from layered_cache import LayeredCache
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import make_config
+from tests.test_purge import Recording
 
 _COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
 
@@ -216,17 +217,6 @@ async def test_a_forked_child_using_the_cache_does_not_make_the_parent_serve_ano
     assert served == ["v7", "v8", "v9"] * 3, f"the parent served {served} for books 7, 8, 9"
 
 
-class _HungGateway:
-    """A purger whose gateway never answers."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
-        self.calls += 1
-        await asyncio.Event().wait()
-
-
 async def test_a_set_in_flight_when_the_cache_closes_leaves_no_purge_worker_running(
     redis_url: str, prefix: str
 ) -> None:
@@ -241,7 +231,7 @@ async def test_a_set_in_flight_when_the_cache_closes_leaves_no_purge_worker_runn
     address = urlsplit(redis_url)
     proxy = await ToxicProxy(address.hostname or "127.0.0.1", address.port or 6379).start()
     proxied_url = redis_url.replace(f":{address.port}/", f":{proxy.port}/", 1)
-    gateway = _HungGateway()
+    gateway = Recording(hang=True)  # a gateway that never answers
     config = make_config(
         proxied_url, prefix, {"book": {"key": "book:{id}"}},
         redis={"timeout": "2s"}, purge={"repeat_after": "0s", "retries": 0},

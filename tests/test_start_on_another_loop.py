@@ -12,12 +12,12 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from layered_cache import LayeredCache
 from tests.helpers import eventually, in_l1, make_config
 from tests.servers import free_port
+from tests.test_purge import Recording
 from tests.test_sync_fork import ROOT, _get, _serving
 
 _COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
@@ -156,17 +156,6 @@ def test_gunicorn_preload_uvicorn_worker_serves_the_first_requests_of_a_cache_wa
     assert errors == [], f"{len(errors)} of 20 requests failed: {errors[:2]}"
 
 
-class _HungGateway:
-    """A purger whose gateway never answers."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
-        self.calls += 1
-        await asyncio.Event().wait()
-
-
 async def test_a_purge_queued_before_start_is_closed_and_counted_with_the_cache(
     redis_url: str, prefix: str
 ) -> None:
@@ -184,10 +173,10 @@ async def test_a_purge_queued_before_start_is_closed_and_counted_with_the_cache(
         purge={"repeat_after": "0s", "retries": 0},
     )  # fmt: skip
     before = asyncio.all_tasks()
-    gateway = _HungGateway()
+    gateway = Recording(hang=True)  # a gateway that never answers
     cache = LayeredCache.from_config(config, purger=gateway)
     await cache.set("book", {"id": 1}, "v")  # before start(): allowed
-    await eventually(lambda: gateway.calls == 1, timeout=3)
+    await eventually(lambda: len(gateway.calls) == 1, timeout=3)
     await cache.start()
     await cache.close()
     await asyncio.sleep(0.1)
@@ -273,12 +262,12 @@ async def test_a_purge_queued_by_a_warm_up_on_another_loop_is_counted_when_start
         redis_url, prefix, {"book": {"key": "book:{id}"}},
         purge={"repeat_after": "0s", "retries": 0},
     )  # fmt: skip
-    gateway = _HungGateway()
+    gateway = Recording(hang=True)  # a gateway that never answers
     cache = LayeredCache.from_config(config, purger=gateway)
 
     async def warm_up() -> None:  # at import, on a loop of its own
         await cache.set("book", {"id": 1}, "v")
-        await eventually(lambda: gateway.calls == 1, timeout=3)
+        await eventually(lambda: len(gateway.calls) == 1, timeout=3)
 
     await asyncio.to_thread(asyncio.run, warm_up())
     await cache.start()  # the lifespan, on the server's loop
