@@ -43,19 +43,11 @@ class EntryCount:
         if read == self._counted_at_read or time.monotonic() < self._due:
             return False
         self._due, self._counted_at_read = time.monotonic() + self._every, read
-        try:
-            info = await self._link.info()
-        except ResponseError:
-            return False  # gone meanwhile ("no such key"): the next read finds out
-        # A failed link raises to the listener's loop, like a failed XREAD: the held
-        # connection is dropped with it, and had the error been swallowed here, the next
-        # read would have gone out on a fresh connection with no gap check - after a
-        # relay reset (or a Redis restart) that closed it, L1 kept what was lost.
-        added, last = stream_field(info, "entries-added"), last_generated(info)
-        if added is None or last is None or bytes(last) != position:
-            return False  # older Redis, or not caught up: no comparable moment
-        mark, self._mark = self._mark, (int(added), read)
-        return mark is not None and int(added) - mark[0] != read - mark[1]
+        added = await self._added_if_caught_up(position)
+        if added is None:
+            return False
+        mark, self._mark = self._mark, (added, read)
+        return mark is not None and added - mark[0] != read - mark[1]
 
     async def start(self, position: bytes, read: int) -> None:
         """The first mark, when the reader takes its position: otherwise the first one
@@ -64,13 +56,26 @@ class EntryCount:
         with a smaller ``maxlen``) while it had read none had no mark to see it by: its
         L1 kept what they invalidated, with ``gaps`` 0 (review, 2026-12-05). One XINFO,
         at start only; an entry appended since ``position`` leaves no mark, as before."""
+        added = await self._added_if_caught_up(position)
+        if added is not None:
+            self._mark, self._counted_at_read = (added, read), read
+
+    async def _added_if_caught_up(self, position: bytes) -> int | None:
+        """The stream's ``entries-added`` if its last ID is ``position``; None if it is
+        gone meanwhile ("no such key": the next read finds out), on an older Redis, or
+        not caught up (no comparable moment). A failed link raises to the listener's
+        loop, like a failed XREAD: the held connection is dropped with it, and had the
+        error been swallowed here, the next read would have gone out on a fresh
+        connection with no gap check - after a relay reset (or a Redis restart) that
+        closed it, L1 kept what was lost."""
         try:
             info = await self._link.info()
         except ResponseError:
-            return  # gone meanwhile: the next read finds out
+            return None
         added, last = stream_field(info, "entries-added"), last_generated(info)
-        if added is not None and last is not None and bytes(last) == position:
-            self._mark, self._counted_at_read = (int(added), read), read
+        if added is None or last is None or bytes(last) != position:
+            return None
+        return int(added)
 
     def forget(self) -> None:
         """After an L1 clear: what was lost before is covered by it."""
