@@ -148,7 +148,14 @@ async def test_a_cluster_batch_of_pages_with_many_distinct_tags_is_cached(
 
     slugs = [{"slug": f"s{i}"} for i in range(3000)]
     async with LayeredCache.from_config(config) as cache:
-        await cache.get_or_load_many("category", slugs, load_many, tags=shown_books)
+        # Three tries, past the test breaker's reset: a run of 1,000 tags may outlast the
+        # 100 ms on a loaded CI machine now and then; one pipeline of 60,000 did every time.
+        for _ in range(3):
+            before = cache.stats()["category"]["redis_error"]
+            await cache.get_or_load_many("category", slugs, load_many, tags=shown_books)
+            if cache.stats()["category"]["redis_error"] == before:
+                break
+            await asyncio.sleep(0.4)
         errors = cache.stats()["category"]["redis_error"]
     async with LayeredCache.from_config(config) as fresh:
         sample = [await fresh.get("category", slugs[i]) for i in (0, 1500, 2999)]
