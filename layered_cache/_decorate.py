@@ -46,17 +46,27 @@ class KeyArguments:
     call: a static method's ``cls`` is an argument like any other (a price tier), and
     two calls that differ only in it would share one entry."""
 
-    def __init__(self, signature: inspect.Signature, fn: Callable[..., Any], receiver: bool):
+    def __init__(
+        self,
+        signature: inspect.Signature,
+        fn: Callable[..., Any],
+        receiver: bool,
+        fields: tuple[str, ...],
+    ):
         self._signature = signature
         self._fn = fn
         self._unchecked = receiver
+        self._fields = fields
 
     def of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The key fields of this call, and only them: the receiver and the ``ignore``d
+        arguments are no key fields (a template refuses a field it doesn't name)."""
         if self._unchecked:
             self._check_receiver(args)
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return bound.arguments
+        arguments = bound.arguments
+        return {name: arguments[name] for name in self._fields}
 
     def _check_receiver(self, args: tuple[Any, ...]) -> None:
         """A method's receiver (an instance, or a class for a classmethod) has this very
@@ -128,7 +138,7 @@ def bind_key_fields(
         declared = typing.get_type_hints(annotated).get("return")
     if declared is not None:
         namespace._declare_type(declared, by=_name(fn))
-    return KeyArguments(signature, fn, receiver)
+    return KeyArguments(signature, fn, receiver, template.fields)
 
 
 def _ignored(

@@ -328,7 +328,10 @@ class EventDecoder:
                     event_type,
                 )
         try:
-            key = template.build(fields)
+            # Only the template's fields: a CacheInvalidate key naming more (a producer
+            # that sends the row it changed) still means the entry those fields name,
+            # and a dropped invalidation costs more than a broader one.
+            key = template.build({name: fields[name] for name in template.fields})
         except (KeyError, ValueError) as exc:
             reason = self._scrub(str(exc.args[0]), fields)
             raise PoisonEvent(f"{event_type}: {reason}", event_type) from None

@@ -54,7 +54,11 @@ class HitPath:
             try:
                 value = fields[field]
                 kind = type(value)
-                key = known[value] if kind is str or kind is int else ns._build(fields)
+                key = (
+                    known[value]
+                    if (kind is str or kind is int) and len(fields) == 1
+                    else ns._build(fields)  # ...or raises, naming a field it doesn't know
+                )
             except (LookupError, TypeError):
                 key = ns._build(fields)  # builds and remembers it, or raises naming the field
         entries = ns._l1_entries
@@ -82,7 +86,11 @@ class HitPath:
             try:
                 value = fields[field]
                 kind = type(value)
-                key = known[value] if kind is str or kind is int else ns._build(fields)
+                key = (
+                    known[value]
+                    if (kind is str or kind is int) and len(fields) == 1
+                    else ns._build(fields)  # ...or raises, naming a field it doesn't know
+                )
             except (LookupError, TypeError):
                 key = ns._build(fields)  # builds and remembers it, or raises naming the field
         entries = ns._l1_entries

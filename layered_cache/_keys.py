@@ -182,7 +182,9 @@ class KeyTemplate:
             except (LookupError, TypeError):  # absent, or not a mapping: the full path
                 return self._build_fields(fields)  # raises, saying which
             kind = type(value)
-            if kind is int or kind is str:
+            # One field and no other: a field the template doesn't name would
+            # otherwise be dropped, and callers differing only in it share one entry.
+            if (kind is int or kind is str) and len(fields) == 1:
                 # Subscripts, not ``.get``: this is the L1-hit path, and a method call
                 # costs more than the lookup itself (bench/l1_hit.py).
                 try:
@@ -240,6 +242,8 @@ class KeyTemplate:
                 ) from None
             parts.append(self._text(name, value))
             parts.append(literals[index + 1])
+        if len(fields) != len(self.fields):
+            raise self._unnamed(fields)
         key = "".join(parts)
         if len(key) > MAX_KEY_LENGTH:
             raise self._too_long(key)
@@ -278,6 +282,16 @@ class KeyTemplate:
             values[field] = text.replace("%3A", ":")
             position = end + len(after)
         return values if position == len(name) else None
+
+    def _unnamed(self, fields: Mapping[str, object]) -> KeyError:
+        """A field the template doesn't name: refused, not dropped. Dropped, it would
+        let ``{"id": 1, "lang": "fr"}`` and ``{"id": 1, "lang": "en"}`` share one entry
+        (the CLI, ``warm`` and ``cached`` refuse such fields for the same reason)."""
+        unnamed = sorted(repr(name) for name in fields if name not in self.fields)
+        return KeyError(
+            f"namespace {self.namespace!r}: unknown key field {', '.join(unnamed)} "
+            f"(template {self.template!r} names {', '.join(map(repr, self.fields)) or 'none'})"
+        )
 
     def _not_a_mapping(self, fields: object) -> TypeError:
         return TypeError(

@@ -81,6 +81,15 @@ def test_generic_cache_invalidate_needs_no_route() -> None:
     assert targets == [Target("author", "env:author:1", 0), Target("author", "env:author:x-2", 0)]
 
 
+def test_a_cache_invalidate_key_naming_more_fields_invalidates_the_entry_the_named_ones_build(
+) -> None:
+    """The cache refuses a field its template doesn't name, so the named fields' entry is
+    the only one such a key can mean; set aside as poison, its invalidation was lost."""
+    data = encode_event(CacheInvalidate("author", [{"id": 1, "lang": "fr"}]))
+    targets = EventDecoder(config([])).decode(data).targets
+    assert targets == [Target("author", "env:author:1", 0)]
+
+
 def test_unrouted_fields_are_not_checked() -> None:
     """Deleting a key is always safe: a producer's extra or missing metadata must not
     stop it (only the fields that build keys are strict)."""

@@ -24,6 +24,7 @@ from layered_cache._keys import (
     replica_names,
     replica_record_name,
 )
+from tests.helpers import make_config, open_cache
 
 
 def test_template_fills_fields_with_prefix() -> None:
@@ -59,6 +60,37 @@ def test_replica_and_lease_names() -> None:
 def test_missing_field_names_namespace_and_field() -> None:
     with pytest.raises(KeyError, match="namespace 'book': missing key field 'id'"):
         KeyTemplate("book", "book:{id}").build({"isbn": 1})
+
+
+@pytest.mark.parametrize("template", ["book:{id}", "price:{id}:{currency}", "settings"])
+def test_a_field_the_template_does_not_name_is_refused_naming_it(template: str) -> None:
+    keys = KeyTemplate("book", template, "shop:")
+    named = {name: 1 for name in keys.fields}
+    keys.build(named)  # remembered (a one-field template's memo): the extra still counts
+    with pytest.raises(KeyError, match="namespace 'book': unknown key field 'lang'"):
+        keys.build({**named, "lang": "fr"})
+
+
+async def test_callers_differing_in_a_field_the_template_does_not_name_never_share_an_entry(
+    redis_url: str, prefix: str
+) -> None:
+    """Dropped, the field let the 'fr' caller be served the 'en' entry."""
+    config = make_config(redis_url, prefix, {"page": {"key": "page:{id}"}})
+    async with open_cache(config) as cache:
+
+        async def english() -> str:
+            return "Hello"
+
+        assert await cache.get_or_load("page", {"id": 1}, english) == "Hello"
+        for call in (
+            cache.get_or_load("page", {"id": 1, "lang": "fr"}, english),
+            cache.get("page", {"id": 1, "lang": "fr"}),
+            cache.get_many("page", [{"id": 1, "lang": "fr"}]),
+            cache.set("page", {"id": 1, "lang": "fr"}, "Bonjour"),
+        ):
+            with pytest.raises(KeyError, match="unknown key field 'lang'"):
+                await call
+        assert await cache.get("page", {"id": 1}) == "Hello"
 
 
 @pytest.mark.parametrize("fields", [[("id", 1)], "id=1", 42, None])
