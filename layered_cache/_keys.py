@@ -7,7 +7,8 @@ place (docs/keys.md):
 - replica shard   ``{prefix}book:42#3``    (no hash tag: replicas spread over slots)
 - lease           ``{{prefix}book:42}:lease`` (hash tag = the base key: same slot, so one
                   Lua script may check the lease and write the base key atomically)
-- fill channel    ``{{prefix}book:42}:filled`` (pub/sub: a fill wakes the lease waiters)
+- fill channel    ``{{prefix}book:42}:filled`` (pub/sub: a fill wakes the lease waiters;
+                  ``...:filled:db3`` outside database 0)
 - backplane       ``{prefix}layered_cache:invalidations`` (``backplane.stream``)
 - hot-key report  ``{prefix}layered_cache:hotkeys:{instance}`` (one hash per instance)
 - replica record  ``{{prefix}layered_cache}:replicas`` (the fleet's ``hot.replicas``)
@@ -356,10 +357,16 @@ def lease_name(key: str) -> str:
     return "{" + key + "}:lease"
 
 
-def fill_channel(key: str) -> str:
+def fill_channel(key: str, db: int = 0) -> str:
     """``{key}:filled``: the pub/sub channel the fill script announces ``key``'s new value
-    on. Braces never occur in a key, so no key is named like a channel."""
-    return "{" + key + "}:filled"
+    on. Braces never occur in a key, so no key is named like a channel.
+
+    Outside database 0 the number follows (``{key}:filled:db1``): pub/sub channels are
+    server-wide while keys are per database, and a waiter takes the message as its value,
+    so a deployment in database 1 would otherwise hand its fills to the same key's
+    waiters in database 0. (A cluster has database 0 only.)"""
+    channel = "{" + key + "}:filled"
+    return channel if not db else f"{channel}:db{db}"
 
 
 def backplane_stream_name(prefix: str, stream: str) -> str:

@@ -115,6 +115,13 @@ def _direct_client(client: RedisClient, busy_poll: float) -> direct.DirectClient
     return None if isinstance(client, RedisCluster) else direct.DirectClient(client, busy_poll)
 
 
+def _database(client: RedisClient) -> int:
+    """The database number ``client`` selects (a cluster has only 0)."""
+    if isinstance(client, RedisCluster):
+        return 0
+    return int(client.connection_pool.connection_kwargs.get("db") or 0)
+
+
 class L2Store:
     """Redis operations of the cache, each guarded by the circuit breaker."""
 
@@ -135,10 +142,10 @@ class L2Store:
         self.node_breakers = self.breakers.by_node  # one per master (cluster), by host:port
         self.key_errors = 0  # per-key error replies (WRONGTYPE, ...): not node failures
         self.cluster = isinstance(client, RedisCluster)
+        self.db = _database(client)  # fill channels carry it (``_keys.fill_channel``)
         # Single node: the request path's commands, on connections kept between them.
         self.direct = _direct_client(client, busy_poll)
-        self.reply_cap = reply_cap
-        self.notify_inline_max = NOTIFY_INLINE_MAX
+        self.reply_cap, self.notify_inline_max = reply_cap, NOTIFY_INLINE_MAX
         self._fill = client.register_script(FILL_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
         self._read_under_lease = client.register_script(READ_UNDER_LEASE_SCRIPT)

@@ -100,14 +100,14 @@ class L2Batch:
     async def fill_many(self, fills: Sequence[Fill], token: str) -> Replies[bool]:
         """Each key written only while ``token`` holds its lease (the FILL script, which
         also releases the lease and wakes the key's waiters): which ones were written."""
-        cluster = self._store.cluster
+        cluster, db = self._store.cluster, self._store.db
         written = [False] * len(fills)
 
         async def send(run: Sequence[int]) -> None:
             pipe = self._store.client.pipeline(transaction=False)
             for i in run:
                 key, lease, data, ttl_ms = fills[i]
-                args = fill_args(token, data, ttl_ms, fill_channel(key), True, cluster)
+                args = fill_args(token, data, ttl_ms, fill_channel(key, db), True, cluster)
                 pipe.eval(FILL_SCRIPT, 2, key, lease, *args)
             replies = await self._store.guard(pipe.execute(), names=[fills[i][0] for i in run])
             for i, done in zip(run, replies, strict=True):

@@ -189,7 +189,7 @@ async def fill(
     if replicas:
         await store.write_many([([lease for _, lease in replicas], (), token.encode(), reserve_ms)])
     written = await store.fill(
-        key, lease_name(key), token, data, ttl_ms, fill_channel(key), release=True
+        key, lease_name(key), token, data, ttl_ms, fill_channel(key, store.db), release=True
     )
     if written and replicas:
         await store.fill_replicas(replicas, token, data, ttl_ms)

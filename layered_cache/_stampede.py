@@ -87,7 +87,7 @@ class LeaseWaiter:
             return await self._poll(key, lease, lease_ttl, reread_pause, deadline, usable, token)
         # Subscribing is bounded like one silent pause (and never past max_wait).
         async with self._notifier.subscribe(
-            fill_channel(key), min(reread_pause[1], max_wait)
+            fill_channel(key, self._l2.db), min(reread_pause[1], max_wait)
         ) as sub:
             # Re-read once the subscription is confirmed: a fill that landed between our
             # lost SET NX and the SUBSCRIBE would otherwise go unnoticed.

@@ -403,3 +403,36 @@ async def test_a_waiter_leaving_after_close_opens_no_connection(redis_url: str, 
         assert await connections() == 0
     finally:
         await admin.aclose()
+
+
+def _database(url: str, db: int) -> str:
+    base, sep, query = url.partition("?")
+    return base.rsplit("/", 1)[0] + f"/{db}" + sep + query
+
+
+async def test_a_fill_in_another_database_is_never_served_to_a_waiter_of_this_one(
+    redis_url: str, prefix: str
+) -> None:
+    """Keys are per database, pub/sub channels server-wide: prod (db 0) and staging (db 1)
+    with one prefix shared the fill channel of book 42, and prod's lease waiter took
+    staging's fill message as its value."""
+    prod_url, staging_url = _database(redis_url, 0), _database(redis_url, 1)
+    waits = {"book": {"key": "book:{id}", "stampede": {"max_wait": "2s"}}}
+    prod = LayeredCache.from_config(make_config(prod_url, prefix, waits))
+    staging = LayeredCache.from_config(make_config(staging_url, prefix))
+    admin = redis.Redis.from_url(prod_url)
+    async with prod, staging:
+        # Another prod process is loading book 42: prod's read waits for its fill.
+        await admin.set("{" + prefix + "book:42}:lease", "someone-else", px=1_000)
+
+        async def load_prod() -> str:
+            return "prod value"
+
+        async def load_staging() -> str:
+            return "staging value"
+
+        waiting = asyncio.create_task(prod.get_or_load("book", {"id": 42}, load_prod))
+        await asyncio.sleep(0.3)  # subscribed
+        assert await staging.get_or_load("book", {"id": 42}, load_staging) == "staging value"
+        assert await waiting == "prod value"  # its lease expired: loaded by prod itself
+    await admin.aclose()

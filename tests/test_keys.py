@@ -420,3 +420,11 @@ def test_a_backplane_stream_outside_the_reserved_segment_is_refused() -> None:
 def test_an_invalid_prefix_fails_at_load_with_its_path() -> None:
     with pytest.raises(ConfigError, match=r"<memory>: redis\.prefix: .*must be segments"):
         parse_config({"redis": {"prefix": "shop"}}, env={})
+
+
+def test_a_fill_channel_outside_database_0_names_its_database() -> None:
+    """Database 0's channel keeps its name (waiters of the version before still hear
+    its fills); another database's is its own (pub/sub is server-wide)."""
+    assert fill_channel("shop:book:42") == "{shop:book:42}:filled"
+    assert fill_channel("shop:book:42", 0) == "{shop:book:42}:filled"
+    assert fill_channel("shop:book:42", 3) == "{shop:book:42}:filled:db3"
