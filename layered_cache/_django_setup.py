@@ -26,8 +26,8 @@ import structlog
 from layered_cache._cache import LayeredCache
 from layered_cache._config import Config, ConfigError, parse_config
 from layered_cache._django_values import Entry
-from layered_cache._keys import parse_template
 from layered_cache._policy import Policy
+from layered_cache._templates import parse_template
 from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache
 
 __all__ = [

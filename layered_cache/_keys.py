@@ -29,6 +29,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from layered_cache._templates import (
+    RESERVED_SEGMENT,
+    SAFE_DESCRIPTION,
+    SAFE_LITERAL,
+    check_template,
+    parse_template,
+)
+
 __all__ = [
     "MAX_KEY_LENGTH", "RESERVED_SEGMENT", "KeyTemplate", "backplane_stream_name",
     "fill_channel", "hot_report_name", "is_tag", "lease_name", "loading_set_name",
@@ -39,15 +47,10 @@ __all__ = [
 MAX_KEY_LENGTH = 512
 MAX_TAG_LENGTH = 256
 MAX_PREFIX_LENGTH = 64
-# Names the library owns live in this segment after the prefix; no template reaches it.
-RESERVED_SEGMENT = "layered_cache:"
 TAG_PATTERN = r"^[A-Za-z0-9_.:@/=+\-]+$"  # key values and tags (``is_tag``)
 _SAFE_VALUE = re.compile(TAG_PATTERN)
-_SAFE_LITERAL = re.compile(r"[A-Za-z0-9_.:@/=+\-]*")
-_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENCODED_VALUE = re.compile(r"(?:[A-Za-z0-9_.@/=+\-]|%3A)+")
 _ABSENT = object()
-_SAFE_DESCRIPTION = "letters, digits and _ . : @ / = + -"
 # Validated field values remembered per template (see KeyTemplate.build); when full the
 # memo is emptied and refills with whatever is hot now: bounded, and O(1) per call.
 _MEMO_SIZE = 2048
@@ -58,9 +61,9 @@ def validate_prefix(prefix: str) -> str:
     so that a prefix and the template after it never run into one another."""
     if not prefix:
         return prefix
-    if not _SAFE_LITERAL.fullmatch(prefix) or len(prefix) > MAX_PREFIX_LENGTH:
+    if not SAFE_LITERAL.fullmatch(prefix) or len(prefix) > MAX_PREFIX_LENGTH:
         raise ValueError(
-            f"redis.prefix {prefix!r} may only contain {_SAFE_DESCRIPTION} "
+            f"redis.prefix {prefix!r} may only contain {SAFE_DESCRIPTION} "
             f"(at most {MAX_PREFIX_LENGTH})"
         )
     if not prefix.endswith(":") or prefix.startswith(":") or "::" in prefix:
@@ -75,69 +78,6 @@ def validate_prefix(prefix: str) -> str:
             f"redis.prefix {prefix!r} may not contain the reserved segment {RESERVED_SEGMENT!r}"
         )
     return prefix
-
-
-def parse_template(namespace: str, template: str) -> tuple[list[str], list[str]]:
-    """Split ``book:{id}:{lang}`` into literals and field names, saying what is wrong."""
-    where = f"namespace {namespace!r}: template {template!r}"
-    literals: list[str] = []
-    fields: list[str] = []
-    literal_start = 0
-    position = 0
-    while position < len(template):
-        char = template[position]
-        if char == "}":
-            raise ValueError(f"{where}: '}}' at {position} closes no placeholder")
-        if char != "{":
-            position += 1
-            continue
-        close = template.find("}", position + 1)
-        nested = template.find("{", position + 1)
-        if close < 0 or 0 <= nested < close:
-            raise ValueError(f"{where}: unclosed placeholder at {position} (missing '}}')")
-        name = template[position + 1 : close]
-        if not name:
-            raise ValueError(f"{where}: empty placeholder '{{}}' at {position}")
-        if not _FIELD_NAME.fullmatch(name):
-            raise ValueError(
-                f"{where}: placeholder {{{name}}} is not a field name "
-                "(letters, digits, _; not starting with a digit)"
-            )
-        literals.append(template[literal_start:position])
-        fields.append(name)
-        position = literal_start = close + 1
-    literals.append(template[literal_start:])
-    return literals, fields
-
-
-def _check_template(namespace: str, template: str, literals: list[str], fields: list[str]) -> None:
-    where = f"namespace {namespace!r}: template {template!r}"
-    if not template:
-        raise ValueError(f"namespace {namespace!r} has an empty key template")
-    for literal in literals:
-        if not _SAFE_LITERAL.fullmatch(literal):
-            raise ValueError(
-                f"{where}: text outside {{field}} placeholders may only contain {_SAFE_DESCRIPTION}"
-            )
-    if len(set(fields)) != len(fields):
-        raise ValueError(f"{where} repeats a field")
-    lead = literals[0]
-    if not lead:
-        raise ValueError(
-            f"{where}: must start with literal text such as '{namespace}:' "
-            "so namespaces can't collide"
-        )
-    if lead.startswith(RESERVED_SEGMENT) or RESERVED_SEGMENT.startswith(lead):
-        raise ValueError(
-            f"{where}: could build names in the reserved {RESERVED_SEGMENT!r} segment "
-            "(backplane stream, fleet hashes); start it with other text"
-        )
-    for between in literals[1:-1]:
-        if ":" not in between:
-            raise ValueError(
-                f"{where}: placeholders must be separated by text containing ':' "
-                "(e.g. '{a}:{b}'), else two different field values could build one name"
-            )
 
 
 class KeyTemplate:
@@ -155,7 +95,7 @@ class KeyTemplate:
         self.template = template
         self.prefix = validate_prefix(prefix)
         literals, fields = parse_template(namespace, template)
-        _check_template(namespace, template, literals, fields)
+        check_template(namespace, template, literals, fields)
         literals[0] = self.prefix + literals[0]
         self._literals = tuple(literals)
         self.fields: tuple[str, ...] = tuple(fields)
@@ -335,7 +275,7 @@ class KeyTemplate:
             shown = text if len(text) <= 40 else text[:40] + "..."
             raise ValueError(
                 f"namespace {self.namespace!r}: field {name!r} = {shown!r} is not a safe "
-                f"key value (1..{MAX_KEY_LENGTH} of {_SAFE_DESCRIPTION})"
+                f"key value (1..{MAX_KEY_LENGTH} of {SAFE_DESCRIPTION})"
             )
         raise ValueError(
             f"namespace {self.namespace!r}: field {name!r} must be an int or str, "
@@ -403,7 +343,7 @@ def validate_tag(tag: object) -> str:
     if not isinstance(tag, str):
         raise TypeError(f"a tag must be a string, not {type(tag).__name__}: {tag!r}")
     if not _SAFE_VALUE.fullmatch(tag):
-        raise ValueError(f"tag {tag[:80]!r}: only {_SAFE_DESCRIPTION} are allowed")
+        raise ValueError(f"tag {tag[:80]!r}: only {SAFE_DESCRIPTION} are allowed")
     if len(tag) > MAX_TAG_LENGTH:
         raise ValueError(f"tag {tag[:80]!r}...: longer than {MAX_TAG_LENGTH} characters")
     return tag

@@ -48,7 +48,7 @@ from layered_cache._django_values import (
     loads,
     readable,
 )
-from layered_cache._keys import parse_template
+from layered_cache._templates import parse_template
 from layered_cache.sync import SyncLayeredCache
 
 __all__ = ["LayeredCacheBackend", "UncacheableValue"]
