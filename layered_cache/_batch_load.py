@@ -167,14 +167,15 @@ class BatchLoader:
     async def _load_unleased(
         self, reads: list[Read], fields_of: dict[str, Fields], load_many: LoadMany
     ) -> dict[str, Any]:
-        """Load without writing L2 (Redis unavailable): the type an L2 hit would give."""
+        """Load without writing L2 (Redis unavailable): the type an L2 hit would give, in
+        L1 all the same (``MissPath.kept_in_l1``)."""
         if not reads:
             return {}
         try:
             values = await self.call(load_many, [fields_of[r.key] for r in reads])
         except Exception as exc:
             return await self._miss.failsafe.serve_all_or_raise(reads, exc)
-        return {r.key: self._miss.as_read(r, v) for r, v in zip(reads, values, strict=True)}
+        return {r.key: self._miss.kept_in_l1(r, v) for r, v in zip(reads, values, strict=True)}
 
     async def call(self, load_many: LoadMany, fields_list: list[Fields]) -> Sequence[Any]:
         """``load_many`` through the loader hooks, counted once per key."""

@@ -570,3 +570,24 @@ async def test_the_schedule_explorer_finds_no_superseded_read_on_a_full_redis(
                 l2_may_lose=policy != "noeviction",
             )
     assert not failed, _report(failed)
+
+
+async def test_on_a_full_noeviction_redis_a_key_read_ten_times_is_loaded_once_per_instance(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """docs/operations.md: fills refused, "each instance loads on its own (at most one
+    load per key per instance, as with Redis down)": the loaded value stays in L1."""
+    config = make_config(redis_server.url, prefix, {"book": {"key": "book:{id}"}})
+    loader = CountingLoader("db")
+    admin = redis.Redis.from_url(redis_server.url)
+    async with LayeredCache.from_config(config) as cache:
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.config_set("maxmemory", 1)  # full: every write is refused with OOM
+        try:
+            for _ in range(10):
+                assert await cache.get_or_load("book", {"id": 1}, loader) == "db"
+            assert cache.redis_status().breaker == "closed"  # OOM opens no breaker
+        finally:
+            await admin.config_set("maxmemory", 0)
+    await admin.aclose()
+    assert loader.calls == 1

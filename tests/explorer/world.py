@@ -624,10 +624,16 @@ async def _incoherence(run: _Run) -> list[str]:
             held = await version(replica)
             if held is not None and held != base:
                 problems.append(f"replica {replica} holds v{held} while {name} holds v{base}")
+        # L2 empty: a load that L2 could not take (Redis failed or refused the fill) is
+        # kept in its instance's L1; it must be the database's current value.
+        expected = run.db[name] if base is None else base
         for instance, cache in world.instances.items():
             value = await cache.get("book", run.keys[index])
-            if value is not None and int(value["v"]) != base:
-                problems.append(f"{instance} serves v{value['v']} of {name}; L2 holds v{base}")
+            if value is not None and int(value["v"]) != expected:
+                problems.append(
+                    f"{instance} serves v{value['v']} of {name}; L2 holds v{base}, "
+                    f"the database v{run.db[name]}"
+                )
     return problems
 
 

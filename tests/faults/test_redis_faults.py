@@ -170,3 +170,77 @@ async def test_a_redis_restarted_while_the_caches_connections_sat_idle_fails_no_
         assert await burst(200) == list(range(200, 208))
         assert cache.stats()["book"]["redis_error"] == 0
         assert cache.redis_status().breaker == "closed"
+
+
+def _l1_outlives(url: str, prefix: str) -> Config:
+    """L1 30 s; a breaker that opens after 2 timeouts of 100 ms and probes every 300 ms."""
+    return make_config(
+        url,
+        prefix,
+        {"book": {"key": "book:{id}", "l1": {"ttl": "30s"}}},
+        redis={
+            "timeout": "100ms",
+            "connect_timeout": "100ms",
+            "breaker": {"failures": 2, "reset": "300ms"},
+        },
+    )
+
+
+async def test_with_redis_down_a_key_read_ten_times_is_loaded_once_per_instance(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """docs/operations.md: with Redis down "the database sees at most one load per key per
+    instance" (per L1 TTL). The value loaded past L2 went nowhere: every read loaded."""
+    loader = CountingLoader("db")
+    async with LayeredCache.from_config(_l1_outlives(redis_server.url, prefix)) as cache:
+        redis_server.kill()
+        try:
+            for _ in range(10):
+                assert await cache.get_or_load("book", {"id": 1}, loader) == "db"
+        finally:
+            redis_server.start()
+    assert loader.calls == 1
+
+
+async def test_with_redis_down_a_batch_read_ten_times_loads_each_key_once_per_instance(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    loaded: list[object] = []
+
+    async def load_many(missing: list[dict[str, object]]) -> list[str]:
+        loaded.extend(fields["id"] for fields in missing)
+        return [f"db{fields['id']}" for fields in missing]
+
+    async with LayeredCache.from_config(_l1_outlives(redis_server.url, prefix)) as cache:
+        redis_server.kill()
+        try:
+            for _ in range(10):
+                ids = [{"id": 1}, {"id": 2}]
+                assert await cache.get_or_load_many("book", ids, load_many) == ["db1", "db2"]
+        finally:
+            redis_server.start()
+    assert sorted(loaded) == [1, 2]  # type: ignore[type-var]
+
+
+async def test_a_value_loaded_while_cut_off_from_redis_goes_when_its_invalidation_is_heard(
+    proxy: ToxicProxy, redis_server: RedisServer, prefix: str
+) -> None:
+    """The value an instance cut off from Redis loads is kept in its L1, not for its
+    whole TTL past an invalidation: once Redis answers again, the listener reads the
+    entries appended meanwhile and drops it."""
+    async with (
+        LayeredCache.from_config(_l1_outlives(proxy.url, prefix)) as cut_off,
+        LayeredCache.from_config(_l1_outlives(redis_server.url, prefix)) as writer,
+    ):
+        proxy.mode = "blackhole"
+        proxy.cut()
+        assert await cut_off.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        await writer.set("book", {"id": 1}, "v2")  # appended while cut_off can't read
+        assert await cut_off.get("book", {"id": 1}) == "v1"  # L1: as any copy held
+        proxy.mode = "pass"
+        proxy.cut()
+
+        async def fresh() -> bool:
+            return await cut_off.get("book", {"id": 1}) == "v2"
+
+        assert await eventually(fresh, timeout=10)
