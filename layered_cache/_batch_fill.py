@@ -205,7 +205,7 @@ class BatchFill:
         except L2Unavailable:  # no version, no fill: the values are served, not stored
             policy.stats.redis_error += 1
             await self.release([r.key for r in reads], token)
-            return {r.key: self._miss.as_read(r, v) for r, v in zip(reads, values, strict=True)}
+            return {r.key: self._miss.kept_in_l1(r, v) for r, v in zip(reads, values, strict=True)}
         for read, value, tagged in zip(reads, values, versions, strict=True):
             if fills.is_hot(read.key):
                 hot.append((read, value))

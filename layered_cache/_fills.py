@@ -49,10 +49,17 @@ class Fills:
         now = self._clock() if now is None else now
         return envelopes.encode(self._policy, key, value, now, soft_expiry, delta, tags)
 
-    def as_read(self, key: str, value: Any) -> Any:
-        """``value`` as an L2 read would return it (see ``_envelopes``): for a value
-        served without being stored, so a call returns the same type either way."""
-        return self.encode(key, value, 0.0, 0.0).value
+    def kept_in_l1(self, key: str, value: Any, read_seq: int | None, tagged: bool) -> Any:
+        """``value`` as an L2 hit returns it, and in L1 though not in L2 (Redis down or
+        full): else every read of the key loads again meanwhile, and the database sees
+        the whole read rate, not one load per key per instance and L1 TTL. Not a tagged
+        value (its tags' versions are unknown without Redis) nor one L2 couldn't take
+        (not encodable, too large); not a key invalidated since ``read_seq``."""
+        soft_expiry = self._policy.soft_expiry(value, self._clock())
+        encoded = self.encode(key, value, soft_expiry, 0.0)
+        if encoded.data is not None and not tagged:
+            self.fill_l1(key, encoded.value, soft_expiry, read_seq)
+        return encoded.value
 
     def fill_l1(
         self,

@@ -223,8 +223,7 @@ class MissPath:
         return value
 
     async def load_unleased(self, read: Read, loader: Loader) -> Any:
-        """Load without writing L2 (no lease, or Redis unavailable), into L1 all the same
-        (``kept_in_l1``)."""
+        """Load without writing L2 (no lease, or Redis unavailable): kept in L1 though."""
         try:
             value = await call_loader(self._policy, self._rt.hooks, loader)
         except Exception as exc:
@@ -234,22 +233,8 @@ class MissPath:
         return self.kept_in_l1(read, value)
 
     def kept_in_l1(self, read: Read, value: Any) -> Any:
-        """``value`` as an L2 hit returns it, and in L1 though not in L2: else, while
-        Redis is down or full, every read of the key loads again and the database sees
-        the whole read rate, not one load per key per instance and L1 TTL. Not a tagged
-        value (its tags' versions are unknown without Redis) nor one L2 couldn't take
-        (not encodable, too large); not a key invalidated since ``read`` began."""
-        policy = self._policy
-        soft_expiry = policy.soft_expiry(value, self._rt.clock())
-        encoded = self._fills.encode(read.key, value, soft_expiry, 0.0)
-        read.owned = encoded.value is value  # not encodable: handed back as it came
-        if encoded.data is not None and read.tags_of is None:
-            self._fills.fill_l1(read.key, encoded.value, soft_expiry, read.seq)
-        return encoded.value
-
-    def as_read(self, read: Read, value: Any) -> Any:
-        """``value`` as an L2 hit returns it, though not stored (``Fills.as_read``)."""
-        served = self._fills.as_read(read.key, value)
+        """``value`` as an L2 hit returns it, not in L2 (``Fills.kept_in_l1``)."""
+        served = self._fills.kept_in_l1(read.key, value, read.seq, read.tags_of is not None)
         read.owned = served is value  # not encodable: handed back as it came
         return served
 
@@ -279,7 +264,7 @@ class MissPath:
             except L2Unavailable:
                 policy.stats.redis_error += 1
                 await self.release(key, token, quietly=False)
-                return self.as_read(read, value)
+                return self.kept_in_l1(read, value)  # tagged: not kept
         encoded = fills.encode(key, value, soft_expiry, delta, versions)
         read.owned = encoded.value is value  # not encodable: handed back as it came
         value, data = encoded.value, encoded.data

@@ -165,9 +165,9 @@ async def test_a_read_joining_a_batch_whose_tag_versions_failed_is_told_the_valu
     """Promise (``Served.owned``, _served module doc; ef75f1c "a batch's flight carries
     what each key's read served"): a value that could not be encoded is the loader's own
     object, stored nowhere, and nothing may be keyed on its identity (``http.ETags``);
-    the single-key path says so on every branch (``MissPath.as_read`` after a failed
+    the single-key path says so on every branch (``MissPath.kept_in_l1`` after a failed
     tag-version read). ``BatchFill.fill_many``'s branch for Redis failing at
-    ``versions_of`` returns ``fills.as_read(...)`` without setting ``read.owned``, so a
+    ``versions_of`` returned the values decoded back without setting ``read.owned``, so a
     read joining the batch's flight (``CachedResponses.respond`` -> ``_serve``) gets
     ``Served(owned=False)`` for the loader's own object and memoizes its ETag on it."""
     import asyncio
