@@ -681,3 +681,21 @@ def test_an_ipv6_seed_node_or_relay_address_in_brackets_loses_its_brackets() -> 
     assert _host_port(config.redis.nodes[0]) == ("::1", 7000)
     assert _address("[::1]:6390") == ("::1", 6390)
     assert _address("0.0.0.0:6390") == ("0.0.0.0", 6390)
+
+
+def _tenant(prefix: str) -> dict[str, object]:
+    return {"redis": {"prefix": prefix}, "namespaces": {"book": {"key": "book:{id}"}}}
+
+
+def test_a_tenant_whose_prefix_variable_is_set_but_empty_is_refused_not_merged() -> None:
+    """Compose's ``${TENANT_PREFIX}`` with nothing set gives an empty variable: it replaced
+    the file's ``tenant_a:`` with no prefix, and every tenant started so shared one key
+    space. Refused, naming the variable, as an empty LAYERED_CACHE_REDIS_URL is."""
+    env = {"LAYERED_CACHE_REDIS_PREFIX": ""}
+    for tenant in ("tenant_a:", "tenant_b:"):
+        with pytest.raises(ConfigError, match=r"tenant\.toml: redis\.prefix: empty.*"
+                           r"from the environment: LAYERED_CACHE_REDIS_PREFIX"):
+            parse_config(_tenant(tenant), source="tenant.toml", env=env)
+    unset = parse_config(_tenant("tenant_a:"), env={})
+    overridden = parse_config(_tenant("tenant_a:"), env={"LAYERED_CACHE_REDIS_PREFIX": "t_b:"})
+    assert (unset.redis.prefix, overridden.redis.prefix) == ("tenant_a:", "t_b:")

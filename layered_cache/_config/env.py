@@ -11,6 +11,8 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from layered_cache._config.errors import ConfigError
+
 __all__ = ["ENV_OVERRIDES", "apply_env", "unknown_variables"]
 
 # Environment variable -> (section, field).
@@ -34,6 +36,16 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
 }
 
 
+# Overrides whose empty value is valid in the file but, set from the environment, is
+# nearly always an unfilled placeholder (compose's ``${TENANT_PREFIX}``, a Helm value
+# never set): an empty prefix would silently merge every tenant into one key space.
+# Refused, as an empty LAYERED_CACHE_REDIS_URL is (by the URL's own validation).
+_NOT_EMPTY = {
+    "LAYERED_CACHE_REDIS_PREFIX": (
+        "empty; unset the variable to keep the file's prefix (an empty prefix would "
+        "share one key space with every other deployment on this Redis)"
+    ),
+}
 # Read elsewhere (``_logs``): not an override of a config field, but ours all the same.
 _OTHER_VARIABLES = frozenset({"LAYERED_CACHE_LOG_REDACT_SALT"})
 _PREFIX = "LAYERED_CACHE_"
@@ -52,9 +64,18 @@ def unknown_variables(env: Mapping[str, str]) -> list[str]:
     return warnings
 
 
-def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+def apply_env(
+    raw: dict[str, Any], env: Mapping[str, str], source: str = "<memory>"
+) -> dict[str, Any]:
     """``raw`` with the overrides set in ``env`` applied; ``raw``'s tables are copied,
-    not changed (the caller's parsed document stays as the file says)."""
+    not changed (the caller's parsed document stays as the file says). An empty value
+    of a ``_NOT_EMPTY`` variable is a ``ConfigError`` naming it."""
+    for var, problem in _NOT_EMPTY.items():
+        if env.get(var) == "":
+            section, field = ENV_OVERRIDES[var]
+            raise ConfigError(
+                f"{source}: {section}.{field}: {problem} (from the environment: {var})"
+            )
     merged = {key: dict(value) if isinstance(value, dict) else value for key, value in raw.items()}
     for var, (section, field) in ENV_OVERRIDES.items():
         if var in env:

@@ -82,7 +82,7 @@ def parse_config(
 ) -> Config:
     """Validate an already parsed TOML document (a dict) and return the Config."""
     environ = os.environ if env is None else env
-    data = apply_env(dict(raw), environ)
+    data = apply_env(dict(raw), environ, source)
     _remember_secrets(data)
     deprecations: list[str] = []
     try:
