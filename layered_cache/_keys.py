@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from layered_cache._keyparse import split_name
 from layered_cache._templates import (
     RESERVED_SEGMENT,
     SAFE_DESCRIPTION,
@@ -49,7 +50,6 @@ MAX_TAG_LENGTH = 256
 MAX_PREFIX_LENGTH = 64
 TAG_PATTERN = r"^[A-Za-z0-9_.:@/=+\-]+$"  # key values and tags (``is_tag``)
 _SAFE_VALUE = re.compile(TAG_PATTERN)
-_ENCODED_VALUE = re.compile(r"(?:[A-Za-z0-9_.@/=+\-]|%3A)+")
 _ABSENT = object()
 # Validated field values remembered per template (see KeyTemplate.build); when full the
 # memo is emptied and refills with whatever is hot now: bounded, and O(1) per call.
@@ -198,31 +198,21 @@ class KeyTemplate:
 
     def parse(self, name: str) -> dict[str, str] | None:
         """The field values (as text) ``name`` was built from, or None if no fields build
-        it. The inverse of ``build``: that it exists is why names are injective."""
-        literals = self._literals
-        if not name.startswith(literals[0]):
+        it. The inverse of ``build``: that it exists is why names are injective.
+
+        Fields are kept only if ``build`` makes ``name`` from them again: a name under
+        the template's literals that ``build`` would refuse (over the length limits) is
+        None, as callers act on the fields (``clear()`` invalidates by them, a static
+        hot key is matched by them) and must skip such a foreign name, not raise on it."""
+        if len(name) > MAX_KEY_LENGTH:
             return None
-        position = len(literals[0])
-        values: dict[str, str] = {}
-        last = len(self.fields) - 1
-        for index, field in enumerate(self.fields):
-            after = literals[index + 1]
-            if index < last:
-                # The value holds no ':', so the first ':' ahead is the template's.
-                colon = name.find(":", position)
-                end = colon - after.index(":")
-                if colon < 0 or not name.startswith(after, end):
-                    return None
-            else:
-                end = len(name) - len(after)
-                if not name.endswith(after):
-                    return None
-            text = name[position:end] if end > position else ""
-            if not _ENCODED_VALUE.fullmatch(text):
-                return None
-            values[field] = text.replace("%3A", ":")
-            position = end + len(after)
-        return values if position == len(name) else None
+        values = split_name(self._literals, self.fields, name)
+        if values is None:
+            return None
+        try:
+            return values if self._build_fields(values) == name else None
+        except (KeyError, TypeError, ValueError):
+            return None
 
     def _unnamed(self, fields: Mapping[str, object]) -> KeyError:
         """A field the template doesn't name: refused, not dropped. Dropped, it would

@@ -351,6 +351,23 @@ def test_clear_removes_the_django_namespace_only(
         time.sleep(0.02)
 
 
+def test_clear_skips_a_foreign_name_too_long_to_be_a_key_and_clears_the_rest(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    """A name under ``django:`` no key can be (another app's, an operator's, 600
+    characters) made clear() raise ``key is 607 characters``: the keys after it stayed,
+    and every later clear() failed on the same name."""
+    cache = backend(redis_url, prefix)
+    cache.set_many({f"k{i}": i for i in range(250)})
+    foreign = f"{prefix}django:" + "a" * 600
+    redis_client.set(foreign, b"not ours")
+    cache.clear()
+    cache.set("again", 1)
+    cache.clear()
+    assert [name.decode() for name in redis_client.scan_iter(f"{prefix}django:*")] == [foreign]
+    assert cache.get("k7") is None
+
+
 def test_config_from_a_toml_file_with_inline_options_merged_over_it(
     redis_url: str, prefix: str, tmp_path: Path, redis_client: redis.Redis
 ) -> None:

@@ -52,6 +52,18 @@ def test_parse_is_the_inverse_of_build() -> None:
     assert KeyTemplate("c", "config").parse("config") == {}
 
 
+def test_a_name_build_could_not_have_made_parses_to_nothing() -> None:
+    """``clear()`` and ``hot.keys`` act on what parse finds: a name over build's length
+    limit (in its value, or whole with the prefix) is no key of the template."""
+    keys = KeyTemplate("django", "django:{key}", "shop:")
+    assert keys.parse("shop:django:" + "a" * 600) is None
+    longest = keys.build({"key": "a" * (512 - len("shop:django:"))})
+    assert keys.parse(longest) == {"key": "a" * 500}
+    assert keys.parse(longest + "a") is None
+    two = KeyTemplate("p", "p:{a}:{b}")
+    assert two.parse("p:x:" + "b" * 600) is None and two.parse("p:x:y") == {"a": "x", "b": "y"}
+
+
 def test_replica_and_lease_names() -> None:
     assert replica_names("book:42", 3) == ["book:42#0", "book:42#1", "book:42#2"]
     assert lease_name("book:42") == "{book:42}:lease"
