@@ -699,3 +699,22 @@ def test_a_tenant_whose_prefix_variable_is_set_but_empty_is_refused_not_merged()
     unset = parse_config(_tenant("tenant_a:"), env={})
     overridden = parse_config(_tenant("tenant_a:"), env={"LAYERED_CACHE_REDIS_PREFIX": "t_b:"})
     assert (unset.redis.prefix, overridden.redis.prefix) == ("tenant_a:", "t_b:")
+
+
+@pytest.mark.parametrize(
+    ("prefix", "key"),
+    [("", "author:" + "1" * 600), ("p" * 60 + ":", "author:" + "1" * 500)],
+    ids=["value-over-512", "over-512-with-prefix"],
+)
+def test_a_static_hot_key_longer_than_any_key_is_refused_at_load(prefix: str, key: str) -> None:
+    """No call can build it (the runtime matches prefix + key, at most 512 characters), so
+    it loaded and was silently never hot; one just within the limit stays a hot key."""
+    raw = {
+        "redis": {"prefix": prefix},
+        "namespaces": {"author": {"key": "author:{id}", "hot": {"replicas": 2, "keys": [key]}}},
+    }
+    with pytest.raises(ConfigError, match=r"namespaces\.author\.hot\.keys\[0\]: .*512"):
+        parse_config(raw, env={})
+    fits = "author:" + "1" * (512 - len(prefix) - len("author:"))
+    raw["namespaces"]["author"]["hot"]["keys"] = [fits]  # type: ignore[index]
+    assert parse_config(raw, env={}).namespaces["author"].hot.keys == [fits]  # type: ignore[union-attr]

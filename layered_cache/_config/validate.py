@@ -46,7 +46,7 @@ def check_cross_references(config: Config) -> list[str]:
             )
     _check_disjoint_namespaces(source, {n: ns.key for n, ns in config.namespaces.items()})
     for name, ns in config.namespaces.items():
-        _check_static_hot_keys(source, name, ns)
+        _check_static_hot_keys(source, name, ns, templates[name])
     _check_routes(config, templates)
     return [
         warning
@@ -92,17 +92,21 @@ def _check_routes(config: Config, templates: Mapping[str, KeyTemplate]) -> None:
                 )
 
 
-def _check_static_hot_keys(source: str, name: str, ns: NamespaceConfig) -> None:
+def _check_static_hot_keys(
+    source: str, name: str, ns: NamespaceConfig, template: KeyTemplate
+) -> None:
     """``hot.keys`` are key names (without the prefix); one the template can never build
-    would silently never be hot."""
+    would silently never be hot. The runtime matches ``redis.prefix`` + the key, so the
+    prefixed name is what must parse (``parse`` also applies build's length limit)."""
     if not isinstance(ns.hot, HotConfig):
         return
-    template = KeyTemplate(name, ns.key)
     for index, key in enumerate(ns.hot.keys):
-        if template.parse(key) is None:
+        if template.parse(template.prefix + key) is None:
+            shown = repr(key) if len(key) <= 80 else f"{key[:80]!r}... ({len(key)} characters)"
             raise ConfigError(
-                f"{source}: namespaces.{name}.hot.keys[{index}]: {key!r} is not a key of "
-                f"template {ns.key!r} (a ':' inside a value is written %3A, see docs/keys.md)"
+                f"{source}: namespaces.{name}.hot.keys[{index}]: {shown} is not a key of "
+                f"template {ns.key!r} (a ':' inside a value is written %3A, and with "
+                f"redis.prefix a key is at most {MAX_KEY_LENGTH} characters, see docs/keys.md)"
             )
 
 
