@@ -263,7 +263,7 @@ def test_warm_resumed_at_the_end_of_its_file_still_writes_its_last_progress_line
     3 lines (the resume line a run interrupted after its last write printed): the first
     line is ``0%, line 4, 0 warmed``; the reader then skips the 3 lines (position at the
     end) and the final update is ``100%, line 4, 0 warmed``. Actual: only the 0 % line;
-    the dedupe in ``Progress.update`` (layered_cache/_warm.py:108) compares (line, warmed)
+    the dedupe in ``Progress.update`` (layered_cache/_progress.py) compares (line, warmed)
     only, not the percentage, and drops a last line that says something else."""
     import io
 
