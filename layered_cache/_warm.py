@@ -22,6 +22,7 @@ import msgspec
 
 from layered_cache._cache import LayeredCache
 from layered_cache._l2 import L2Unavailable
+from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
 from layered_cache._progress import Progress
 from layered_cache._redact import redact
@@ -34,12 +35,13 @@ STOPPED_BY_REDIS = "Redis error"
 
 
 class Entry(msgspec.Struct, frozen=True):
-    """One valid line: the key fields and the value to write."""
+    """One valid line: the key fields, the value to write and the tags it carries."""
 
     line: int
     fields: dict[str, object]
     value: Any
     size: int = 0  # bytes of the line: bounds a writer's chunk (memory stays flat)
+    tags: tuple[str, ...] = ()
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -63,6 +65,9 @@ class WarmReport(msgspec.Struct):
 
 
 BOM = b"\xef\xbb\xbf"
+# What a line may hold. Any other member is refused, not dropped: a misspelt "vaule", a
+# "ttl" warm does not apply, would otherwise vanish without a word.
+MEMBERS = ("key", "value", "tags")
 # A line longer than LINE_FACTOR * max_value_bytes + LINE_SLACK is refused unread.
 LINE_FACTOR = 8
 LINE_SLACK = 64 * 1024
@@ -71,7 +76,7 @@ LINE_SLACK = 64 * 1024
 class JsonlReader:
     """Lines of a JSONL file as ``Entry`` or ``Failure``, one at a time.
 
-    Each line is validated the way ``cache.set`` would see it (JSON shape, key fields,
+    Each line is validated the way ``cache.set`` would see it (JSON shape, key fields, tags,
     encodable value within ``max_value_bytes``), so a bad line becomes a numbered
     failure instead of an exception halfway through, or a value ``set`` drops quietly.
     Lines before ``start_line`` are skipped unparsed."""
@@ -134,13 +139,19 @@ class JsonlReader:
             return Failure(number, f"not valid JSON: {type(exc).__name__}: {str(exc)[:200]}")
         if not isinstance(record, dict) or "key" not in record or "value" not in record:
             return Failure(number, 'expected {"key": {...}, "value": ...}')
-        fields = record["key"]
+        if unknown := sorted(set(record) - set(MEMBERS)):
+            return Failure(number, f"unknown member(s) {unknown}: a line takes {list(MEMBERS)}")
+        fields, tags = record["key"], record.get("tags")
         if not isinstance(fields, dict):
             return Failure(number, "key must be an object of key fields")
-        problem = self._key_problem(fields) or self._value_problem(record["value"])
+        problem = (
+            self._key_problem(fields)
+            or self._value_problem(record["value"])
+            or self._tags_problem(tags)
+        )
         if problem is not None:
             return Failure(number, redact(problem))
-        return Entry(number, fields, record["value"], len(raw))
+        return Entry(number, fields, record["value"], len(raw), tuple(tags or ()))
 
     def _key_problem(self, fields: dict[str, object]) -> str | None:
         template = self._policy.template
@@ -151,6 +162,17 @@ class JsonlReader:
             template.build(fields)
         except (KeyError, ValueError) as exc:
             return str(exc.args[0]) if exc.args else str(exc)
+        return None
+
+    def _tags_problem(self, tags: object) -> str | None:
+        """The line's tags as ``set(tags=)`` judges them (a namespace without
+        ``tags = true``, a bad or over-long tag, too many); null is no tags, as None is."""
+        if tags is not None and not isinstance(tags, list):
+            return f"tags must be a list of strings, got {type(tags).__name__}"
+        try:
+            check_tags(self._policy, tags)
+        except (TypeError, ValueError) as exc:
+            return f"tags: {exc}"
         return None
 
     def _value_problem(self, value: Any) -> str | None:
@@ -266,9 +288,19 @@ class Warmer:
         return entries
 
     async def _write(self, entries: list[Entry]) -> None:
+        """The chunk's untagged entries in one ``set_many``; each tagged one by
+        ``set(tags=)`` (``set_many`` takes no tags), unless Redis already stopped the run.
+        Every line is pending from the start, so a stop's resume line covers them all."""
+        self._pending.update(entry.line for entry in entries)
+        if untagged := [entry for entry in entries if not entry.tags]:
+            await self._write_chunk(untagged)
+        for entry in entries:
+            if entry.tags and self.report.stopped_by != STOPPED_BY_REDIS:
+                await self._write_one(entry)
+
+    async def _write_chunk(self, entries: list[Entry]) -> None:
         """One ``set_many`` (one round trip, one backplane append) per chunk."""
         lines = [entry.line for entry in entries]
-        self._pending.update(lines)
         refused_before = self.policy.stats.refused_full
         try:
             await self.cache.set_many(self.policy.name, [(e.fields, e.value) for e in entries])
@@ -293,7 +325,7 @@ class Warmer:
     async def _write_one(self, entry: Entry) -> None:
         refused_before = self.policy.stats.refused_full
         try:
-            await self.cache.set(self.policy.name, entry.fields, entry.value)
+            await self.cache.set(self.policy.name, entry.fields, entry.value, entry.tags or None)
             if self.policy.stats.refused_full != refused_before:  # see ``_write``
                 raise L2Unavailable("full (maxmemory, noeviction): refused values")
         except L2Unavailable as exc:
