@@ -30,7 +30,7 @@ from layered_cache._hits import HitPath
 from layered_cache._invalidation import Invalidator
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import Namespace
-from layered_cache._policy import compile_policy
+from layered_cache._policy import compile_policies
 from layered_cache._purges import Purger, PurgeStats
 from layered_cache._redisclock import redis_clock
 from layered_cache._runtime import Hooks
@@ -66,6 +66,7 @@ class LayeredCache(HitPath):
         purger: Purger | None = None,
         expiry_of: Mapping[str, Callable[[Any], float | None]] | None = None,
     ) -> None:
+        policies = compile_policies(config)  # refused before anything is set up
         self.config = config
         self._parts = parts
         self._store = parts.store
@@ -74,11 +75,7 @@ class LayeredCache(HitPath):
         self._clock = redis_clock(clock, parts.client, config)
         self._rt = startup.runtime(config, parts, self._clock.now, rand, purger)
         self._purger, self._closed = purger, False
-        prefix = config.redis.prefix
-        self._namespaces = {
-            name: Namespace(compile_policy(name, ns, prefix), self._rt)
-            for name, ns in config.namespaces.items()
-        }
+        self._namespaces = {name: Namespace(policy, self._rt) for name, policy in policies.items()}
         self._coherence = Coherence(list(self._namespaces.values()), self._rt)
         for name, value_type in (value_types or {}).items():
             self.namespace(name)._declare_type(value_type, by="value_types")

@@ -28,7 +28,7 @@ import msgspec
 from layered_cache._config import Config, EventRoute
 from layered_cache._keys import KeyTemplate, validate_tag
 from layered_cache._logs import SALT_ENV, redact_key
-from layered_cache._policy import compile_policy
+from layered_cache._policy import compile_policies
 
 __all__ = [
     "CACHE_INVALIDATE",
@@ -133,13 +133,12 @@ class EventDecoder:
         if config.logging.redact_keys:
             environ = os.environ if env is None else env
             self._redact_salt = environ.get(SALT_ENV, "").encode()
-        prefix = config.redis.prefix
-        self._namespaces: dict[str, _Namespace] = {}
-        for name, ns in config.namespaces.items():
-            # The replica count comes from the same policy the read path uses, so the
-            # daemon deletes exactly the replica names a fill may have written.
-            policy = compile_policy(name, ns, prefix)
-            self._namespaces[name] = _Namespace(policy.template, policy.replicas)
+        # The replica count comes from the same policy the read path uses, so the
+        # daemon deletes exactly the replica names a fill may have written.
+        self._namespaces: dict[str, _Namespace] = {
+            name: _Namespace(policy.template, policy.replicas)
+            for name, policy in compile_policies(config).items()
+        }
         self._routes: dict[str, list[_CompiledTarget | _CompiledTag]] = {}
         self._plans: dict[str, _Plan] = {}  # the types ``collect`` may route itself
         for route in config.events:

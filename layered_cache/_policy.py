@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layered_cache._codec import Codec
-from layered_cache._config import HotConfig, L1Config, L2Config, NamespaceConfig
+from layered_cache._config import Config, HotConfig, L1Config, L2Config, NamespaceConfig
+from layered_cache._config.validate import check_namespaces
 from layered_cache._hotkeys import HotKeyDetector
 from layered_cache._keys import KeyTemplate
 from layered_cache._l1 import L1Cache
 from layered_cache._stats import NamespaceStats
 
-__all__ = ["Policy", "compile_policy", "jittered"]
+__all__ = ["Policy", "compile_policies", "compile_policy", "jittered"]
 
 
 def jittered(ttl: float, jitter: float, rand: float) -> float:
@@ -67,6 +68,15 @@ class Policy:
         soft = now + self.l2_ttl_draw()
         own = self.expiry_of(value) if self.expiry_of is not None else None
         return soft if own is None or own >= soft else own
+
+
+def compile_policies(config: Config) -> dict[str, Policy]:
+    """Every namespace's policy, after the checks that concern them together: a cache
+    (or the daemon) may be given a Config that never went through load, and two
+    namespaces that build one name would read and delete each other's values."""
+    check_namespaces(config)
+    prefix = config.redis.prefix
+    return {name: compile_policy(name, ns, prefix) for name, ns in config.namespaces.items()}
 
 
 def compile_policy(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio as redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -206,3 +207,23 @@ async def test_a_value_the_codec_cannot_hold_is_served_and_the_lease_released(
         assert cache.stats()["book"]["not_cached"] == 1
         assert await admin.exists(lease_name(f"{prefix}book:2"), f"{prefix}book:2") == 0
     await admin.aclose()
+
+
+def test_a_config_replaced_in_code_with_overlapping_namespaces_makes_no_cache() -> None:
+    """``Config`` is public, and code derives configs with ``msgspec.structs.replace`` (a
+    namespace per tenant or feature flag; the CLI's own ``warm``): two namespaces that
+    build one name started, and ``book_v2`` read ``book``'s values. The cache refuses
+    them as load does; so does a static hot key no call can build."""
+    from layered_cache import parse_config
+
+    config = parse_config({"namespaces": {"book": {"key": "book:{id}"}}}, env={})
+    book = config.namespaces["book"]
+    for added in ("book:{id}", "book:v2:{id}"):
+        namespaces = {**config.namespaces, "book_v2": msgspec.structs.replace(book, key=added)}
+        with pytest.raises(ConfigError, match=r"namespaces\.book_v2\.key: may produce the same"):
+            LayeredCache.from_config(msgspec.structs.replace(config, namespaces=namespaces))
+    hot = parse_config({"namespaces": {"a": {"key": "a:{id}", "hot": {"replicas": 2}}}}, env={})
+    ns = hot.namespaces["a"]
+    never = msgspec.structs.replace(ns, hot=msgspec.structs.replace(ns.hot, keys=["b:1"]))
+    with pytest.raises(ConfigError, match=r"namespaces\.a\.hot\.keys\[0\]: 'b:1' is not a key"):
+        LayeredCache.from_config(msgspec.structs.replace(hot, namespaces={"a": never}))

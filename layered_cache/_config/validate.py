@@ -24,14 +24,32 @@ from layered_cache._config.schema import (
 )
 from layered_cache._keys import MAX_KEY_LENGTH, MAX_TAG_LENGTH, KeyTemplate
 
-__all__ = ["CACHE_INVALIDATE", "check_cross_references", "daemon_start_problem"]
+__all__ = [
+    "CACHE_INVALIDATE", "check_cross_references", "check_namespaces", "daemon_start_problem",
+]
 
 CACHE_INVALIDATE = "CacheInvalidate"  # the built-in event type (layered_cache._events)
 
 
 def check_cross_references(config: Config) -> list[str]:
-    """Checks that span tables: templates compile, events name known namespaces and
-    fields, each event type is routed once. Returns the warnings (not errors)."""
+    """Checks that span tables: the namespaces' (``check_namespaces``), events name known
+    namespaces and fields, each event type is routed once. Returns the warnings."""
+    source = config.source
+    _check_routes(config, check_namespaces(config))
+    return [
+        warning
+        for name, ns in config.namespaces.items()
+        for check in (_ttl_warning, _http_warning)
+        if (warning := check(source, name, ns))
+    ]
+
+
+def check_namespaces(config: Config) -> dict[str, KeyTemplate]:
+    """The namespaces' templates, once they are known to be sound together: each
+    compiles and fits the key length limit with the prefix, no two can build one name,
+    each static hot key is a key of its template. Run at load and again wherever a cache
+    is built from a Config (``_policy.compile_policies``): a Config made or replaced in
+    code (``msgspec.structs.replace``) never went through load."""
     source = config.source
     templates: dict[str, KeyTemplate] = {}
     for name, ns in config.namespaces.items():
@@ -47,13 +65,7 @@ def check_cross_references(config: Config) -> list[str]:
     _check_disjoint_namespaces(source, {n: ns.key for n, ns in config.namespaces.items()})
     for name, ns in config.namespaces.items():
         _check_static_hot_keys(source, name, ns, templates[name])
-    _check_routes(config, templates)
-    return [
-        warning
-        for name, ns in config.namespaces.items()
-        for check in (_ttl_warning, _http_warning)
-        if (warning := check(source, name, ns))
-    ]
+    return templates
 
 
 def _check_routes(config: Config, templates: Mapping[str, KeyTemplate]) -> None:
