@@ -303,6 +303,24 @@ def test_invalidate_deletes_key_replicas_and_lease(
     assert any(base.encode() in b"".join(fields.values()) for _, fields in entries)
 
 
+def test_invalidate_and_inspect_name_the_one_key_of_a_template_without_fields(
+    tmp_path: Path, redis_url: str, prefix: str, admin: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``key = "settings"`` is a valid template with one key, but the CLI took field=value
+    with nargs="+": without a field argparse refused the command, and with one the
+    field was unknown. An operator could not invalidate that key at all."""
+    settings = '[namespaces.settings]\nkey = "settings"\n'
+    config = str(write_config(tmp_path, redis_url, prefix, extra=settings))
+    admin.set(f"{prefix}settings", envelope({"theme": "dark"}), px=60_000)
+    assert main(["inspect", "settings", "--config", config, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["key"] == f"{prefix}settings"
+    assert main(["invalidate", "settings", "--config", config]) == 0
+    assert f"invalidated {prefix}settings" in capsys.readouterr().out
+    assert admin.exists(f"{prefix}settings") == 0
+    assert main(["invalidate", "settings", "id=1", "--config", config]) == 2
+    assert "unknown field(s) ['id']" in capsys.readouterr().err
+
+
 def test_invalidate_and_warm_with_another_replica_count_than_the_fleets_are_refused(
     tmp_path: Path, redis_url: str, prefix: str, admin: Any
 ) -> None:
@@ -704,6 +722,8 @@ def test_warm_two_sigints_cancel_in_flight_writes_without_a_traceback(
         (["inspect", "book", "idd=1"], "unknown field(s) ['idd']"),
         (["inspect", "book", "id"], "expected field=value, got 'id'"),
         (["invalidate", "book", "id=1", "id=2"], "field 'id' given twice"),
+        (["invalidate", "book"], "missing key field 'id'"),
+        (["inspect", "review", "lang=en"], "missing key field 'book'"),
         (["warm", "stock", "--from", "/dev/null"], "has no L2"),
     ],
 )

@@ -57,10 +57,12 @@ def _add_config(commands: _Commands) -> None:
 def _keyed(
     commands: _Commands, name: str, help_text: str, handler: Handler
 ) -> argparse.ArgumentParser:
-    """A command on one key: ``NAMESPACE field=value ... --config FILE``."""
+    """A command on one key: ``NAMESPACE [field=value ...] --config FILE``. No field is
+    how a template without placeholders (``key = "settings"``) names its one key; a
+    field a template has and the command lacks is ``parse_fields``' error, naming it."""
     sub = commands.add_parser(name, help=help_text)
     sub.add_argument("namespace", metavar="NAMESPACE")
-    sub.add_argument("fields", nargs="+", metavar="field=value")
+    sub.add_argument("fields", nargs="*", metavar="field=value")
     sub.add_argument("--config", required=True, metavar="FILE")
     sub.set_defaults(handler=handler)
     return sub
