@@ -145,7 +145,8 @@ async def _answers(config: Any) -> None:
     """The cache starts, a read loads and fills, a second read hits: nothing hangs.
     Each generated config is a fleet of its own: forget what earlier examples sharing
     its prefix recorded (their hot.replicas), which would rightly refuse this one."""
-    fields = {"id": 1, "lang": "en"}
+    template = config.namespaces["book"].key  # book:{id} or book:{id}:{lang}
+    fields = {"id": 1, "lang": "en"} if "{lang}" in template else {"id": 1}
     admin = redis.Redis.from_url(config.redis.url)
     await admin.delete(replica_record_name(config.redis.prefix))
     await admin.aclose()
