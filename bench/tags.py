@@ -180,8 +180,8 @@ async def _invalidations(env: BenchEnv, section: Section) -> dict[str, Any]:
         "a fresh tag (get_or_load_many in chunks of 1,000; fill median "
         + ", ".join(f"{label}: {median(fill_s[label]) * 1000:.0f} ms" for label, _, _ in CASES)
         + "). Round trips: client sends during the call (the backplane reader's XREAD and "
-        "XINFO, its entry count, excluded); commands: INFO commandstats on a Redis of our own (EVAL counts its "
-        "SMEMBERS and DEL; the backplane reader's XREAD may count too)."
+        "XINFO, its entry count, excluded); commands: INFO commandstats on a Redis of our own (SMEMBERS of "
+        "the loading set, SET, XADD; the backplane reader's XREAD may count too)."
     )
     return {"latency_s": latency, "round_trips": sends_of, "commands": commands, "fill_s": fill_s}
 

@@ -2,9 +2,9 @@
 
 A tagged load registers its lease (with its token) in ``{prefix}layered_cache:loading``
 before it calls the loader: its tags come from the loaded value, so they aren't known
-before. ``invalidate_tag`` takes the whole set and deletes those leases before it writes
-the new token (``_tags`` says why that order): a fill whose load began before the
-invalidation finds its lease gone and writes nothing.
+before. ``invalidate_tag`` reads the set, deletes those leases, then removes exactly
+those members, before it writes the new token (``_tags`` says why that order): a fill
+whose load began before the invalidation finds its lease gone and writes nothing.
 """
 
 from __future__ import annotations
@@ -16,18 +16,27 @@ from typing import Any
 
 from layered_cache._keys import loading_set_name
 from layered_cache._l2 import L2Store, L2Unavailable
-from layered_cache._scripts import TAKE_ALL_SCRIPT
 
 __all__ = ["Loading", "loading_members", "take_loading"]
 
 
 async def take_loading(store: L2Store, prefix: str) -> None:
-    """Revoke the leases of every tagged load registered so far (see the module doc)."""
+    """Revoke the leases of every tagged load registered so far (see the module doc).
+
+    Three steps, and a member leaves the set only once its lease is gone: an attempt
+    that fails after any of them (a reply lost, the DEL refused, a cluster node down)
+    leaves the members for its retry to revoke. Taking them (SMEMBERS and DEL in one
+    script) before the lease DEL let a failed attempt empty the set with the leases
+    still held, and the retry revoked nothing. Not one script for all: in a cluster
+    the leases live in their keys' slots, not the set's. A member registered after the
+    SMEMBERS stays (SREM of the members read, not DEL of the set): its load began after
+    the read, so after the change that caused this invalidation."""
     loading = loading_set_name(prefix)
-    script = store.client.eval(TAKE_ALL_SCRIPT, 1, loading)
-    members = await store.guard(script, loading)
-    if members:
-        await store.delete(list(dict.fromkeys(_lease_of(member) for member in members)))
+    members = list(await store.guard(store.client.smembers(loading), loading))
+    if not members:
+        return
+    await store.delete(list(dict.fromkeys(_lease_of(member) for member in members)))
+    await store.guard(store.client.srem(loading, *members), loading)
 
 
 class Loading:

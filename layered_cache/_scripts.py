@@ -21,7 +21,8 @@
   backplane append - as one step (``_write_commands`` says why one step, and why a
   write of more names is a MULTI/EXEC instead). Redis ran it in ~18 µs
   (``INFO commandstats``, bench VM).
-- ``FETCH`` / ``PEEK`` / ``TAKE_ALL``: tags (``_tags`` says why each is one step).
+- ``FETCH`` / ``PEEK``: tags (``_tags`` says why each is one step). The loading set
+  is taken in no script: ``_loading.take_loading`` says why.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ __all__ = [
     "PEEK_SCRIPT",
     "READ_UNDER_LEASE_SCRIPT",
     "RELEASE_SCRIPT",
-    "TAKE_ALL_SCRIPT",
     "WRITE_ONE_SCRIPT",
     "fill_args",
 ]
@@ -122,14 +122,6 @@ return 1
 
 
 # Tags (``_tags``).
-
-# Take every member of the loading set and delete the set in one atomic step: a lease
-# registered after this ran belongs to a load that began after the new token was set.
-TAKE_ALL_SCRIPT = """
-local members = redis.call('SMEMBERS', KEYS[1])
-redis.call('DEL', KEYS[1])
-return members
-"""
 
 # Fetch a tag's token, creating one if the tag has none, or has a string no writer of
 # ours made (16 lowercase hex digits: ``_tags.new_version``; another client's SET, bytes

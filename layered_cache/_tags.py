@@ -23,11 +23,11 @@ Design (chosen over a set of member keys per tag; docs/tags.md has the measureme
 - **Loads in flight can't land after an invalidation.** A tagged load registers its
   lease (with its token) in ``{prefix}layered_cache:loading`` before it calls the
   loader (its tags come from the loaded value, so they aren't known before).
-  ``invalidate_tag`` takes the whole set and deletes those leases, then writes the new
+  ``invalidate_tag`` revokes the leases of the set (``take_loading``), then writes the new
   token: a fill whose load began before the invalidation either lands before the
   revocation, with the token it fetched before the new one was written (dead once it
   is), or finds its lease gone and writes nothing; a load that registered after the
-  set was taken began after the change that caused the invalidation.
+  set was read began after the change that caused the invalidation.
 - **L1** keeps an index tag -> keys per namespace; an invalidation (local or from the
   backplane) drops those keys, and an L1 fill whose tokens are no longer current is
   refused, so a fill racing the invalidation can't outlive it either.

@@ -1,0 +1,111 @@
+"""A tag invalidation that fails part way: ``invalidate_tag`` raises ``L2Unavailable``,
+the caller retries (the daemon retries a failed batch before it commits), and the
+retry must still do everything the failed attempt left undone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from layered_cache import Config, LayeredCache
+from layered_cache._keys import loading_set_name
+from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache.daemon.deletes import Deleter
+from layered_cache.daemon.stats import DaemonStats
+from tests.helpers import CountingLoader, make_config
+
+NAMESPACES = {"category": {"key": "category:{slug}", "tags": True}}
+
+
+def _page(edition: int) -> dict[str, Any]:
+    return {"slug": "scifi", "books": [42], "edition": edition}
+
+
+def _tags_of(page: Mapping[str, Any]) -> list[str]:
+    return [f"book:{b}" for b in page["books"]]
+
+
+def _fail_once_after_reading_the_loading_set(store: L2Store, prefix: str, how: str) -> None:
+    """The first attempt fails once it has read the loading set: the reply of that read
+    is lost (it ran in Redis), or the DEL of the leases is refused."""
+    loading = loading_set_name(prefix)
+    real_guard, real_delete = store.guard, store.delete
+    failed = False
+
+    async def guard(operation: Any, name: str | None = None, names: Any = ()) -> Any:
+        nonlocal failed
+        result = await real_guard(operation, name, names)
+        if how == "reply_lost" and name == loading and not failed:
+            failed = True
+            raise L2Unavailable("TimeoutError: Timeout reading from socket")
+        return result
+
+    async def delete(names: Sequence[str | bytes]) -> int:
+        nonlocal failed
+        leases = any(str(n).endswith(":lease") for n in names)
+        if how == "lease_delete_failed" and leases and not failed:
+            failed = True
+            raise L2Unavailable("ConnectionError: Connection reset by peer")
+        return await real_delete(names)
+
+    store.guard = guard  # type: ignore[method-assign]
+    store.delete = delete  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("redis", ["node", "cluster"])
+@pytest.mark.parametrize("via", ["cache", "daemon"])
+@pytest.mark.parametrize("how", ["reply_lost", "lease_delete_failed"])
+async def test_a_retried_invalidate_tag_still_revokes_the_loads_its_failed_attempt_took(
+    request: pytest.FixtureRequest, prefix: str, how: str, via: str, redis: str
+) -> None:
+    if redis == "cluster":
+        url, extra = request.getfixturevalue("redis_cluster").url, {"cluster": True}
+    else:
+        url, extra = request.getfixturevalue("redis_url"), {}
+    config = make_config(url, prefix, NAMESPACES, redis=extra)
+    deleter = Deleter(config)
+    try:
+        await _invalidate_twice_while_loading(config, deleter, how, via)
+    finally:
+        await deleter.close()
+
+
+async def _invalidate_twice_while_loading(
+    config: Config, deleter: Deleter, how: str, via: str
+) -> None:
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def old_page() -> dict[str, Any]:
+        started.set()
+        await gate.wait()
+        return _page(1)  # read from the database before the price change
+
+    async with (
+        LayeredCache.from_config(config) as loader_side,
+        LayeredCache.from_config(config) as invalidator,
+        LayeredCache.from_config(config) as reader,
+    ):
+
+        async def invalidate() -> None:  # the app's call, or the daemon's batch
+            if via == "cache":
+                await invalidator.invalidate_tag("book:42")
+            else:
+                await deleter.delete([], DaemonStats(), tags=["book:42"])
+
+        loading = asyncio.ensure_future(
+            loader_side.get_or_load("category", {"slug": "scifi"}, old_page, tags=_tags_of)
+        )
+        await asyncio.wait_for(started.wait(), 5)
+        store = invalidator._rt.store if via == "cache" else deleter._store
+        _fail_once_after_reading_the_loading_set(store, config.redis.prefix, how)
+        with pytest.raises(L2Unavailable):
+            await invalidate()
+        await invalidate()  # the documented retry (the daemon's, before it commits)
+        gate.set()
+        await loading
+        fresh = CountingLoader(_page(2))
+        page = await reader.get_or_load("category", {"slug": "scifi"}, fresh, tags=_tags_of)
+        assert page["edition"] == 2, "a load that began before invalidate_tag landed"
