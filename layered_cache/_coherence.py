@@ -44,9 +44,12 @@ class Coherence:
     async def _delete(self, targets: list[tuple[str, int]]) -> None:
         try:
             await self._rt.invalidator.invalidate(targets)
-            # Again: a fill that read L2 before the delete may have landed.
-            self.forget([key for key, _ in targets])
         finally:
+            # Again: a read that filled L1 from L2 before the DEL landed may have landed
+            # its copy. Also when the DEL or its announcement failed: the DEL may have
+            # landed, and the copy (a read's of this instance, since the first drop)
+            # would outlive it here for its L1 TTL.
+            self.forget([key for key, _ in targets])
             # HTTP caches last, in the background, when the delete is done (or failed:
             # it may have landed). Here, not in our caller: a caller cancelled while the
             # DEL is on its way leaves this running, and a purge sent then let the
@@ -70,8 +73,11 @@ class Coherence:
         try:
             version = await self._rt.versions.invalidate(tag)
             await self._rt.invalidator.announce_tags({tag: version})
-            self._forget_tag(tag)
         finally:
+            # Again, as ``_delete``'s, also when the announcement failed: a read here
+            # between the first drop and the new version's SET filled L1 with an entry
+            # that version kills ("local copies are dropped regardless").
+            self._forget_tag(tag)
             self._rt.purges.submit(tags=[tag])  # when done, as ``_delete``'s
 
     def forget(self, keys: list[str]) -> None:

@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+import redis.exceptions
 
-from layered_cache import Config, LayeredCache
+from layered_cache import Config, LayeredCache, _tags
 from layered_cache._keys import loading_set_name
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache.daemon.deletes import Deleter
@@ -55,13 +56,13 @@ def _fail_once_after_reading_the_loading_set(store: L2Store, prefix: str, how: s
     store.delete = delete  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("redis", ["node", "cluster"])
+@pytest.mark.parametrize("server", ["node", "cluster"])
 @pytest.mark.parametrize("via", ["cache", "daemon"])
 @pytest.mark.parametrize("how", ["reply_lost", "lease_delete_failed"])
 async def test_a_retried_invalidate_tag_still_revokes_the_loads_its_failed_attempt_took(
-    request: pytest.FixtureRequest, prefix: str, how: str, via: str, redis: str
+    request: pytest.FixtureRequest, prefix: str, how: str, via: str, server: str
 ) -> None:
-    if redis == "cluster":
+    if server == "cluster":
         url, extra = request.getfixturevalue("redis_cluster").url, {"cluster": True}
     else:
         url, extra = request.getfixturevalue("redis_url"), {}
@@ -109,3 +110,47 @@ async def _invalidate_twice_while_loading(
         fresh = CountingLoader(_page(2))
         page = await reader.get_or_load("category", {"slug": "scifi"}, fresh, tags=_tags_of)
         assert page["edition"] == 2, "a load that began before invalidate_tag landed"
+
+
+async def test_a_failed_invalidate_tag_still_drops_the_local_copy_read_while_it_ran(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``invalidate_tag`` raises ``L2Unavailable`` "(local copies are dropped
+    regardless)": also a copy a read here put in L1 while the new version was being
+    written, when the announcement then fails."""
+    namespaces = {"category": {"key": "category:{slug}", "tags": True, "l1": {"ttl": "60s"}}}
+    config = make_config(redis_url, prefix, namespaces)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("category", {"slug": "scifi"}, _page(1), tags=["book:42"])
+        l1 = cache.namespace("category").policy.l1
+        assert l1 is not None
+        l1.clear()  # the page in L2 only
+        taking, go_on = asyncio.Event(), asyncio.Event()
+        real_take = _tags.take_loading
+
+        async def paused_take(store: L2Store, prefix_: str) -> None:
+            taking.set()
+            await go_on.wait()
+            await real_take(store, prefix_)
+
+        async def announcement_refused(versions: Mapping[str, str]) -> bool:
+            raise redis.exceptions.ConnectionError("stream and pub/sub both unreachable")
+
+        monkeypatch.setattr(_tags, "take_loading", paused_take)
+        monkeypatch.setattr(cache._rt.invalidator, "announce_tags", announcement_refused)
+        invalidating = asyncio.ensure_future(cache.invalidate_tag("book:42"))
+        await asyncio.wait_for(taking.wait(), 5)
+        # A request reads the page meanwhile: L2 holds it, its version still current.
+        assert (await cache.get("category", {"slug": "scifi"}))["edition"] == 1
+        go_on.set()
+        with pytest.raises(L2Unavailable):
+            await invalidating
+        # The new version is in Redis: another instance loads the page again...
+        async with LayeredCache.from_config(config) as fresh:
+            page = await fresh.get_or_load(
+                "category", {"slug": "scifi"}, CountingLoader(_page(2)), tags=_tags_of
+            )
+            assert page["edition"] == 2
+        # ...and this one does not serve the dead page from its L1.
+        page = await cache.get("category", {"slug": "scifi"})
+        assert page is None or page["edition"] == 2, page

@@ -842,3 +842,38 @@ async def test_a_set_whose_value_is_refused_cancelled_after_its_delete_still_tel
         gate.release()
         assert await a._store.get(a.namespace("book").key({"id": 1})) is None
         assert await eventually(lambda: _l1_value(b, {"id": 1}) is MISSING, timeout=1.5)
+
+
+async def test_a_failed_invalidate_still_drops_the_local_copy_read_while_it_ran(
+    redis_url: str, prefix: str
+) -> None:
+    """``invalidate`` raises ``L2Unavailable`` when its announcement fails after the DEL
+    landed: a read of this instance that filled L1 from L2 before the DEL (after the
+    first drop) must not keep serving the deleted value from L1 for its TTL."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "old")
+        l1 = cache.namespace("book").policy.l1
+        assert l1 is not None
+        l1.clear()  # the value in L2 only
+        store, invalidator = cache._rt.store, cache._rt.invalidator
+        deleting, go_on = asyncio.Event(), asyncio.Event()
+        real_delete = store.delete_in_order
+
+        async def paused_delete(groups: Any) -> int:
+            deleting.set()
+            await go_on.wait()
+            return await real_delete(groups)
+
+        async def announcement_refused(keys: Any) -> bool:
+            raise redis.ConnectionError("stream and pub/sub both unreachable")
+
+        store.delete_in_order = paused_delete  # type: ignore[method-assign]
+        invalidator.announce = announcement_refused  # type: ignore[method-assign]
+        invalidating = asyncio.ensure_future(cache.invalidate("book", {"id": 1}))
+        await asyncio.wait_for(deleting.wait(), 5)
+        assert await cache.get("book", {"id": 1}) == "old"  # read meanwhile, into L1
+        go_on.set()
+        with pytest.raises(L2Unavailable):
+            await invalidating
+        assert await cache.get("book", {"id": 1}) is None  # deleted in L2, dropped here
