@@ -260,15 +260,17 @@ class Namespace:
 
     def _forget_tag(self, tag: str) -> int:
         """Drop from L1 every entry filled with ``tag`` (its version just changed);
-        how many were there. Every load of this namespace in flight is detached too:
-        its tags are known only once it returns, and later callers must not join a load
-        that began before the invalidation."""
-        if not self.policy.tags:
-            return 0
-        template, flight = self.policy.template, self._rt.flight
-        for key in flight.running():
-            if template.parse(key) is not None:
-                flight.forget(key)
+        how many were there. Also without ``tags = true``: such an instance (an old pod
+        of a rolling deploy that turns tags on) indexes the tagged entries it reads, and
+        kept serving them from L1 for their TTL. With it, every load of this namespace
+        in flight is detached too: its tags are known only once it returns, and later
+        callers must not join a load that began before the invalidation (without it,
+        this instance's loads write untagged entries no tag kills)."""
+        if self.policy.tags:
+            template, flight = self.policy.template, self._rt.flight
+            for key in flight.running():
+                if template.parse(key) is not None:
+                    flight.forget(key)
         return self._forget(self._fills.forget_tag(tag))
 
     def _forget(self, keys: list[str]) -> int:

@@ -569,6 +569,31 @@ async def test_tags_on_a_namespace_without_tags_true_are_refused(
             await cache.get_or_load("book", {"id": 1}, CountingLoader(), tags=["book:1"])
 
 
+@pytest.mark.parametrize("invalidator", ["new_pod", "old_pod"])
+async def test_an_instance_without_tags_true_drops_tagged_entries_it_holds_when_their_tag_dies(
+    redis_url: str, prefix: str, invalidator: str
+) -> None:
+    """A rolling deploy turns tags on: the old pods run a config without ``tags = true``
+    and read the tagged entries the new pods write (into L1, indexed under their tags).
+    The tag's invalidation, theirs or another's through the backplane, drops them there
+    too, as a key invalidation would."""
+    category: dict[str, Any] = {"key": "category:{slug}", "l1": {"ttl": "60s"}}
+    new = make_config(redis_url, prefix, {"category": {**category, "tags": True}})
+    old = make_config(redis_url, prefix, {"category": category})
+    page = _page("scifi", [42])
+    async with LayeredCache.from_config(new) as new_pod, LayeredCache.from_config(old) as old_pod:
+        await _connected(new_pod, old_pod)
+        await new_pod.set("category", {"slug": "scifi"}, page, tags=["book:42"])
+        assert await old_pod.get("category", {"slug": "scifi"}) == page  # now in its L1
+        await (new_pod if invalidator == "new_pod" else old_pod).invalidate_tag("book:42")
+
+        async def gone(pod: LayeredCache) -> bool:
+            return await pod.get("category", {"slug": "scifi"}) is None
+
+        assert await eventually(lambda: gone(old_pod), timeout=2.0), "the old pod serves it"
+        assert await eventually(lambda: gone(new_pod), timeout=2.0)
+
+
 @pytest.mark.kafka
 async def test_a_price_change_event_kills_the_category_pages_showing_the_book(
     redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
