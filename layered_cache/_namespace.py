@@ -26,7 +26,7 @@ from layered_cache._policy import Policy
 from layered_cache._refresh import Refresher
 from layered_cache._runtime import Runtime
 from layered_cache._served import Served, served_of
-from layered_cache._tags import tag_names
+from layered_cache._tag_args import refuse_async_tags, tag_names
 from layered_cache._writes import Writes
 
 __all__ = ["Namespace", "check_tags"]
@@ -284,10 +284,11 @@ class Namespace:
 
 
 def check_tags(policy: Policy, tags: object) -> list[str]:
-    """Tags given to a namespace that takes none, or a list no entry may carry (a
-    string, a bad name, too many), are refused before anything runs, whichever layer
-    would answer (the sync API checks before its L1 hit too). Returns the list's tags,
-    each once (none for a function of the value: it is checked once it has one)."""
+    """Tags given to a namespace that takes none, a list no entry may carry (a string,
+    bytes, a bad name, too many) or an async tags function are refused before anything
+    runs, whichever layer would answer (the sync API checks before its L1 hit too).
+    Returns the list's tags, each once (none for a function of the value: what it
+    returns is checked once there is a value, ``tag_names``)."""
     if tags is None:
         return []
     if not policy.tags:
@@ -295,6 +296,7 @@ def check_tags(policy: Policy, tags: object) -> list[str]:
             f"namespace {policy.name!r} takes no tags: declare tags = true in its config"
         )
     if callable(tags):
+        refuse_async_tags(tags)
         return []
     if isinstance(tags, Iterator):
         # Read here, it would be empty where the entry is written: an untagged entry

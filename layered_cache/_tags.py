@@ -59,7 +59,10 @@ from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._loading import take_loading
 from layered_cache._memory_policy import refused_for_memory
 from layered_cache._scripts import FETCH_SCRIPT, PEEK_SCRIPT
+from layered_cache._tag_args import TagsOf, entry_tags, tag_names
 
+# ``TagsOf``, ``tag_names`` and ``entry_tags`` (the ``tags=`` argument) live in
+# ``_tag_args``; importable from here, as before.
 __all__ = [
     "MAX_TAGS",
     "TagVersions",
@@ -69,28 +72,6 @@ __all__ = [
     "tag_names",
     "version_ttl",
 ]
-
-# A value's tags: a list, or a function of the loaded value (``lambda page: [...]``).
-TagsOf = Iterable[str] | Callable[[Any], Iterable[str]]
-
-
-def tag_names(tags_of: TagsOf, value: Any) -> list[str]:
-    """The tags of ``value``: ``tags_of`` itself, or what it returns for the value."""
-    names = tags_of(value) if callable(tags_of) else tags_of
-    if isinstance(names, str):
-        raise TypeError(f"tags must be a list of strings, not the string {names[:80]!r}")
-    return entry_tags(names)
-
-
-def entry_tags(names: Iterable[str]) -> list[str]:
-    """One entry's tags, each once; more than ``MAX_TAGS`` (``_codec``: an envelope with
-    more doesn't decode, it was planted) is a clear error, before anything is written.
-    A list page tags what it shows: tens, not thousands."""
-    unique = list(dict.fromkeys(names))
-    if len(unique) > MAX_TAGS:
-        raise ValueError(f"an entry carries at most {MAX_TAGS:,} tags, got {len(unique):,}")
-    return unique
-
 
 _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're refetched)
 # How long a reader takes a tag it found without a version key for dead without asking

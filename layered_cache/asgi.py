@@ -29,6 +29,7 @@ from starlette.responses import Response
 from layered_cache._cache import LayeredCache
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import check_tags
+from layered_cache._tag_args import tag_names
 from layered_cache.http import ETags, body_etag, cache_control, matches
 
 __all__ = ["KEY_HEADER", "TAGS_HEADER", "CachedResponses"]
@@ -82,7 +83,7 @@ class CachedResponses:
         """200 with the value (from L1, L2 or ``loader``), or 304 if the client's
         ``If-None-Match`` names the current version. Loader errors propagate."""
         if tags is not None and not callable(tags):
-            tags = list(tags)  # read twice: by the cache and for the header
+            tags = tag_names(tags, None)  # read twice: by the cache and for the header
         ns = self._cache.namespace(namespace)
         key = ns.key(fields)
         served = await ns._serve(key, loader, tags)
@@ -106,7 +107,7 @@ class CachedResponses:
         headers = {"Cache-Control": control, "ETag": etag, KEY_HEADER: key}
         # Checked as a miss checks them: a hit never called the tags function, and a
         # tag only the header would see (``"a,b"``, two to a ban regex) is refused.
-        if tag_list := check_tags(ns.policy, tags(value) if callable(tags) else tags):
+        if tag_list := check_tags(ns.policy, tag_names(tags, value) if callable(tags) else tags):
             headers[TAGS_HEADER] = "," + ",".join(tag_list) + ","
         if matches(if_none_match, etag):
             return _not_modified(request, headers)

@@ -504,6 +504,54 @@ async def test_a_string_given_as_tags_is_refused_by_set_as_by_the_reads(
         assert await cache.get("category", {"slug": "a"}) is None
 
 
+async def _tags_looked_up(page: Any) -> list[str]:
+    return ["book:42"]
+
+
+# tags= of a wrong kind -> (what the error says, whether it is refused before the load).
+_WRONG_TAGS: dict[str, tuple[Any, str, bool]] = {
+    # bytes from a header or a Redis reply: was a tag per byte ("not int: 98")
+    "bytes": (b"book:42", "tags must be a list of strings, not bytes b'book:42'", True),
+    "bytearray": (bytearray(b"book:42"), "not bytearray", True),
+    "not_iterable": (42, "tags must be a list of strings or a function of the value, got int", True),
+    # a forgotten return: was "'NoneType' object is not iterable"
+    "function_returning_none": (
+        lambda page: None, "the tags function must return a list of strings, got None", False
+    ),
+    # was "'coroutine' object is not iterable", and a coroutine never awaited
+    "async_function": (_tags_looked_up, "tags must be a plain function of the value, not the async", True),
+    "function_returning_a_coroutine": (
+        lambda page: _tags_looked_up(page), "the tags function must return a list of strings, got coroutine", False
+    ),
+}
+
+
+@pytest.mark.parametrize("call", ["get_or_load", "get_or_load_many", "set"])
+@pytest.mark.parametrize("case", list(_WRONG_TAGS))
+async def test_a_tags_argument_of_the_wrong_kind_is_a_clear_error(
+    redis_url: str, prefix: str, case: str, call: str
+) -> None:
+    tags, message, up_front = _WRONG_TAGS[case]
+    if call == "set" and callable(tags):
+        pytest.skip("set() takes a list")
+    loader = CountingLoader(_page("a", [42]))
+
+    async def load_many(fields_list: list[Mapping[str, object]]) -> list[Any]:
+        return [await loader() for _ in fields_list]
+
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES)) as cache:
+        with pytest.raises(TypeError) as caught:
+            if call == "set":
+                await cache.set("category", {"slug": "a"}, _page("a", [42]), tags=tags)
+            elif call == "get_or_load":
+                await cache.get_or_load("category", {"slug": "a"}, loader, tags=tags)
+            else:
+                await cache.get_or_load_many("category", [{"slug": "a"}], load_many, tags=tags)
+        assert message in str(caught.value)
+        assert loader.calls == (0 if up_front else 1)
+        assert await cache.get("category", {"slug": "a"}) is None  # nothing written
+
+
 async def test_a_generator_given_as_tags_is_refused_not_read_once_and_lost(
     redis_url: str, prefix: str
 ) -> None:
