@@ -30,7 +30,7 @@ from layered_cache._backplane import Announcement, BackplanePublisher
 from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._config import Config
 from layered_cache._fallback import FallbackChannel, fallback_channel
-from layered_cache._keys import replica_record_name
+from layered_cache._keys import parse_template, replica_record_name
 from layered_cache._l2 import L2Store
 from layered_cache._policy import Policy, compile_policy
 from layered_cache._replicas import delete_name_phases
@@ -48,16 +48,20 @@ class ReplicaCountMismatch(ValueError):
     """This process's ``hot.replicas`` differs from the count its fleet recorded."""
 
 
-# A record field naming a key template rather than a namespace.
+# Record fields naming a key template, or its shape, rather than a namespace.
 _TEMPLATE_FIELD = "template:"
+_SHAPE_FIELD = "shape:"
 
 
 def replica_counts(config: Config) -> dict[str, int]:
     """Record field -> hot.replicas (0 without a hot section) of every namespace with L2,
-    under its key template (``template:book:{id}``) and under its name. The template is
-    what names the keys and their replicas: a namespace renamed in a rolling deploy
-    keeps it, and stays checked against the instances still running the old name. The
-    name is what versions before templates recorded."""
+    under its key template's shape (``shape:book:{}``), its template
+    (``template:book:{id}``) and its name. The shape, the template with its placeholder
+    names erased, is what names the keys and their replicas: a namespace renamed in a
+    rolling deploy, placeholders included (``book:{book_id}``), keeps it, and stays
+    checked against the instances still running the old names. The template and the
+    name are what earlier versions recorded: still written, so that a process of such a
+    version starting beside this one is checked against it too."""
     prefix = config.redis.prefix
     return recorded_counts(compile_policy(n, ns, prefix) for n, ns in config.namespaces.items())
 
@@ -67,12 +71,23 @@ def recorded_counts(policies: Iterable[Policy]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for policy in policies:
         if policy.l2:
+            counts[_SHAPE_FIELD + _shape(policy.name, policy.template.template)] = policy.replicas
             counts[_TEMPLATE_FIELD + policy.template.template] = policy.replicas
             counts[policy.name] = policy.replicas
     return counts
 
 
+def _shape(namespace: str, template: str) -> str:
+    """``book:{id}`` -> ``book:{}``: the names a template builds depend on its literal
+    text and where its placeholders are, not on what the placeholders are called."""
+    literals, _ = parse_template(namespace, template)
+    return "{}".join(literals)
+
+
 def _what(field: str) -> str:
+    if field.startswith(_SHAPE_FIELD):
+        shape = field.removeprefix(_SHAPE_FIELD)
+        return f"key template shape {shape!r} (any placeholder names)"
     if field.startswith(_TEMPLATE_FIELD):
         return f"key template {field.removeprefix(_TEMPLATE_FIELD)!r}"
     return f"namespace {field!r}"
@@ -80,9 +95,9 @@ def _what(field: str) -> str:
 
 async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping[str, int]) -> None:
     """Record ``counts`` (``replica_counts``: hot.replicas, 0 without hot keys, by key
-    template and by namespace) where none is recorded yet, then compare: raises
-    ``ReplicaCountMismatch`` naming every template and namespace whose recorded count
-    differs. Raises Redis errors (the caller decides)."""
+    template shape, key template and namespace) where none is recorded yet, then
+    compare: raises ``ReplicaCountMismatch`` naming every shape, template and namespace
+    whose recorded count differs. Raises Redis errors (the caller decides)."""
     if not counts:
         return
     name = replica_record_name(prefix)

@@ -559,7 +559,7 @@ async def test_instance_with_another_replica_count_refuses_to_start(
             assert await same.get("book", {"id": 1}) == "v"
     admin = redis.Redis.from_url(redis_url)
     recorded = await admin.hgetall(replica_record_name(prefix))
-    assert recorded == {b"book": b"4", b"template:book:{id}": b"4"}
+    assert recorded == {b"book": b"4", b"template:book:{id}": b"4", b"shape:book:{}": b"4"}
     await admin.aclose()
 
 
@@ -605,6 +605,30 @@ async def test_a_namespace_renamed_with_another_replica_count_refuses_to_start(
         ):
             async with LayeredCache.from_config(renamed):
                 pass
+
+
+async def test_a_namespace_and_placeholder_renamed_with_another_replica_count_refuses_to_start(
+    redis_url: str, prefix: str
+) -> None:
+    """``book``/``book:{id}`` renamed ``books``/``book:{book_id}`` builds the same names
+    (``book:42``), but the record was keyed by namespace and raw template text, both
+    new: the renamed process started unchecked, and its invalidations left the replicas
+    the old instances kept serving (found by a review, 2026-12-05)."""
+    hot = {"replicas": 4, "keys": ["book:1"]}
+    fleet_config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False, "hot": hot}})
+    renamed = {"key": "book:{book_id}", "l1": False}
+    async with LayeredCache.from_config(fleet_config) as fleet:
+        await fleet.set("book", {"id": 1}, "old")  # base + 4 replicas
+        with pytest.raises(
+            ReplicaCountMismatch, match=r"shape 'book:\{\}' .*hot.replicas = 0 here, 4"
+        ):
+            async with LayeredCache.from_config(make_config(redis_url, prefix, {"books": renamed})):
+                pass
+        # Renamed again, keeping the fleet's count: starts, and deletes every replica.
+        same = {"titles": {"key": "book:{isbn}", "l1": False, "hot": {"replicas": 4}}}
+        async with LayeredCache.from_config(make_config(redis_url, prefix, same)) as titles:
+            await titles.invalidate("titles", {"isbn": 1})
+        assert {await fleet.get("book", {"id": 1}) for _ in range(40)} == {None}
 
 
 async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
