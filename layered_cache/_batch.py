@@ -68,7 +68,7 @@ class BatchPath:
             self._rt.check_open()
             read_seq = policy.l1.begin_read() if policy.l1 is not None else None
             try:
-                envelopes = await self._reader.read_many(missing)
+                envelopes = await self._reader.read_many(missing, fresh_bases=True)
             except L2Unavailable:
                 envelopes = {}
             if len(envelopes) < len(missing):  # Redis, or a cluster master, failed

@@ -41,10 +41,14 @@ class BatchReader:
                 missing.append(key)
         return found, missing
 
-    async def read_many(self, keys: list[str]) -> dict[str, Envelope[Any] | None]:
+    async def read_many(
+        self, keys: list[str], *, fresh_bases: bool = False
+    ) -> dict[str, Envelope[Any] | None]:
         """One MGET of ``keys`` (a replica's name for a hot key), decoded. A key whose
         master failed (a cluster: ``L2Batch``) is left out, neither a hit nor a miss;
-        ``L2Unavailable`` if none could be read."""
+        ``L2Unavailable`` if none could be read. ``fresh_bases`` (``get_many``, which
+        takes no lease): a hot key whose replica was there but gave no fresh value is
+        read from its base key too (``_fresh_bases``)."""
         policy, store = self._policy, self._rt.store
         names = list(keys)
         hot: dict[str, int] = {}
@@ -54,10 +58,40 @@ class BatchReader:
                     index, names[position] = store.placement.pick(key, policy.replicas)
                     hot[key] = index
         data = _answered(keys, await self._batch.get_many(names))
+        from_replicas = [key for key in hot if data.get(key) is not None]
         if hot:
             await self._replica_misses(hot, data)
         decoded = {key: self._fills.decode(key, value) for key, value in data.items()}
-        return await self._alive(decoded)
+        alive = await self._alive(decoded)
+        if fresh_bases and from_replicas:
+            await self._fresh_bases(from_replicas, alive)
+        return alive
+
+    async def _fresh_bases(
+        self, from_replicas: list[str], envelopes: dict[str, Envelope[Any] | None]
+    ) -> None:
+        """Hot keys whose replica was there but unusable (soft-expired after an instance
+        where the key is not hot refilled only the base, undecodable, a dead tag) while
+        the base key may be fresh: one more MGET of their base keys; a fresh one is
+        served and copied to the replicas, as a single ``get()`` does
+        (``Refresher.fresh_base``). ``get_or_load_many`` finds it under the lease."""
+        now = self._rt.clock()
+        unusable = [
+            key for key in from_replicas
+            if (envelope := envelopes[key]) is None or now >= envelope.soft_expiry
+        ]
+        if not unusable:
+            return
+        try:
+            base = _answered(unusable, await self._batch.get_many(unusable))
+        except L2Unavailable:
+            return  # the replicas' answers stand
+        decoded = await self._alive({k: self._fills.decode(k, v) for k, v in base.items()})
+        now = self._rt.clock()
+        for key, envelope in decoded.items():
+            if envelope is not None and now < envelope.soft_expiry:
+                envelopes[key] = envelope
+                self._refresher.copy_to_replicas(key)
 
     async def _alive(
         self, decoded: dict[str, Envelope[Any] | None]

@@ -173,7 +173,9 @@ class Namespace:
             policy.stats.redis_error += 1
             return None
         if envelope is None or self._rt.clock() >= envelope.soft_expiry:
-            return None
+            envelope = await self._refresher.fresh_base(key)  # hot: the base may be fresh
+            if envelope is None:
+                return None
         policy.stats.l2_hit += 1
         self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read_seq, envelope.tags)
         return envelope.value

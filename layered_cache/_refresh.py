@@ -2,7 +2,9 @@
 value to its replicas. Both run under the key's lease, so the fleet does each at most
 once per key at a time; the in-process sets below only spare the lease round trip when
 this process already has one running. They are separate sets: a refresh and a copy are
-unrelated jobs (the lease serialises them anyway).
+unrelated jobs (the lease serialises them anyway). Also here: the read of the base key
+that a hot ``get()`` falls back to when the replica gave no fresh value, since it is
+what starts such a copy.
 """
 
 from __future__ import annotations
@@ -94,6 +96,32 @@ class Refresher:
         fill, a set()) has another ``written_at``; a key that is gone is refreshed."""
         current = self._fills.recheck(await self._rt.store.get(key))
         return current is not None and current.written_at != seen.written_at
+
+    async def fresh_base(self, key: str) -> Envelope[Any] | None:
+        """``get()`` of a hot key whose replica gave no fresh value: the base key's value
+        if it is fresh (and alive), with the copy to the replicas started; else None.
+
+        A replica can be there but unusable while the base is fresh: soft-expired after
+        an instance where the key is not hot refilled only the base, or undecodable.
+        ``get_or_load`` finds the base under the lease (``MissPath._filled_meanwhile``),
+        which copies it too; ``get()`` takes no lease, so it reads the base here. A key
+        not hot here was read from its base already: nothing to do. (A replica that was
+        missing was read from the base as well: one more GET, only when the base holds
+        no fresh value either.)"""
+        if not self._fills.is_hot(key):
+            return None
+        policy = self._policy
+        try:
+            envelope = self._fills.decode(key, await self._rt.store.get(key))
+        except L2Unavailable:
+            policy.stats.redis_error += 1
+            return None
+        if envelope is None or self._rt.clock() >= envelope.soft_expiry:
+            return None
+        if envelope.tags is not None and not await self._fills.versions.valid(envelope.tags):
+            return None
+        self.copy_to_replicas(key)
+        return envelope
 
     def copy_to_replicas(self, key: str) -> None:
         """Start copying the base value of a key found hot with empty replicas."""

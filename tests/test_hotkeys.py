@@ -224,6 +224,56 @@ async def test_replicas_left_behind_by_a_cold_instances_refill_are_copied_again(
         assert a.stats()["book"]["lease_wait_filled"] == before
 
 
+async def _read_once(cache: LayeredCache, how: str) -> Any:
+    if how == "get":
+        return await cache.get("book", {"id": 1})
+    return (await cache.get_many("book", [{"id": 1}]))[0]
+
+
+@pytest.mark.parametrize("how", ["get", "get_many"])
+async def test_get_of_a_hot_key_whose_replicas_went_stale_serves_the_fresh_base(
+    redis_url: str, prefix: str, how: str
+) -> None:
+    """As above, but read with get()/get_many(), which take no lease: they found each
+    replica stale and returned None, although B's refill made the base key fresh; and
+    nothing copied it (found by a review, 2026-12-05)."""
+    book = {"l2": {"ttl": "300ms", "jitter": 0}, "stale": {"max_age": "60s"}}
+    hot_ns, cold_ns = hot_namespace(keys=["book:1"]), hot_namespace(threshold="1000/s")
+    hot_ns["book"].update(book)
+    cold_ns["book"].update(book)
+    quiet = {"backplane": {"enabled": False}}
+    hot = make_config(redis_url, prefix, hot_ns, **quiet)
+    cold = make_config(redis_url, prefix, cold_ns, **quiet)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(hot) as a, LayeredCache.from_config(cold) as b:
+        assert await a.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        await asyncio.sleep(0.4)  # soft-expired everywhere, within the stale window
+        assert await b.get_or_load("book", {"id": 1}, CountingLoader("v2")) == "v2"
+        assert [await _read_once(a, how) for _ in range(20)] == ["v2"] * 20
+        base = await admin.get(f"{prefix}book:1")
+
+        async def copied() -> bool:
+            return bool(await admin.mget(replica_names(f"{prefix}book:1", 8)) == [base] * 8)
+
+        assert await eventually(copied, timeout=2)  # the replicas serve again
+    await admin.aclose()
+
+
+@pytest.mark.parametrize("how", ["get", "get_many"])
+async def test_get_of_a_hot_key_whose_replica_is_undecodable_serves_the_base(
+    redis_url: str, prefix: str, how: str
+) -> None:
+    config = make_config(
+        redis_url, prefix, hot_namespace(keys=["book:1"]), backplane={"enabled": False}
+    )
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v1")  # base + 8 replicas
+        await admin.set(f"{prefix}book:1#3", b"\xc1not msgpack", px=60_000)
+        assert [await _read_once(cache, how) for _ in range(80)] == ["v1"] * 80
+    await admin.aclose()
+
+
 async def test_invalidation_during_hot_fill_leaves_no_stale_replica(
     redis_url: str, prefix: str
 ) -> None:
