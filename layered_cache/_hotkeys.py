@@ -17,7 +17,8 @@ Promotion happens on the read that makes the estimate cross the threshold: with 
 window of at most 1 s a key read at or above the threshold is hot within 1 s. A key
 stays hot while its rate stays above the threshold and ``cooldown`` seconds after its
 last read above it (hysteresis: a key hovering around the threshold does not flap
-between replicas and the base key). Static keys from config are always hot.
+between replicas and the base key). Static keys from config are always hot, and
+counted like the others so that their rate is reported.
 
 Single-threaded by design (one asyncio loop per cache instance): no locks.
 """
@@ -89,13 +90,15 @@ class HotKeyDetector:
         """Count one L2 read of ``key``; returns whether the key is hot now.
 
         On the read path of every L2 read, so the four row updates are unrolled (about
-        a microsecond; see docs/hotkeys.md for the measured cost).
+        a microsecond; see docs/hotkeys.md for the measured cost). A static key is
+        counted too: hot whatever its rate, but ``hot_keys()`` reports its rate like
+        any key's (returned before its count, it showed 0 reads/s however hard it was
+        read). The static set is still looked up once per read, after the count.
+        Without detection nothing is counted: that lookup is the whole cost.
         """
-        if key in self.static:
-            return True
         threshold = self.threshold
         if threshold is None:
-            return False
+            return key in self.static
         now = self._clock()
         window = self.window
         if now - self._window_start >= window:
@@ -126,7 +129,7 @@ class HotKeyDetector:
         if rate >= threshold:
             self._remember(key, now, rate)
             return True
-        return self.is_hot(key, now) if self._hot else False
+        return self.is_hot(key, now) if self._hot else key in self.static
 
     def _blend(self, current: int, previous: int, now: float) -> float:
         """Sliding window: all of this window plus the part of the previous one that
@@ -135,6 +138,8 @@ class HotKeyDetector:
         return (current + previous * max(0.0, overlap)) / self.window
 
     def _remember(self, key: str, now: float, rate: float) -> None:
+        if key in self.static:
+            return  # hot anyway: it takes no slot of the hot set
         hot = self._hot
         if key not in hot and len(hot) >= _MAX_HOT:
             self._expire(now)
@@ -176,9 +181,9 @@ class HotKeyDetector:
     def hot_keys(self) -> dict[str, float]:
         """Current hot keys with their current estimated rate in reads/s.
 
-        Static keys are included at 0.0 (``record`` never counts them: they are hot
-        whatever their rate); the ``layered-cache hotkeys`` CLI lists them once, as
-        static, not again as detected.
+        Static keys are included, with their rate counted as any key's (0.0 without
+        detection: then nothing is counted); the ``layered-cache hotkeys`` CLI lists
+        them once, as static, not again as detected.
         """
         self._expire(self._clock())
         measure = self.threshold is not None

@@ -96,6 +96,40 @@ def test_static_keys_are_always_hot_even_without_detection() -> None:
     assert detector.hot_keys() == {"author:1": 0.0}
 
 
+def test_a_static_key_is_listed_with_its_read_rate() -> None:
+    """docs/hotkeys.md "Visibility": every hot key, static ones included, with its current
+    rate. A static key was returned before it was counted: listed at 0 reads/s, below
+    any detected key, however hard it was read (found by a review, 2026-12-05)."""
+    clock = FakeClock()
+    detector = HotKeyDetector(threshold=200, window=1.0, static=["book:1"], clock=clock)
+    for _ in range(1000):  # 500 reads/s each for 2 s
+        clock.now += 0.002
+        assert detector.record("book:1")
+        detector.record("book:2")
+    rates = detector.hot_keys()
+    assert 450 <= rates["book:2"] <= 550  # detected
+    assert 450 <= rates["book:1"] <= 550  # static: measured alike
+    clock.now += 2.5  # reads stopped: the rate falls, the static key stays hot
+    assert detector.hot_keys()["book:1"] == 0.0
+    assert detector.record("book:1")
+
+
+async def test_a_static_hot_key_is_listed_with_its_read_rate_by_the_cache(
+    redis_url: str, prefix: str
+) -> None:
+    namespaces = hot_namespace(keys=["book:1"], threshold="10/s")
+    config = make_config(redis_url, prefix, namespaces, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v")
+        await cache.set("book", {"id": 2}, "v")
+        for _ in range(300):  # well over 10 reads/s each, all from L2
+            await cache.get("book", {"id": 1})
+            await cache.get("book", {"id": 2})
+        rates = cache.hot_keys()["book"]
+        assert rates[f"{prefix}book:2"] > 10  # detected
+        assert rates[f"{prefix}book:1"] > 10  # static, read as often
+
+
 def test_hot_keys_reports_current_rate() -> None:
     clock = FakeClock()
     detector = HotKeyDetector(threshold=100, window=1.0, cooldown=10.0, clock=clock)

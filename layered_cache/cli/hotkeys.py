@@ -91,8 +91,8 @@ async def _hotkeys(config: Config) -> HotKeysReport:
         for name, detected in (await _detected(session, config)).items():
             if name in report:
                 static_keys = {entry.key for entry in report[name].static}
-                # Instances report their static keys with the detected ones (at rate 0:
-                # detection never counts a static key); list those once, as static.
+                # Instances report their static keys with the detected ones; list
+                # those once, as static.
                 detected = [hot for hot in detected if hot.key not in static_keys]
                 report[name] = msgspec.structs.replace(report[name], detected=detected)
         return report
