@@ -92,7 +92,7 @@ async def test_a_close_that_overtakes_start_leaves_no_background_task_running(
     ``start()`` resumes; ``start()`` then starts the listener, the fallback subscriber,
     the hot-key reporter and the clock's task on the closed cache (``_cache.py``
     ``_start_steps`` never looks at ``_closed``), reconnecting, never stopped."""
-    namespaces = {"book": {"key": "book:{id}", "hot": {"keys": ["book:1"], "threshold": "1/s"}}}
+    namespaces = {"book": {"key": "book:{id}", "hot": {"keys": ["book:1"], "threshold": "2/s"}}}
     config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
     before = asyncio.all_tasks()
     cache = LayeredCache.from_config(config)

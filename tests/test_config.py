@@ -295,6 +295,37 @@ def test_what_the_runtime_would_refuse_is_refused_at_load_with_file_and_path(
     assert re.search(expected if ".*" in expected else re.escape(expected), message), message
 
 
+@pytest.mark.parametrize(
+    ("hot", "expected"),
+    [
+        ('threshold = "100/h"', "100/h is at most one read per hot.window (1s)"),
+        ('threshold = "30/m"', "30/m is at most one read per hot.window (1s)"),
+        ('threshold = "1/s"', "1/s is at most one read per hot.window (1s)"),
+        ('threshold = "4/s", window = "250ms"', "4/s is at most one read per hot.window (0.25s)"),
+    ],
+)
+def test_a_hot_threshold_of_one_read_per_window_or_less_is_refused_at_load(
+    tmp_path: Path, hot: str, expected: str
+) -> None:
+    """One read measures 1/window reads/s: a threshold at or below that ("100/h" with the
+    default 1 s window, a plausible "read a hundred times an hour") made every key hot on
+    its first L2 read, copied to all its replicas (found by a review, 2026-12-05)."""
+    path = write(tmp_path, BOOK + f"hot = {{ replicas = 8, {hot} }}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+    message = str(error.value)
+    assert f"{path}: namespaces.book.hot.threshold: {expected}" in message, message
+    window = 0.25 if "250ms" in hot else 1.0
+    assert f"set it above {1 / window:g}/s (one read per window)" in message
+
+
+@pytest.mark.parametrize(
+    "hot", ['threshold = "2/s"', 'threshold = "100/h", window = "40s"', 'keys = ["book:1"]']
+)
+def test_a_hot_threshold_above_one_read_per_window_loads(tmp_path: Path, hot: str) -> None:
+    load_config(write(tmp_path, BOOK + f"hot = {{ {hot} }}\n"), env={})
+
+
 def test_an_environment_duration_may_be_a_bare_number_as_in_the_file(tmp_path: Path) -> None:
     """A variable is always a string: "0.5" was refused where the file takes 0.5."""
     env = {"LAYERED_CACHE_REDIS_TIMEOUT": "0.5", "LAYERED_CACHE_LOG_FORMAT": "JSON"}

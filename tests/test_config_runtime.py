@@ -62,7 +62,8 @@ _EDGES: dict[tuple[str, ...], list[Any]] = {
         {"window": "0s"},
         {"replicas": 65},
         {"replicas": 1, "keys": ["book:1"]},
-        {"cooldown": "0s", "threshold": "1/s"},
+        {"cooldown": "0s", "threshold": "2/s"},
+        {"threshold": "100/h"},
     ],
     ("namespaces", "book", "stale"): [{"max_age": 1e300}, {"max_age": "1h"}, {"max_age": -1}],
     ("namespaces", "book", "stampede"): [

@@ -248,7 +248,7 @@ async def test_a_close_cut_short_by_its_callers_deadline_still_stops_the_listene
     in a lifespan, a supervisor's grace period) cancels close() inside that wait, and
     the listener, the subscriber and the reporter run on (the listener XREADing, the
     reporter writing its report every second) with their connections open."""
-    namespaces = {"book": {"key": "book:{id}", "hot": {"keys": ["book:1"], "threshold": "1/s"}}}
+    namespaces = {"book": {"key": "book:{id}", "hot": {"keys": ["book:1"], "threshold": "2/s"}}}
     config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
     before = asyncio.all_tasks()
     a = LayeredCache.from_config(config)

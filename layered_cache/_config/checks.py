@@ -26,6 +26,7 @@ __all__ = [
     "Port",
     "bad",
     "check_jitter",
+    "check_threshold",
     "cluster_url_problem",
     "credentials_clash",
     "host_and_port",
@@ -66,6 +67,31 @@ def positive(section: msgspec.Struct, *fields: str) -> None:
             raise bad(field, f"must be > 0, got {value:g}")
         if isinstance(value, Duration) and value < MIN_DURATION:
             raise bad(field, f"must be at least 1ms, got {value:g}s")
+
+
+def check_threshold(threshold: float | None, window: float) -> None:
+    """``hot.threshold`` against ``hot.window``: rates are counted in windows, so one
+    read already measures ``1 / window`` reads/s. A threshold at or below that ("100/h",
+    "30/m" with the default 1 s window) made every key hot on its first L2 read: 9
+    copies in Redis of every key read, and the hot set full of cold keys."""
+    if threshold is None or threshold * window > 1.0:
+        return
+    raise bad(
+        "threshold",
+        f"{_per(threshold)} is at most one read per hot.window ({window:g}s), so every key "
+        f"read once would be hot: set it above {_per(1.0 / window)} (one read per window), "
+        f"or hot.window above {1.0 / threshold:g}s",
+    )
+
+
+def _per(rate: float) -> str:
+    """A rate as the file would likely write it: "2/s", "30/m", "100/h"."""
+    if rate >= 1.0:
+        return f"{rate:g}/s"
+    per_minute = rate * 60.0
+    if abs(per_minute - round(per_minute)) < 1e-9:
+        return f"{per_minute:g}/m"
+    return f"{rate * 3600.0:g}/h"
 
 
 def check_jitter(jitter: float) -> None:

@@ -19,6 +19,7 @@ from layered_cache._config.checks import (
     Port,
     bad,
     check_jitter,
+    check_threshold,
     cluster_url_problem,
     credentials_clash,
     host_and_port,
@@ -286,6 +287,7 @@ class HotConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         # A zero threshold makes every key hot; a zero window divides by zero.
         positive(self, "threshold", "window")
+        check_threshold(self.threshold, self.window)  # so does one read per window
 
 
 class StampedeConfig(_Section, frozen=True):

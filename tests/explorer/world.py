@@ -51,7 +51,9 @@ BREAKER_RESET = 0.02
 # name -> namespace settings of `book` (key template fixed: book:{id})
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
-    "hot": {"hot": {"replicas": 4, "threshold": "1/s", "window": "1s", "cooldown": "30s"}},
+    # "2/s": a key is hot from its second read in a window (one read is 1/s: a threshold at
+    # or below it is refused at load).
+    "hot": {"hot": {"replicas": 4, "threshold": "2/s", "window": "1s", "cooldown": "30s"}},
     "stale": {
         "l1": {"ttl": "8ms"},  # L1 never outlives the soft expiry anyway; this says so
         "l2": {"ttl": "8ms", "jitter": 0.0},
