@@ -5,7 +5,8 @@ lease, then each replica lease (``_replicas.set_plan``), in the same pipeline as
 SETs. Then the keys are announced on the backplane, so other instances drop their L1
 copies, and only then does this instance's L1 take the new value. ``set_many`` is the
 same for many keys: one round trip (one atomic step on a single node:
-``_write_commands``), one backplane append.
+``_write_commands``), one backplane append. The L2 write runs to completion even if
+its caller is cancelled (``Writes._write``), as an invalidation does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache import _replicas as replicas
+from layered_cache._backplane import Announcement
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable, Write
@@ -26,6 +28,26 @@ from layered_cache._runtime import Runtime
 from layered_cache._tags import entry_tags
 
 __all__ = ["Writes"]
+
+
+class _Write:
+    """One ``set()``'s L2 write, as its caller and the task writing it both see it: the
+    caller may be cancelled while the write runs on (``Writes._write``)."""
+
+    __slots__ = ("announcement", "appended", "done", "keys", "left")
+
+    def __init__(self, keys: list[str], announcement: Announcement | None) -> None:
+        self.keys = keys
+        self.announcement = announcement  # rides in the write's atomic step (one node)
+        self.appended: bool | None = None  # whether the stream took it (None: no reply)
+        self.done = False  # the write's task finished (landed or failed)
+        self.left = False  # its caller was cancelled: whoever is last finishes the set()
+
+    def unannounced(self) -> bool:
+        """Whether the keys still need announcing: no announcement rode in the write (a
+        cluster, no backplane), or the stream refused it. On a single node the atomic
+        step appends it with the SETs, or runs not at all."""
+        return self.announcement is None or self.appended is False
 
 
 class Writes:
@@ -130,12 +152,19 @@ class Writes:
         Returns False when a Redis full under noeviction refused the values: then the
         keys are dropped everywhere instead."""
         announcement = self._rt.invalidator.announcement_with_writes(keys)
+        write = _Write(keys, announcement)
         try:
-            appended = await replicas.write_many(self._rt.store, writes, announcement)
+            # To completion, as invalidate(): in a cluster the write is two round trips
+            # (the base keys, then the replicas: ``replicas.write_many``), and a caller
+            # cancelled between them left every replica older than the base for the
+            # whole L2 TTL. Once the first may have reached Redis, the rest must follow.
+            appended = await self._rt.tasks.to_completion(self._written(writes, write))
         except asyncio.CancelledError:
-            # On a single node the write appends the announcement with the SETs, or
-            # runs not at all; elsewhere the announcement is a round trip of its own.
-            self._abandoned(keys, announce=announcement is None)
+            write.left = True
+            if write.done:  # it finished before the cancel reached us: ours to do
+                self._abandoned(keys, announce=write.unannounced())
+            else:  # it ends on its own (``_written``); our L1 is dropped now already
+                self._forget(keys)
             raise
         except L2Unavailable as exc:
             if not refused_for_memory(exc):
@@ -151,6 +180,22 @@ class Writes:
             await self._announce_or_abandon(keys)
         return True
 
+    async def _written(self, writes: list[Write], write: _Write) -> bool:
+        """``replicas.write_many``; if our caller was cancelled meanwhile, then what it
+        would have done after it, here, once the write is done: announce the keys (the
+        others drop L1 only now, so they can't refill it from a replica the write had
+        not reached yet) and drop our L1 again (a read here may have filled it from such
+        a replica; our listener skips our own announcement)."""
+        try:
+            write.appended = await replicas.write_many(self._rt.store, writes, write.announcement)
+            return write.appended
+        finally:
+            write.done = True
+            if write.left:
+                self._forget(write.keys)
+                if write.unannounced():
+                    await self._announce_quietly(write.keys)
+
     async def _announce_or_abandon(self, keys: list[str]) -> None:
         """``_announce``; our caller cancelled meanwhile, it goes on in the background."""
         try:
@@ -160,7 +205,8 @@ class Writes:
             raise
 
     def _abandoned(self, keys: list[str], *, announce: bool) -> None:
-        """Our caller was cancelled while the write was in flight: it may have landed.
+        """Our caller was cancelled once the write was done (or while its announcement
+        was in flight): the write landed, or may have.
         Our L1 is left empty and the keys tombstoned (a load that read the replaced
         value must not fill it: ``_settle`` won't run); with ``announce``, the
         announcement is sent in the background: other instances must not keep the

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from layered_cache import LayeredCache, _tags
+from layered_cache import LayeredCache, _replicas, _tags
 from layered_cache import _direct as direct
 from tests.helpers import CountingLoader, eventually, make_config
 
@@ -172,6 +172,47 @@ async def test_a_cluster_set_whose_caller_timed_out_after_its_write_still_reache
         a.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
         assert await a.get("book", {"id": 1}) == "new"  # what L2 holds
         assert await eventually(lambda: _is(b, "new"), timeout=1.5), (
+            f"L2 holds 'new', b serves {await b.get('book', {'id': 1})!r}"
+        )
+
+
+async def test_a_cluster_set_of_a_hot_key_cancelled_between_its_phases_leaves_no_old_replica(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster set() of a hot key is two round trips (``_replicas.write_many``): the
+    base keys, then the replica leases and replicas. Cancelled between them, the base
+    held the new value and every replica the old one for the whole L2 TTL: hot readers
+    served the old value, cold ones the new (found by a review, 2026-12-05)."""
+    hot = {"replicas": 8, "keys": ["book:1"]}
+    ns = {"book": {"key": "book:{id}", "l1": False, "hot": hot}}
+    with_l1 = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}, "hot": hot}}
+    cluster = {"cluster": True, "timeout": "2s"}
+    config = make_config(redis_cluster.url, prefix, ns, redis=cluster)
+    other = make_config(redis_cluster.url, prefix, with_l1, redis=cluster)
+    base_written = asyncio.Event()
+    original = _replicas._write_bases
+
+    async def write_bases_then_pause(store: Any, writes: Any) -> None:
+        await original(store, writes)
+        base_written.set()
+        await asyncio.sleep(0.05)  # the await between the phases, widened: a cancel lands
+
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(other) as b:
+        await _connected(a, b)
+        await a.set("book", {"id": 1}, "old")  # base + 8 replicas
+        await _heard(b, 1)
+        assert await b.get("book", {"id": 1}) == "old"  # b's L1 holds it
+        monkeypatch.setattr(_replicas, "_write_bases", write_bases_then_pause)
+        writer = asyncio.ensure_future(a.set("book", {"id": 1}, "new"))
+        await asyncio.wait_for(base_written.wait(), 5)
+        writer.cancel()  # e.g. the HTTP request's deadline
+        (outcome,) = await asyncio.gather(writer, return_exceptions=True)
+        assert isinstance(outcome, asyncio.CancelledError)  # the caller sees its cancel
+        monkeypatch.setattr(_replicas, "_write_bases", original)
+        await asyncio.sleep(0.3)  # the write left running has finished
+        served = [await a.get("book", {"id": 1}) for _ in range(64)]
+        assert served == ["new"] * 64, f"{served.count('old')}/64 reads served 'old'"
+        assert await eventually(lambda: _is(b, "new"), timeout=1.5), (  # announced
             f"L2 holds 'new', b serves {await b.get('book', {'id': 1})!r}"
         )
 
