@@ -10,8 +10,8 @@ the append (a full Redis under noeviction answers OOM to XADD but not to DEL or
 PUBLISH), the announcement goes over its pub/sub fallback channel (``_fallback``).
 
 Replicas are deleted in two phases, base first (why: ``_replicas.py``). Each phase is
-one pipelined round trip per node (in a cluster: one DEL per slot, a key and its lease
-in one command); on a single node both phases are one atomic DEL.
+one pipelined round trip per node (in a cluster: one DEL per name, the leases first:
+``L2Store.delete``); on a single node both phases are one atomic DEL.
 
 Idempotent: deleting missing names is harmless, so at-least-once delivery is fine.
 

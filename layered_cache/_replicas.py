@@ -78,8 +78,8 @@ def delete_name_phases(
     once per replica count, ``_joined``), NUL-separated; one ``split`` per batch makes
     them names. No valid key holds a NUL (``_keys``); if one ever did, the count of
     names would be off, and they are built one by one instead. Within a phase the
-    order of names does not matter (one DEL per slot, each atomic); between phases it
-    does, and is kept."""
+    order of names given does not matter (``L2Store.delete`` sends the leases first);
+    between phases it does, and is kept."""
     targets = list(targets)  # a generator too: the fallback reads them again
     keys: list[str] = []
     bases: list[bytes] = []
