@@ -30,10 +30,11 @@ from layered_cache._backplane import Announcement, BackplanePublisher
 from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._config import Config
 from layered_cache._fallback import FallbackChannel, fallback_channel
-from layered_cache._keys import parse_template, replica_record_name
+from layered_cache._keys import replica_record_name
 from layered_cache._l2 import L2Store
 from layered_cache._policy import Policy, compile_policy
 from layered_cache._replicas import delete_name_phases
+from layered_cache._templates import parse_template
 
 __all__ = [
     "Invalidator",
