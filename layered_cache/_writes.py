@@ -154,11 +154,15 @@ class Writes:
         announcement = self._rt.invalidator.announcement_with_writes(keys)
         write = _Write(keys, announcement)
         try:
-            # To completion, as invalidate(): in a cluster the write is two round trips
+            # In a cluster to completion, as invalidate(): the write is two round trips
             # (the base keys, then the replicas: ``replicas.write_many``), and a caller
             # cancelled between them left every replica older than the base for the
             # whole L2 TTL. Once the first may have reached Redis, the rest must follow.
-            appended = await self._rt.tasks.to_completion(self._written(writes, write))
+            # On one node it is one atomic step (all or nothing): awaited in place, no
+            # task (a set()'s cost is a benchmark target: bench/sets.py).
+            writing = self._written(writes, write)
+            cluster = self._rt.store.cluster
+            appended = await (self._rt.tasks.to_completion(writing) if cluster else writing)
         except asyncio.CancelledError:
             write.left = True
             if write.done:  # it finished before the cancel reached us: ours to do
