@@ -255,14 +255,15 @@ class Writes:
     async def _announce(self, keys: list[str]) -> None:
         try:
             await self._rt.invalidator.announce(keys)
-        except REDIS_FAILURES as exc:
+        except (*REDIS_FAILURES, L2Unavailable) as exc:
             # L2 holds our values, but the other instances were not told to drop their
             # L1 copies: set() must not return as if the write had reached everyone (like
             # invalidate(), it raises). Our own L1 is left empty: reads here go to L2.
             self._policy.stats.redis_error += 1
             self._forget(keys)
+            wrote = "wrote L2 but " if self._policy.l2 else ""
             raise L2Unavailable(
-                f"set() wrote L2 but could not announce it on the backplane: "
+                f"set() {wrote}could not announce it on the backplane: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
 
