@@ -150,7 +150,10 @@ async def run(env: BenchEnv) -> Section:
         }
         peers, closers = await _peers(url, prefix, value, section.notes)
         contenders.update(peers)
-        results = await interleaved(contenders, n, repeats, batch_seconds=0.25)
+        retried: dict[str, int] = {}
+        results = await interleaved(contenders, n, repeats, batch_seconds=0.25, retried=retried)
+        for name, count in retried.items():
+            section.notes.append(f"{name}: {count} batch(es) measured again after a timeout")
         decode = msgspec.msgpack.Decoder().decode
 
         async def floor_op() -> Any:

@@ -37,3 +37,27 @@ def test_a_run_that_writes_no_results_draws_its_plots_outside_bench_results() ->
     scratch = BenchEnv(quick=True, write=False).plot_path("expiry_histogram.png")
     assert RESULTS not in scratch.parents and scratch.parent.is_dir()
     assert BenchEnv(quick=True).plot_path("expiry_histogram.png").parent == RESULTS
+
+
+async def test_a_batch_that_times_out_once_is_measured_again_not_the_end_of_the_scenario() -> None:
+    """A floor client with a 100 ms socket timeout timed out once under a neighbour's
+    load, and the exception ended the l2_hit scenario with every figure in it."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from bench.floors import interleaved
+
+    calls = {"flaky": 0}
+
+    async def flaky(n: int) -> float:
+        calls["flaky"] += 1
+        if calls["flaky"] == 3:  # the first measured batch, after the two warm-ups
+            raise RedisTimeoutError("Timeout reading from socket")
+        return 1e-6
+
+    async def steady(n: int) -> float:
+        return 2e-6
+
+    retried: dict[str, int] = {}
+    results = await interleaved({"flaky": flaky, "steady": steady}, 100, 3, retried=retried)
+    assert results == {"flaky": [1e-6] * 3, "steady": [2e-6] * 3}
+    assert retried == {"flaky": 1}
