@@ -17,8 +17,8 @@ Idempotent: deleting missing names is harmless, so at-least-once delivery is fin
 
 Replica counts must agree: a process that invalidates with fewer replicas than another
 writes leaves replicas behind that nothing ever deletes. So every cache instance and the
-daemon record each namespace's count in one Redis hash at start (``HSETNX``: the first
-one wins) and refuse to start when theirs differs (``check_replica_counts``).
+daemon record each namespace's count in one Redis hash at start (the first one wins)
+and refuse to start when theirs differs, recording nothing (``check_replica_counts``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._policy import Policy, compile_policy
 from layered_cache._replicas import delete_name_phases
 from layered_cache._replyerrors import is_key_error
+from layered_cache._scripts import RECORD_COUNTS_SCRIPT
 from layered_cache._templates import parse_template
 
 __all__ = [
@@ -86,6 +87,10 @@ def _shape(namespace: str, template: str) -> str:
     return "{}".join(literals)
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _what(field: str) -> str:
     if field.startswith(_SHAPE_FIELD):
         shape = field.removeprefix(_SHAPE_FIELD)
@@ -96,23 +101,22 @@ def _what(field: str) -> str:
 
 
 async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping[str, int]) -> None:
-    """Record ``counts`` (``replica_counts``: hot.replicas, 0 without hot keys, by key
-    template shape, key template and namespace) where none is recorded yet, then
-    compare: raises ``ReplicaCountMismatch`` naming every shape, template and namespace
-    whose recorded count differs. Raises Redis errors (the caller decides)."""
+    """Compare ``counts`` (``replica_counts``: hot.replicas, 0 without hot keys, by key
+    template shape, key template and namespace) with the recorded ones and record those
+    not recorded yet, in one step (``RECORD_COUNTS_SCRIPT``): raises
+    ``ReplicaCountMismatch`` naming every shape, template and namespace whose recorded
+    count differs, having recorded none. Raises Redis errors (the caller decides)."""
     if not counts:
         return
     name = replica_record_name(prefix)
-    pipe = client.pipeline(transaction=False)
-    for namespace, count in counts.items():
-        pipe.hsetnx(name, namespace, count)
-    pipe.hmget(name, list(counts))
-    results: list[Any] = await pipe.execute()
-    recorded = results[-1]
+    args = [part for field, count in counts.items() for part in (field, str(count))]
+    record = client.register_script(RECORD_COUNTS_SCRIPT)  # EVALSHA, as every script
+    found: list[Any] = await record(keys=[name], args=args)
+    recorded = {_text(found[i]): _text(found[i + 1]) for i in range(0, len(found), 2)}
     wrong = [
-        f"{_what(field)}: hot.replicas = {count} here, {int(seen)} recorded"
-        for (field, count), seen in zip(counts.items(), recorded, strict=True)
-        if seen is not None and int(seen) != count
+        f"{_what(field)}: hot.replicas = {count} here, {recorded[field]} recorded"
+        for field, count in counts.items()
+        if field in recorded
     ]
     if wrong:
         raise ReplicaCountMismatch(

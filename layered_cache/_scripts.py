@@ -23,6 +23,10 @@
   (``INFO commandstats``, bench VM).
 - ``FETCH`` / ``PEEK``: tags (``_tags`` says why each is one step). The loading set
   is taken in no script: ``_loading.take_loading`` says why.
+- ``RECORD_COUNTS``: the fleet's replica counts (``_invalidation.check_replica_counts``)
+  compared and recorded in one step, so that a process refused for its count records
+  nothing: field by field (``HSETNX`` each, then compare), it left the fields it was
+  first to write, and once corrected it was refused by its own leftovers.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "NOTIFY_INLINE_MAX",
     "PEEK_SCRIPT",
     "READ_UNDER_LEASE_SCRIPT",
+    "RECORD_COUNTS_SCRIPT",
     "RELEASE_SCRIPT",
     "WRITE_ONE_SCRIPT",
     "fill_args",
@@ -149,4 +154,24 @@ if version and redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
   redis.call('PEXPIRE', KEYS[1], ARGV[1])
 end
 return version
+"""
+
+
+# KEYS[1] the replica record; ARGV field, count, field, count, ...: every field recorded
+# with another count, with it (field, recorded, ...); nothing is written unless none is.
+RECORD_COUNTS_SCRIPT = """
+local wrong = {}
+for i = 1, #ARGV, 2 do
+  local seen = redis.call('HGET', KEYS[1], ARGV[i])
+  if seen and seen ~= ARGV[i + 1] then
+    wrong[#wrong + 1] = ARGV[i]
+    wrong[#wrong + 1] = seen
+  end
+end
+if #wrong == 0 then
+  for i = 1, #ARGV, 2 do
+    redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return wrong
 """

@@ -631,6 +631,24 @@ async def test_a_namespace_and_placeholder_renamed_with_another_replica_count_re
         assert {await fleet.get("book", {"id": 1}) for _ in range(40)} == {None}
 
 
+async def test_a_process_refused_for_its_replica_count_records_nothing_and_starts_once_corrected(
+    redis_url: str, prefix: str
+) -> None:
+    """Recorded field by field, a refused process left the fields it was first to write
+    (its new name and template, with its wrong count), and once corrected to the fleet's
+    count it was refused by those leftovers until an operator deleted them."""
+    hot = {"replicas": 4}
+    fleet_config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "hot": hot}})
+    async with LayeredCache.from_config(fleet_config):
+        wrong = make_config(redis_url, prefix, {"books": {"key": "book:{book_id}"}})
+        with pytest.raises(ReplicaCountMismatch, match=r"hot\.replicas = 0 here, 4"):
+            async with LayeredCache.from_config(wrong):
+                pass
+        right = {"books": {"key": "book:{book_id}", "hot": hot}}
+        async with LayeredCache.from_config(make_config(redis_url, prefix, right)) as renamed:
+            await renamed.invalidate("books", {"book_id": 1})
+
+
 async def test_blip_in_a_fleet_that_never_invalidated_keeps_l1(
     redis_url: str, prefix: str, proxy: ToxicProxy
 ) -> None:
