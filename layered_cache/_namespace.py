@@ -168,12 +168,13 @@ class Namespace:
         self._rt.check_open()
         read_seq = policy.l1.begin_read() if policy.l1 is not None else None
         try:
-            envelope = await self._read_l2(key)
+            envelope, from_replica = await self._read_l2(key)
         except L2Unavailable:
             policy.stats.redis_error += 1
             return None
         if envelope is None or self._rt.clock() >= envelope.soft_expiry:
-            envelope = await self._refresher.fresh_base(key)  # hot: the base may be fresh
+            # A hot key's replica answered, unusable: the base may hold a fresh value.
+            envelope = await self._refresher.fresh_base(key) if from_replica else None
             if envelope is None:
                 return None
         policy.stats.l2_hit += 1
@@ -189,7 +190,7 @@ class Namespace:
         if policy.l2:
             try:
                 async with self._rt.admission:  # see Runtime.admission
-                    envelope = await self._read_l2(key)
+                    envelope, _ = await self._read_l2(key)
             except L2Unavailable:
                 policy.stats.redis_error += 1
                 return served_of(policy, read, await self._miss.load_unleased(read, loader))
@@ -205,15 +206,18 @@ class Namespace:
         read.stale = envelope if self._fills.within_stale(envelope, now) else None
         return served_of(policy, read, await self._miss.load_under_lease(read, loader))
 
-    async def _read_l2(self, key: str) -> Envelope[Any] | None:
+    async def _read_l2(self, key: str) -> tuple[Envelope[Any] | None, bool]:
+        """The envelope (None: absent, undecodable, or dead), and whether a hot key's
+        replica answered (``Refresher.fresh_base``)."""
         # One coroutine, no wrapper: every await level costs a resumption per hop on
         # the L2-hit path, which is measured against a raw GET.
         policy, store = self.policy, self._rt.store
         observers = self._rt.hooks.l2_observers
         started = time.perf_counter() if observers else 0.0
         data: bytes | None
+        from_replica = False
         if policy.hot is not None and policy.replicas and policy.hot.record(key):
-            data = await _read_replica(store, policy, self._refresher, key)
+            data, from_replica = await _read_replica(store, policy, self._refresher, key)
         else:
             data = await store.get(key)
         if observers:
@@ -223,8 +227,8 @@ class Namespace:
         envelope = self._fills.decode(key, data)
         tags = envelope.tags if envelope is not None else None
         if tags is not None and not await self._fills.versions.valid(tags):
-            return None  # a tag of it was invalidated: dead, not even stale
-        return envelope
+            return None, from_replica  # a tag of it was invalidated: dead, not even stale
+        return envelope, from_replica
 
     # -- writes ------------------------------------------------------------------------
 
@@ -261,13 +265,10 @@ class Namespace:
         return await self._batch.get_or_load_many(fields_list, load_many, tags)
 
     def _forget_tag(self, tag: str) -> int:
-        """Drop from L1 every entry filled with ``tag`` (its version just changed);
-        how many were there. Also without ``tags = true``: such an instance (an old pod
-        of a rolling deploy that turns tags on) indexes the tagged entries it reads, and
-        kept serving them from L1 for their TTL. With it, every load of this namespace
-        in flight is detached too: its tags are known only once it returns, and later
-        callers must not join a load that began before the invalidation (without it,
-        this instance's loads write untagged entries no tag kills)."""
+        """Drop from L1 every entry filled with ``tag``; how many were there. Also
+        without ``tags = true`` (an old pod of a deploy turning tags on indexes what it
+        reads). With it, every load of this namespace in flight is detached too: its
+        tags are known only once it returns, and later callers must not join it."""
         if self.policy.tags:
             template, flight = self.policy.template, self._rt.flight
             for key in flight.running():
@@ -315,7 +316,7 @@ def check_tags(policy: Policy, tags: object) -> list[str]:
 
 async def _read_replica(
     store: L2Store, policy: Policy, refresher: Refresher, key: str
-) -> bytes | None:
+) -> tuple[bytes | None, bool]:
     """A hot key's L2 read: this client's current replica (``ReplicaPlacement.pick``:
     balanced per master, sticky per client), else the base key. A replica that fails or
     is missing makes the client move on to the next master; a missing one is copied from
@@ -332,13 +333,13 @@ async def _read_replica(
             raise  # one node: the base key is on the one that just failed
         # The base key may be on a healthy master: read it rather than send the hottest
         # key of all to the loader each time the rotation reaches the dead one.
-        return await store.get(key)
+        return await store.get(key), False
     if data is not None:
         policy.stats.replica_reads[index] += 1
-        return data
+        return data, True
     policy.stats.replica_miss += 1
     placement.move_on(key)
     data = await store.get(key)
     if data is not None:
         refresher.copy_to_replicas(key)
-    return data
+    return data, False

@@ -104,10 +104,9 @@ class Refresher:
         A replica can be there but unusable while the base is fresh: soft-expired after
         an instance where the key is not hot refilled only the base, or undecodable.
         ``get_or_load`` finds the base under the lease (``MissPath._filled_meanwhile``),
-        which copies it too; ``get()`` takes no lease, so it reads the base here. A key
-        not hot here was read from its base already: nothing to do. (A replica that was
-        missing was read from the base as well: one more GET, only when the base holds
-        no fresh value either.)"""
+        which copies it too; ``get()`` takes no lease, so it reads the base here (only
+        after a replica answered: a key not hot here, or a missing replica, was read
+        from its base already)."""
         if not self._fills.is_hot(key):
             return None
         policy = self._policy

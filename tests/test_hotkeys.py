@@ -16,6 +16,7 @@ from layered_cache._hotkeys import HotKeyDetector
 from layered_cache._keys import replica_names
 from layered_cache._replicas import delete_name_phases, delete_phases
 from tests.helpers import CountingLoader, eventually, make_config
+from tests.servers import RedisServer
 
 # chi-square critical value, 7 degrees of freedom (8 replicas), p = 0.0001
 CHI2_7DF_P0001 = 29.88
@@ -395,3 +396,29 @@ def test_the_daemons_bytes_names_are_the_invalidation_phases() -> None:
     _, phase1, phase2 = delete_name_phases(iter(odd))
     assert phase1 == [name.encode() for key, n in odd for name in delete_phases(key, n)[0]]
     assert phase2 == [name.encode() for key, n in odd for name in delete_phases(key, n)[1]]
+
+
+async def _gets(admin: redis.Redis) -> int:
+    stats = await admin.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("get", "mget"))
+
+
+async def test_get_of_an_absent_hot_key_reads_its_base_key_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The fallback to a fresh base behind an unusable replica read the base again after
+    a *missing* replica, which had been read from the base already: three GETs where two
+    do, on a hot key just invalidated (when it is read hardest). get_many sends two."""
+    hot = {"replicas": 8, "keys": ["book:1"]}
+    namespaces = {"book": {"key": "book:{id}", "l1": False, "hot": hot}}
+    config = make_config(redis_server.url, prefix, namespaces)
+    admin = redis.Redis.from_url(redis_server.url)  # a server of its own: its GETs are ours
+    async with LayeredCache.from_config(config) as cache:
+        before = await _gets(admin)
+        assert await cache.get_many("book", [{"id": 1}]) == [None]
+        batch = await _gets(admin) - before
+        before = await _gets(admin)
+        assert await cache.get("book", {"id": 1}) is None
+        single = await _gets(admin) - before
+    await admin.aclose()
+    assert (single, batch) == (2, 2)
