@@ -196,6 +196,11 @@ class KeyTemplate:
             f"over the limit of {MAX_KEY_LENGTH}"
         )
 
+    def owns(self, name: str) -> bool:
+        """Whether ``name`` starts as this template's names do: of one config's
+        namespaces, no two start alike (docs/keys.md), and no parse is needed."""
+        return name.startswith(self._literals[0])
+
     def parse(self, name: str) -> dict[str, str] | None:
         """The field values (as text) ``name`` was built from, or None if no fields build
         it. The inverse of ``build``: that it exists is why names are injective.

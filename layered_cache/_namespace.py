@@ -272,7 +272,7 @@ class Namespace:
         if self.policy.tags:
             template, flight = self.policy.template, self._rt.flight
             for key in flight.running():
-                if template.parse(key) is not None:
+                if template.owns(key):
                     flight.forget(key)
         return self._forget(self._fills.forget_tag(tag))
 
