@@ -12,6 +12,7 @@ with an exception nobody retrieves.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -288,15 +289,21 @@ class Warmer:
         return entries
 
     async def _write(self, entries: list[Entry]) -> None:
-        """The chunk's untagged entries in one ``set_many``; each tagged one by
-        ``set(tags=)`` (``set_many`` takes no tags), unless Redis already stopped the run.
-        Every line is pending from the start, so a stop's resume line covers them all."""
+        """The chunk in line order: each run of untagged entries in one ``set_many``,
+        each tagged one by ``set(tags=)`` (``set_many`` takes no tags), until Redis stops
+        the run. In order, as a key given twice keeps its last line (all untagged ones
+        first let an earlier tagged line overwrite a later untagged one). Every line is
+        pending from the start, so a stop's resume line covers them all."""
         self._pending.update(entry.line for entry in entries)
-        if untagged := [entry for entry in entries if not entry.tags]:
-            await self._write_chunk(untagged)
-        for entry in entries:
-            if entry.tags and self.report.stopped_by != STOPPED_BY_REDIS:
-                await self._write_one(entry)
+        for tagged, run in itertools.groupby(entries, key=lambda entry: bool(entry.tags)):
+            if self.report.stopped_by == STOPPED_BY_REDIS:
+                return
+            if not tagged:
+                await self._write_chunk(list(run))
+                continue
+            for entry in run:
+                if self.report.stopped_by != STOPPED_BY_REDIS:
+                    await self._write_one(entry)
 
     async def _write_chunk(self, entries: list[Entry]) -> None:
         """One ``set_many`` (one round trip, one backplane append) per chunk."""

@@ -67,3 +67,24 @@ def test_warm_refuses_a_line_with_a_member_it_does_not_take_or_tags_set_would_re
     book = _jsonl(tmp_path / "book.jsonl", {"key": {"id": 1}, "value": 1, "tags": ["book:1"]})
     assert main(["warm", "book", "--from", book, "--config", config]) == 1
     assert f"{book}:1: tags: namespace 'book' takes no tags" in capsys.readouterr().err
+
+
+async def test_warm_keeps_the_last_line_of_a_key_when_an_earlier_one_had_tags(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The chunk's untagged lines went first in one set_many, its tagged ones after: an
+    earlier tagged line of a key overwrote a later untagged one, and the run said every
+    line was warmed."""
+    config = str(write_config(tmp_path, redis_url, prefix, extra=CATEGORY))
+    source = tmp_path / "pages.jsonl"
+    lines = [
+        {"key": {"slug": "sci-fi"}, "value": ["old page"], "tags": ["book:42"]},
+        {"key": {"slug": "sci-fi"}, "value": ["new page"]},  # the file's last word
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["warm", "category", "--from", str(source), "--config", config, "--concurrency", "1"]
+    assert await asyncio.to_thread(main, args) == 0
+    assert "warmed 2 of 2 category entries" in capsys.readouterr().out
+    namespaces = {"category": {"key": "category:{slug}", "tags": True}}
+    async with open_cache(make_config(redis_url, prefix, namespaces)) as cache:
+        assert await cache.get("category", {"slug": "sci-fi"}) == ["new page"]
