@@ -193,6 +193,15 @@ class Writes:
         try:
             write.appended = await replicas.write_many(self._rt.store, writes, write.announcement)
             return write.appended
+        except L2Unavailable as exc:
+            if write.left and refused_for_memory(exc):
+                # A full Redis refused the replicas after the bases landed (a cluster's
+                # two phases): what our caller does on this error, drop the keys
+                # everywhere, is ours to do now; announcing alone left old replicas.
+                write.done = True
+                self._policy.stats.refused_full += len(write.keys)
+                await self._drop(write.keys)
+            raise
         finally:
             write.done = True
             if write.left:

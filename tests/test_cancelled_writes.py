@@ -280,3 +280,42 @@ async def test_invalidation_left_running_by_a_cancelled_caller_is_cut_by_close(
 
 async def _gone(admin: Any, key: str) -> bool:
     return not await admin.exists(key)
+
+
+async def test_a_cancelled_cluster_set_whose_replicas_a_full_redis_refused_drops_the_key(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled between the phases of a hot key's cluster write, with Redis full by the
+    second (noeviction): the bases held the new value, every replica the old one. The
+    caller, not cancelled, drops the key everywhere on that refusal; the write left
+    running only announced it, and hot readers kept serving the old value."""
+    hot = {"replicas": 8, "keys": ["book:1"]}
+    ns = {"book": {"key": "book:{id}", "l1": False, "hot": hot}}
+    config = make_config(redis_cluster.url, prefix, ns, redis={"cluster": True, "timeout": "2s"})
+    masters = [aioredis.Redis(host=host, port=port) for host, port in redis_cluster.nodes]
+    original = _replicas._write_bases
+
+    async def write_bases_then_fill_redis(store: Any, writes: Any) -> None:
+        await original(store, writes)
+        for master in masters:  # full before the replicas: the second phase is refused
+            await master.config_set("maxmemory-policy", "noeviction")
+            await master.config_set("maxmemory", 1)
+        await asyncio.sleep(0.05)  # the await between the phases, widened: a cancel lands
+
+    try:
+        async with LayeredCache.from_config(config) as cache:
+            await cache.set("book", {"id": 1}, "old")  # base + 8 replicas
+            monkeypatch.setattr(_replicas, "_write_bases", write_bases_then_fill_redis)
+            writer = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
+            await asyncio.sleep(0.02)
+            writer.cancel()
+            (outcome,) = await asyncio.gather(writer, return_exceptions=True)
+            assert isinstance(outcome, asyncio.CancelledError)
+            monkeypatch.setattr(_replicas, "_write_bases", original)
+            await asyncio.sleep(0.5)  # the write left running has finished
+            served = {await cache.get("book", {"id": 1}) for _ in range(64)}
+            assert "old" not in served, served
+    finally:
+        for master in masters:
+            await master.config_set("maxmemory", 0)
+            await master.aclose()
