@@ -185,19 +185,17 @@ class Writes:
         return True
 
     async def _written(self, writes: list[Write], write: _Write) -> bool:
-        """``replicas.write_many``; if our caller was cancelled meanwhile, then what it
-        would have done after it, here, once the write is done: announce the keys (the
-        others drop L1 only now, so they can't refill it from a replica the write had
-        not reached yet) and drop our L1 again (a read here may have filled it from such
-        a replica; our listener skips our own announcement)."""
+        """``replicas.write_many``; our caller cancelled meanwhile, what it would have
+        done after it, once the write is done: announce (not before: others could refill
+        L1 from a replica not rewritten yet), drop our L1 again, purge HTTP caches again
+        (``set_many``'s purge left before the write landed)."""
         try:
             write.appended = await replicas.write_many(self._rt.store, writes, write.announcement)
             return write.appended
         except L2Unavailable as exc:
             if write.left and refused_for_memory(exc):
-                # A full Redis refused the replicas after the bases landed (a cluster's
-                # two phases): what our caller does on this error, drop the keys
-                # everywhere, is ours to do now; announcing alone left old replicas.
+                # Full by the replicas, after the bases landed: drop the keys everywhere,
+                # as our caller does on this error (announcing alone left old replicas).
                 write.done = True
                 self._policy.stats.refused_full += len(write.keys)
                 await self._drop(write.keys)
@@ -208,6 +206,7 @@ class Writes:
                 self._forget(write.keys)
                 if write.unannounced():
                     await self._announce_quietly(write.keys)
+                self._rt.purges.submit(write.keys)  # a no-op without gateways
 
     async def _announce_or_abandon(self, keys: list[str]) -> None:
         """``_announce``; our caller cancelled meanwhile, it goes on in the background."""

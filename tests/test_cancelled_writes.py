@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from layered_cache import LayeredCache, _replicas, _tags
+from layered_cache import LayeredCache, _replicas, _tags, parse_config
 from layered_cache import _direct as direct
 from tests.helpers import CountingLoader, eventually, make_config
 
@@ -319,3 +319,38 @@ async def test_a_cancelled_cluster_set_whose_replicas_a_full_redis_refused_drops
         for master in masters:
             await master.config_set("maxmemory", 0)
             await master.aclose()
+
+
+async def test_a_cancelled_cluster_set_purges_http_caches_again_once_its_write_is_done(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """set_many purges gateways from its ``finally``: cancelled while its cluster write
+    runs on, that purge left before the write landed, and a gateway refilled from L2
+    meanwhile kept the old value for its s-maxage."""
+    from tests.test_purge import Recording
+
+    hot = {"replicas": 8, "keys": ["book:1"]}
+    raw = {
+        "redis": {"url": redis_cluster.url, "prefix": prefix, "cluster": True, "timeout": "2s"},
+        "purge": {"repeat_after": "0s"},
+        "namespaces": {"book": {"key": "book:{id}", "l1": False, "hot": hot}},
+    }
+    purger = Recording()
+    original = _replicas._write_bases
+    purged_during_write: list[int] = []
+
+    async def write_bases_then_pause(store: Any, writes: Any) -> None:
+        await original(store, writes)
+        await asyncio.sleep(0.05)  # the await between the phases, widened: a cancel lands
+        purged_during_write.append(len(purger.calls))
+
+    config = parse_config(raw, env={})
+    async with LayeredCache.from_config(config, purger=purger) as cache:
+        monkeypatch.setattr(_replicas, "_write_bases", write_bases_then_pause)
+        writer = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
+        await asyncio.sleep(0.02)
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+        assert await eventually(lambda: len(purger.calls) >= 2, timeout=2)
+    assert purged_during_write == [1]  # the caller's, sent before the write landed
+    assert purger.calls[-1] == ([f"{prefix}book:1"], [])  # and again once it did
