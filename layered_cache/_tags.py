@@ -345,8 +345,14 @@ class TagVersions:
 
     async def invalidate(self, tag: str) -> str:
         """Write a new version for ``tag`` and revoke every tagged load in flight.
-        Returns the new version (the caller announces it on the backplane)."""
-        versions = await invalidate_tags(self._store, self._prefix, [tag], self._ttl_ms / 1000)
+        Returns the new version (the caller announces it on the backplane). Failed, the
+        tag's version is forgotten here all the same: the new one may have landed (a
+        reply lost), and trusting the old one served its dead entries from L2 here."""
+        try:
+            versions = await invalidate_tags(self._store, self._prefix, [tag], self._ttl_ms / 1000)
+        except BaseException:
+            self.apply({tag: ""})  # the next read here fetches what Redis holds
+            raise
         self.apply(versions)
         return versions[tag]
 

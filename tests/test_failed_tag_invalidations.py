@@ -154,3 +154,34 @@ async def test_a_failed_invalidate_tag_still_drops_the_local_copy_read_while_it_
         # ...and this one does not serve the dead page from its L1.
         page = await cache.get("category", {"slug": "scifi"})
         assert page is None or page["edition"] == 2, page
+
+
+async def test_an_invalidate_tag_whose_new_version_landed_unheard_serves_no_dead_entry_here(
+    redis_url: str, prefix: str
+) -> None:
+    """The new version's SET ran but its reply was lost: invalidate_tag raised, and this
+    instance went on trusting the old version it remembered, serving the dead page from
+    L2 (and back into L1) until a retry, though Redis held the new one."""
+    config = make_config(redis_url, prefix, NAMESPACES)
+    async with LayeredCache.from_config(config) as cache:
+        page = {"slug": "scifi"}
+        await cache.get_or_load("category", page, CountingLoader(_page(1)), tags=_tags_of)
+        store = cache._store
+        real_guard = store.guard
+        seen_loading = False
+
+        async def guard(operation: Any, name: str | None = None, names: Any = ()) -> Any:
+            nonlocal seen_loading
+            result = await real_guard(operation, name, names)
+            if name == loading_set_name(prefix):
+                seen_loading = True
+            elif seen_loading and name is None:  # the new version's SET: it ran
+                seen_loading = False
+                raise L2Unavailable("TimeoutError: Timeout reading from socket")
+            return result
+
+        store.guard = guard  # type: ignore[method-assign]
+        with pytest.raises(L2Unavailable):
+            await cache.invalidate_tag("book:42")
+        store.guard = real_guard  # type: ignore[method-assign]
+        assert await cache.get("category", page) is None
