@@ -54,6 +54,20 @@ def default_table(namespace: str) -> dict[str, Any]:
     }
 
 
+def _with_defaults(namespace: str, declared: Any) -> Any:
+    """The Django namespace as declared, ``default_table`` filling what it leaves out.
+    Declared for its L1 size alone, it got the schema's ``l2`` (600 s, 10 % jitter), and
+    a ``timeout=None`` entry died after ~10 minutes; ``l2 = true`` means the same."""
+    if declared is None:
+        return default_table(namespace)
+    if not isinstance(declared, Mapping):
+        return declared  # parse_config says what is wrong with it
+    table = _merge(default_table(namespace), declared)
+    if table["l2"] is True:
+        table["l2"] = default_table(namespace)["l2"]
+    return table
+
+
 # Ours, plus Django's generic ones that a Redis-backed cache leaves to Redis (eviction is
 # Redis's maxmemory policy; L1 has the namespace's max_entries): accepted, unused.
 _OPTIONS = {
@@ -93,7 +107,8 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 def build_config(location: str, options: Mapping[str, Any]) -> tuple[Config, str]:
     """The layered_cache config of a ``CACHES`` entry, and the namespace it uses:
     ``LOCATION`` (a TOML file, may be empty) with ``OPTIONS["config"]`` merged over it,
-    plus the namespace ``OPTIONS["namespace"]`` (default ``django``) if it lacks one."""
+    plus the namespace ``OPTIONS["namespace"]`` (default ``django``) if it lacks one, or
+    the backend's defaults under a declared one (``_with_defaults``)."""
     unknown = set(options) - _OPTIONS
     if unknown:
         raise ConfigError(f"CACHES OPTIONS: unknown {sorted(unknown)} (known: {sorted(_OPTIONS)})")
@@ -108,7 +123,7 @@ def build_config(location: str, options: Mapping[str, Any]) -> tuple[Config, str
     raw = _merge(raw, options.get("config") or {})
     namespace = str(options.get("namespace", DEFAULT_NAMESPACE))
     namespaces = dict(raw.get("namespaces") or {})
-    namespaces.setdefault(namespace, default_table(namespace))
+    namespaces[namespace] = _with_defaults(namespace, namespaces.get(namespace))
     raw["namespaces"] = namespaces
     config = parse_config(raw, source=source)
     fields = parse_template(namespace, config.namespaces[namespace].key)[1]

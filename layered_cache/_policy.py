@@ -62,12 +62,15 @@ class Policy:
 
     def soft_expiry(self, value: Any, now: float) -> float:
         """When ``value``, written now, goes stale: after the namespace's jittered L2
-        TTL, or at the value's own expiry if sooner. Redis then drops it in the very
-        write that stores it: a PEXPIRE after the write could land on another writer's
-        value (a Django entry without timeout vanished at a racing one's)."""
-        soft = now + self.l2_ttl_draw()
+        TTL; a value with its own expiry (a Django timeout) then, capped at the L2 TTL
+        itself. The caller chose that expiry: capped at a jittered draw, a timeout just
+        under the TTL was cut by up to ``jitter`` of it. Redis drops the value in the
+        very write that stores it: a PEXPIRE after the write could land on another
+        writer's value (a Django entry without timeout vanished at a racing one's)."""
         own = self.expiry_of(value) if self.expiry_of is not None else None
-        return soft if own is None or own >= soft else own
+        if own is None:
+            return now + self.l2_ttl_draw()
+        return min(own, now + self.l2_ttl)
 
 
 def compile_policies(config: Config) -> dict[str, Policy]:
