@@ -126,13 +126,29 @@ def build_config(location: str, options: Mapping[str, Any]) -> tuple[Config, str
     namespaces[namespace] = _with_defaults(namespace, namespaces.get(namespace))
     raw["namespaces"] = namespaces
     config = parse_config(raw, source=source)
-    fields = parse_template(namespace, config.namespaces[namespace].key)[1]
+    _check_namespace(config, namespace, source)
+    return config, namespace
+
+
+def _check_namespace(config: Config, namespace: str, source: str) -> None:
+    """Refuse what Django's API can't be honoured on. ``add``/``incr``/``touch`` are
+    atomic only as a step on the key in Redis under its lease (``_django_locked``): a
+    namespace without L2 (``l2 = false``, ``cache = false``) has nothing there to read,
+    so every ``add`` returned True and overwrote, an ``add``-based lock admitting all."""
+    declared = config.namespaces[namespace]
+    off = "l2 = false" if declared.l2 is False else "cache = false" if not declared.cache else ""
+    if off:
+        raise ConfigError(
+            f"{source}: namespaces.{namespace}.{off.split()[0]}: a Django cache namespace "
+            f"needs L2 (Redis), got {off}: add/incr/decr/touch are atomic only on the key "
+            "in Redis (declare another namespace for process-local values)"
+        )
+    fields = parse_template(namespace, declared.key)[1]
     if len(fields) != 1:
         raise ConfigError(
             f"{source}: namespaces.{namespace}.key: a Django cache namespace has exactly one "
             f"placeholder (e.g. 'django:{{key}}'), got {list(fields)}"
         )
-    return config, namespace
 
 
 def shared(

@@ -4,6 +4,7 @@ so Django's timeouts stay exact; what the backend can't honour is refused by nam
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from tests import djangoconf
 
 djangoconf.configure()
 
+from layered_cache import ConfigError  # noqa: E402
 from layered_cache._django_setup import close_shared  # noqa: E402
 from layered_cache.django import LayeredCacheBackend  # noqa: E402
 
@@ -79,3 +81,19 @@ def test_a_declared_l2_ttl_caps_a_timeout_at_it_not_below_it(
     over = _ttls(redis_client, prefix, [f"long{i}" for i in range(20)])
     assert min(within) > 3499, f"a 3500 s timeout under a 1 h l2.ttl expires in {min(within):.0f} s"
     assert min(over) > 3599 and max(over) <= 3600, f"a 7200 s timeout capped at {over}"
+
+
+@pytest.mark.parametrize("setting", ["l2", "cache"])
+def test_a_django_namespace_without_redis_is_refused_naming_the_setting(
+    redis_url: str, prefix: str, setting: str
+) -> None:
+    """With ``l2 = false``, add/incr/touch read the key from Redis, where such a
+    namespace never writes: ``add`` of a present key returned True and overwrote it (an
+    add-based lock admitted every caller), ``incr`` of a key ``get`` saw raised."""
+    local_only = {"django": {"key": "django:{key}", setting: False}}
+    cache = _backend(redis_url, prefix, local_only)
+    expected = f"<CACHES OPTIONS>: namespaces.django.{setting}: "
+    with pytest.raises(ConfigError, match=re.escape(expected) + ".*needs L2"):
+        cache.set("lock", "first", 60)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        cache.add("lock", "second", 60)  # and every call after: nothing half-built
