@@ -1,7 +1,7 @@
 """What ``layered_cache.django`` builds from Django's ``CACHES`` entry, how it writes an
-entry (``write``: timeout 0 and oversized values delete), and the few Redis steps
-Django's API needs beyond the namespace API (``SCAN`` for ``clear()``). An entry's
-timeout reaches Redis in the write itself (``expiry_of``, ``Policy.soft_expiry``).
+entry (``write``: timeout 0 and oversized values delete; ``clear()`` is
+``_django_clear``). An entry's timeout reaches Redis in the write itself
+(``expiry_of``, ``Policy.soft_expiry``).
 
 Django makes one backend object per alias *per thread* (``caches`` is thread-local),
 and calls ``close()`` on every one after each request. A loop thread and a Redis pool
@@ -12,7 +12,6 @@ it is never closed by Django (it dies with the process, and a fork rebuilds it).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import threading
@@ -33,7 +32,6 @@ from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache
 __all__ = [
     "DEFAULT_NAMESPACE",
     "build_config",
-    "clear_namespace",
     "close_shared",
     "shared",
     "write",
@@ -216,25 +214,3 @@ def _too_large(policy: Policy, entry: Entry) -> bool:
     # The exact size L2 would get (msgpack floats are 8 bytes whatever their value).
     return len(policy.codec.encode(entry, 0.0, 0.0, 0.0)) > policy.max_value_bytes
 
-
-async def clear_namespace(cache: LayeredCache, namespace: str) -> int:
-    """Invalidate every key of ``namespace`` (each Redis master's keys, in a cluster):
-    L2, replicas and leases, then every instance's L1 through the backplane; and all of
-    this process's L1 of it, which may hold what Redis no longer does (evicted, or a
-    namespace without L2), the loads in flight here discarded with it."""
-    policy = cache.namespace(namespace).policy
-    if policy.l1 is not None:
-        policy.l1.clear()
-    template = policy.template
-    lead = parse_template(namespace, template.template)[0][0]  # distinct per namespace
-    pattern = template.prefix + lead + "*"
-    found: list[dict[str, str]] = []
-    async for raw in cache._parts.client.scan_iter(match=pattern, count=1000):
-        name = raw.decode() if isinstance(raw, bytes) else str(raw)
-        fields = template.parse(name)  # None for replica names (key#i): deleted with it
-        if fields is not None:
-            found.append(fields)
-    for start in range(0, len(found), 100):
-        batch = found[start : start + 100]
-        await asyncio.gather(*(cache.invalidate(namespace, fields) for fields in batch))
-    return len(found)

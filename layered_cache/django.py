@@ -36,10 +36,11 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
     raise missing_extra("layered_cache.django", "django", error) from error
 
 from layered_cache._cache import LayeredCache
+from layered_cache._django_clear import clear_namespace
 from layered_cache._django_keys import field_value
 from layered_cache._django_locked import alive as _alive
 from layered_cache._django_locked import locked
-from layered_cache._django_setup import clear_namespace, shared, write
+from layered_cache._django_setup import shared, write
 from layered_cache._django_values import (
     Entry,
     UncacheableValue,
@@ -326,8 +327,9 @@ class LayeredCacheBackend(BaseCache):
 
     def clear(self) -> None:
         """Invalidate every key of the namespace: all KEY_PREFIXes and versions sharing
-        it, never another namespace's keys, never FLUSHDB (docs/django.md, the API)."""
-        self._call(clear_namespace, "clear")
+        it, never another namespace's keys, never FLUSHDB (docs/django.md, the API). In
+        steps, each bounded by OPTIONS["timeout"], not the whole (``_django_clear``)."""
+        clear_namespace(self._call, self._parts()[0]._timeout)
 
     def close(self, **kwargs: Any) -> None:
         """Nothing to close per request: the loop and the Redis pool are shared by the

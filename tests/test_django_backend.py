@@ -30,6 +30,7 @@ from django.utils.safestring import SafeString, mark_safe  # noqa: E402
 from layered_cache import ConfigError  # noqa: E402
 from layered_cache._django_setup import close_shared  # noqa: E402
 from layered_cache.django import LayeredCacheBackend, UncacheableValue  # noqa: E402
+from layered_cache.sync import SyncTimeoutError  # noqa: E402
 
 
 def backend(redis_url: str, prefix: str, **options: Any) -> LayeredCacheBackend:
@@ -366,6 +367,40 @@ def test_clear_skips_a_foreign_name_too_long_to_be_a_key_and_clears_the_rest(
     cache.clear()
     assert [name.decode() for name in redis_client.scan_iter(f"{prefix}django:*")] == [foreign]
     assert cache.get("k7") is None
+
+
+def test_clear_empties_a_namespace_too_large_to_clear_within_one_calls_timeout(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    """clear() was one sync call bounded by OPTIONS["timeout"] as a whole: at a few
+    thousand keys a second, a namespace of 100k keys (20 s, the default) could not be
+    cleared, and the call failed half done. Scaled down: 10,000 keys, a 0.5 s timeout."""
+    filler = backend(redis_url, prefix)  # default timeout: filling is not under test
+    for start in range(0, 10_000, 500):
+        assert filler.set_many({f"page{i}": i for i in range(start, start + 500)}) == []
+    assert filler.get("page0") == 0  # in the filler's L1
+    cache = backend(redis_url, prefix, timeout=0.5)
+    cache.clear()
+    assert list(redis_client.scan_iter(f"{prefix}django:*", count=1000)) == []
+    deadline = time.monotonic() + 3
+    while filler.get_many(["page0", "page9999"]) != {}:
+        assert time.monotonic() < deadline, "clear() did not reach the other L1"
+        time.sleep(0.02)
+
+
+def test_a_clear_step_that_times_out_says_which_and_the_next_clear_finishes(
+    redis_url: str, prefix: str, redis_client: redis.Redis
+) -> None:
+    """A clear() cut by the timeout blamed "the loader"; it says which step timed out
+    and that the keys not reached remain."""
+    cache = backend(redis_url, prefix, timeout=0.5)
+    cache.set_many({f"k{i}": i for i in range(250)})
+    redis_client.execute_command("CLIENT", "PAUSE", 1500, "WRITE")  # invalidations hang
+    with pytest.raises(SyncTimeoutError, match=r"invalidating 100 keys .* clear\(\) again"):
+        cache.clear()
+    time.sleep(1.5)
+    cache.clear()
+    assert list(redis_client.scan_iter(f"{prefix}django:*")) == []
 
 
 def test_config_from_a_toml_file_with_inline_options_merged_over_it(
