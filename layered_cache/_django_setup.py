@@ -25,7 +25,9 @@ import structlog
 from layered_cache._cache import LayeredCache
 from layered_cache._config import Config, ConfigError, parse_config
 from layered_cache._django_values import Entry
+from layered_cache._loopthread import check_timeout
 from layered_cache._policy import Policy
+from layered_cache._sync_loaders import check_limits
 from layered_cache._templates import parse_template
 from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache
 
@@ -161,9 +163,7 @@ def shared(
             config, namespace = build_config(location, options)
             sync_cache = SyncLayeredCache.from_config(
                 config,
-                timeout=options.get("timeout", DEFAULT_TIMEOUT),
-                max_workers=options.get("max_workers", 32),
-                max_overflow=options.get("max_overflow", 128),
+                **_sync_options(options),
                 value_types={namespace: value_type},
                 # An entry's Django timeout is its expiry in Redis too, set in the write
                 # itself (``Policy.soft_expiry``): no PEXPIRE to race another writer.
@@ -171,6 +171,24 @@ def shared(
             )
             sync_cache.start()
             found = _shared[identity] = (sync_cache, namespace)
+    return found
+
+
+def _sync_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``SyncLayeredCache`` arguments in OPTIONS, refused as config is: a
+    ``ConfigError`` naming ``<CACHES OPTIONS>`` and the option, where a string timeout
+    (from an env var) failed every call with a TypeError, and 0 every call with
+    "starting the cache did not finish within 0 s"."""
+    found = {
+        "timeout": options.get("timeout", DEFAULT_TIMEOUT),
+        "max_workers": options.get("max_workers", 32),
+        "max_overflow": options.get("max_overflow", 128),
+    }
+    try:
+        check_timeout(found["timeout"])
+        check_limits(found["max_workers"], found["max_overflow"])
+    except ValueError as exc:
+        raise ConfigError(f"<CACHES OPTIONS>: {exc}") from None
     return found
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import os
 import threading
 from collections.abc import Coroutine
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 from layered_cache._daemonpool import DaemonThreadPool
 from layered_cache._sync_loaders import LoaderInterrupted
 
-__all__ = ["LoopThread", "SyncTimeoutError"]
+__all__ = ["LoopThread", "SyncTimeoutError", "check_timeout"]
 
 T = TypeVar("T")
 
@@ -33,6 +34,20 @@ _INHERITED: list[object] = []
 
 class SyncTimeoutError(TimeoutError):
     """A sync call did not finish within ``SyncLayeredCache``'s ``timeout``."""
+
+
+def check_timeout(timeout: object) -> None:
+    """``timeout`` is None or a number of seconds > 0 (``ValueError`` otherwise). Checked
+    at construction: a string (Django's OPTIONS, from an env var) failed every call with
+    a TypeError from deep in ``threading``, and 0 or less every call with "starting the
+    cache did not finish within 0 s", retried at each."""
+    wrong = f"timeout must be None or a number of seconds > 0, got {timeout!r}"
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ValueError(wrong)
+    if not 0 < timeout < math.inf:  # NaN too
+        raise ValueError(wrong)
 
 
 class LoopThread:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LoaderInterrupted", "LoaderThreads", "LoaderThreadsExhausted"]
+__all__ = ["LoaderInterrupted", "LoaderThreads", "LoaderThreadsExhausted", "check_limits"]
 
 T = TypeVar("T")
 
@@ -66,14 +66,19 @@ class LoaderThreadsExhausted(RuntimeError):
     starting yet another thread or queueing behind loaders that may be waiting for it."""
 
 
+def check_limits(pool_size: int, max_overflow: int) -> None:
+    """``max_workers`` and ``max_overflow`` make sense (``ValueError`` naming one that
+    doesn't). Checked at construction, not at the first overflow: a string from Django's
+    OPTIONS would fail only once the pool was full."""
+    limits = (("max_workers", pool_size, 1), ("max_overflow", max_overflow, 0))
+    for name, value, least in limits:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
 class LoaderThreads:
     def __init__(self, pool_size: int, max_overflow: int) -> None:
-        limits = (("max_workers", pool_size, 1), ("max_overflow", max_overflow, 0))
-        for name, value, least in limits:
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                # Checked here, not at the first overflow: a string from Django's
-                # OPTIONS would fail only once the pool was full.
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        check_limits(pool_size, max_overflow)
         # Per thread: the keys whose loaders this thread is running (outermost first).
         # Set only on loader threads; nested calls from them take the nested path.
         self._loading = threading.local()

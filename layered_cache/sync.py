@@ -38,7 +38,7 @@ one load).
   types ``cached`` declared, the instrumentation ``hooks`` (metrics, tracing).
 - No call waits forever by default: after ``timeout`` (``DEFAULT_TIMEOUT``, 20 s) it
   raises ``SyncTimeoutError`` (a ``TimeoutError``) naming the call; ``timeout=None``
-  opts out.
+  opts out; anything but None or a number > 0 is a ``ValueError`` at construction.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from layered_cache._cache import LayeredCache, RedisStatus
 from layered_cache._config import Config
 from layered_cache._decorate import cached_sync
 from layered_cache._l1 import MISSING
-from layered_cache._loopthread import LoopThread, SyncTimeoutError
+from layered_cache._loopthread import LoopThread, SyncTimeoutError, check_timeout
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
@@ -107,6 +107,7 @@ class SyncLayeredCache:
         """``max_workers``: threads kept for sync loaders; ``max_overflow``: loaders on
         threads of their own beyond them (``_sync_loaders``); ``timeout``: seconds a call
         may block before ``SyncTimeoutError`` (a ``TimeoutError``); None: no bound."""
+        check_timeout(timeout)
         self.config = config
         self._inner = InnerCaches(config, cache_kwargs)
         self._timeout = timeout

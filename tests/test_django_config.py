@@ -97,3 +97,25 @@ def test_a_django_namespace_without_redis_is_refused_naming_the_setting(
         cache.set("lock", "first", 60)
     with pytest.raises(ConfigError, match=re.escape(expected)):
         cache.add("lock", "second", 60)  # and every call after: nothing half-built
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("timeout", "5"), ("timeout", 0), ("timeout", -1), ("max_workers", "8")],
+)
+def test_a_call_option_that_makes_no_sense_is_a_config_error_naming_it(
+    redis_url: str, prefix: str, option: str, value: Any
+) -> None:
+    """``"timeout": "5"`` (from an env var) failed every call with a TypeError from
+    inside ``threading``; 0 or -1 every call with "starting the cache did not finish
+    within 0 s"; ``max_workers`` was a ValueError, not the ConfigError the docs promise."""
+    cache = _backend(redis_url, prefix, {}, **{option: value})
+    with pytest.raises(ConfigError, match=re.escape(f"<CACHES OPTIONS>: {option} must be")):
+        cache.set("k", 1)
+
+
+@pytest.mark.parametrize("timeout", [2.5, 20, None])
+def test_sensible_call_timeouts_work(redis_url: str, prefix: str, timeout: Any) -> None:
+    cache = _backend(redis_url, prefix, {}, timeout=timeout)
+    cache.set("k", 1)
+    assert cache.get("k") == 1

@@ -327,3 +327,13 @@ def test_loader_thread_limits_that_make_no_sense_are_refused_at_construction(
     """A string from Django's OPTIONS failed only once the pool was full, mid-request."""
     with pytest.raises(ValueError, match="must be an int"):
         SyncLayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES), **limits)
+
+
+@pytest.mark.parametrize("timeout", ["5", 0, -1, True, float("nan")])
+def test_a_call_timeout_that_makes_no_sense_is_refused_at_construction(
+    redis_url: str, prefix: str, timeout: Any
+) -> None:
+    """A string timeout failed every call with a TypeError from inside ``threading``;
+    0 or less failed every call with "starting the cache did not finish within 0 s"."""
+    with pytest.raises(ValueError, match="timeout must be None or a number of seconds > 0"):
+        SyncLayeredCache.from_config(make_config(redis_url, prefix, NAMESPACES), timeout=timeout)
