@@ -107,17 +107,20 @@ def _begin(store: L2Store, policy: Policy) -> dict[str, int]:
 
 
 async def _scan(store: L2Store, node: str, cursor: int, pattern: str) -> tuple[int, list[Any]]:
-    """SCAN ``node`` from ``cursor``: the next cursor (0: done) and the names found."""
+    """SCAN ``node`` from ``cursor``: the next cursor (0: done) and the names found.
+    Under the breaker (``L2Store.guard``), as every other write of the backend: a Redis
+    failure is ``L2Unavailable``, not redis-py's own error, and an open breaker spares
+    the call the timeout. The shared breaker: a SCAN names no key to pick a master's by."""
     client = store.client
     if not isinstance(client, RedisCluster):
-        found, names = await client.scan(cursor, match=pattern, count=SCAN_COUNT)
+        found, names = await store.guard(client.scan(cursor, match=pattern, count=SCAN_COUNT))
         return int(found), list(names)
     target = client.get_node(node_name=node)
     if target is None:
         raise L2Unavailable(f"Redis {node} left the cluster during clear(): call clear() again")
     # A cluster's SCAN answers per node: ({host:port: cursor}, names).
-    reply: Any = await client.scan(cursor, match=pattern, count=SCAN_COUNT, target_nodes=target)
-    cursors, names = reply
+    scan = client.scan(cursor, match=pattern, count=SCAN_COUNT, target_nodes=target)
+    cursors, names = await store.guard(scan)
     return int(cursors[node]), list(names)
 
 

@@ -8,6 +8,7 @@ import datetime
 import decimal
 import multiprocessing
 import pickle
+import socket
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ djangoconf.configure()
 from django.http import HttpResponse  # noqa: E402
 from django.utils.safestring import SafeString, mark_safe  # noqa: E402
 
-from layered_cache import ConfigError  # noqa: E402
+from layered_cache import ConfigError, L2Unavailable  # noqa: E402
 from layered_cache._django_setup import close_shared  # noqa: E402
 from layered_cache.django import LayeredCacheBackend, UncacheableValue  # noqa: E402
 from layered_cache.sync import SyncTimeoutError  # noqa: E402
@@ -401,6 +402,25 @@ def test_a_clear_step_that_times_out_says_which_and_the_next_clear_finishes(
     time.sleep(1.5)
     cache.clear()
     assert list(redis_client.scan_iter(f"{prefix}django:*")) == []
+
+
+def test_clear_with_redis_down_raises_l2unavailable_like_every_other_write(prefix: str) -> None:
+    """clear() scanned with the raw client: redis-py's ConnectionError got out, past
+    the breaker, where every other write raises L2Unavailable."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = int(sock.getsockname()[1])
+    config = {"redis": {"timeout": "200ms", "connect_timeout": "200ms"}}
+    cache = backend(f"redis://127.0.0.1:{closed_port}/0", prefix, config=config)
+    assert cache.get("k") is None  # a read is a miss
+    with pytest.raises(L2Unavailable):
+        cache.set("k", 1)
+    with pytest.raises(L2Unavailable):
+        cache.clear()
+    with pytest.raises(L2Unavailable):
+        cache.delete("k")
+    with pytest.raises(L2Unavailable):
+        cache.clear()  # the breaker open by now: refused at once
 
 
 def test_config_from_a_toml_file_with_inline_options_merged_over_it(
