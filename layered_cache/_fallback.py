@@ -159,11 +159,17 @@ class FallbackSubscriber:
             if message["type"] == "subscribe":
                 self.subscribed.set()
                 backoff.reset()
-            elif message["type"] == "message":
+            elif message["type"] == "message" and _text(message["channel"]) == self._channel:
+                # Only ours: on RESP2 the connection also gets what another client sends
+                # it (``CLIENT TRACKING ... REDIRECT`` to it: "__redis__:invalidate", its
+                # data a list), and decoding a list raised past every check: the
+                # subscriber ended, and with it every later fallback announcement here.
                 self._apply(message["data"])
 
-    def _apply(self, data: bytes) -> None:
+    def _apply(self, data: object) -> None:
         try:
+            if not isinstance(data, bytes):
+                raise msgspec.DecodeError(f"not bytes but {type(data).__name__}")
             message = msgspec.msgpack.decode(data, type=FallbackMessage)
         except UNDECODABLE:
             # Another version's format, a forged message: it may name invalidations we
@@ -197,3 +203,7 @@ async def subscribed(subscriber: FallbackSubscriber, seconds: float) -> None:
     message is missed while Redis stays reachable."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(subscriber.subscribed.wait(), seconds)
+
+
+def _text(channel: bytes | str) -> str:
+    return channel.decode(errors="replace") if isinstance(channel, bytes) else channel

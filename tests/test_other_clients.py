@@ -1,0 +1,77 @@
+"""What other clients of the same Redis do to the names and connections the cache owns:
+another client's tracking redirect aimed at a pub/sub connection of ours, keys of ours
+replaced with another type. Each once stopped a part of the cache for good (found by a
+review against Redis 7 and Valkey 9, 2026-12-05)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import redis.asyncio as aioredis
+
+from layered_cache import LayeredCache
+from tests.helpers import CountingLoader, eventually, in_l1, make_config
+from tests.servers import RedisServer
+
+_PLAIN = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+_TAGGED = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}, "tags": True}}
+HOT = {"book": {"key": "book:{id}", "hot": {"replicas": 4}}}
+
+
+def _command(sock: socket.socket, *args: str) -> bytes:
+    payload = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+    sock.sendall(payload.encode())
+    return sock.recv(65536)
+
+
+async def test_a_tracking_redirect_to_the_fallback_subscriber_does_not_end_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    url = f"redis://{redis_server.host}:{redis_server.port}/0?protocol=2"
+    config = make_config(url, prefix, _PLAIN, backplane={"block": "200ms"})
+    admin = aioredis.from_url(url)
+    tracker = socket.create_connection((redis_server.host, redis_server.port))
+    try:
+        async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+            assert a._fallback is not None and b._fallback is not None
+            assert await eventually(b._fallback.subscribed.is_set)
+            assert await eventually(a._fallback.subscribed.is_set)
+
+            # Every connection in pub/sub mode (the two fallback subscribers; no fill
+            # waiter is subscribed now) becomes a tracking client's redirect target.
+            clients = (await admin.execute_command("CLIENT", "LIST")).decode()
+            pubsub_ids = [
+                line.split("id=")[1].split()[0]
+                for line in clients.splitlines()
+                if " sub=1 " in f" {line} " or "flags=P" in line
+            ]
+            assert pubsub_ids, clients
+            for client_id in pubsub_ids:
+                await asyncio.to_thread(
+                    _command, tracker, "CLIENT", "TRACKING", "ON", "REDIRECT", client_id, "BCAST"
+                )
+                await asyncio.to_thread(_command, tracker, "SET", f"{prefix}unrelated", "1")
+                await asyncio.to_thread(_command, tracker, "CLIENT", "TRACKING", "OFF")
+            await asyncio.sleep(0.5)
+
+            fallback = b._fallback
+            assert fallback._task is not None
+            assert not fallback._task.done(), (
+                f"B's fallback subscriber ended: {fallback._task.exception()!r}"
+            )
+
+            # And it still does its job: the stream refuses appends (another client
+            # made its name a string), A's invalidation goes over pub/sub, B drops L1.
+            await b.get_or_load("book", {"id": 2}, CountingLoader("old"))
+            assert in_l1(b, 2)
+            stream = prefix + config.backplane.stream
+            await admin.delete(stream)
+            await admin.set(stream, "not a stream")
+            await a.invalidate("book", {"id": 2})
+            assert await eventually(lambda: not in_l1(b, 2), timeout=3), (
+                "B kept book 2 in L1 after A's fallback announcement: its subscriber is gone"
+            )
+    finally:
+        tracker.close()
+        await admin.aclose()
