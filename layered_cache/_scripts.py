@@ -132,9 +132,14 @@ return 1
 # ours made (16 lowercase hex digits: ``_tags.new_version``; another client's SET, bytes
 # that aren't even UTF-8, stayed for good, every writer refused), and extend the key's
 # life to at least ARGV[2] ms (never shorten it: another instance's entries may live
-# longer; a key from before tokens expired, with no TTL, gets one).
+# longer; a key from before tokens expired, with no TTL, gets one). A key of another
+# type (a hash, a list: another client's) is replaced too: its GET's WRONGTYPE failed
+# every fetch of the tag, and nothing carrying it was ever cached again.
 FETCH_SCRIPT = """
-local current = redis.call('GET', KEYS[1])
+local current = false
+if redis.call('TYPE', KEYS[1]).ok == 'string' then
+  current = redis.call('GET', KEYS[1])
+end
 if not current or string.len(current) ~= 16 or string.find(current, '[^0-9a-f]') then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 elseif redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
@@ -147,8 +152,12 @@ return redis.call('GET', KEYS[1])
 # ARGV[1] ms), nil if not. Readers create no token key: an entry whose tag has none is
 # dead anyway (no new random token could match it), and a reader that created them let
 # a value planted with made-up tags fill Redis with a day's keys per tag: one get_many
-# of 100 planted entries of 1,000 tags each made 100,000.
+# of 100 planted entries of 1,000 tags each made 100,000. A key of another type is no
+# token either (its entries are dead; the next writer's FETCH replaces it).
 PEEK_SCRIPT = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'string' then
+  return false
+end
 local version = redis.call('GET', KEYS[1])
 if version and redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
   redis.call('PEXPIRE', KEYS[1], ARGV[1])

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
 import redis.asyncio as aioredis
 
 from layered_cache import LayeredCache
+from layered_cache._keys import tag_version_name
 from tests.helpers import CountingLoader, eventually, in_l1, make_config
 from tests.servers import RedisServer
 
@@ -74,4 +76,38 @@ async def test_a_tracking_redirect_to_the_fallback_subscriber_does_not_end_it(
             )
     finally:
         tracker.close()
+        await admin.aclose()
+
+
+async def _plant(admin: aioredis.Redis, name: str, kind: str) -> None:
+    if kind == "hash":
+        await admin.hset(name, "field", "value")
+    elif kind == "list":
+        await admin.rpush(name, "a")
+    elif kind == "set":
+        await admin.sadd(name, "a")
+    elif kind == "stream":
+        await admin.xadd(name, {"f": "v"})
+
+
+@pytest.mark.parametrize("kind", ["hash", "list", "set", "stream"])
+async def test_a_tag_whose_version_key_holds_another_type_is_still_cached_and_writable(
+    redis_url: str, prefix: str, kind: str
+) -> None:
+    config = make_config(redis_url, prefix, _TAGGED)
+    admin = aioredis.from_url(redis_url)
+    try:
+        await _plant(admin, tag_version_name(prefix, "shelf"), kind)
+        async with LayeredCache.from_config(config) as cache:
+            # A writer: refused for good today (L2Unavailable: WRONGTYPE).
+            await cache.set("book", {"id": 2}, "written", tags=["shelf"])
+
+            loader = CountingLoader("loaded")
+            assert await cache.get_or_load("book", {"id": 1}, loader, tags=["shelf"]) == "loaded"
+            assert await cache.get_or_load("book", {"id": 1}, loader, tags=["shelf"]) == "loaded"
+            assert loader.calls == 1, (
+                f"every get_or_load of a tag whose version key is a {kind} went to the "
+                f"loader ({loader.calls} loads): nothing was cached"
+            )
+    finally:
         await admin.aclose()
