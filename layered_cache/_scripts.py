@@ -168,7 +168,13 @@ return version
 
 # KEYS[1] the replica record; ARGV field, count, field, count, ...: every field recorded
 # with another count, with it (field, recorded, ...); nothing is written unless none is.
+# A record of another type (another client's SET) is replaced: its WRONGTYPE read as
+# "Redis unreachable" at start, and every process started unchecked.
 RECORD_COUNTS_SCRIPT = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind ~= 'hash' and kind ~= 'none' then
+  redis.call('DEL', KEYS[1])
+end
 local wrong = {}
 for i = 1, #ARGV, 2 do
   local seen = redis.call('HGET', KEYS[1], ARGV[i])

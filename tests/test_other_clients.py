@@ -11,8 +11,8 @@ import socket
 import pytest
 import redis.asyncio as aioredis
 
-from layered_cache import LayeredCache
-from layered_cache._keys import tag_version_name
+from layered_cache import LayeredCache, ReplicaCountMismatch
+from layered_cache._keys import replica_record_name, tag_version_name
 from tests.helpers import CountingLoader, eventually, in_l1, make_config
 from tests.servers import RedisServer
 
@@ -109,5 +109,21 @@ async def test_a_tag_whose_version_key_holds_another_type_is_still_cached_and_wr
                 f"every get_or_load of a tag whose version key is a {kind} went to the "
                 f"loader ({loader.calls} loads): nothing was cached"
             )
+    finally:
+        await admin.aclose()
+
+
+async def test_a_replica_record_planted_as_a_string_still_refuses_another_count(
+    redis_url: str, prefix: str
+) -> None:
+    admin = aioredis.from_url(redis_url)
+    try:
+        await admin.set(replica_record_name(prefix), "left here by another tool")
+        hot = make_config(redis_url, prefix, HOT)  # book: 4 replicas
+        plain = make_config(redis_url, prefix)  # book: 0 replicas
+        async with LayeredCache.from_config(hot):
+            with pytest.raises(ReplicaCountMismatch):
+                async with LayeredCache.from_config(plain):
+                    pass
     finally:
         await admin.aclose()
