@@ -8,9 +8,12 @@ The format comes from ``logging.format`` ("json" or "console"); the environment 
 so a container can switch to JSON without editing the file.
 
 Every cache event carries ``namespace`` and ``key``. With ``logging.redact_keys = true``
-the ``key``/``keys`` values are replaced by a short keyed hash (``h:3f2a9c01d4e8``): the
-same key always gives the same hash within a deployment, so events of one key can still
-be correlated, but the key itself (an e-mail, a user id) never reaches the log. Set
+the ``key``/``keys`` and ``tag``/``tags`` values are replaced by a short keyed hash
+(``h:3f2a9c01d4e8``), and so is any of them quoted in another field of the same event
+(an ``error`` text): the same key always gives the same hash within a deployment, so
+events of one key can still be correlated, but the key itself (an e-mail, a user id)
+never reaches the log. A tag is hashed like a key: it is a key of another namespace
+(``user:{email}``) and carries the same customer data. Set
 ``LAYERED_CACHE_LOG_REDACT_SALT`` to a secret so that low-entropy keys (``book:42``)
 can't be recovered by hashing guesses.
 
@@ -52,7 +55,7 @@ FORMAT_ENV = "LAYERED_CACHE_LOG_FORMAT"
 LEVEL_ENV = "LAYERED_CACHE_LOG_LEVEL"
 SALT_ENV = "LAYERED_CACHE_LOG_REDACT_SALT"
 _FORMATS = ("json", "console")
-_REDACTED_FIELDS = ("key", "keys")
+_REDACTED_FIELDS = ("key", "keys", "tag", "tags")
 _configured = False
 _handler: logging.Handler | None = None
 
@@ -99,22 +102,41 @@ def _redact_rendered(_logger: Any, _method: str, line: str) -> str:
 
 
 class _KeyRedactor:
-    """Processor: replace ``key``/``keys`` by their keyed hashes."""
+    """Processor: replace ``key``/``keys``/``tag``/``tags`` by their keyed hashes, and
+    those values wherever another string field of the event quotes them (an error
+    raised by a purger or a client may name the key it failed on)."""
 
     def __init__(self, salt: bytes) -> None:
         self._salt = salt
 
     def __call__(self, _logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+        raw: list[str] = []
         for name in _REDACTED_FIELDS:
             value = event.get(name)
             if isinstance(value, str) and value:
+                raw.append(value)
                 event[name] = redact_key(value, self._salt)
             elif isinstance(value, list | tuple):
+                raw += [item for item in value if isinstance(item, str) and item]
                 event[name] = [
                     redact_key(item, self._salt) if isinstance(item, str) else item
                     for item in value
                 ]
+        if raw:
+            self._hash_quoted(event, raw)
         return event
+
+    def _hash_quoted(self, event: MutableMapping[str, Any], raw: list[str]) -> None:
+        """Each raw value inside another string field becomes its hash; longest first,
+        so a key holding another (``book:12`` and ``book:1``) is replaced whole."""
+        raw.sort(key=len, reverse=True)
+        for name, value in event.items():
+            if name in _REDACTED_FIELDS or not isinstance(value, str):
+                continue
+            for item in raw:
+                if item in value:
+                    value = value.replace(item, redact_key(item, self._salt))
+            event[name] = value
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -12,10 +13,10 @@ import pytest
 import redis.asyncio as redis
 import structlog
 
-from layered_cache import LayeredCache
+from layered_cache import LayeredCache, parse_config
 from layered_cache._config import LoggingConfig
 from layered_cache._logs import configure_logging, mask_url_credentials, redact_key, reset_logging
-from tests.helpers import CountingLoader, make_config
+from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import free_port
 
 
@@ -82,6 +83,67 @@ async def test_failing_redis_connect_logs_no_password(prefix: str, stream: io.St
     assert "circuit_breaker" in text  # something was logged about the failure
     assert "s3cretpw" not in text
     assert "redis://***@127.0.0.1" in text
+
+
+EMAIL = "alice.customer@example.com"
+
+
+async def _varnish_answering_500() -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readline() not in (b"\r\n", b"\n", b""):
+                pass
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                         b"Connection: close\r\n\r\n")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def test_a_failed_http_purge_logs_no_raw_key_or_tag_with_redact_keys(
+    redis_url: str, prefix: str, stream: io.StringIO
+) -> None:
+    configure_logging(LoggingConfig(format="json", redact_keys=True), stream=stream, env={},
+                      force=True)
+    server = await _varnish_answering_500()
+    port = server.sockets[0].getsockname()[1]
+    config = parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "purge": {"urls": [f"http://127.0.0.1:{port}"], "retries": 0,
+                      "repeat_after": "0s", "timeout": "1s"},
+            "namespaces": {
+                "user": {"key": "user:{email}"},
+                "orders": {"key": "orders:{email}", "tags": True},
+            },
+        },
+        env={},
+    )
+    try:
+        async with LayeredCache.from_config(config) as cache:
+            await cache.invalidate("user", {"email": EMAIL})
+            await cache.invalidate_tag(f"user:{EMAIL}")
+            assert await eventually(lambda: cache.purge_stats().failed >= 2, timeout=20)
+    finally:
+        server.close()
+    failed = [e for e in json_lines(stream) if e["event"] == "http_purge_failed"]
+    assert len(failed) == 2 and all("HTTP 500" in e["error"] for e in failed), failed
+    assert failed[1]["tags"] == [redact_key(f"user:{EMAIL}")]
+    assert EMAIL not in stream.getvalue()
+
+
+def test_a_key_quoted_in_an_error_is_logged_by_its_hash(stream: io.StringIO) -> None:
+    configure_logging(LoggingConfig(format="json", redact_keys=True), stream=stream, env={},
+                      force=True)
+    structlog.get_logger("layered_cache").warning(
+        "http_purge_failed", keys=["book:1", "book:12"], tags=[f"user:{EMAIL}"],
+        error=f"ConnectionError('book:12 and user:{EMAIL} refused')",
+    )
+    event = json_lines(stream)[0]
+    assert EMAIL not in stream.getvalue() and "book:12" not in stream.getvalue()
+    assert redact_key("book:12") in event["error"] and event["tags"] == [redact_key(f"user:{EMAIL}")]
 
 
 def test_console_format_and_env_override(stream: io.StringIO) -> None:
