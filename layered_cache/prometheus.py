@@ -10,8 +10,8 @@ latency) are observed through the cache's hooks, i.e. only on loads and L2 reads
 on an L1 hit; they are kept as plain bucket counts here and exported at scrape time too.
 
 Several caches registered on one registry are summed per namespace (the breaker gauge
-keeps one series per cache, labelled with its ``instance`` id). Metric names and labels:
-docs/metrics.md.
+keeps one series per cache, labelled with its ``instance`` id); a cache that leaves
+stays in the sums (``_prometheus_retired``). Names and labels: docs/metrics.md.
 
 A ``SyncLayeredCache`` builds a new inner cache in a forked worker and after ``close()``
 + ``start()``: registered (itself, or its inner cache), it is read through the inner
@@ -51,6 +51,7 @@ except ImportError as exc:  # an extra: pip install 'layered-cache[prometheus]'
     raise missing_extra("layered_cache.prometheus", "prometheus", exc) from exc
 
 from layered_cache._prometheus_backplane import PREFIX, BackplaneFamilies  # needs the above
+from layered_cache._prometheus_retired import Reads, RetiredCounters, Totals
 
 if TYPE_CHECKING:
     from layered_cache._cache import RedisStatus
@@ -146,6 +147,7 @@ class CacheCollector(Collector):
 
     def __init__(self) -> None:
         self._caches: weakref.WeakSet[LayeredCache | SyncLayeredCache] = weakref.WeakSet()
+        self._retired = RetiredCounters()
         self.load_seconds = _Histogram(LOAD_BUCKETS)
         self.l2_read_seconds = _Histogram(L2_BUCKETS)
 
@@ -161,6 +163,7 @@ class CacheCollector(Collector):
         facade (module doc). Idempotent: each hook is added once."""
         cache = _exported(cache)
         self._caches.add(cache)
+        self._retired.seen(cache, _running(cache))
         hooks = cache.hooks
         if self.observe_load not in hooks.load_observers:
             hooks.load_observers.append(self.observe_load)
@@ -169,6 +172,8 @@ class CacheCollector(Collector):
 
     def remove(self, cache: LayeredCache | SyncLayeredCache) -> None:
         cache = _exported(cache)
+        if cache in self._caches:
+            self._retired.leave(cache, _running(cache))
         self._caches.discard(cache)
         while self.observe_load in cache.hooks.load_observers:
             cache.hooks.load_observers.remove(self.observe_load)
@@ -183,9 +188,11 @@ class CacheCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         scrape = _Scrape()
         for exported in list(self._caches):
-            cache = exported.running_cache() if isinstance(exported, SyncLayeredCache) else exported
+            cache = _running(exported)
+            self._retired.seen(exported, cache)  # a facade's previous inner cache: retired
             if cache is not None:  # None: a facade closed, or not yet used in this worker
                 scrape.add(cache)
+        scrape.add_counts(*self._retired.snapshot())
         yield from scrape.counter_families()
         yield from scrape.gauge_families()
         yield self.load_seconds.family(
@@ -240,13 +247,20 @@ class _Scrape:
                     row[name] = row.get(name, 0) + value
             reads = counters.get("replica_reads")
             if isinstance(reads, dict):
-                for index, count in reads.items():
-                    label = (namespace, str(index))
-                    self.replica_reads[label] = self.replica_reads.get(label, 0) + int(count)
+                self.add_counts({}, {(namespace, str(i)): int(n) for i, n in reads.items()})
         for namespace, keys in _hot_keys(cache).items():
             self.hot_keys[namespace] = self.hot_keys.get(namespace, 0) + len(keys)
         for namespace, entries in _l1_entries(cache).items():
             self.l1_entries[namespace] = self.l1_entries.get(namespace, 0) + entries
+
+    def add_counts(self, totals: Totals, reads: Reads) -> None:
+        """Namespace counters from elsewhere: the caches that left (retired)."""
+        for namespace, counters in totals.items():
+            row = self.totals.setdefault(namespace, {})
+            for name, value in counters.items():
+                row[name] = row.get(name, 0) + value
+        for label, count in reads.items():
+            self.replica_reads[label] = self.replica_reads.get(label, 0) + count
 
     def _add_breakers(self, instance: str, status: RedisStatus) -> None:
         # Every breaker, not only the shared one: in a cluster each master has its own,
@@ -321,6 +335,12 @@ def _exported(cache: LayeredCache | SyncLayeredCache) -> LayeredCache | SyncLaye
     return cache
 
 
+def _running(exported: LayeredCache | SyncLayeredCache) -> LayeredCache | None:
+    """The cache that serves ``exported`` in this process now (None: a facade closed, or
+    not yet used in this worker)."""
+    return exported.running_cache() if isinstance(exported, SyncLayeredCache) else exported
+
+
 def _hot_keys(cache: LayeredCache) -> dict[str, Any]:
     try:
         return cache.hot_keys()
@@ -367,7 +387,8 @@ def register_cache(
 def unregister_cache(
     cache: LayeredCache | SyncLayeredCache, registry: CollectorRegistry = REGISTRY
 ) -> None:
-    """Stop exporting ``cache`` (its counters leave the sums; histograms are kept)."""
+    """Stop exporting ``cache``. Its counters stay in the sums as they are now (retired:
+    a counter never decreases), and so do its histograms."""
     collector = _collectors.get(registry)
     if collector is not None:
         collector.remove(cache)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -13,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from layered_cache import LayeredCache
 from layered_cache._tracing import SPAN_NAME, instrument
 from layered_cache.prometheus import register_cache, render_metrics, unregister_cache
+from layered_cache.sync import SyncLayeredCache
 from tests.helpers import CountingLoader, make_config
 
 
@@ -79,7 +82,78 @@ async def test_several_caches_are_summed_and_can_be_removed(redis_url: str, pref
         assert value(samples(registry), "layered_cache_sets_total", namespace="book") == 2
         unregister_cache(b, registry)
         assert b.hooks.load_observers == [] and b.hooks.l2_observers == []
-        assert value(samples(registry), "layered_cache_sets_total", namespace="book") == 1
+        await b.set("book", {"id": 3}, 3)  # no longer exported: not counted
+        await a.set("book", {"id": 4}, 4)
+        # b's two sets stay in the sum: a counter never decreases
+        assert value(samples(registry), "layered_cache_sets_total", namespace="book") == 3
+
+
+L1_HITS = ("layered_cache_requests_total", {"namespace": "book", "result": "l1_hit"})
+
+
+def _l1_hits(registry: CollectorRegistry) -> float:
+    return registry.get_sample_value(*L1_HITS) or 0.0
+
+
+async def _reads(cache: LayeredCache, n: int) -> None:
+    for _ in range(n + 1):  # the first one loads
+        await cache.get_or_load("book", {"id": 1}, CountingLoader("v"))
+
+
+async def test_unregistering_one_of_two_caches_never_decreases_a_counter(
+    redis_url: str, prefix: str
+) -> None:
+    """Prometheus reads a decrease as a reset: rate() showed the other cache's whole
+    total again as a burst of reads that never happened."""
+    registry, config = CollectorRegistry(), make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        register_cache(a, registry)
+        register_cache(b, registry)
+        await _reads(a, 30)
+        await _reads(b, 20)
+        await _reads(a, 5)  # 6 more hits, after the last scrape: counted too
+        unregister_cache(a, registry)
+        assert _l1_hits(registry) == 56
+        await _reads(b, 1)
+        assert _l1_hits(registry) == 58
+
+
+async def test_a_closed_and_collected_cache_never_decreases_a_counter(
+    redis_url: str, prefix: str
+) -> None:
+    registry, config = CollectorRegistry(), make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config) as b:
+        register_cache(b, registry)
+        old = LayeredCache.from_config(config)  # e.g. replaced on a config reload
+        await old.start()
+        register_cache(old, registry)
+        await _reads(old, 30)
+        await _reads(b, 20)
+        assert _l1_hits(registry) == 50
+        await _reads(old, 5)  # 6 more hits, after the last scrape, before it goes
+        await old.close()
+        gone = weakref.ref(old)
+        del old
+        gc.collect()
+        assert gone() is None  # left the collector's WeakSet without unregister_cache
+        assert _l1_hits(registry) == 56
+
+
+def test_a_sync_cache_closed_and_started_again_never_decreases_a_counter(
+    redis_url: str, prefix: str
+) -> None:
+    registry = CollectorRegistry()
+    with SyncLayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+        register_cache(cache, registry)
+        for _ in range(4):
+            cache.get_or_load("book", {"id": 1}, lambda: "v")
+        assert _l1_hits(registry) == 3
+        cache.close()  # its inner cache goes; a new one is built by start()
+        assert _l1_hits(registry) == 3
+        cache.start()
+        cache.get_or_load("book", {"id": 1}, lambda: "v")  # a fresh L1: loads again
+        cache.get_or_load("book", {"id": 1}, lambda: "v")
+        assert _l1_hits(registry) == 4
 
 
 async def test_failed_loads_and_redis_errors(redis_url: str, prefix: str) -> None:
