@@ -42,6 +42,7 @@ from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
 from layered_cache._relay_commands import refused_forward, xread_arguments
 from layered_cache._relay_info import InfoCache
+from layered_cache._relay_outage import Outage
 from layered_cache._relay_send import send
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
@@ -158,6 +159,7 @@ class Relay:
         self._info = InfoCache()  # the listeners' XINFO STREAM, shared (``_relay_info``)
         self._entries_read = self._from_memory = self._forwarded = self._resets = 0
         self._errors = 0
+        self._outage = Outage()  # says why it follows nothing (``_relay_outage``)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen on ``host:port`` (0: any free port) and start following; returns the
@@ -200,6 +202,7 @@ class Relay:
                 if self._tail is None:
                     self._tail = _Tail(await self._upstream.newest_id(), self._keep, self._batch)
                     _log.info("relay_following", last_id=self._tail.last.decode())
+                    self._outage.ended()
                 backoff.reset()
                 if not await self._read_once(self._tail):
                     self._forget("entries_missing")
@@ -214,6 +217,8 @@ class Relay:
                     # reconnects and checks the stream itself) and follows again.
                     self._errors += 1
                     _log.error("relay_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+                else:
+                    self._outage.failed(exc)
                 self._forget(f"upstream_{type(exc).__name__}")
                 await self._upstream.reset()
                 await asyncio.sleep(backoff.next_delay())

@@ -261,6 +261,10 @@ def test_the_relay_service_reaches_the_relay_on_its_own_node() -> None:
     assert container["command"] == ["layered-cache", "relay"]
     listen = container["args"][container["args"].index("--listen") + 1]
     assert listen.endswith(":6390") and service["spec"]["ports"][0]["port"] == 6390
+    # Ready only while it follows the stream: it answers PING (deploy/healthcheck.py);
+    # a TCP probe passed while it closed every connection (test_relay.py).
+    probe = container["readinessProbe"]["exec"]["command"]
+    assert probe == ["python", "/app/healthcheck.py", "redis://127.0.0.1:6390"]
 
 
 # -- Dockerfile -------------------------------------------------------------------------

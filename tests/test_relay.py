@@ -24,7 +24,7 @@ from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import parse_command
 from tests.helpers import CountingLoader, eventually, in_l1, make_config, start_relay
-from tests.servers import RedisServer
+from tests.servers import RedisServer, free_port
 
 BLOCK = "200ms"
 
@@ -326,6 +326,63 @@ async def test_the_relay_command_serves_until_sigterm(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_a_relay_whose_redis_refuses_its_password_logs_why(tmp_path: Path) -> None:
+    """A relay rolled out with a wrong password followed nothing and said only
+    ``relay_status following=False`` at info level, while its tcpSocket probes passed
+    and every instance behind it was deaf."""
+    with RedisServer(password="the-right-password") as server:
+        wrong = server.url.replace("the-right-password", "a-stale-password")
+        path = tmp_path / "app.toml"
+        path.write_text(f'[redis]\nurl = "{wrong}"\n\n[namespaces.book]\nkey = "book:{{id}}"\n')
+        command = [sys.executable, "-m", "layered_cache", "relay", "--config", str(path),
+                   "--listen", "127.0.0.1:0", "--status-every", "0.5"]  # fmt: skip
+        process = await asyncio.create_subprocess_exec(
+            *command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        assert process.stderr is not None
+        lines: list[str] = []
+        try:
+            with contextlib.suppress(TimeoutError):  # no warning in 10 s: asserted below
+                async with asyncio.timeout(10):
+                    while not any("relay_upstream_unreachable" in line for line in lines):
+                        if not (line := await process.stderr.readline()):
+                            break  # it exited
+                        lines.append(line.decode())
+            await asyncio.sleep(3)  # many more attempts: no more warnings (rate-limited)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            _, rest = await asyncio.wait_for(process.communicate(), 15)
+        text = "".join(lines) + rest.decode()
+        warnings = [line for line in text.splitlines() if "relay_upstream_unreachable" in line]
+        assert len(warnings) == 1 and "AuthenticationError" in warnings[0], text
+        assert "following=False" in text and "a-stale-password" not in text, text
+
+
+async def _healthcheck(url: str) -> int:
+    script = Path(__file__).parent.parent / "deploy" / "healthcheck.py"
+    process = await asyncio.create_subprocess_exec(sys.executable, str(script), url)
+    return await asyncio.wait_for(process.wait(), 10)
+
+
+async def test_a_relay_is_ready_only_while_it_follows_its_stream(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """deploy/k8s/relay.yaml's readiness probe (deploy/healthcheck.py): a TCP probe
+    passed for a relay that followed nothing, so a bad Secret rolled out silently."""
+    async with running_relay(make_config(redis_server.url, prefix)) as (_, url):
+        assert await _healthcheck(url) == 0
+    dead = make_config(f"redis://127.0.0.1:{free_port()}/0", prefix)
+    stream = stream_of(dead)
+    relay = Relay(Upstream(dead.redis, stream, 0.2), stream, block=0.2)
+    host, port = await relay.start("127.0.0.1", 0)
+    try:
+        await asyncio.sleep(0.5)
+        assert not relay.status().following
+        assert await _healthcheck(f"redis://{host}:{port}") == 1
+    finally:
+        await relay.close()
 
 
 async def test_the_relay_command_on_a_taken_port_exits_2_with_one_line(
