@@ -8,6 +8,11 @@ once), a lease (at most one extra load), a tag version (its entries read as stal
 replica (reads fall back to the base key). Nothing breaks either way, but an operator
 should know which of these to expect, so each master's policy is logged once at start.
 
+No memory limit (``maxmemory 0``, a fresh redis-server's and many charts' default) is
+worse than "nothing breaks": Redis grows with every name written until the OOM killer
+ends it, losing every value, lease and the backplane stream at once. ``doctor`` called
+that "nothing to warn about"; it is said as a consequence too.
+
 Managed services (ElastiCache, Memorystore, ...) often refuse ``CONFIG``: then the
 policy is unknown, said once at info level, and the cache starts anyway.
 """
@@ -46,6 +51,11 @@ _ALLKEYS = (
     "costs at most one extra load, an evicted tag version makes its entries reload, an "
     "evicted replica makes reads fall back to the base key"
 )
+_NO_LIMIT = (
+    "no memory limit (maxmemory 0): Redis grows with every name written until the host "
+    "runs out of memory and the OOM killer ends it, losing every value, lease and the "
+    "backplane stream at once; set maxmemory (and a policy: docs/operations.md, Redis)"
+)
 _VOLATILE = (
     "when Redis reaches maxmemory it evicts only names with a TTL (values, replicas, "
     "leases); once none is left it refuses writes as under noeviction"
@@ -66,10 +76,12 @@ class MemoryPolicy(msgspec.Struct, frozen=True):
 
 
 def consequence(policy: str | None, maxmemory: int | None) -> str | None:
-    """What a full Redis does to the cache under ``policy``; None when nothing to say
-    (no memory limit, or the policy unknown)."""
-    if policy is None or not maxmemory:
+    """What a full Redis does to the cache under ``policy``, or that Redis has no limit
+    to be full at; None when nothing to say (the policy unknown)."""
+    if policy is None or maxmemory is None:
         return None
+    if maxmemory == 0:
+        return _NO_LIMIT
     if policy == "noeviction":
         return _NOEVICTION
     if policy.startswith("allkeys-"):

@@ -163,6 +163,26 @@ def test_doctor_shows_the_policy_and_its_consequence(
         assert '"policy": "noeviction"' in capsys.readouterr().out
 
 
+def test_doctor_warns_when_redis_has_no_memory_limit(
+    tmp_path: Path, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh redis-server (or most charts) has no maxmemory: it grows until the OOM
+    killer ends it, losing every key, lease and the stream at once. doctor said "nothing
+    to warn about", on the one setting the operations checklist names."""
+    with RedisServer(extra_args=["--maxmemory", "0"]) as server:
+        path = tmp_path / "c.toml"
+        path.write_text(
+            f'[redis]\nurl = "{server.url}"\nprefix = "{prefix}"\n'
+            '[namespaces.book]\nkey = "book:{id}"\n'
+        )
+        assert main(["doctor", "--config", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "maxmemory none (0)" in out and "nothing to warn about" not in out, out
+        assert "no memory limit" in out and "set maxmemory" in out, out
+        assert main(["doctor", "--config", str(path), "--json"]) == 0
+        assert '"consequences": {}' not in capsys.readouterr().out
+
+
 # -- an invalidation reaches every L1 when the stream refuses it -----------------------
 
 
