@@ -139,7 +139,7 @@ class LayeredCache(HitPath):
         await self._clock.start()  # before any read or write stamps an envelope
         await startup.check_replicas(self._parts.client, self.config.redis.prefix, self)
         self._still_starting(start)  # no followers left running on a cache closed meanwhile
-        for check in startup.background_checks(self._parts.client, self.config.redis):
+        for check in startup.background_checks(self._parts.client, self.config):
             self._rt.tasks.spawn(check)
         if self._backplane is not None and self._fallback is not None:
             self._backplane.start()

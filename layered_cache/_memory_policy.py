@@ -8,10 +8,17 @@ once), a lease (at most one extra load), a tag version (its entries read as stal
 replica (reads fall back to the base key). Nothing breaks either way, but an operator
 should know which of these to expect, so each master's policy is logged once at start.
 
-No memory limit (``maxmemory 0``, a fresh redis-server's and many charts' default) is
-worse than "nothing breaks": Redis grows with every name written until the OOM killer
-ends it, losing every value, lease and the backplane stream at once. ``doctor`` called
-that "nothing to warn about"; it is said as a consequence too.
+Two cases are worse than "nothing breaks", and are said as such:
+
+- No memory limit (``maxmemory 0``, a fresh redis-server's and many charts' default):
+  Redis grows with every name written until the OOM killer ends it, losing every value,
+  lease and the backplane stream at once. ``doctor`` called that "nothing to warn about".
+- ``allkeys-*`` with ``tags = true`` namespaces: the tags' loading set has no TTL and may
+  be evicted while a tagged load is in flight; an ``invalidate_tag`` in that window
+  revokes nothing, and the load's value, read before the change, lands and is served
+  (docs/tags.md, "Limits"). ``volatile-*`` never evicts it (every value, replica, lease
+  and tag version the library writes has a TTL, the loading set has none), and
+  ``noeviction`` evicts nothing: the tagged namespaces are named with that risk.
 
 Managed services (ElastiCache, Memorystore, ...) often refuse ``CONFIG``: then the
 policy is unknown, said once at info level, and the cache starts anyway.
@@ -20,6 +27,7 @@ policy is unknown, said once at info level, and the cache starts anyway.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -28,6 +36,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError
 
 from layered_cache._clients import REDIS_FAILURES, RedisClient
+from layered_cache._config import Config
 
 __all__ = [
     "MemoryPolicy",
@@ -35,6 +44,8 @@ __all__ = [
     "log_memory_policies",
     "read_memory_policies",
     "refused_for_memory",
+    "tagged_namespaces",
+    "tagged_risk",
 ]
 
 _log = structlog.get_logger("layered_cache")
@@ -56,6 +67,13 @@ _NO_LIMIT = (
     "runs out of memory and the OOM killer ends it, losing every value, lease and the "
     "backplane stream at once; set maxmemory (and a policy: docs/operations.md, Redis)"
 )
+_TAGGED = (
+    "tagged namespaces {names}: Redis may evict the tags' loading set (it has no TTL) "
+    "while a tagged load is in flight, and an invalidate_tag in that window revokes "
+    "nothing: that load's value, read before the change, lands and is served stale until "
+    "it expires or its tag is invalidated again; use volatile-lfu (it never evicts the "
+    "loading set) or noeviction, or accept that window (docs/tags.md, Limits)"
+)
 _VOLATILE = (
     "when Redis reaches maxmemory it evicts only names with a TTL (values, replicas, "
     "leases); once none is left it refuses writes as under noeviction"
@@ -74,6 +92,9 @@ class MemoryPolicy(msgspec.Struct, frozen=True):
     def consequence(self) -> str | None:
         return consequence(self.policy, self.maxmemory)
 
+    def tagged_risk(self, tagged: Sequence[str]) -> str | None:
+        return tagged_risk(self.policy, self.maxmemory, tagged)
+
 
 def consequence(policy: str | None, maxmemory: int | None) -> str | None:
     """What a full Redis does to the cache under ``policy``, or that Redis has no limit
@@ -89,6 +110,19 @@ def consequence(policy: str | None, maxmemory: int | None) -> str | None:
     if policy.startswith("volatile-"):
         return _VOLATILE
     return None
+
+
+def tagged_risk(policy: str | None, maxmemory: int | None, tagged: Sequence[str]) -> str | None:
+    """The stale-value risk of the ``tagged`` namespaces under ``policy`` (module doc);
+    None when they have none: no eviction of names without a TTL, or no limit."""
+    if not tagged or policy is None or not maxmemory or not policy.startswith("allkeys-"):
+        return None
+    return _TAGGED.format(names=", ".join(sorted(tagged)))
+
+
+def tagged_namespaces(config: Config) -> list[str]:
+    """The namespaces whose entries may carry tags (``tags = true``)."""
+    return sorted(name for name, namespace in config.namespaces.items() if namespace.tags)
 
 
 def refused_for_memory(exc: BaseException) -> bool:
@@ -135,32 +169,37 @@ async def read_memory_policies(client: RedisClient) -> list[MemoryPolicy]:
     return [await _read_one("", client)]
 
 
-def log_policy(found: MemoryPolicy) -> None:
-    where = {"node": found.node} if found.node else {}
+def log_policy(found: MemoryPolicy, tagged: Sequence[str] = ()) -> None:
+    extra: dict[str, str] = {"node": found.node} if found.node else {}
     if found.error is not None:
-        _log.info("redis_memory_policy_unknown", error=found.error, **where)
+        _log.info("redis_memory_policy_unknown", error=found.error, **extra)
         return
+    if risk := found.tagged_risk(tagged):
+        extra["tagged_risk"] = risk
     text = found.consequence
     if text is None:
-        _log.info("redis_memory_policy", policy=found.policy, maxmemory=found.maxmemory, **where)
+        _log.info("redis_memory_policy", policy=found.policy, maxmemory=found.maxmemory, **extra)
         return
     _log.warning(
         "redis_memory_policy",
         policy=found.policy,
         maxmemory=found.maxmemory,
         consequence=text,
-        **where,
+        **extra,
     )
 
 
-async def log_memory_policies(client: RedisClient, seconds: float) -> list[MemoryPolicy]:
+async def log_memory_policies(
+    client: RedisClient, seconds: float, tagged: Sequence[str] = ()
+) -> list[MemoryPolicy]:
     """Read and log every master's policy, bounded by ``seconds`` (start-up must not
-    wait on a sick Redis: then nothing is logged but one info line)."""
+    wait on a sick Redis: then nothing is logged but one info line). ``tagged``: the
+    config's ``tags = true`` namespaces, named with their risk under ``allkeys-*``."""
     try:
         found = await asyncio.wait_for(read_memory_policies(client), seconds)
     except TimeoutError:
         _log.info("redis_memory_policy_unknown", error="timeout")
         return []
     for policy in found:
-        log_policy(policy)
+        log_policy(policy, tagged)
     return found

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -20,7 +20,7 @@ from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscr
 from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import Invalidator, check_replica_counts, recorded_counts
 from layered_cache._keys import hot_report_name
-from layered_cache._memory_policy import log_memory_policies
+from layered_cache._memory_policy import log_memory_policies, tagged_namespaces
 from layered_cache._namespace import Namespace
 from layered_cache._purges import Purger, purges_for
 from layered_cache._runtime import Runtime
@@ -79,20 +79,23 @@ async def positioned(listener: BackplaneListener, redis: RedisConfig) -> None:
         listener.late()  # serving anyway: L1 is cleared once the position is known
 
 
-def background_checks(client: RedisClient, redis: RedisConfig) -> list[Coroutine[Any, Any, Any]]:
+def background_checks(client: RedisClient, config: Config) -> list[Coroutine[Any, Any, Any]]:
     """The start's checks that only log (each a line with its fix): run in the
     background, not worth delaying the start on a slow Redis."""
+    redis = config.redis
     return [
-        check_memory_policy(client, redis),
+        check_memory_policy(client, redis, tagged_namespaces(config)),
         check_transactions(client, redis),
         check_database(client, redis),
     ]
 
 
-async def check_memory_policy(client: RedisClient, redis: RedisConfig) -> None:
-    """Log what a full Redis will do to the cache (``_memory_policy``): once, bounded,
-    never failing the start."""
-    await log_memory_policies(client, 2 * (redis.connect_timeout + redis.timeout))
+async def check_memory_policy(
+    client: RedisClient, redis: RedisConfig, tagged: Sequence[str] = ()
+) -> None:
+    """Log what a full Redis will do to the cache (``_memory_policy``), and to its
+    ``tagged`` namespaces: once, bounded, never failing the start."""
+    await log_memory_policies(client, 2 * (redis.connect_timeout + redis.timeout), tagged)
 
 
 async def check_database(client: RedisClient, redis: RedisConfig) -> None:

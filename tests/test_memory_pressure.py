@@ -183,6 +183,44 @@ def test_doctor_warns_when_redis_has_no_memory_limit(
         assert '"consequences": {}' not in capsys.readouterr().out
 
 
+TAGGED_CONFIG = '[namespaces.book]\nkey = "book:{id}"\n' \
+    '[namespaces.category]\nkey = "category:{slug}"\ntags = true\n'
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lfu", "volatile-lfu"])
+def test_doctor_under_allkeys_lfu_names_the_tagged_namespaces_at_risk(
+    policy: str, tmp_path: Path, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/tags.md, Limits: under allkeys-* an evicted loading set lets a value read
+    before an invalidate_tag land. doctor said only that eviction costs reloads, and
+    named no namespace; volatile-* never evicts the loading set (it has no TTL)."""
+    args = ["--maxmemory", "64mb", "--maxmemory-policy", policy]
+    with RedisServer(extra_args=args) as server:
+        path = tmp_path / "c.toml"
+        path.write_text(f'[redis]\nurl = "{server.url}"\nprefix = "{prefix}"\n{TAGGED_CONFIG}')
+        assert main(["doctor", "--config", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert policy in out, out
+        at_risk = "tagged namespaces category:" in out and "stale" in out
+        assert at_risk == (policy == "allkeys-lfu"), out
+        assert main(["doctor", "--config", str(path), "--json"]) == 0
+        report = capsys.readouterr().out
+        assert ('"tagged_risks": {}' in report) == (policy == "volatile-lfu"), report
+
+
+async def test_start_under_allkeys_names_the_tagged_namespaces_at_risk(prefix: str) -> None:
+    namespaces = {"book": {"key": "book:{id}"},
+                  "category": {"key": "category:{slug}", "tags": True}}  # fmt: skip
+    with full_redis("allkeys-lfu") as server, structlog.testing.capture_logs() as logs:
+        async with LayeredCache.from_config(make_config(server.url, prefix, namespaces)):
+            assert await eventually(
+                lambda: any(e["event"] == "redis_memory_policy" for e in logs), timeout=5
+            )
+    line = next(e for e in logs if e["event"] == "redis_memory_policy")
+    assert line["log_level"] == "warning" and "category" in line["tagged_risk"], line
+    assert "book" not in line["tagged_risk"]
+
+
 # -- an invalidation reaches every L1 when the stream refuses it -----------------------
 
 

@@ -1,6 +1,7 @@
 """``layered-cache doctor --config FILE [--json]``: what a full Redis would do to the
-cache, per master: ``maxmemory-policy``, ``maxmemory`` and its consequence (the same
-text the cache logs at start, ``_memory_policy``). Read-only."""
+cache, per master: ``maxmemory-policy``, ``maxmemory`` and its consequence, and the
+config's tagged namespaces that may serve a stale value under it (the same texts the
+cache logs at start, ``_memory_policy``). Read-only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TextIO
 import msgspec
 
 from layered_cache._config import Config
-from layered_cache._memory_policy import MemoryPolicy, read_memory_policies
+from layered_cache._memory_policy import MemoryPolicy, read_memory_policies, tagged_namespaces
 from layered_cache.cli.common import load, print_json, run
 from layered_cache.cli.connect import degraded_ok, down
 
@@ -21,6 +22,7 @@ class DoctorReport(msgspec.Struct, frozen=True):
     memory: list[MemoryPolicy]  # one per master (one for a single Redis)
     consequences: dict[str, str]  # node ("" = the single Redis) -> what a full Redis does
     down: str | None  # the dead cluster masters, if any
+    tagged_risks: dict[str, str] = {}  # node -> the stale-value risk of tagged namespaces
 
 
 async def _doctor(config: Config) -> DoctorReport:
@@ -28,7 +30,9 @@ async def _doctor(config: Config) -> DoctorReport:
         found = await read_memory_policies(session.store.client)
         live = [policy for policy in found if policy.node not in masters.dead]
         texts = {p.node: p.consequence for p in live if p.consequence is not None}
-        return DoctorReport(live, texts, down(masters) if masters.dead else None)
+        tagged = tagged_namespaces(config)
+        risks = {p.node: risk for p in live if (risk := p.tagged_risk(tagged))}
+        return DoctorReport(live, texts, down(masters) if masters.dead else None, risks)
 
 
 def _limit(maxmemory: int | None) -> str:
@@ -55,4 +59,6 @@ def cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
         )
         text = report.consequences.get(policy.node)
         out.write(f"  {text}\n" if text else "  nothing to warn about\n")
+        if risk := report.tagged_risks.get(policy.node):
+            out.write(f"  {risk}\n")
     return 0

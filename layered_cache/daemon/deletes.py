@@ -18,7 +18,7 @@ from layered_cache._config import Config
 from layered_cache._invalidation import Invalidator, check_replica_counts, replica_counts
 from layered_cache._keys import backplane_stream_name
 from layered_cache._l2 import L2Store, L2Unavailable
-from layered_cache._memory_policy import log_memory_policies
+from layered_cache._memory_policy import log_memory_policies, tagged_namespaces
 from layered_cache._tags import invalidate_tags, version_ttl
 from layered_cache.daemon.stats import DaemonStats
 
@@ -63,7 +63,8 @@ class Deleter:
     async def check_memory_policy(self) -> None:
         """Log each master's maxmemory-policy and what it means when Redis is full."""
         redis = self._config.redis
-        await log_memory_policies(self.client, 2 * (redis.connect_timeout + redis.timeout))
+        tagged = tagged_namespaces(self._config)
+        await log_memory_policies(self.client, 2 * (redis.connect_timeout + redis.timeout), tagged)
 
     async def delete(
         self, keys: list[tuple[str, int]], stats: DaemonStats, tags: Sequence[str] = ()
