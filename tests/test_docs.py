@@ -145,3 +145,15 @@ def test_make_demo_installs_the_demo_extra_not_dev_and_stops_what_it_started() -
     assert not {"venv", "services-up", "$(STAMP)"} & set(prerequisites)
     assert "$(INSTALL) -e '.[demo]'" in makefile.split("$(DEMO_STAMP):", 1)[1]
     assert "trap 'deploy/local/services.sh down" in recipe
+
+
+def test_the_http_purge_metric_rows_name_every_outcome_exported() -> None:
+    """docs/daemon.md's row lacked ``repeated``, which the daemon's /metrics exports."""
+    from layered_cache._purges import PurgeStats
+
+    outcomes = [field.name for field in msgspec.structs.fields(PurgeStats)]
+    for doc, metric in (("daemon.md", "layered_cache_daemon_http_purges_total"),
+                        ("metrics.md", "layered_cache_http_purges_total")):  # fmt: skip
+        (row,) = [line for line in (ROOT / "docs" / doc).read_text().splitlines()
+                  if line.startswith(f"| `{metric}")]  # fmt: skip
+        assert [o for o in outcomes if f"`{o}`" not in row] == [], doc
