@@ -23,7 +23,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from layered_cache._cache import LayeredCache
@@ -64,6 +64,14 @@ class _Source:
         self.pid = os.getpid()
 
 
+class _Part(NamedTuple):
+    """What one namespace's stats added to the retired totals."""
+
+    namespace: str
+    counts: dict[str, int]
+    reads: dict[str, int]  # replica index (as its label) -> reads
+
+
 class RetiredCounters:
     """The retired totals of one collector, and the caches it may have to retire."""
 
@@ -78,6 +86,11 @@ class RetiredCounters:
         self._gone: deque[_Source] = deque()
         self.totals: Totals = {}
         self.replica_reads: Reads = {}
+        # What each namespace's stats added to the totals when retired: a cache
+        # registered again is counted live again, and its retired part must go.
+        self._retired_from: weakref.WeakKeyDictionary[NamespaceStats, _Part] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def seen(self, exported: Exported, cache: LayeredCache | None) -> None:
         """``exported`` is served by ``cache`` now (None: closed, not built here yet).
@@ -92,6 +105,7 @@ class RetiredCounters:
             else:
                 self._fold(source)
             source.capture(cache)
+            self._revive(source)
 
     def leave(self, exported: Exported, cache: LayeredCache | None) -> None:
         """``exported`` is no longer exported: its counters, read now, are retired."""
@@ -104,6 +118,7 @@ class RetiredCounters:
             if not source.follows(cache):
                 self._fold(source)
                 source.capture(cache)
+                self._revive(source)
             self._fold(source)
 
     def snapshot(self) -> tuple[Totals, Reads]:
@@ -119,17 +134,31 @@ class RetiredCounters:
         if source.pid != self._pid:  # a parent's cache: its counts are not this process's
             return
         for namespace, stats in source.stats.items():
-            row = self.totals.setdefault(namespace, {})
-            for name, value in stats.as_dict().items():
-                if isinstance(value, int):
-                    row[name] = row.get(name, 0) + value
-            for index, count in stats.replica_reads.items():
-                label = (namespace, str(index))
-                self.replica_reads[label] = self.replica_reads.get(label, 0) + count
+            counts = {n: v for n, v in stats.as_dict().items() if isinstance(v, int)}
+            part = _Part(namespace, counts, {str(i): c for i, c in stats.replica_reads.items()})
+            self._add(part, 1)
+            self._retired_from[stats] = part
         source.stats = {}
+
+    def _revive(self, source: _Source) -> None:
+        """Stats counted live again (a cache unregistered, then registered again): what
+        they added to the retired totals comes out, or they counted twice."""
+        for stats in source.stats.values():
+            part = self._retired_from.pop(stats, None)
+            if part is not None:
+                self._add(part, -1)
+
+    def _add(self, part: _Part, sign: int) -> None:
+        row = self.totals.setdefault(part.namespace, {})
+        for name, value in part.counts.items():
+            row[name] = row.get(name, 0) + sign * value
+        for index, count in part.reads.items():
+            label = (part.namespace, index)
+            self.replica_reads[label] = self.replica_reads.get(label, 0) + sign * count
 
     def _forked(self) -> None:
         """In a forked child the parent's retired totals are not this process's."""
         if self._pid != os.getpid():
             self._pid = os.getpid()
             self.totals, self.replica_reads = {}, {}
+            self._retired_from = weakref.WeakKeyDictionary()

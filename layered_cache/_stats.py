@@ -9,7 +9,9 @@ from collections import Counter
 __all__ = ["COUNTERS", "NamespaceStats"]
 
 
-@dataclasses.dataclass(slots=True)
+# weakref_slot and identity (eq=False: hashable): the Prometheus collector remembers
+# what it retired of each (``_prometheus_retired``), and forgets it with the cache.
+@dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)
 class NamespaceStats:
     l1_hit: int = 0  # served from this instance's memory
     l2_hit: int = 0  # served from Redis (fresh)

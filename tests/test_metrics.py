@@ -222,3 +222,25 @@ async def test_instrument_without_opentelemetry_is_a_no_op(redis_url: str, prefi
         installed = importlib.util.find_spec("opentelemetry") is not None
         assert instrument(cache) is installed
         assert (cache.hooks.load_wrapper is not None) is installed
+
+
+async def test_a_cache_unregistered_and_registered_again_is_counted_once(
+    redis_url: str, prefix: str
+) -> None:
+    """Its counters were retired when it left and counted live again when it came back:
+    every counter of its namespaces doubled, a burst in rate() that never happened."""
+    registry, config = CollectorRegistry(), make_config(redis_url, prefix)
+    l1_hits = ("layered_cache_requests_total", {"namespace": "book", "result": "l1_hit"})
+    async with LayeredCache.from_config(config) as cache:
+        register_cache(cache, registry)
+        for _ in range(11):  # the first one loads
+            await cache.get_or_load("book", {"id": 1}, CountingLoader("v"))
+        assert registry.get_sample_value(*l1_hits) == 10
+        unregister_cache(cache, registry)
+        assert registry.get_sample_value(*l1_hits) == 10  # retired: never decreases
+        register_cache(cache, registry)
+        assert registry.get_sample_value(*l1_hits) == 10
+        await cache.get_or_load("book", {"id": 1}, CountingLoader("v"))
+        assert registry.get_sample_value(*l1_hits) == 11
+        unregister_cache(cache, registry)
+        assert registry.get_sample_value(*l1_hits) == 11
