@@ -5,8 +5,13 @@ lease, then each replica lease (``_replicas.set_plan``), in the same pipeline as
 SETs. Then the keys are announced on the backplane, so other instances drop their L1
 copies, and only then does this instance's L1 take the new value. ``set_many`` is the
 same for many keys: one round trip (one atomic step on a single node:
-``_write_commands``), one backplane append. The L2 write runs to completion even if
-its caller is cancelled (``Writes._write``), as an invalidation does.
+``_write_commands``), one backplane append.
+
+In a cluster the L2 write runs to completion even if its caller is cancelled, as an
+invalidation does: it is two round trips there (the base keys, then the replicas:
+``replicas.write_many``), and a caller cancelled between them left every replica older
+than the base for the whole L2 TTL. On one node it is one atomic step (all or nothing),
+awaited in place: no task (a set()'s cost is a benchmark target, bench/sets.py).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class _Write:
     """One ``set()``'s L2 write, as its caller and the task writing it both see it: the
     caller may be cancelled while the write runs on (``Writes._write``)."""
 
-    __slots__ = ("announcement", "appended", "done", "keys", "left")
+    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused")
 
     def __init__(self, keys: list[str], announcement: Announcement | None) -> None:
         self.keys = keys
@@ -42,6 +47,7 @@ class _Write:
         self.appended: bool | None = None  # whether the stream took it (None: no reply)
         self.done = False  # the write's task finished (landed or failed)
         self.left = False  # its caller was cancelled: whoever is last finishes the set()
+        self.refused = False  # a full Redis refused part of it: the keys must be dropped
 
     def unannounced(self) -> bool:
         """Whether the keys still need announcing: no announcement rode in the write (a
@@ -154,18 +160,16 @@ class Writes:
         announcement = self._rt.invalidator.announcement_with_writes(keys)
         write = _Write(keys, announcement)
         try:
-            # In a cluster to completion, as invalidate(): the write is two round trips
-            # (the base keys, then the replicas: ``replicas.write_many``), and a caller
-            # cancelled between them left every replica older than the base for the
-            # whole L2 TTL. Once the first may have reached Redis, the rest must follow.
-            # On one node it is one atomic step (all or nothing): awaited in place, no
-            # task (a set()'s cost is a benchmark target: bench/sets.py).
+            # In a cluster to completion; on one node in place (the module doc says why).
             writing = self._written(writes, write)
             cluster = self._rt.store.cluster
             appended = await (self._rt.tasks.to_completion(writing) if cluster else writing)
         except asyncio.CancelledError:
             write.left = True
-            if write.done:  # it finished before the cancel reached us: ours to do
+            if write.done and write.refused:  # refused, then cancelled before we resumed
+                self._forget(keys)
+                self._rt.tasks.spawn_orphan(self._drop(keys))  # as below, in the background
+            elif write.done:  # it finished before the cancel reached us: ours to do
                 self._abandoned(keys, announce=write.unannounced())
             else:  # it ends on its own (``_written``); our L1 is dropped now already
                 self._forget(keys)
@@ -193,7 +197,8 @@ class Writes:
             write.appended = await replicas.write_many(self._rt.store, writes, write.announcement)
             return write.appended
         except L2Unavailable as exc:
-            if write.left and refused_for_memory(exc):
+            write.refused = refused_for_memory(exc)
+            if write.left and write.refused:
                 # Full by the replicas, after the bases landed: drop the keys everywhere,
                 # as our caller does on this error (announcing alone left old replicas).
                 write.done = True

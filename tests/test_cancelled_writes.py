@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from layered_cache import LayeredCache, _replicas, _tags, parse_config
+from layered_cache import L2Unavailable, LayeredCache, _replicas, _tags, parse_config
 from layered_cache import _direct as direct
 from tests.helpers import CountingLoader, eventually, make_config
 
@@ -354,3 +354,49 @@ async def test_a_cancelled_cluster_set_purges_http_caches_again_once_its_write_i
         assert await eventually(lambda: len(purger.calls) >= 2, timeout=2)
     assert purged_during_write == [1]  # the caller's, sent before the write landed
     assert purger.calls[-1] == ([f"{prefix}book:1"], [])  # and again once it did
+
+
+async def test_a_cluster_set_cancelled_just_after_its_refused_write_finished_drops_the_key(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same refusal, the cancel reaching the caller after the write's task ended and
+    before the caller resumed: its "the write is done" branch only announced, and the
+    replicas kept the old value (found by a review of the fix above, 2026-12-05)."""
+    hot = {"replicas": 8, "keys": ["book:1"]}
+    ns = {"book": {"key": "book:{id}", "l1": False, "hot": hot}}
+    config = make_config(redis_cluster.url, prefix, ns, redis={"cluster": True, "timeout": "2s"})
+    masters = [aioredis.Redis(host=host, port=port) for host, port in redis_cluster.nodes]
+    original_bases, original_many = _replicas._write_bases, _replicas.write_many
+    writer: asyncio.Future[Any] | None = None
+
+    async def write_bases_then_fill_redis(store: Any, writes: Any) -> None:
+        await original_bases(store, writes)
+        for master in masters:  # full before the replicas: the second phase is refused
+            await master.config_set("maxmemory-policy", "noeviction")
+            await master.config_set("maxmemory", 1)
+
+    async def write_many_cancel_on_refusal(*args: Any, **kwargs: Any) -> bool:
+        try:
+            return await original_many(*args, **kwargs)
+        except L2Unavailable:
+            assert writer is not None  # the cancel lands once this task is done
+            asyncio.get_running_loop().call_soon(writer.cancel)
+            raise
+
+    try:
+        async with LayeredCache.from_config(config) as cache:
+            await cache.set("book", {"id": 1}, "old")  # base + 8 replicas
+            monkeypatch.setattr(_replicas, "_write_bases", write_bases_then_fill_redis)
+            monkeypatch.setattr(_replicas, "write_many", write_many_cancel_on_refusal)
+            writer = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
+            (outcome,) = await asyncio.gather(writer, return_exceptions=True)
+            assert isinstance(outcome, asyncio.CancelledError), outcome
+            monkeypatch.setattr(_replicas, "_write_bases", original_bases)
+            monkeypatch.setattr(_replicas, "write_many", original_many)
+            await asyncio.sleep(0.5)  # whatever was left running has finished
+            served = {await cache.get("book", {"id": 1}) for _ in range(64)}
+            assert "old" not in served, served
+    finally:
+        for master in masters:
+            await master.config_set("maxmemory", 0)
+            await master.aclose()
