@@ -273,7 +273,10 @@ class PurgeQueue:
                 if attempt == self._retries:
                     self.stats.failed += size
                     _log.warning(
-                        "http_purge_failed", keys=keys[:5], tags=tags[:5], error=repr(exc)
+                        "http_purge_failed",
+                        keys=keys[:5],
+                        tags=tags[:5],
+                        error=_elided(repr(exc), keys[5:] + tags[5:]),
                     )
                     return False
                 self.stats.retries += 1
@@ -298,3 +301,13 @@ class PurgeQueue:
             if task is not None and task.cancelling():
                 raise
             raise RuntimeError("the purger raised CancelledError") from exc
+
+
+def _elided(text: str, unshown: list[str]) -> str:
+    """``text`` without the keys and tags a log line doesn't show (it names five at
+    most): with ``redact_keys`` the shown ones are hashed wherever quoted
+    (``_logs``), and a purger's error naming the sixth key of a batch logged it raw."""
+    for value in sorted(set(unshown), key=len, reverse=True):
+        if value and value in text:
+            text = text.replace(value, "...")
+    return text

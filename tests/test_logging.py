@@ -178,3 +178,38 @@ def test_mask_url_credentials() -> None:
     assert mask_url_credentials("redis://:pw@h:1/0") == "redis://***@h:1/0"
     assert mask_url_credentials("x rediss://u:p@h y") == "x rediss://***@h y"
     assert mask_url_credentials("redis://h:6379/0") == "redis://h:6379/0"
+
+
+class _RefusingGateway:
+    """A purger whose error names the key it failed on: the last of the batch."""
+
+    async def purge(self, keys: Any, tags: Any) -> None:
+        raise RuntimeError(f"gateway refused {keys[-1]}")
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_purge_error_naming_the_eighth_key_of_a_batch_logs_no_raw_key(
+    redis_url: str, prefix: str, stream: io.StringIO
+) -> None:
+    """The line names five keys (hashed with redact_keys, also where another field
+    quotes them); the purger's error naming the eighth was logged raw."""
+    configure_logging(
+        LoggingConfig(format="json", redact_keys=True), stream=stream, env={}, force=True
+    )
+    emails = [f"customer{i}@example.com" for i in range(8)]
+    config = parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "purge": {"retries": 0, "repeat_after": "0s"},
+            "namespaces": {"user": {"key": "user:{email}"}},
+        },
+        env={},
+    )
+    async with LayeredCache.from_config(config, purger=_RefusingGateway()) as cache:
+        await cache.set_many("user", [({"email": email}, "v") for email in emails])
+        assert await eventually(lambda: cache.purge_stats().failed >= 8, timeout=20)
+    logged = stream.getvalue()
+    assert '"http_purge_failed"' in logged
+    assert not [email for email in emails if email in logged]
