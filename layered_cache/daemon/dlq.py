@@ -103,6 +103,16 @@ def _header_size(name: str, value: bytes | None) -> int:
     return len(name.encode("utf-8", "replace")) + len(value or b"") + _HEADER_OVERHEAD
 
 
+def _writable(name: str) -> str:
+    """A header name aiokafka's producer can write (UTF-8 only): one read leniently
+    (``header_names``, its bytes not UTF-8) gets those bytes as ``\\xNN`` escapes."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return name
+
+
 def dead_letter_record(
     poison: Poison, max_event_bytes: int
 ) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
@@ -119,7 +129,8 @@ def dead_letter_record(
     headers: list[tuple[str, bytes]] = []
     used = 0
     dropped = 0
-    for name, header_value in poison.headers:
+    for original, header_value in poison.headers:
+        name = _writable(original)
         size = _header_size(name, header_value)
         if used + size > HEADERS_BYTES:
             dropped += 1

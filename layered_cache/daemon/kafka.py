@@ -16,6 +16,7 @@ from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from layered_cache._config import KafkaConfig
+from layered_cache.daemon.header_names import lenient_fetches
 
 __all__ = [
     "FETCH_MAX_WAIT_MS",
@@ -113,7 +114,8 @@ class KafkaClients:
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(**{**consumer_kwargs(config), **self._consumer_options})
         self.consumer.subscribe(config.topics, listener=listener)
-        await self.consumer.start()
+        with lenient_fetches():  # its fetch task, created here, reads any header name
+            await self.consumer.start()
 
     async def disconnect(self) -> None:
         # Consumer first: its stop() sends LeaveGroup, so partitions move to the other

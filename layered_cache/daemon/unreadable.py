@@ -1,10 +1,10 @@
 """Records aiokafka itself cannot read, and how the daemon gets past them.
 
-aiokafka unpacks records inside ``getmany``: a header name that is not UTF-8 (Kafka's
-header names are opaque bytes, and a Go or C producer can write any), a batch whose CRC
-or compression is broken, raises there, for the whole fetch, before the daemon sees a
-single record. Left alone the daemon crashed, and every restart crashed on the same
-record: nothing ever moved the committed offset past it, and the partition stood still.
+aiokafka unpacks records inside ``getmany``: a batch whose CRC or compression is broken
+raises there, for the whole fetch, before the daemon sees a single record (a header
+name that is not UTF-8 did too: the daemon's consumer reads those, ``header_names``).
+Left alone the daemon crashed, and every restart crashed on the same record: nothing
+ever moved the committed offset past it, and the partition stood still.
 
 After such an error every assigned partition goes back to its last commit
 (``rewind``): aiokafka drains a fetch partition by partition, moving each one's position
@@ -49,13 +49,13 @@ __all__ = ["UNREADABLE", "read_carefully", "rewind"]
 
 _log = structlog.get_logger("layered_cache.daemon")
 
-#: What aiokafka raises for one record or batch it cannot unpack: a header name or key
-#: that is not UTF-8, a bad CRC or record, a body that does not decompress with its
-#: declared codec (gzip: ``BadGzipFile``, ``zlib.error``, ``EOFError`` when cut short;
-#: snappy, lz4, zstd: cramjam), a batch cut short at ``max_partition_fetch_bytes``
-#: (``RecordTooLargeError``: only brokers before Kafka 0.10.1 cut one, newer ones answer
-#: it whole, KIP-74; no fetch size gets it whole from them). Not ``OSError`` at large:
-#: a network error is no record's.
+#: What aiokafka raises for one record or batch it cannot unpack: a header name that is
+#: not UTF-8 (only if ``header_names`` could not hook aiokafka), a bad CRC or record, a
+#: body that does not decompress with its declared codec (gzip: ``BadGzipFile``,
+#: ``zlib.error``, ``EOFError`` when cut short; snappy, lz4, zstd: cramjam), a batch cut
+#: short at ``max_partition_fetch_bytes`` (``RecordTooLargeError``: only brokers before
+#: Kafka 0.10.1 cut one, newer ones answer it whole, KIP-74; no fetch size gets it whole
+#: from them). Not ``OSError`` at large: a network error is no record's.
 UNREADABLE: tuple[type[BaseException], ...] = (
     RecordTooLargeError,
     UnicodeError,

@@ -1,0 +1,158 @@
+"""Header names that are not UTF-8: the record is read anyway, not set aside unread.
+
+Kafka's header names are bytes on the wire (a Go or C producer may write any); aiokafka
+decodes them as strict UTF-8 inside ``getmany``. Such a record was unreadable
+(``unreadable``): set aside with no key or value. Worse, aiokafka decodes a record batch
+from its first record at every fetch (it skips the records below the position only
+after decoding them), so once the bad record was set aside and the partition sought past
+it, the next fetch raised the same error at the next position: every later record of the
+same batch was set aside as unreadable too, its event never applied.
+
+The daemon's consumer reads such a name with ``surrogateescape`` instead: the record is
+handled like any other, applied, or dead-lettered as poison with its key and value
+(``dlq`` writes the name as ``\\xNN`` escapes: aiokafka's producer writes UTF-8 names only).
+
+aiokafka has no hook for its decoding: its fetcher builds ``MemoryRecords`` (C) from each
+fetch response's bytes, by a module-level name. ``lenient_fetches`` puts ``_records`` there
+and sets ``_LENIENT`` around the daemon's ``consumer.start()``: the consumer's fetch task
+is created there and copies that context, so only its fetches are wrapped; any other
+consumer in the process gets aiokafka's own records. In the daemon's, batches decode in C
+as before; only a batch whose C decoding fails on a header name is decoded again, in
+Python, from the record after the last one it handed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+from aiokafka.consumer import fetcher
+from aiokafka.errors import CorruptRecordException
+from aiokafka.record.default_records import _DefaultRecordBatchPy, _DefaultRecordPy
+from aiokafka.record.util import decode_varint
+
+__all__ = ["lenient_fetches"]
+
+_LENIENT: ContextVar[bool] = ContextVar("layered_cache_lenient_header_names", default=False)
+_MEMORY_RECORDS: Any = getattr(fetcher, "MemoryRecords", None)  # aiokafka's own
+_LOG_OVERHEAD = 12  # every batch, v0 to v2: base offset (8 bytes), length (4), then length
+
+
+@contextlib.contextmanager
+def lenient_fetches() -> Iterator[None]:
+    """Around a consumer's ``start()``: its fetches read header names leniently."""
+    if _MEMORY_RECORDS is not None and fetcher.MemoryRecords is _MEMORY_RECORDS:
+        fetcher.MemoryRecords = _records  # aiokafka changed: left alone (``unreadable``)
+    token = _LENIENT.set(True)
+    try:
+        yield
+    finally:
+        _LENIENT.reset(token)
+
+
+def _records(data: bytes) -> Any:
+    records = _MEMORY_RECORDS(data)
+    return _Records(records, data) if _LENIENT.get() else records
+
+
+class _Records:
+    """aiokafka's ``MemoryRecords`` of ``data``, each batch handed out as a ``_Batch``."""
+
+    def __init__(self, records: Any, data: bytes) -> None:
+        self._records = records
+        self._data = data
+        self._start = 0  # where the next batch starts in ``data``
+
+    def size_in_bytes(self) -> int:
+        return int(self._records.size_in_bytes())
+
+    def has_next(self) -> bool:
+        return bool(self._records.has_next())
+
+    def next_batch(self) -> Any:
+        batch = self._records.next_batch()
+        if batch is None:
+            return None
+        start = self._start
+        length = int.from_bytes(self._data[start + 8 : start + _LOG_OVERHEAD], "big")
+        self._start = start + _LOG_OVERHEAD + length
+        return _Batch(batch, self._data, start, self._start)
+
+
+class _Batch:
+    """One batch as aiokafka hands it out, until its C decoding fails on a header name:
+    then the records after the last one handed out are decoded again (``_LenientBatch``).
+    Anything else it raises (a bad CRC, codec, record) is raised as before."""
+
+    def __init__(self, batch: Any, data: bytes, start: int, end: int) -> None:
+        self._batch = batch
+        self._data = data
+        self._span = (start, end)
+        self._last = -1  # offset of the last record handed out
+        self._rest: Iterator[Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batch, name)  # base_offset, validate_crc, is_control_batch...
+
+    def __iter__(self) -> _Batch:
+        iter(self._batch)  # aiokafka's batch is its own iterator: this readies it
+        return self
+
+    def __next__(self) -> Any:
+        if self._rest is None:
+            try:
+                record = next(self._batch)
+            except UnicodeDecodeError:
+                self._rest = self._reread()
+            else:
+                self._last = record.offset
+                return record
+        return next(self._rest)
+
+    def _reread(self) -> Iterator[Any]:
+        start, end = self._span
+        last = self._last
+        return (r for r in _LenientBatch(memoryview(self._data)[start:end]) if r.offset > last)
+
+
+class _LenientBatch(_DefaultRecordBatchPy):  # type: ignore[misc]
+    """aiokafka's pure-Python batch (its header, decompression, iteration), its records
+    read as aiokafka reads them but for the header names."""
+
+    def _read_msg(self, decode_varint: Any = decode_varint) -> _DefaultRecordPy:
+        buffer: bytearray = self._buffer
+        pos: int = self._pos  # type: ignore[has-type]  # aiokafka's, set in __init__
+        length, pos = decode_varint(buffer, pos)
+        start = pos
+        _, pos = decode_varint(buffer, pos)  # attributes: none defined for records
+        ts_delta, pos = decode_varint(buffer, pos)
+        offset_delta, pos = decode_varint(buffer, pos)
+        key, pos = _read_bytes(buffer, pos)
+        value, pos = _read_bytes(buffer, pos)
+        count, pos = decode_varint(buffer, pos)
+        headers: list[tuple[str, bytes | None]] = []
+        for _ in range(count):
+            size, pos = decode_varint(buffer, pos)
+            if size < 0:
+                raise CorruptRecordException(f"Invalid negative header key size {size}")
+            name = bytes(buffer[pos : pos + size]).decode("utf-8", "surrogateescape")
+            header_value, pos = _read_bytes(buffer, pos + size)
+            headers.append((name, header_value))
+        if count < 0 or pos - start != length:
+            raise CorruptRecordException(f"Invalid record of {length} bytes")
+        self._pos = pos
+        appended = self.timestamp_type == self.LOG_APPEND_TIME
+        timestamp = self.max_timestamp if appended else self.first_timestamp + ts_delta
+        return _DefaultRecordPy(
+            self.base_offset + offset_delta, timestamp, self.timestamp_type, key, value, headers
+        )
+
+
+def _read_bytes(buffer: bytearray, pos: int) -> tuple[bytes | None, int]:
+    """A varint length, then that many bytes (a negative length: null)."""
+    size, pos = decode_varint(buffer, pos)
+    if size < 0:
+        return None, pos
+    return bytes(buffer[pos : pos + size]), pos + size
