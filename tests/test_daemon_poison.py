@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from layered_cache.daemon import Daemon
 from layered_cache.daemon.dlq import REASON_BYTES, RECORD_BYTES, Poison, dead_letter_record
 from tests.helpers import eventually
-from tests.servers import create_topic
+from tests.servers import KafkaBroker, create_topic
 from tests.test_daemon import (
     committed,
     daemon_config,
@@ -323,6 +323,53 @@ async def test_dead_letter_refused_for_good_is_set_aside_counted_and_partition_m
     assert "MessageSizeTooLargeError" in skipped["error"] and skipped["offset"] == 1
     (record,) = await scenario.dead(1)
     assert record.value == b"not json"
+
+
+class _ValidatingBroker(KafkaBroker):
+    """tansu validating the dead-letter topic's values against a JSON schema (values must
+    be JSON objects): a value that is not is refused with INVALID_RECORD (87)."""
+
+    def __init__(self, dead_letter_topic: str) -> None:
+        super().__init__()
+        schemas = self.dir / "schema"
+        schemas.mkdir()
+        (schemas / f"{dead_letter_topic}.json").write_text(
+            '{"type": "object", "properties": {"value": {"type": "object"}}}'
+        )
+
+    def command(self) -> list[str]:
+        # tansu resolves a file:// registry under its working directory (self.dir).
+        return [*super().command(), "--schema-registry", "file:///schema"]
+
+
+async def test_a_dead_letter_the_broker_refuses_as_invalid_is_set_aside_and_the_partition_moves_on(
+    redis_url: str, prefix: str, unique_topic: str, redis_client: aioredis.Redis
+) -> None:
+    """Brokers answer INVALID_RECORD (87) for a record they refuse for good (a null key on
+    a compacted topic, a value failing broker-side schema validation). aiokafka has no
+    class for it: ``UnknownError``, which was retried as transient for ever, the
+    partition never committed again. The other dead letter of the batch, one the broker
+    accepts, is still written (the broker refused the request they shared)."""
+    with _ValidatingBroker(f"{unique_topic}.dlq") as broker:
+        await create_topic(broker.bootstrap, unique_topic, 1)
+        config = daemon_config(redis_url, prefix, broker.bootstrap, unique_topic)
+        keys = [f"{prefix}book:{i}" for i in (1, 2)]
+        await seed(redis_client, keys)
+        tp = TopicPartition(unique_topic, 0)
+        daemon = Daemon(config)
+        async with running(daemon), producer(broker.bootstrap) as p:
+            for value in (price_changed(1), b"not json", b'{"type": "Nope"}', price_changed(2)):
+                await p.send(unique_topic, value, partition=0)
+            await p.flush()
+
+            async def moved_on() -> bool:
+                return (await committed(broker.bootstrap, config.kafka.group_id, [tp]))[0] >= 4
+
+            assert await eventually(moved_on, timeout=20), daemon.stats
+        dead = await read_all(broker.bootstrap, config.kafka.dead_letter_topic, 1)
+    assert (daemon.stats.dead_letters_rejected, daemon.stats.dead_letters) == (1, 1)
+    assert [record.value for record in dead] == [b'{"type": "Nope"}']
+    assert await existing(redis_client, keys) == []
 
 
 # -- compression codecs --------------------------------------------------------------------

@@ -39,7 +39,7 @@ from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.commits import Commits
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
-from layered_cache.daemon.dlq import Poison, dead_letter
+from layered_cache.daemon.dlq import DeadLetters, Poison, dead_letter
 from layered_cache.daemon.health import HealthServer
 from layered_cache.daemon.kafka import KafkaClients, KafkaSetupError, poll, uncommitted_starts
 from layered_cache.daemon.metrics import DaemonMetrics
@@ -228,10 +228,10 @@ class Daemon:
             ):
                 return False  # stopping or partitions revoked: not committed, read again later
             self.purges.submit((key for key, _ in keys), batch.tags)  # queued, never awaited
-            pending = list(batch.poison)
-            if pending and not await self._retrier.until_done(
+            letters = DeadLetters(batch.poison)
+            if letters.pending and not await self._retrier.until_done(
                 "dead_letter",
-                lambda: dead_letter(self._kafka.producer, self.config.kafka, pending, self.stats),
+                lambda: dead_letter(self._kafka.producer, self.config.kafka, letters, self.stats),
                 (Exception,),
             ):
                 return False
@@ -248,10 +248,11 @@ class Daemon:
         partition another daemon owned, ours starving) and its seek then crashed us."""
         consumer = self._kafka.consumer
         assert consumer is not None
+        letters = DeadLetters([poison])
         with self._retrier.in_flight():
             if not await self._retrier.until_done(
                 "dead_letter",
-                lambda: dead_letter(self._kafka.producer, self.config.kafka, [poison], self.stats),
+                lambda: dead_letter(self._kafka.producer, self.config.kafka, letters, self.stats),
                 (Exception,),
             ):
                 return False  # stopping or partitions revoked: read again later

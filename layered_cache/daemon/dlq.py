@@ -21,7 +21,8 @@ capped, the original headers and key get a budget of their own, and a value over
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -33,6 +34,7 @@ from aiokafka.errors import (
     MessageSizeTooLargeError,
     RecordListTooLargeError,
     RecordTooLargeError,
+    UnknownError,
 )
 
 from layered_cache._config import KafkaConfig
@@ -43,6 +45,8 @@ __all__ = [
     "REASON_BYTES",
     "RECORD_BYTES",
     "REJECTED",
+    "UNKNOWN_ATTEMPTS",
+    "DeadLetters",
     "Poison",
     "cap_text",
     "dead_letter",
@@ -76,6 +80,14 @@ REJECTED: tuple[type[BaseException], ...] = (
     ValueError,
     TypeError,
 )
+
+
+#: A broker's answer aiokafka has no class for comes as ``UnknownError``, its code
+#: dropped: INVALID_RECORD (87: a null key on a compacted topic, a value the broker's
+#: schema validation refuses) never passes; UNKNOWN_SERVER_ERROR (-1) may. A record
+#: answered so on this many attempts in a row is refused for good, as ``REJECTED`` is:
+#: retried for ever, it stalled its partition.
+UNKNOWN_ATTEMPTS = 3
 
 
 class Poison(msgspec.Struct, frozen=True):
@@ -152,52 +164,99 @@ def dead_letter_record(
     return key, value, headers + meta
 
 
+class DeadLetters:
+    """A batch's poison records not written yet, kept across the attempts of
+    ``Retrier.until_done``: a retry resends only these, and the ``UnknownError``
+    answers of each are counted (``UNKNOWN_ATTEMPTS``)."""
+
+    def __init__(self, poison: Iterable[Poison]) -> None:
+        self.pending: list[Poison] = list(poison)
+        self._unknown: Tally[tuple[str, int, int]] = Tally()
+
+    @property
+    def one_by_one(self) -> bool:
+        """After an ``UnknownError``: a broker refuses a whole request for one record in
+        it (INVALID_RECORD), so the records go one per request, each answered for itself
+        (sent together, the others' copies were refused with it, and set aside too)."""
+        return bool(self._unknown)
+
+    def refused(self, poison: Poison, error: BaseException) -> bool:
+        """Whether ``error``, the answer to ``poison``'s copy, refuses it for good."""
+        if isinstance(error, REJECTED):
+            return True
+        if not isinstance(error, UnknownError):
+            return False
+        where = (poison.topic, poison.partition, poison.offset)
+        self._unknown[where] += 1
+        return self._unknown[where] >= UNKNOWN_ATTEMPTS
+
+
+async def _queue(
+    producer: Any, topic: str, poison: Poison, max_event_bytes: int
+) -> asyncio.Future[Any]:
+    """``poison``'s copy handed to the producer: the future of its ack, or of the error
+    that refused it before it was queued (size, arguments)."""
+    try:
+        key, value, headers = dead_letter_record(poison, max_event_bytes)
+        sent: asyncio.Future[Any] = await producer.send(
+            topic, value=value, key=key, headers=headers
+        )
+    except Exception as exc:
+        sent = asyncio.get_running_loop().create_future()
+        sent.set_exception(exc)
+    return sent
+
+
+async def _answers(
+    producer: Any, topic: str, letters: DeadLetters, max_event_bytes: int
+) -> list[Any]:
+    """What the broker answered for each pending record (an ack or an error)."""
+    if letters.one_by_one:  # each acked before the next is queued: a request of its own
+        answers: list[Any] = []
+        for poison in letters.pending:
+            sent = await _queue(producer, topic, poison, max_event_bytes)
+            answers += await asyncio.gather(sent, return_exceptions=True)
+        return answers
+    futures = [await _queue(producer, topic, p, max_event_bytes) for p in letters.pending]
+    return await asyncio.gather(*futures, return_exceptions=True)
+
+
 async def send_dead_letters(
     producer: Any,
     topic: str,
-    pending: list[Poison],
+    letters: DeadLetters,
     max_event_bytes: int,
     on_rejected: Callable[[Poison, BaseException], None],
 ) -> None:
-    """Send every record of ``pending`` and wait for the acks.
+    """Send every pending record of ``letters`` and wait for the acks.
 
-    Records that were written, or refused for good (``REJECTED``: ``on_rejected`` is
-    told), leave ``pending``. If any failed transiently, ``pending`` keeps exactly those
-    and the first such error is raised: the caller retries only them (a duplicate on the
-    DLQ is acceptable, losing a poison event is not)."""
-    loop = asyncio.get_running_loop()
-    futures: list[asyncio.Future[Any]] = []
-    for poison in pending:
-        try:
-            key, value, headers = dead_letter_record(poison, max_event_bytes)
-            futures.append(await producer.send(topic, value=value, key=key, headers=headers))
-        except Exception as exc:  # refused before it was queued (size, arguments)
-            failed: asyncio.Future[Any] = loop.create_future()
-            failed.set_exception(exc)
-            futures.append(failed)
-    results = await asyncio.gather(*futures, return_exceptions=True)
+    Records that were written, or refused for good (``DeadLetters.refused``:
+    ``on_rejected`` is told), leave ``letters.pending``. If any failed transiently, it
+    keeps exactly those and the first such error is raised: the caller retries only them
+    (a duplicate on the DLQ is acceptable, losing a poison event is not)."""
+    results = await _answers(producer, topic, letters, max_event_bytes)
     transient: list[Poison] = []
     first: BaseException | None = None
-    for poison, result in zip(list(pending), results, strict=True):
+    for poison, result in zip(list(letters.pending), results, strict=True):
         if not isinstance(result, BaseException):
             continue
-        if isinstance(result, REJECTED):
+        if letters.refused(poison, result):
             on_rejected(poison, result)
         else:
             transient.append(poison)
             first = first or result
-    pending[:] = transient
+    letters.pending[:] = transient
     if first is not None:
         raise first
 
 
 async def dead_letter(
-    producer: Any, kafka: KafkaConfig, pending: list[Poison], stats: DaemonStats
+    producer: Any, kafka: KafkaConfig, letters: DeadLetters, stats: DaemonStats
 ) -> None:
-    """Write ``pending`` to the DLQ, counting and logging each record settled; it is
-    emptied as records are settled (see ``send_dead_letters``), so a retry resends only
-    what failed transiently."""
-    sent = list(pending)
+    """Write ``letters`` to the DLQ, counting and logging each record settled; its
+    ``pending`` is emptied as records are settled (see ``send_dead_letters``), so a retry
+    resends only what failed transiently."""
+    sent = list(letters.pending)
     rejected: set[int] = set()
 
     def set_aside(item: Poison, error: BaseException) -> None:
@@ -215,11 +274,11 @@ async def dead_letter(
 
     try:
         await send_dead_letters(
-            producer, kafka.dead_letter_topic, pending, kafka.max_event_bytes, set_aside
+            producer, kafka.dead_letter_topic, letters, kafka.max_event_bytes, set_aside
         )
     finally:
         # Written = left ``pending`` without being set aside (also when a later one failed).
-        still = {id(item) for item in pending}
+        still = {id(item) for item in letters.pending}
         for item in sent:
             if id(item) in still or id(item) in rejected:
                 continue
