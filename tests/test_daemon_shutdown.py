@@ -13,12 +13,21 @@ import time
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 
+from layered_cache._keys import backplane_stream_name
 from layered_cache.daemon import Daemon
 from tests.helpers import eventually
-from tests.servers import FAST_GROUP_KWARGS, KafkaBroker, create_topic
-from tests.test_daemon import daemon_config, daemon_process, logged, write_config
+from tests.servers import FAST_GROUP_KWARGS, KafkaBroker, RedisServer, create_topic
+from tests.test_daemon import (
+    daemon_config,
+    daemon_process,
+    logged,
+    price_changed,
+    producer,
+    write_config,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -94,5 +103,63 @@ async def test_sigterm_during_a_rebalance_the_broker_does_not_finish_exits_withi
             async with asyncio.timeout(15):
                 await joining.stop()
         if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+GRACE = 25.0  # under the 30 s terminationGracePeriodSeconds / TimeoutStopSec
+
+
+async def _stop_within_the_grace(daemon: Daemon, task: asyncio.Task[None]) -> float:
+    """stop() as a SIGTERM does; how long the daemon took to end (it must, in GRACE)."""
+    stopped_at = time.monotonic()
+    daemon.stop()
+    done, _ = await asyncio.wait({task}, timeout=GRACE)
+    took = time.monotonic() - stopped_at
+    assert done, f"stop() not done {took:.0f}s after SIGTERM (SIGKILL would come first)"
+    task.result()
+    return took
+
+
+async def _batch_past_its_deletes_with_the_broker_dead(
+    daemon: Daemon, server: RedisServer, broker: KafkaBroker, topic: str, events: list[bytes]
+) -> None:
+    """``events`` read as one batch whose deletes wait on a Redis outage; the broker dies,
+    Redis comes back: the deletes and the backplane XADD go through, and the batch goes
+    on to its dead letters and commit with no broker to answer."""
+    assert await eventually(lambda: bool(daemon.assignment), timeout=20)
+    server.stop()
+    async with producer(broker.bootstrap) as p:
+        for value in events:
+            await p.send(topic, value, partition=0)
+        await p.flush()
+    assert await eventually(lambda: daemon.stats.redis_retries >= 1, timeout=15)
+    broker.kill()
+    server.start()
+    client = aioredis.Redis.from_url(server.url)
+    stream = backplane_stream_name(daemon.config.redis.prefix, daemon.config.backplane.stream)
+    try:
+        assert await eventually(lambda: client.xlen(stream), timeout=15), "deletes never done"
+    finally:
+        await client.aclose()
+    await asyncio.sleep(1.0)  # past its deletes, waiting on the dead broker
+
+
+async def test_sigterm_while_a_batch_commit_waits_on_a_dead_broker_exits_within_the_grace(
+    kafka_broker: KafkaBroker, prefix: str, unique_topic: str
+) -> None:
+    """aiokafka retries a commit to a broker that does not answer with no deadline, and
+    the commit was awaited with no regard for stop(): the daemon never ended while the
+    broker was down. Giving the commit up loses nothing (the batch is read again)."""
+    with RedisServer() as server:
+        await create_topic(kafka_broker.bootstrap, unique_topic, 1)
+        daemon = Daemon(daemon_config(server.url, prefix, kafka_broker.bootstrap, unique_topic))
+        task = asyncio.create_task(daemon.run())
+        try:
+            await _batch_past_its_deletes_with_the_broker_dead(
+                daemon, server, kafka_broker, unique_topic, [price_changed(1)]
+            )
+            await _stop_within_the_grace(daemon, task)
+        finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

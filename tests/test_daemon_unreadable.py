@@ -175,7 +175,7 @@ async def test_a_record_too_large_is_set_aside_though_a_catch_up_commit_ran_befo
 
     tp = TopicPartition("catalog-events", 0)
     consumer = _BufferingCutBatchConsumer(tp, too_large=2, end=5)
-    commits = Commits(DaemonStats())
+    commits = Commits(DaemonStats(), asyncio.Event())
     handled: list[int] = []
     set_aside: list[int] = []
 

@@ -1,9 +1,10 @@
 """Offset commits: the daemon's one way to commit, and what it committed.
 
-A commit refused (the partitions moved) or failed (broker trouble) is counted and
-logged, never raised: the batch is read again by the next owner, or covered by a later
-commit of the same partition (commits are cumulative). ``committed`` keeps what was
-committed per owned partition, for the watch's lag gauge.
+A commit refused (the partitions moved), failed (broker trouble) or given up on stop()
+(aiokafka retries a commit to a broker that does not answer with no deadline:
+``stopping``) is counted and logged, never raised: the batch is read again by the next
+owner, or covered by a later commit of the same partition (commits are cumulative).
+``committed`` keeps what was committed per owned partition, for the watch's lag gauge.
 
 Transactions: a transactional producer (Debezium or Kafka Streams exactly-once
 outboxes, librdkafka ``transactional.id``) ends each transaction with a control record,
@@ -23,6 +24,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon.stats import DaemonStats
+from layered_cache.daemon.stopping import STOP_GRACE, Stopped, unless_stopped
 
 __all__ = ["Commits"]
 
@@ -34,14 +36,21 @@ _POSITION_WAIT = 0.5
 class Commits:
     """Commits offsets, counting failures; ``committed`` is what it committed."""
 
-    def __init__(self, stats: DaemonStats) -> None:
+    def __init__(self, stats: DaemonStats, stopping: asyncio.Event) -> None:
         self._stats = stats
+        self._stopping = stopping
         self.committed: dict[TopicPartition, int] = {}  # per owned partition (the watch's lag)
 
     async def commit(self, consumer: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> bool:
         """True once committed; a failure is counted and logged, never raised."""
         try:
-            await consumer.commit(offsets)
+            await unless_stopped(lambda: consumer.commit(offsets), self._stopping, STOP_GRACE)
+        except Stopped:
+            # The broker did not answer within the grace of a SIGTERM: the batch is read
+            # again by the next owner (at-least-once), the daemon exits before the SIGKILL.
+            self._stats.commit_failures += 1
+            _log.warning("commit_given_up_stopping", waited_s=STOP_GRACE)
+            return False
         except (CommitFailedError, IllegalStateError) as exc:
             # The partitions moved in a rebalance: their next owner reads this batch again
             # from the last commit and re-deletes (idempotent). Nothing is lost.

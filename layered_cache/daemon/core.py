@@ -93,13 +93,14 @@ class Daemon:
         self.decoder = EventDecoder(config)
         self.stats = DaemonStats()
         self.lag: dict[tuple[str, int], int] = {}  # per owned partition: last batch, or watch
-        self._commits = Commits(self.stats)  # commits, and what was committed (the watch's lag)
+        self._stopping = asyncio.Event()
+        # Commits, and what was committed (the watch's lag).
+        self._commits = Commits(self.stats, self._stopping)
         # Replaced, never changed in place, at every rebalance: the watch's ``broker_lag``
         # tells by the set's identity that a rebalance happened during its round trips.
         self.assignment: set[TopicPartition] = set()
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
-        self._stopping = asyncio.Event()
         self._retrier = Retrier(self._stopping, self.stats, config.kafka.retry_max_backoff)
         self.started = asyncio.Event()
         self.health: HealthServer | None = None

@@ -17,6 +17,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from layered_cache._config import KafkaConfig
 from layered_cache.daemon.header_names import lenient_fetches
+from layered_cache.daemon.stopping import Stopped, unless_stopped
 
 __all__ = [
     "FETCH_MAX_WAIT_MS",
@@ -164,27 +165,13 @@ async def poll(
     an await right before it returns, so a cancelled getmany consumed nothing. (It
     leaves aiokafka's count of polls in progress one too high, which only its
     ``max_poll_interval_ms`` check reads, on a consumer that is closed next.)"""
-    if stopping.is_set():
-        return None
-    fetch = asyncio.ensure_future(
-        consumer.getmany(*partitions, timeout_ms=POLL_MS, max_records=max_records)
-    )
-    stop = asyncio.ensure_future(stopping.wait())
     try:
-        await asyncio.wait((fetch, stop), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        fetch.cancel()  # this task cancelled: so is the poll, which consumed nothing
-        raise
-    finally:
-        stop.cancel()
-    if fetch.done():
-        records: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = fetch.result()
-        return records  # records that came with stop() are handled, as before
-    fetch.cancel()
-    await asyncio.wait((fetch,))  # let it end; our own cancellation still gets through
-    if not fetch.cancelled():
-        fetch.exception()  # ended otherwise as it was cancelled: stopping, left unread
-    return None
+        return await unless_stopped(
+            lambda: consumer.getmany(*partitions, timeout_ms=POLL_MS, max_records=max_records),
+            stopping,
+        )
+    except Stopped:
+        return None  # given up (``unless_stopped``): it consumed nothing
 
 
 async def uncommitted_starts(
