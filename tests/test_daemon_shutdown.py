@@ -163,3 +163,29 @@ async def test_sigterm_while_a_batch_commit_waits_on_a_dead_broker_exits_within_
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_sigterm_while_dead_letters_wait_for_the_metadata_of_a_dead_broker_exits_within_the_grace(
+    kafka_broker: KafkaBroker, prefix: str, unique_topic: str
+) -> None:
+    """A send to a topic the producer has no metadata for waits for it (40 s), and the
+    poison records of a batch were sent one after the other: 3 poison records held one
+    attempt 2 minutes, and stop() was only looked at between attempts. (A broker up
+    whose dead-letter topic is missing, auto-creation off, does the same.)"""
+    with RedisServer() as server:
+        await create_topic(kafka_broker.bootstrap, unique_topic, 1)
+        daemon = Daemon(daemon_config(server.url, prefix, kafka_broker.bootstrap, unique_topic))
+        task = asyncio.create_task(daemon.run())
+        try:
+            await _batch_past_its_deletes_with_the_broker_dead(
+                daemon,
+                server,
+                kafka_broker,
+                unique_topic,
+                [b"not json 1", b"not json 2", b"not json 3", price_changed(1)],
+            )
+            await _stop_within_the_grace(daemon, task)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert daemon.stats.commits == 0  # nothing committed past the poison

@@ -45,6 +45,7 @@ from layered_cache.daemon.kafka import KafkaClients, KafkaSetupError, poll, unco
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
+from layered_cache.daemon.stopping import STOP_GRACE, unless_stopped
 from layered_cache.daemon.unreadable import UNREADABLE, read_carefully, rewind
 from layered_cache.daemon.watch import Watch, broker_lag
 
@@ -230,11 +231,7 @@ class Daemon:
                 return False  # stopping or partitions revoked: not committed, read again later
             self.purges.submit((key for key, _ in keys), batch.tags)  # queued, never awaited
             letters = DeadLetters(batch.poison)
-            if letters.pending and not await self._retrier.until_done(
-                "dead_letter",
-                lambda: dead_letter(self._kafka.producer, self.config.kafka, letters, self.stats),
-                (Exception,),
-            ):
+            if letters.pending and not await self._dead_letter(letters):
                 return False
             await self._commit(batch.offsets)
         self.lag.update({(tp.topic, tp.partition): behind for tp, behind in batch.lag.items()})
@@ -249,13 +246,8 @@ class Daemon:
         partition another daemon owned, ours starving) and its seek then crashed us."""
         consumer = self._kafka.consumer
         assert consumer is not None
-        letters = DeadLetters([poison])
         with self._retrier.in_flight():
-            if not await self._retrier.until_done(
-                "dead_letter",
-                lambda: dead_letter(self._kafka.producer, self.config.kafka, letters, self.stats),
-                (Exception,),
-            ):
+            if not await self._dead_letter(DeadLetters([poison])):
                 return False  # stopping or partitions revoked: read again later
             try:
                 consumer.seek(tp, poison.offset + 1)
@@ -263,6 +255,21 @@ class Daemon:
                 return False  # written as it moved: its owner reads it again (a duplicate)
             await self._commit({tp: poison.offset + 1})
         return True
+
+    async def _dead_letter(self, letters: DeadLetters) -> bool:
+        """Retried while it may pass; False if given up (stopping, revoked). An attempt
+        gives way to ``stop()`` after STOP_GRACE: with the broker gone it waits for the
+        topic's metadata and the acks, a SIGTERM unseen until the SIGKILL (``stopping``)."""
+        kafka, stats = self.config.kafka, self.stats
+        return await self._retrier.until_done(
+            "dead_letter",
+            lambda: unless_stopped(
+                lambda: dead_letter(self._kafka.producer, kafka, letters, stats),
+                self._stopping,
+                STOP_GRACE,
+            ),
+            (Exception,),
+        )
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         assert self._kafka.consumer is not None

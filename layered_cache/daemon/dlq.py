@@ -31,6 +31,7 @@ from aiokafka.errors import (
     CorruptRecordException,
     InvalidMessageError,
     InvalidTimestampError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
     RecordTooLargeError,
@@ -88,6 +89,8 @@ REJECTED: tuple[type[BaseException], ...] = (
 #: answered so on this many attempts in a row is refused for good, as ``REJECTED`` is:
 #: retried for ever, it stalled its partition.
 UNKNOWN_ATTEMPTS = 3
+#: How long an attempt waits for the dead-letter topic's metadata (once, before sending).
+METADATA_WAIT = 10.0
 
 
 class Poison(msgspec.Struct, frozen=True):
@@ -221,6 +224,17 @@ async def _answers(
     return await asyncio.gather(*futures, return_exceptions=True)
 
 
+async def _wait_for_metadata(producer: Any, topic: str) -> None:
+    """Once per attempt, bounded: each send to a topic whose metadata the producer lacks
+    waits for it itself (``request_timeout_ms``, 40 s), and the records are queued one
+    after the other: with the broker gone, N records held one attempt N x 40 s."""
+    try:
+        async with asyncio.timeout(METADATA_WAIT):
+            await producer.partitions_for(topic)
+    except TimeoutError:
+        raise KafkaTimeoutError(f"no metadata for {topic!r} within {METADATA_WAIT:g} s") from None
+
+
 async def send_dead_letters(
     producer: Any,
     topic: str,
@@ -234,6 +248,7 @@ async def send_dead_letters(
     ``on_rejected`` is told), leave ``letters.pending``. If any failed transiently, it
     keeps exactly those and the first such error is raised: the caller retries only them
     (a duplicate on the DLQ is acceptable, losing a poison event is not)."""
+    await _wait_for_metadata(producer, topic)
     results = await _answers(producer, topic, letters, max_event_bytes)
     transient: list[Poison] = []
     first: BaseException | None = None

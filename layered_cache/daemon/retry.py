@@ -19,6 +19,7 @@ import structlog
 from layered_cache._backoff import Backoff
 from layered_cache.daemon.dlq import cap_text
 from layered_cache.daemon.stats import DaemonStats
+from layered_cache.daemon.stopping import Stopped
 
 __all__ = ["Retrier"]
 
@@ -111,6 +112,9 @@ class Retrier:
             while True:
                 try:
                     await attempt()
+                except Stopped:  # the attempt gave way to stop() (``unless_stopped``)
+                    _log.warning(f"{what}_abandoned_uncommitted", reason="stopping")
+                    return False
                 except failures as exc:
                     self.retrying = what
                     self._stats.redis_retries += what == "invalidate"
