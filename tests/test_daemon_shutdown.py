@@ -189,3 +189,31 @@ async def test_sigterm_while_dead_letters_wait_for_the_metadata_of_a_dead_broker
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     assert daemon.stats.commits == 0  # nothing committed past the poison
+
+
+async def test_sigterm_while_connecting_to_a_broker_that_never_answers_exits_within_the_grace(
+    redis_url: str, prefix: str, unique_topic: str
+) -> None:
+    """A hung broker, a stalled load balancer: connections accepted, nothing answered.
+    aiokafka's bootstrap waits 40 s for the answer (longer for a consumer start that got
+    further), and stop() was only looked at between connect attempts: SIGKILL, no
+    daemon_stopped, the health server and the Redis client never closed."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # read nothing, answer nothing, keep the connection open
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    daemon = Daemon(daemon_config(redis_url, prefix, f"127.0.0.1:{port}", unique_topic))
+    task = asyncio.create_task(daemon.run())
+    try:
+        assert await eventually(lambda: bool(held), timeout=10), "never connected"
+        await asyncio.sleep(1.0)  # its bootstrap request is waiting for an answer
+        await _stop_within_the_grace(daemon, task)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for writer in held:
+            writer.close()
+        server.close()

@@ -19,7 +19,7 @@ import structlog
 from layered_cache._backoff import Backoff
 from layered_cache.daemon.dlq import cap_text
 from layered_cache.daemon.stats import DaemonStats
-from layered_cache.daemon.stopping import Stopped
+from layered_cache.daemon.stopping import Stopped, unless_stopped
 
 __all__ = ["Retrier"]
 
@@ -77,11 +77,16 @@ class Retrier:
         """``connect`` until it works (True) or ``stop()`` is called (False).
 
         An unreachable broker at start is the normal case in a fleet coming up (the
-        broker, DNS or the network may follow the daemon): retry, /readyz says 503."""
+        broker, DNS or the network may follow the daemon): retry, /readyz says 503. An
+        attempt gives way to ``stop()`` at once: aiokafka's bootstrap waits 40 s for a
+        broker that accepts connections and never answers, and a SIGTERM went unseen
+        past the SIGKILL. What it started is closed by the caller's shutdown."""
         backoff = Backoff(base=_CONNECT_BASE, cap=max(_CONNECT_BASE, self._max_backoff))
         while not self._stopping.is_set():
             try:
-                await connect()
+                await unless_stopped(connect, self._stopping)
+            except Stopped:
+                return False
             except failures as exc:
                 await disconnect()
                 self.retrying = "connect"
