@@ -23,16 +23,20 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 import structlog
+from aiokafka.structs import TopicPartition
 
+from layered_cache import LayeredCache, ReplicaCountMismatch
 from layered_cache._config import Config
+from layered_cache._keys import replica_names
 from layered_cache._logs import FORMAT_ENV, SALT_ENV, redact_key, reset_logging
 from layered_cache.daemon import Daemon
 from layered_cache.daemon.core import DaemonStartError
 from layered_cache.daemon.main import setup_logging
 from tests.helpers import eventually, make_config
-from tests.servers import KafkaBroker, create_topic, free_port
+from tests.servers import KafkaBroker, RedisServer, create_topic, free_port
 from tests.test_daemon import (
     ROOT,
+    committed,
     daemon_config,
     existing,
     http_get,
@@ -140,6 +144,55 @@ async def test_stop_while_the_broker_is_unreachable_ends_the_daemon_cleanly(
     daemon.stop()
     await asyncio.wait_for(task, 10)
     assert not daemon.started.is_set()
+
+
+async def test_a_daemon_started_while_redis_was_down_stops_on_another_replica_count_before_it_commits(
+    prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """The fleet writes 8 replicas per hot key; a daemon configured with 2 starts while
+    Redis is down (a fleet coming up: Redis may follow the daemon). It started
+    unchecked and never checked again: at the first event it deleted book:1 and
+    replicas #0 and #1 and committed, replicas #2..#7 served the old value for their
+    TTL. It now checks before its first delete and stops with ReplicaCountMismatch."""
+    server = RedisServer()
+    server.start()
+    try:
+        server.stop()  # Redis is down while the daemon starts
+        await create_topic(kafka_bootstrap, unique_topic, 1)
+        daemon_namespaces = {"book": {"key": "book:{id}", "hot": {"replicas": 2}}}
+        config = daemon_config(
+            server.url, prefix, kafka_bootstrap, unique_topic, namespaces=daemon_namespaces
+        )
+        daemon = Daemon(config)
+        task = asyncio.create_task(daemon.run())
+        try:
+            assert await eventually(lambda: bool(daemon.assignment), timeout=20)
+            server.start()
+            fleet = {"book": {"key": "book:{id}", "hot": {"replicas": 8}}}
+            async with LayeredCache.from_config(make_config(server.url, prefix, fleet)):
+                pass  # the fleet records its count
+            key = f"{prefix}book:1"
+            names = [key, *replica_names(key, 8)]
+            client = aioredis.Redis.from_url(server.url)
+            try:
+                for name in names:
+                    await client.set(name, b"old", ex=600)
+                async with producer(kafka_bootstrap) as p:
+                    await p.send_and_wait(unique_topic, price_changed(1), partition=0)
+                done, _ = await asyncio.wait({task}, timeout=20)
+                assert done, "the daemon went on with another replica count"
+                assert await existing(client, names) == names  # nothing deleted
+            finally:
+                await client.aclose()
+            with pytest.raises(ReplicaCountMismatch, match=r"hot\.replicas = 2 here, 8"):
+                task.result()
+            tp = TopicPartition(unique_topic, 0)
+            assert (await committed(kafka_bootstrap, config.kafka.group_id, [tp]))[0] == 0
+        finally:
+            daemon.stop()
+            await asyncio.gather(task, return_exceptions=True)
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize(

@@ -50,15 +50,23 @@ class Deleter:
             publisher = BackplanePublisher(self.client, stream, config.backplane.maxlen)
         self._store = L2Store(self.client, breaker)
         self._invalidator = Invalidator(self._store, publisher)
+        self._replicas_checked = False
 
     async def check_replicas(self) -> None:
         """Raise ReplicaCountMismatch if this config's hot.replicas differ from the fleet's:
-        the daemon would leave replicas behind. Redis unreachable: start unchecked."""
-        config = self._config
+        the daemon would leave replicas behind. Redis unreachable: start, and check
+        before the first delete (``delete``)."""
         try:
-            await check_replica_counts(self.client, config.redis.prefix, replica_counts(config))
+            await self._check_replicas()
         except REDIS_FAILURES as exc:
-            _log.warning("replica_counts_unchecked", error=type(exc).__name__)
+            _log.warning(
+                "replica_counts_unchecked", error=type(exc).__name__, until="first_delete"
+            )
+
+    async def _check_replicas(self) -> None:
+        config = self._config
+        await check_replica_counts(self.client, config.redis.prefix, replica_counts(config))
+        self._replicas_checked = True
 
     async def check_memory_policy(self) -> None:
         """Log each master's maxmemory-policy and what it means when Redis is full."""
@@ -70,7 +78,16 @@ class Deleter:
         self, keys: list[tuple[str, int]], stats: DaemonStats, tags: Sequence[str] = ()
     ) -> None:
         """Raises DELETE_FAILURES; the chunks done before a failure stay done (and are
-        redone by the retry: deleting is idempotent, and so is a new tag version)."""
+        redone by the retry: deleting is idempotent, and so is a new tag version).
+        Raises ReplicaCountMismatch (the daemon stops) before deleting anything if the
+        count could not be checked at start and differs from the fleet's."""
+        if not self._replicas_checked:
+            # Redis was down at start. Unchecked, a daemon with another hot.replicas
+            # deleted a key's replicas up to its own count and committed: the fleet's
+            # others served the old value for their TTL. The library starts unchecked
+            # (it must work without Redis); the daemon can't delete without it anyway.
+            # A Redis failure here is retried with the batch, nothing committed before.
+            await self._check_replicas()
         invalidator = self._invalidator
         for start in range(0, len(keys), _CHUNK):
             before = invalidator.fallback_deliveries
