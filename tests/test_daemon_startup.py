@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -28,14 +29,21 @@ from aiokafka.structs import TopicPartition
 from layered_cache import LayeredCache, ReplicaCountMismatch
 from layered_cache._config import Config
 from layered_cache._keys import replica_names
-from layered_cache._logs import FORMAT_ENV, SALT_ENV, redact_key, reset_logging
+from layered_cache._logs import (
+    FORMAT_ENV,
+    SALT_ENV,
+    configure_logging,
+    redact_key,
+    reset_logging,
+)
 from layered_cache.daemon import Daemon
 from layered_cache.daemon.core import DaemonStartError
 from layered_cache.daemon.main import setup_logging
 from tests.helpers import eventually, make_config
-from tests.servers import KafkaBroker, RedisServer, create_topic, free_port
+from tests.servers import KafkaBroker, RedisClusterServers, RedisServer, create_topic, free_port
 from tests.test_daemon import (
     ROOT,
+    ROUTES,
     committed,
     daemon_config,
     existing,
@@ -419,6 +427,48 @@ async def test_with_redact_keys_no_log_line_or_dlq_reason_carries_a_raw_key_valu
         assert not any(secret in reason for reason in reasons), reasons
     assert redact_key(secrets[0], b"pepper") in reasons[0]
     assert redact_key(secrets[1], b"pepper") in reasons[1]
+
+
+async def test_with_redact_keys_no_raw_key_reaches_the_log_while_a_cluster_master_is_down(
+    prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """In a cluster the deletes go as a cluster pipeline, and redis-py's error for a
+    pipeline that lost its node quotes the command with its arguments (``Command # 2
+    (DEL {p:book:52}:lease) of pipeline caused error``): every invalidate_failed_retrying
+    line carried raw keys (an e-mail, a user id), in the incident whose logs are read."""
+    secrets = [f"user.{i}@example.com" for i in range(30)]
+    out = io.StringIO()
+    with RedisClusterServers(3) as cluster:
+        await create_topic(kafka_bootstrap, unique_topic, 1)
+        kafka = msgspec.structs.asdict(
+            daemon_config(cluster.url, prefix, kafka_bootstrap, unique_topic).kafka
+        )
+        config = make_config(
+            cluster.url,
+            prefix,
+            {"book": {"key": "book:{id}", "hot": {"replicas": 2}}},
+            redis={"cluster": True, "timeout": "1s"},
+            kafka=kafka,
+            events=ROUTES,
+            logging={"format": "json", "redact_keys": True},
+        )
+        configure_logging(config.logging, stream=out, env={SALT_ENV: "pepper"}, force=True)
+        try:
+            daemon = Daemon(config)
+            async with running(daemon):
+                cluster.servers[1].kill()  # a master, a third of the slots
+                async with producer(kafka_bootstrap) as p:
+                    for secret in secrets:  # some keys hash to the dead master's slots
+                        book = msgspec.json.encode({"type": "BookPriceChanged", "book_id": secret})
+                        await p.send(unique_topic, book, partition=0)
+                    await p.flush()
+                assert await eventually(lambda: daemon.stats.redis_retries >= 3, timeout=20)
+        finally:
+            reset_logging()
+    text = out.getvalue()
+    assert "invalidate_failed_retrying" in text
+    leaked = [line for line in text.splitlines() if any(s in line for s in secrets)]
+    assert not leaked, leaked[:1]
 
 
 @pytest.mark.parametrize("port", ["70000", "-5"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import structlog
@@ -102,7 +103,12 @@ class Daemon:
         self.assignment: set[TopicPartition] = set()
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
-        self._retrier = Retrier(self._stopping, self.stats, config.kafka.retry_max_backoff)
+        self._retrier = Retrier(
+            self._stopping,
+            self.stats,
+            config.kafka.retry_max_backoff,
+            redact_keys=config.logging.redact_keys,
+        )
         self.started = asyncio.Event()
         self.health: HealthServer | None = None
         self._deleter: Deleter | None = None
@@ -258,18 +264,11 @@ class Daemon:
 
     async def _dead_letter(self, letters: DeadLetters) -> bool:
         """Retried while it may pass; False if given up (stopping, revoked). An attempt
-        gives way to ``stop()`` after STOP_GRACE: with the broker gone it waits for the
-        topic's metadata and the acks, a SIGTERM unseen until the SIGKILL (``stopping``)."""
-        kafka, stats = self.config.kafka, self.stats
-        return await self._retrier.until_done(
-            "dead_letter",
-            lambda: unless_stopped(
-                lambda: dead_letter(self._kafka.producer, kafka, letters, stats),
-                self._stopping,
-                STOP_GRACE,
-            ),
-            (Exception,),
-        )
+        gives way to ``stop()`` after STOP_GRACE (``stopping``): with the broker gone it
+        waits for the topic's metadata and the acks, a SIGTERM unseen until the SIGKILL."""
+        write = partial(dead_letter, self._kafka.producer, self.config.kafka, letters, self.stats)
+        attempt = partial(unless_stopped, write, self._stopping, STOP_GRACE)
+        return await self._retrier.until_done("dead_letter", attempt, (Exception,))
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         assert self._kafka.consumer is not None

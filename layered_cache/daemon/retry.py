@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import structlog
 
 from layered_cache._backoff import Backoff
+from layered_cache.daemon.deletes import DELETE_FAILURES
 from layered_cache.daemon.dlq import cap_text
 from layered_cache.daemon.stats import DaemonStats
 from layered_cache.daemon.stopping import Stopped, unless_stopped
@@ -37,10 +38,18 @@ class Retrier:
     of retrying for a partition another daemon now owns.
     """
 
-    def __init__(self, stopping: asyncio.Event, stats: DaemonStats, max_backoff: float) -> None:
+    def __init__(
+        self,
+        stopping: asyncio.Event,
+        stats: DaemonStats,
+        max_backoff: float,
+        *,
+        redact_keys: bool = False,
+    ) -> None:
         self._stopping = stopping
         self._stats = stats
         self._max_backoff = max_backoff
+        self._redact_keys = redact_keys  # ``logging.redact_keys``: see ``_error``
         self.retrying: str | None = None
         self.abandon = False
         self._idle = asyncio.Event()  # clear while a batch (or a set-aside) is in flight
@@ -126,7 +135,7 @@ class Retrier:
                     delay = backoff.next_delay()
                     _log.warning(
                         f"{what}_failed_retrying",
-                        error=cap_text(f"{type(exc).__name__}: {exc}"),
+                        error=self._error(exc),
                         attempt=backoff.attempt,
                         retry_in=round(delay, 3),
                     )
@@ -145,6 +154,21 @@ class Retrier:
             # its partitions mid-retry at /readyz 503 forever - no later batch ran on it
             # to clear the flag.
             self.retrying = None
+
+    def _error(self, exc: BaseException) -> str:
+        """``Type: message``; a Redis failure's with ``logging.redact_keys``, its types
+        only (``L2Unavailable: ConnectionError``): redis-py's messages quote the commands
+        that failed with their arguments (``Command # 2 (DEL {p:book:52}:lease) of
+        pipeline caused error: ...``), and the log hashes keys in its ``key``/``keys``
+        fields only. A cluster master dying put raw keys in every retry's log line."""
+        if not (self._redact_keys and isinstance(exc, DELETE_FAILURES)):
+            return cap_text(f"{type(exc).__name__}: {exc}")
+        names: list[str] = []
+        cause: BaseException | None = exc
+        while cause is not None and len(names) < 4:
+            names.append(type(cause).__name__)
+            cause = cause.__cause__ or cause.__context__
+        return ": ".join(names)
 
     async def _pause(self, delay: float) -> None:
         """Sleep ``delay`` seconds, or less if ``stop()`` is called meanwhile."""
