@@ -41,7 +41,7 @@ from layered_cache._templates import (
 __all__ = [
     "MAX_KEY_LENGTH", "RESERVED_SEGMENT", "KeyTemplate", "backplane_stream_name",
     "fill_channel", "hot_report_name", "is_tag", "lease_name", "loading_set_name",
-    "replica_name", "replica_names", "replica_record_name", "tag_version_name",
+    "replica_name", "replica_names", "replica_record_name", "tag_problem", "tag_version_name",
     "validate_prefix", "validate_tag",
 ]
 
@@ -332,15 +332,24 @@ def is_tag(tag: str) -> bool:
     return len(tag) <= MAX_TAG_LENGTH and _SAFE_VALUE.fullmatch(tag) is not None
 
 
+def tag_problem(tag: str) -> str | None:
+    """What makes ``tag`` no tag, in words that quote none of it (the daemon's reasons
+    under ``logging.redact_keys`` name the tag by its hash), or None for a tag."""
+    if not _SAFE_VALUE.fullmatch(tag):
+        return f"only {SAFE_DESCRIPTION} are allowed"
+    if len(tag) > MAX_TAG_LENGTH:
+        return f"longer than {MAX_TAG_LENGTH} characters"
+    return None
+
+
 def validate_tag(tag: object) -> str:
     """A tag (``book:42``) obeys the key character rules: the same safe characters, a
     length limit, and a clear error naming what is wrong."""
     if not isinstance(tag, str):
         raise TypeError(f"a tag must be a string, not {type(tag).__name__}: {tag!r}")
-    if not _SAFE_VALUE.fullmatch(tag):
-        raise ValueError(f"tag {tag[:80]!r}: only {SAFE_DESCRIPTION} are allowed")
-    if len(tag) > MAX_TAG_LENGTH:
-        raise ValueError(f"tag {tag[:80]!r}...: longer than {MAX_TAG_LENGTH} characters")
+    if (problem := tag_problem(tag)) is not None:
+        shown = f"{tag[:80]!r}..." if len(tag) > 80 else repr(tag)
+        raise ValueError(f"tag {shown}: {problem}")
     return tag
 
 

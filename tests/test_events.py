@@ -274,3 +274,34 @@ def test_a_tag_field_whose_value_names_another_placeholder_is_not_filled_twice()
     tags: list[str] = []
     decoder.collect(b'{"type":"Tagged","author":"ann","ed":"7"}', {}, tags)
     assert tags == ["author:ann:ed:7"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Alice Smith, 12 Harbour Road, Flat 3, Portsmouth PO1 2AB, alice.smith@example.com",
+        "alice.smith." * 30 + "example.com",  # safe characters, but a tag over 256
+    ],
+)
+def test_with_redact_keys_a_rejected_long_tag_is_named_by_its_hash_only(value: str) -> None:
+    """The reason of a tag validate_tag refused was validate_tag's message with the
+    tag's forms replaced by its hash; it quotes the first 80 characters, which no
+    replacement found: a tag over 80 characters (the route's text and the producer's
+    value) went out in clear, in the DLQ header and the log line."""
+    from layered_cache._logs import redact_key
+    from tests.helpers import make_config
+
+    config = make_config(
+        "redis://127.0.0.1:1/0",
+        "p:",
+        {"author": {"key": "author:{id}", "tags": True}},
+        logging={"redact_keys": True},
+        events=[{"type": "AuthorRenamed", "invalidate": [{"tag": "author:{name}"}]}],
+    )
+    decoder = EventDecoder(config, env={"LAYERED_CACHE_LOG_REDACT_SALT": "pepper"})
+    event = msgspec.json.encode({"type": "AuthorRenamed", "name": value})
+    with pytest.raises(PoisonEvent) as collected:
+        decoder.collect(event, {}, [])  # the daemon's way
+    for reason in (poison_reason(decoder, event), collected.value.reason):
+        assert value[:12] not in reason, reason
+        assert redact_key(f"author:{value}", b"pepper") in reason
