@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from redis.exceptions import OutOfMemoryError
+
 from layered_cache._backplane import Announcement, BackplanePublisher
 from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._config import Config
@@ -111,8 +113,16 @@ async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping
     name = replica_record_name(prefix)
     args = [part for field, count in counts.items() for part in (field, str(count))]
     record = client.register_script(RECORD_COUNTS_SCRIPT)  # EVALSHA, as every script
-    found: list[Any] = await record(keys=[name], args=args)
-    recorded = {_text(found[i]): _text(found[i + 1]) for i in range(0, len(found), 2)}
+    try:
+        found: list[Any] = await record(keys=[name], args=args)
+        recorded = {_text(found[i]): _text(found[i + 1]) for i in range(0, len(found), 2)}
+    except OutOfMemoryError:
+        # Full under noeviction: a field is missing and can't be written. Compared with
+        # what is recorded all the same (the daemon checks before its first delete,
+        # and deletes work on a full Redis: refusing here stalled it).
+        seen = await client.hmget(name, list(counts))
+        recorded = {f: _text(v) for f, v in zip(counts, seen, strict=True) if v is not None}
+        recorded = {f: v for f, v in recorded.items() if v != str(counts[f])}
     wrong = [
         f"{_what(field)}: hot.replicas = {count} here, {recorded[field]} recorded"
         for field, count in counts.items()

@@ -169,23 +169,27 @@ return version
 # KEYS[1] the replica record; ARGV field, count, field, count, ...: every field recorded
 # with another count, with it (field, recorded, ...); nothing is written unless none is.
 # A record of another type (another client's SET) is replaced: its WRONGTYPE read as
-# "Redis unreachable" at start, and every process started unchecked.
+# "Redis unreachable" at start, and every process started unchecked. Only missing fields
+# are written: a Redis full under noeviction refuses any write, and a fleet that
+# recorded everything already is checked with reads alone (``check_replica_counts``).
 RECORD_COUNTS_SCRIPT = """
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind ~= 'hash' and kind ~= 'none' then
   redis.call('DEL', KEYS[1])
 end
-local wrong = {}
+local wrong, missing = {}, {}
 for i = 1, #ARGV, 2 do
   local seen = redis.call('HGET', KEYS[1], ARGV[i])
-  if seen and seen ~= ARGV[i + 1] then
+  if not seen then
+    missing[#missing + 1] = i
+  elseif seen ~= ARGV[i + 1] then
     wrong[#wrong + 1] = ARGV[i]
     wrong[#wrong + 1] = seen
   end
 end
 if #wrong == 0 then
-  for i = 1, #ARGV, 2 do
-    redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+  for _, i in ipairs(missing) do
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   end
 end
 return wrong

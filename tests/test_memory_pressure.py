@@ -19,7 +19,7 @@ import redis.asyncio as redis
 import structlog
 from redis.exceptions import OutOfMemoryError
 
-from layered_cache import LayeredCache
+from layered_cache import LayeredCache, ReplicaCountMismatch
 from layered_cache._l1 import MISSING
 from layered_cache._memory_policy import consequence, read_memory_policies
 from layered_cache.cli import main
@@ -649,3 +649,30 @@ async def test_on_a_full_noeviction_redis_a_key_read_ten_times_is_loaded_once_pe
             await admin.config_set("maxmemory", 0)
     await admin.aclose()
     assert loader.calls == 1
+
+
+async def test_the_daemons_replica_check_on_a_full_noeviction_redis_compares_and_deletes(
+    prefix: str,
+) -> None:
+    """The daemon checks the fleet's replica counts before its first delete; recording a
+    missing count is a write a full noeviction Redis refuses, and the check raised on
+    every batch: the daemon stalled where its DELs would have worked. It compares with
+    what is recorded instead (a mismatch still stops it)."""
+    with full_redis("noeviction") as server:
+        plain = make_config(server.url, prefix)  # book: no replicas
+        namespaces = {"book": {"key": "book:{id}", "hot": {"replicas": 4}}, "author": {"key": "author:{id}"}}
+        hot = make_config(server.url, prefix, namespaces)  # author: not recorded yet
+        async with LayeredCache.from_config(plain) as cache:  # records book: 0
+            await cache.set("book", {"id": 1}, "v")
+            key = cache.key("book", {"id": 1})
+            async with kept_full(server.url):
+                await over_the_limit(server.url)
+                grown = make_config(server.url, prefix, {**namespaces, "book": {"key": "book:{id}"}})
+                deleter = Deleter(grown)  # author's count can't be recorded: compared
+                await deleter.delete([(key, 0)], DaemonStats())
+                await deleter.close()
+                wrong = Deleter(hot)
+                with pytest.raises(ReplicaCountMismatch):
+                    await wrong.delete([(key, 4)], DaemonStats())
+                await wrong.close()
+            assert await cache.get("book", {"id": 1}) is None
