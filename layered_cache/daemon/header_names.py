@@ -30,20 +30,27 @@ from typing import Any
 
 from aiokafka.consumer import fetcher
 from aiokafka.errors import CorruptRecordException
-from aiokafka.record.default_records import _DefaultRecordBatchPy, _DefaultRecordPy
 from aiokafka.record.util import decode_varint
+
+try:  # aiokafka's pure-Python batch and record: private, so maybe gone in a later one
+    from aiokafka.record.default_records import _DefaultRecordBatchPy, _DefaultRecordPy
+except ImportError:  # then no lenient reading: such a record is set aside (``unreadable``)
+    _DefaultRecordBatchPy = _DefaultRecordPy = None
+_BatchPy: Any = _DefaultRecordBatchPy or object  # ``_LenientBatch``'s base (unused if None)
 
 __all__ = ["lenient_fetches"]
 
 _LENIENT: ContextVar[bool] = ContextVar("layered_cache_lenient_header_names", default=False)
 _MEMORY_RECORDS: Any = getattr(fetcher, "MemoryRecords", None)  # aiokafka's own
 _LOG_OVERHEAD = 12  # every batch, v0 to v2: base offset (8 bytes), length (4), then length
+_MAGIC_AT = 16  # after the offset, length and partition leader epoch (4): the format
 
 
 @contextlib.contextmanager
 def lenient_fetches() -> Iterator[None]:
     """Around a consumer's ``start()``: its fetches read header names leniently."""
-    if _MEMORY_RECORDS is not None and fetcher.MemoryRecords is _MEMORY_RECORDS:
+    hookable = _MEMORY_RECORDS is not None and _DefaultRecordBatchPy is not None
+    if hookable and fetcher.MemoryRecords is _MEMORY_RECORDS:
         fetcher.MemoryRecords = _records  # aiokafka changed: left alone (``unreadable``)
     token = _LENIENT.set(True)
     try:
@@ -78,6 +85,10 @@ class _Records:
         start = self._start
         length = int.from_bytes(self._data[start + 8 : start + _LOG_OVERHEAD], "big")
         self._start = start + _LOG_OVERHEAD + length
+        if self._data[start + _MAGIC_AT] != 2:
+            # A legacy message set (magic 0/1): no headers to misread, and its batch is
+            # no iterator of itself (``_Batch`` drives v2 batches only).
+            return batch
         return _Batch(batch, self._data, start, self._start)
 
 
@@ -104,20 +115,28 @@ class _Batch:
         if self._rest is None:
             try:
                 record = next(self._batch)
-            except UnicodeDecodeError:
-                self._rest = self._reread()
+            except UnicodeDecodeError as error:
+                self._rest = self._reread(error)
             else:
                 self._last = record.offset
                 return record
         return next(self._rest)
 
-    def _reread(self) -> Iterator[Any]:
+    def _reread(self, error: UnicodeDecodeError) -> Iterator[Any]:
+        """The records after the last one handed out, names read leniently. Should the
+        re-read itself fail other than on a bad record (aiokafka's batch changed inside),
+        the original error is raised: the record is set aside (``unreadable``), as
+        without this module, rather than the daemon stopping on an unknown error."""
         start, end = self._span
-        last = self._last
-        return (r for r in _LenientBatch(memoryview(self._data)[start:end]) if r.offset > last)
+        try:
+            for record in _LenientBatch(memoryview(self._data)[start:end]):
+                if record.offset > self._last:
+                    yield record
+        except (AttributeError, TypeError, IndexError, KeyError, NameError) as exc:
+            raise error from exc
 
 
-class _LenientBatch(_DefaultRecordBatchPy):  # type: ignore[misc]
+class _LenientBatch(_BatchPy):  # type: ignore[misc]
     """aiokafka's pure-Python batch (its header, decompression, iteration), its records
     read as aiokafka reads them but for the header names."""
 
