@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import NoPermissionError, OutOfMemoryError
 
 from layered_cache._backplane import Announcement, BackplanePublisher
 from layered_cache._clients import REDIS_FAILURES, RedisClient
@@ -89,6 +89,25 @@ def _shape(namespace: str, template: str) -> str:
     return "{}".join(literals)
 
 
+async def _by_plain_commands(
+    client: RedisClient, name: str, counts: Mapping[str, int], record: bool
+) -> dict[str, str]:
+    """The recorded counts that differ from ``counts`` (HMGET); with ``record`` and none,
+    the missing ones recorded (HSETNX each: the first process still wins)."""
+    seen = await client.hmget(name, list(counts))
+    wrong = {
+        field: _text(value)
+        for field, value in zip(counts, seen, strict=True)
+        if value is not None and _text(value) != str(counts[field])
+    }
+    if record and not wrong:
+        pipe = client.pipeline(transaction=False)
+        for field, count in counts.items():
+            pipe.hsetnx(name, field, count)
+        await pipe.execute()
+    return wrong
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -116,13 +135,13 @@ async def check_replica_counts(client: RedisClient, prefix: str, counts: Mapping
     try:
         found: list[Any] = await record(keys=[name], args=args)
         recorded = {_text(found[i]): _text(found[i + 1]) for i in range(0, len(found), 2)}
-    except OutOfMemoryError:
-        # Full under noeviction: a field is missing and can't be written. Compared with
-        # what is recorded all the same (the daemon checks before its first delete,
-        # and deletes work on a full Redis: refusing here stalled it).
-        seen = await client.hmget(name, list(counts))
-        recorded = {f: _text(v) for f, v in zip(counts, seen, strict=True) if v is not None}
-        recorded = {f: v for f, v in recorded.items() if v != str(counts[f])}
+    except (OutOfMemoryError, NoPermissionError) as exc:
+        # Full under noeviction (a missing field can't be written), or a user that may
+        # not run scripts (the daemon needs none otherwise): the same with plain
+        # commands, not in one step. Refusing here stalled the daemon, whose check runs
+        # before its first delete, and deletes work on a full Redis.
+        writable = isinstance(exc, NoPermissionError)
+        recorded = await _by_plain_commands(client, name, counts, writable)
     wrong = [
         f"{_what(field)}: hot.replicas = {count} here, {recorded[field]} recorded"
         for field, count in counts.items()

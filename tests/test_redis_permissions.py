@@ -9,10 +9,12 @@ the first set_many. Each test runs a Redis of its own (ACL users are server-wide
 
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 import structlog
 
 from layered_cache import LayeredCache
@@ -78,3 +80,36 @@ def test_a_database_number_no_redis_accepts_is_refused_at_load() -> None:
     for url in ("redis://h:6379/99999999999999999999", "unix:///tmp/r.sock?db=4294967296"):
         with pytest.raises(ConfigError, match=r"redis\.url: .*(at most|up to) 2147483647"):
             parse_config({"redis": {"url": url}}, env={})
+
+
+async def test_a_daemon_whose_redis_user_may_not_run_scripts_checks_its_replicas_and_deletes(
+    prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """The replica-count check became a script; a daemon whose user may delete but not
+    run scripts (it needs none otherwise) took the NOPERM for an outage and retried every
+    batch for ever, applying nothing. The check runs with plain commands then."""
+    from layered_cache.daemon import Daemon
+    from tests.servers import create_topic
+    from tests.test_daemon import daemon_config, existing, price_changed, producer
+
+    with RedisServer() as server:
+        url = _user_url(server, "invalidator", "-@scripting")
+        await create_topic(kafka_bootstrap, unique_topic, 1)
+        daemon = Daemon(daemon_config(url, prefix, kafka_bootstrap, unique_topic))
+        task = asyncio.create_task(daemon.run())
+        client = aioredis.Redis.from_url(server.url)
+        key = f"{prefix}book:1"
+        try:
+            assert await eventually(lambda: bool(daemon.assignment), timeout=20)
+            await client.set(key, b"old", ex=600)
+            async with producer(kafka_bootstrap) as p:
+                await p.send_and_wait(unique_topic, price_changed(1), partition=0)
+
+            async def deleted() -> bool:
+                return await existing(client, [key]) == []
+
+            assert await eventually(deleted, timeout=15), daemon.stats.redis_retries
+        finally:
+            await client.aclose()
+            daemon.stop()
+            await asyncio.gather(task, return_exceptions=True)
