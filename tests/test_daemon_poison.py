@@ -25,7 +25,7 @@ from confluent_kafka import Producer as RdKafkaProducer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layered_cache.daemon import Daemon
+from layered_cache.daemon import Daemon, dlq
 from layered_cache.daemon.dlq import REASON_BYTES, RECORD_BYTES, Poison, dead_letter_record
 from tests.helpers import eventually
 from tests.servers import KafkaBroker, create_topic
@@ -343,13 +343,18 @@ class _ValidatingBroker(KafkaBroker):
 
 
 async def test_a_dead_letter_the_broker_refuses_as_invalid_is_set_aside_and_the_partition_moves_on(
-    redis_url: str, prefix: str, unique_topic: str, redis_client: aioredis.Redis
+    redis_url: str,
+    prefix: str,
+    unique_topic: str,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Brokers answer INVALID_RECORD (87) for a record they refuse for good (a null key on
     a compacted topic, a value failing broker-side schema validation). aiokafka has no
     class for it: ``UnknownError``, which was retried as transient for ever, the
     partition never committed again. The other dead letter of the batch, one the broker
     accepts, is still written (the broker refused the request they shared)."""
+    monkeypatch.setattr(dlq, "UNKNOWN_FOR", 0.5)  # refused for good after 0.5 s, not 30
     with _ValidatingBroker(f"{unique_topic}.dlq") as broker:
         await create_topic(broker.bootstrap, unique_topic, 1)
         config = daemon_config(redis_url, prefix, broker.bootstrap, unique_topic)

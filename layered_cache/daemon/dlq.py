@@ -21,7 +21,7 @@ capped, the original headers and key get a budget of their own, and a value over
 from __future__ import annotations
 
 import asyncio
-from collections import Counter as Tally
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -86,9 +86,12 @@ REJECTED: tuple[type[BaseException], ...] = (
 #: A broker's answer aiokafka has no class for comes as ``UnknownError``, its code
 #: dropped: INVALID_RECORD (87: a null key on a compacted topic, a value the broker's
 #: schema validation refuses) never passes; UNKNOWN_SERVER_ERROR (-1) may. A record
-#: answered so on this many attempts in a row is refused for good, as ``REJECTED`` is:
-#: retried for ever, it stalled its partition.
+#: answered so on this many attempts in a row, for ``UNKNOWN_FOR`` seconds at least, is
+#: refused for good, as ``REJECTED`` is: retried for ever, it stalled its partition. The
+#: span, not just the count: three quick answers (~0.15 s of backoff) of a broker's
+#: passing hiccup set aside a dead letter, and its original was committed with no copy.
 UNKNOWN_ATTEMPTS = 3
+UNKNOWN_FOR = 30.0
 #: How long an attempt waits for the dead-letter topic's metadata (once, before sending).
 METADATA_WAIT = 10.0
 
@@ -174,7 +177,8 @@ class DeadLetters:
 
     def __init__(self, poison: Iterable[Poison]) -> None:
         self.pending: list[Poison] = list(poison)
-        self._unknown: Tally[tuple[str, int, int]] = Tally()
+        # Per record: the UnknownError answers in a row, and when the first came.
+        self._unknown: dict[tuple[str, int, int], tuple[int, float]] = {}
 
     @property
     def one_by_one(self) -> bool:
@@ -187,11 +191,14 @@ class DeadLetters:
         """Whether ``error``, the answer to ``poison``'s copy, refuses it for good."""
         if isinstance(error, REJECTED):
             return True
-        if not isinstance(error, UnknownError):
-            return False
         where = (poison.topic, poison.partition, poison.offset)
-        self._unknown[where] += 1
-        return self._unknown[where] >= UNKNOWN_ATTEMPTS
+        if not isinstance(error, UnknownError):
+            self._unknown.pop(where, None)  # in a row: another answer starts it again
+            return False
+        now = time.monotonic()
+        count, first = self._unknown.get(where, (0, now))
+        self._unknown[where] = (count + 1, first)
+        return count + 1 >= UNKNOWN_ATTEMPTS and now - first >= UNKNOWN_FOR
 
 
 async def _queue(
