@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
 
 from layered_cache._keys import backplane_stream_name
 from layered_cache.daemon import Daemon
+from layered_cache.daemon.stopping import STOP_GRACE
 from tests.helpers import eventually
 from tests.servers import FAST_GROUP_KWARGS, KafkaBroker, RedisServer, create_topic
 from tests.test_daemon import (
@@ -217,3 +219,40 @@ async def test_sigterm_while_connecting_to_a_broker_that_never_answers_exits_wit
         for writer in held:
             writer.close()
         server.close()
+
+
+class _DeadBrokerConsumer:
+    """A consumer whose commits never get an answer (aiokafka retries them for ever)."""
+
+    def __init__(self, position: int) -> None:
+        self._position = position
+        self.commits = 0
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        self.commits += 1
+        await asyncio.Event().wait()
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self._position
+
+    def highwater(self, tp: TopicPartition) -> int:
+        return self._position
+
+
+async def test_after_a_sigterm_a_batch_spends_at_most_the_grace_on_commits(prefix: str) -> None:
+    """The batch's commit given up after the grace, the catch-up commit that follows
+    every batch re-sent it with a grace of its own: 6 s of the shutdown, not 3."""
+    config = daemon_config("redis://127.0.0.1:1/0", prefix, "127.0.0.1:1", "catalog-events")
+    daemon = Daemon(config, health_port=-1)
+    tp = TopicPartition("catalog-events", 0)
+    consumer = _DeadBrokerConsumer(position=5)
+    daemon._kafka.consumer = consumer  # type: ignore[assignment]
+    daemon._commits.committed[tp] = 3  # an earlier batch's commit went through
+    daemon.stop()  # SIGTERM while the batch [3, 5) is being finished
+    started = time.monotonic()
+    await daemon._commit({tp: 5})  # the batch's own commit, as _handle does
+    await daemon._catch_up(consumer)  # what run() does next after _handle returned True
+    took = time.monotonic() - started
+    assert took < STOP_GRACE + 1.0, (
+        f"{took:.1f}s on commits after the SIGTERM ({consumer.commits} commits tried)"
+    )

@@ -275,8 +275,10 @@ class Daemon:
         await self._commits.commit(self._kafka.consumer, offsets)
 
     async def _catch_up(self, consumer: AIOKafkaConsumer) -> None:
-        """Between batches, the last one done: positions past our commits (the markers
-        that end a producer's transactions) committed, their lag gauge with them."""
+        """Between batches: positions past our commits (transaction markers) committed,
+        and their lag. Not once stopping: the batch's commit had its grace already."""
+        if self._stopping.is_set():
+            return
         for tp, position in (await self._commits.catch_up(consumer)).items():
             high = consumer.highwater(tp)
             self.lag[(tp.topic, tp.partition)] = 0 if high is None else max(0, high - position)
