@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layered_cache import LayeredCache
+from layered_cache._codec import CodecError
 from layered_cache._events import EventDecoder, PoisonEvent
 from tests.helpers import CountingLoader, make_config
 
@@ -84,10 +85,19 @@ def test_any_bytes_in_l2_are_a_miss_then_overwritten(garbage: bytes, redis_url: 
         async with LayeredCache.from_config(config) as cache:
             value = await cache.get_or_load("book", {"id": 1}, CountingLoader({"ok": 1}))
             stored = await admin.get("bad:book:1")
-            decoded = cache.namespace("book").policy.codec.decode(stored) if stored else None
+            stats = cache.stats()["book"]  # shown if this fails: it once did, under load
+            codec = cache.namespace("book").policy.codec
+            try:
+                decoded = codec.decode(stored) if stored else None
+            except CodecError:  # the garbage, left by a fill that didn't happen
+                decoded = None
         await admin.delete("bad:book:1")
         await admin.aclose()
-        assert value == {"ok": 1} or stored == garbage  # a valid envelope of "ok" is fine too
-        assert decoded is not None
+        # a valid envelope of "ok" is fine too
+        assert value == {"ok": 1} or stored == garbage, (value, stored, stats)
+        assert decoded is not None or (stored == garbage and stats["redis_error"]), (
+            stored,
+            stats,
+        )
 
     asyncio.run(scenario())
