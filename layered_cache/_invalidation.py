@@ -23,6 +23,7 @@ and refuse to start when theirs differs, recording nothing (``check_replica_coun
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -92,20 +93,36 @@ def _shape(namespace: str, template: str) -> str:
 async def _by_plain_commands(
     client: RedisClient, name: str, counts: Mapping[str, int], record: bool
 ) -> dict[str, str]:
-    """The recorded counts that differ from ``counts`` (HMGET); with ``record`` and none,
-    the missing ones recorded (HSETNX each: the first process still wins)."""
+    """``RECORD_COUNTS_SCRIPT``'s work in plain commands, not in one step: the recorded
+    counts that differ from ``counts``; with ``record`` and none, the missing ones
+    recorded (HSETNX: the first process wins), then those another process recorded
+    first compared (racing through here, both were let in with different counts). A
+    record of another type is deleted first, as the script does; a user that may not
+    write hashes compares only."""
+    kind = await client.type(name)
+    if _text(kind) not in ("hash", "none"):
+        with contextlib.suppress(NoPermissionError):
+            await client.delete(name)
+    wrong = await _differing(client, name, counts)
+    if not record or wrong:
+        return wrong
+    pipe = client.pipeline(transaction=False)
+    for field, count in counts.items():
+        pipe.hsetnx(name, field, count)
+    try:
+        added = await pipe.execute()
+    except NoPermissionError:
+        return wrong
+    return wrong if all(added) else await _differing(client, name, counts)
+
+
+async def _differing(client: RedisClient, name: str, counts: Mapping[str, int]) -> dict[str, str]:
     seen = await client.hmget(name, list(counts))
-    wrong = {
+    return {
         field: _text(value)
         for field, value in zip(counts, seen, strict=True)
         if value is not None and _text(value) != str(counts[field])
     }
-    if record and not wrong:
-        pipe = client.pipeline(transaction=False)
-        for field, count in counts.items():
-            pipe.hsetnx(name, field, count)
-        await pipe.execute()
-    return wrong
 
 
 def _text(value: bytes | str) -> str:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
+from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 import structlog
 
-from layered_cache import LayeredCache
+from layered_cache import LayeredCache, ReplicaCountMismatch
+from layered_cache._invalidation import check_replica_counts
+from layered_cache._keys import replica_record_name
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
 
@@ -113,3 +116,71 @@ async def test_a_daemon_whose_redis_user_may_not_run_scripts_checks_its_replicas
             await client.aclose()
             daemon.stop()
             await asyncio.gather(task, return_exceptions=True)
+
+
+# -- the replica-count check without scripts (plain commands, not in one step) -----------
+
+
+def _no_scripts(server: RedisServer, user: str = "noscripts", *more: str) -> str:
+    return _user_url(server, user, "-@scripting", *more)
+
+
+async def test_two_script_less_processes_racing_with_other_counts_are_not_both_let_in(
+    prefix: str,
+) -> None:
+    """The other's whole check ran between this one's read and its HSETNX: the HSETNX
+    did nothing, unread, and both ran with different counts."""
+    with RedisServer() as server:
+        url = _no_scripts(server)
+        first, second = aioredis.Redis.from_url(url), aioredis.Redis.from_url(url)
+        real_hmget = second.hmget
+        try:
+
+            async def hmget_then_the_other_starts(*args: Any, **kwargs: Any) -> Any:
+                seen = await real_hmget(*args, **kwargs)  # nothing recorded yet
+                await check_replica_counts(first, prefix, {"book": 4})
+                return seen
+
+            second.hmget = hmget_then_the_other_starts  # type: ignore[method-assign]
+            with pytest.raises(ReplicaCountMismatch):
+                await check_replica_counts(second, prefix, {"book": 0})
+        finally:
+            await first.aclose()
+            await second.aclose()
+
+
+async def test_a_script_less_user_facing_a_record_planted_as_a_string_still_refuses_another_count(
+    prefix: str,
+) -> None:
+    """Only the script replaced a record of another type: the plain path's WRONGTYPE
+    read as "Redis unreachable" (a cache starts unchecked, the daemon retried for ever)."""
+    with RedisServer() as server:
+        url = _no_scripts(server)
+        admin = aioredis.Redis.from_url(server.url)
+        first, second = aioredis.Redis.from_url(url), aioredis.Redis.from_url(url)
+        try:
+            await admin.set(replica_record_name(prefix), "left here by another tool")
+            await check_replica_counts(first, prefix, {"book": 4})
+            with pytest.raises(ReplicaCountMismatch):
+                await check_replica_counts(second, prefix, {"book": 0})
+        finally:
+            for client in (admin, first, second):
+                await client.aclose()
+
+
+async def test_a_user_that_may_not_run_scripts_nor_write_hashes_is_compared_not_stalled(
+    prefix: str,
+) -> None:
+    """A strict daemon user (DEL, XADD, SET): its HSETNX refused, the check raised, and
+    the daemon retried every batch for ever."""
+    with RedisServer() as server:
+        url = _no_scripts(server, "deleter", "-hsetnx", "-hset")
+        owner, deleter = aioredis.Redis.from_url(server.url), aioredis.Redis.from_url(url)
+        try:
+            await check_replica_counts(owner, prefix, {"book": 0})  # the fleet's record
+            await check_replica_counts(deleter, prefix, {"book": 0, "author": 0})
+            with pytest.raises(ReplicaCountMismatch):
+                await check_replica_counts(deleter, prefix, {"book": 4})
+        finally:
+            await owner.aclose()
+            await deleter.aclose()
