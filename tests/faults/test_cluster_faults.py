@@ -264,3 +264,44 @@ async def test_one_dead_master_does_not_refuse_writes_to_the_others(prefix: str)
             status = cache.redis_status()
         assert status.breaker == "closed"
         assert status.node_breakers[dead_name] == "open"
+
+
+async def test_with_the_streams_master_dead_an_invalidation_still_reaches_the_other_l1(
+    prefix: str,
+) -> None:
+    """The backplane stream's master down (its breaker open): announcements went
+    through that breaker and were refused at once, so invalidations of keys on healthy
+    masters raised and the other instances kept their copies until it came back. They
+    go over the pub/sub fallback, which any node carries."""
+    with RedisClusterServers(3, extra_args=["--cluster-require-full-coverage", "no"]) as cluster:
+        seeds = [f"{host}:{port}" for host, port in cluster.nodes]
+        redis_settings = {
+            "cluster": True,
+            "nodes": seeds,
+            "timeout": "300ms",
+            "connect_timeout": "300ms",
+            "breaker": {"failures": 2, "reset": "30s"},
+        }
+        config = make_config(
+            cluster.url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}},
+            redis=redis_settings,
+        )
+        async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+            stream = prefix + config.backplane.stream
+            nodes = a._store.client.nodes_manager  # type: ignore[union-attr]
+            master = nodes.slots_cache[key_slot(stream.encode())][0].name
+            healthy, _ = _split_by_master(a, prefix, 60, master)
+            i = healthy[0]
+            assert await b.get_or_load("book", {"id": i}, CountingLoader("old")) == "old"
+            assert b._fallback is not None
+            assert await eventually(b._fallback.subscribed.is_set, timeout=5)
+            next(s for s in cluster.servers if f"{s.host}:{s.port}" == master).kill()
+            for _ in range(4):  # the stream's node fails, its breaker opens
+                with contextlib.suppress(L2Unavailable):
+                    await a.invalidate("book", {"id": healthy[1]})
+            await a.invalidate("book", {"id": i})  # refused at once before
+
+            async def dropped() -> bool:
+                return await b.get_or_load("book", {"id": i}, CountingLoader("new")) == "new"
+
+            assert await eventually(dropped, timeout=5)
