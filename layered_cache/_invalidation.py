@@ -238,8 +238,6 @@ class Invalidator:
         assert self._backplane is not None
         breaker = self._l2.breakers.for_name(self._backplane.stream)
         if not breaker.allow():
-            if self._l2.cluster:  # the stream's master is down, not the cluster
-                return await self._over_pubsub(keys, tags)
             raise L2Unavailable("circuit breaker open")
         try:
             # Through the store's concurrency bound: a burst of set()/invalidate() must
@@ -257,19 +255,6 @@ class Invalidator:
             raise
         breaker.success()
         return degraded
-
-    async def _over_pubsub(self, keys: Sequence[str], tags: Mapping[str, str] | None) -> bool:
-        """In a cluster whose stream's master is down (its breaker open): straight to the
-        pub/sub fallback, which any node carries to every subscriber (classic pub/sub is
-        cluster-wide), as when the append fails. Refused at once, the invalidations of
-        keys on healthy masters raised, and the others kept their copies meanwhile."""
-        assert self.fallback is not None
-        try:
-            async with self._l2.slots:
-                await self.fallback.deliver(keys, tags, L2Unavailable("stream's master down"))
-        except REDIS_FAILURES as exc:
-            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-        return True
 
     async def _publish(self, keys: Sequence[str], tags: Mapping[str, str] | None) -> bool:
         """The stream append, else pub/sub: whether pub/sub carried it (degraded)."""
