@@ -27,7 +27,8 @@ import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import NoPermissionError, OutOfMemoryError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ExecAbortError, NoPermissionError, OutOfMemoryError
 
 from layered_cache._backplane import Announcement, BackplanePublisher
 from layered_cache._clients import REDIS_FAILURES, RedisClient
@@ -99,19 +100,20 @@ async def _by_plain_commands(
     first compared (racing through here, both were let in with different counts). A
     record of another type is deleted first, as the script does; a user that may not
     write hashes compares only."""
-    kind = await client.type(name)
-    if _text(kind) not in ("hash", "none"):
-        with contextlib.suppress(NoPermissionError):
+    with contextlib.suppress(NoPermissionError):  # may not: HMGET says WRONGTYPE then
+        if _text(await client.type(name)) not in ("hash", "none"):
             await client.delete(name)
     wrong = await _differing(client, name, counts)
     if not record or wrong:
         return wrong
-    pipe = client.pipeline(transaction=False)
+    # One MULTI/EXEC on one node (a cluster's pipeline can't be one: the record is one
+    # key, one node, all the same): two processes' HSETNX can't interleave, one wins.
+    pipe = client.pipeline(transaction=not isinstance(client, RedisCluster))
     for field, count in counts.items():
         pipe.hsetnx(name, field, count)
     try:
         added = await pipe.execute()
-    except NoPermissionError:
+    except (NoPermissionError, ExecAbortError):  # may not write hashes (or MULTI)
         return wrong
     return wrong if all(added) else await _differing(client, name, counts)
 

@@ -184,3 +184,19 @@ async def test_a_user_that_may_not_run_scripts_nor_write_hashes_is_compared_not_
         finally:
             await owner.aclose()
             await deleter.aclose()
+
+
+async def test_a_script_less_user_that_may_not_run_type_is_still_checked(prefix: str) -> None:
+    """The plain path's TYPE (a record of another type is deleted first) was unguarded:
+    its NOPERM escaped, and the daemon retried every batch for ever."""
+    with RedisServer() as server:
+        url = _no_scripts(server, "notype", "-type")
+        owner, limited = aioredis.Redis.from_url(server.url), aioredis.Redis.from_url(url)
+        try:
+            await check_replica_counts(owner, prefix, {"book": 0})  # the fleet's record
+            await check_replica_counts(limited, prefix, {"book": 0, "author": 0})
+            with pytest.raises(ReplicaCountMismatch):
+                await check_replica_counts(limited, prefix, {"book": 4})
+        finally:
+            await owner.aclose()
+            await limited.aclose()
