@@ -256,3 +256,33 @@ async def test_after_a_sigterm_a_batch_spends_at_most_the_grace_on_commits(prefi
     assert took < STOP_GRACE + 1.0, (
         f"{took:.1f}s on commits after the SIGTERM ({consumer.commits} commits tried)"
     )
+
+
+class _UnansweredCommitted:
+    """A consumer whose ``committed()`` never gets an answer (aiokafka asks again for
+    ever while the broker doesn't answer)."""
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition("catalog-events", 0)}
+
+    async def committed(self, tp: TopicPartition) -> int:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def position(self, tp: TopicPartition) -> int:
+        return 0
+
+
+async def test_stop_ends_a_rewind_or_an_assignment_waiting_on_an_unanswered_committed() -> None:
+    """The rewind after an unreadable fetch and the check of uncommitted partitions at
+    an assignment asked ``committed()`` with nothing watching stop(): on a dead broker a
+    SIGTERM went unseen there until the SIGKILL."""
+    from layered_cache.daemon.kafka import uncommitted_starts
+    from layered_cache.daemon.unreadable import rewind
+
+    consumer, stopping = _UnansweredCommitted(), asyncio.Event()
+    asyncio.get_running_loop().call_later(0.1, stopping.set)
+    await asyncio.wait_for(rewind(consumer, "earliest", stopping), 2)  # type: ignore[arg-type]
+    assigned = consumer.assignment()
+    starts = await asyncio.wait_for(uncommitted_starts(consumer, assigned, stopping), 2)  # type: ignore[arg-type]
+    assert starts == {}  # nothing to commit once stopping

@@ -195,7 +195,7 @@ async def test_a_record_too_large_is_set_aside_though_a_catch_up_commit_ran_befo
         try:
             records = await consumer.getmany(timeout_ms=200, max_records=100)
         except UNREADABLE:
-            await rewind(consumer, "earliest")  # type: ignore[arg-type]
+            await rewind(consumer, "earliest", asyncio.Event())  # type: ignore[arg-type]
             await read_carefully(consumer, handle, aside, 100, asyncio.Event())  # type: ignore[arg-type]
             continue
         if records and not await handle(records):

@@ -150,7 +150,7 @@ class Daemon:
                     # A record aiokafka can't unpack (``unreadable``): record by record
                     # until it is found and set aside, the records around it handled.
                     _log.warning("unreadable_fetch", error=f"{type(exc).__name__}: {exc}")
-                    await rewind(consumer, kafka.auto_offset_reset)
+                    await rewind(consumer, kafka.auto_offset_reset, self._stopping)
                     await read_carefully(
                         consumer,
                         self._handle,
@@ -304,7 +304,7 @@ class Daemon:
         consumer = self._kafka.consumer
         if consumer is None or self.config.kafka.auto_offset_reset != "latest":
             return
-        if starts := await uncommitted_starts(consumer, assigned):
+        if starts := await uncommitted_starts(consumer, assigned, self._stopping):
             await self._commit(starts)  # see ``uncommitted_starts``
 
     async def _probe_kafka(self) -> None:

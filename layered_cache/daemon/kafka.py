@@ -5,6 +5,7 @@ gives way to ``stop()``, and where a newly assigned partition starts."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 from collections.abc import Mapping
 from typing import Any
@@ -175,7 +176,7 @@ async def poll(
 
 
 async def uncommitted_starts(
-    consumer: AIOKafkaConsumer, assigned: set[TopicPartition]
+    consumer: AIOKafkaConsumer, assigned: set[TopicPartition], stopping: asyncio.Event
 ) -> dict[TopicPartition, int]:
     """Where each assigned partition the group never committed starts reading (its
     position, resolved by ``auto_offset_reset`` now). Under "latest" that start is
@@ -185,8 +186,11 @@ async def uncommitted_starts(
     starts: dict[TopicPartition, int] = {}
     for tp in sorted(assigned):
         try:
-            if await consumer.committed(tp) is None:
+            # Given up on stop(): aiokafka asks a broker that doesn't answer for ever.
+            if await unless_stopped(functools.partial(consumer.committed, tp), stopping) is None:
                 starts[tp] = await consumer.position(tp)
+        except Stopped:
+            return {}  # stopping: nothing committed (the next member sees it uncommitted)
         except (IllegalStateError, KafkaError):
             continue  # moved again meanwhile, or the broker can't say: as before
     return starts

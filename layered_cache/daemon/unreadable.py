@@ -26,6 +26,7 @@ refusing, authorisation) is about no one record, and is raised as before.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -44,6 +45,7 @@ from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon.dlq import Poison, cap_text
 from layered_cache.daemon.kafka import poll
+from layered_cache.daemon.stopping import Stopped, unless_stopped
 
 __all__ = ["UNREADABLE", "read_carefully", "rewind"]
 
@@ -70,18 +72,21 @@ UNREADABLE: tuple[type[BaseException], ...] = (
 Records = Mapping[TopicPartition, Sequence[Any]]
 
 
-async def rewind(consumer: AIOKafkaConsumer, reset: str) -> None:
+async def rewind(consumer: AIOKafkaConsumer, reset: str, stopping: asyncio.Event) -> None:
     """Every assigned partition back to its last commit, everything before which was
     applied; one never committed, with ``auto_offset_reset = "earliest"``, to its start
     (a new member's start: deletes are idempotent). One never committed under "latest"
-    keeps its position: where it started is not known any more."""
+    keeps its position: where it started is not known any more. ``stop()`` ends it
+    (``unless_stopped``: aiokafka asks a broker that doesn't answer for ever)."""
     for tp in consumer.assignment():
         try:
-            offset = await consumer.committed(tp)
+            offset = await unless_stopped(functools.partial(consumer.committed, tp), stopping)
             if offset is not None:
                 consumer.seek(tp, offset)
             elif reset == "earliest":
                 await consumer.seek_to_beginning(tp)
+        except Stopped:
+            return  # the poll that follows ends at once too
         except IllegalStateError:
             # The partition moved in a rebalance meanwhile. aiokafka rebalances eagerly:
             # every partition was revoked, and each one assigned again starts from its
