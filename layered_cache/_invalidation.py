@@ -35,10 +35,9 @@ from layered_cache._clients import REDIS_FAILURES, RedisClient
 from layered_cache._config import Config
 from layered_cache._fallback import FallbackChannel, fallback_channel
 from layered_cache._keys import replica_record_name
-from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._l2 import L2Store
 from layered_cache._policy import Policy, compile_policy
 from layered_cache._replicas import delete_name_phases
-from layered_cache._replyerrors import is_key_error
 from layered_cache._scripts import RECORD_COUNTS_SCRIPT
 from layered_cache._templates import parse_template
 
@@ -233,29 +232,13 @@ class Invalidator:
         return await self._announce(keys, None)
 
     async def _announce(self, keys: Sequence[str], tags: Mapping[str, str] | None) -> bool:
-        """Under the breaker of the stream's node, as every L2 operation: an open one
-        refuses at once (``L2Unavailable``), a timeout counts as its failure. Without
-        it, a ``set()`` of an ``l2 = false`` namespace (its only Redis step is this)
-        paid the XADD's and the PUBLISH's timeouts on every call of an outage."""
+        """Under the breaker of the stream's node and the store's concurrency bound, as
+        every L2 operation (``L2Store.guard``): an open breaker refuses at once
+        (``L2Unavailable``), a timeout counts as its failure. Without it, a ``set()`` of
+        an ``l2 = false`` namespace (its only Redis step is this) paid the XADD's and the
+        PUBLISH's timeouts on every call of an outage."""
         assert self._backplane is not None
-        breaker = self._l2.breakers.for_name(self._backplane.stream)
-        if not breaker.allow():
-            raise L2Unavailable("circuit breaker open")
-        try:
-            # Through the store's concurrency bound: a burst of set()/invalidate() must
-            # not open a connection per caller (the pool itself is uncapped).
-            async with self._l2.slots:
-                degraded = await self._publish(keys, tags)
-        except REDIS_FAILURES as exc:
-            if is_key_error(exc):
-                breaker.success()  # the node answered (a WRONGTYPE stream name, ...)
-            else:
-                breaker.failure(exc)
-            raise
-        except BaseException:
-            breaker.abandon()  # cancelled: a probe must not stay in flight forever
-            raise
-        breaker.success()
+        degraded: bool = await self._l2.guard(self._publish(keys, tags), self._backplane.stream)
         return degraded
 
     async def _publish(self, keys: Sequence[str], tags: Mapping[str, str] | None) -> bool:
