@@ -282,6 +282,48 @@ async def _gone(admin: Any, key: str) -> bool:
     return not await admin.exists(key)
 
 
+_HOT_BOOK = {"book": {"key": "book:{id}", "l1": False, "hot": {"replicas": 8, "keys": ["book:1"]}}}
+
+
+class _FilledByTheReplicas:
+    """A hot key's cluster cache whose masters fill up (noeviction) once its bases are
+    written: the second phase of a ``set()`` is refused. ``served()``: what 64 reads of
+    the key return afterwards."""
+
+    def __init__(self, redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.config = make_config(
+            redis_cluster.url, prefix, _HOT_BOOK, redis={"cluster": True, "timeout": "2s"}
+        )
+        self.masters = [aioredis.Redis(host=h, port=p) for h, p in redis_cluster.nodes]
+        self.original_bases = _replicas._write_bases
+        self._monkeypatch = monkeypatch
+
+    async def write_bases_then_fill_redis(self, store: Any, writes: Any) -> None:
+        await self.original_bases(store, writes)
+        for master in self.masters:  # full before the replicas: the second phase is refused
+            await master.config_set("maxmemory-policy", "noeviction")
+            await master.config_set("maxmemory", 1)
+
+    def arm(self, **patches: Any) -> None:
+        """Fill Redis between the phases (and whatever else ``patches`` of ``_replicas``)."""
+        self._monkeypatch.setattr(_replicas, "_write_bases", self.write_bases_then_fill_redis)
+        for name, replacement in patches.items():
+            self._monkeypatch.setattr(_replicas, name, replacement)
+
+    def disarm(self) -> None:
+        self._monkeypatch.undo()
+
+    @staticmethod
+    async def served(cache: LayeredCache) -> set[Any]:
+        await asyncio.sleep(0.5)  # whatever was left running has finished
+        return {await cache.get("book", {"id": 1}) for _ in range(64)}
+
+    async def close(self) -> None:
+        for master in self.masters:
+            await master.config_set("maxmemory", 0)
+            await master.aclose()
+
+
 async def test_a_cancelled_cluster_set_whose_replicas_a_full_redis_refused_drops_the_key(
     redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -289,36 +331,27 @@ async def test_a_cancelled_cluster_set_whose_replicas_a_full_redis_refused_drops
     second (noeviction): the bases held the new value, every replica the old one. The
     caller, not cancelled, drops the key everywhere on that refusal; the write left
     running only announced it, and hot readers kept serving the old value."""
-    hot = {"replicas": 8, "keys": ["book:1"]}
-    ns = {"book": {"key": "book:{id}", "l1": False, "hot": hot}}
-    config = make_config(redis_cluster.url, prefix, ns, redis={"cluster": True, "timeout": "2s"})
-    masters = [aioredis.Redis(host=host, port=port) for host, port in redis_cluster.nodes]
-    original = _replicas._write_bases
+    full = _FilledByTheReplicas(redis_cluster, prefix, monkeypatch)
+    fill = full.write_bases_then_fill_redis
 
     async def write_bases_then_fill_redis(store: Any, writes: Any) -> None:
-        await original(store, writes)
-        for master in masters:  # full before the replicas: the second phase is refused
-            await master.config_set("maxmemory-policy", "noeviction")
-            await master.config_set("maxmemory", 1)
+        await fill(store, writes)
         await asyncio.sleep(0.05)  # the await between the phases, widened: a cancel lands
 
     try:
-        async with LayeredCache.from_config(config) as cache:
+        async with LayeredCache.from_config(full.config) as cache:
             await cache.set("book", {"id": 1}, "old")  # base + 8 replicas
-            monkeypatch.setattr(_replicas, "_write_bases", write_bases_then_fill_redis)
+            full.arm(_write_bases=write_bases_then_fill_redis)
             writer = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
             await asyncio.sleep(0.02)
             writer.cancel()
             (outcome,) = await asyncio.gather(writer, return_exceptions=True)
             assert isinstance(outcome, asyncio.CancelledError)
-            monkeypatch.setattr(_replicas, "_write_bases", original)
-            await asyncio.sleep(0.5)  # the write left running has finished
-            served = {await cache.get("book", {"id": 1}) for _ in range(64)}
+            full.disarm()
+            served = await full.served(cache)
             assert "old" not in served, served
     finally:
-        for master in masters:
-            await master.config_set("maxmemory", 0)
-            await master.aclose()
+        await full.close()
 
 
 async def test_a_cancelled_cluster_set_purges_http_caches_again_once_its_write_is_done(
@@ -362,18 +395,9 @@ async def test_a_cluster_set_cancelled_just_after_its_refused_write_finished_dro
     """The same refusal, the cancel reaching the caller after the write's task ended and
     before the caller resumed: its "the write is done" branch only announced, and the
     replicas kept the old value (found by a review of the fix above, 2026-12-05)."""
-    hot = {"replicas": 8, "keys": ["book:1"]}
-    ns = {"book": {"key": "book:{id}", "l1": False, "hot": hot}}
-    config = make_config(redis_cluster.url, prefix, ns, redis={"cluster": True, "timeout": "2s"})
-    masters = [aioredis.Redis(host=host, port=port) for host, port in redis_cluster.nodes]
-    original_bases, original_many = _replicas._write_bases, _replicas.write_many
+    full = _FilledByTheReplicas(redis_cluster, prefix, monkeypatch)
+    original_many = _replicas.write_many
     writer: asyncio.Future[Any] | None = None
-
-    async def write_bases_then_fill_redis(store: Any, writes: Any) -> None:
-        await original_bases(store, writes)
-        for master in masters:  # full before the replicas: the second phase is refused
-            await master.config_set("maxmemory-policy", "noeviction")
-            await master.config_set("maxmemory", 1)
 
     async def write_many_cancel_on_refusal(*args: Any, **kwargs: Any) -> bool:
         try:
@@ -384,19 +408,14 @@ async def test_a_cluster_set_cancelled_just_after_its_refused_write_finished_dro
             raise
 
     try:
-        async with LayeredCache.from_config(config) as cache:
+        async with LayeredCache.from_config(full.config) as cache:
             await cache.set("book", {"id": 1}, "old")  # base + 8 replicas
-            monkeypatch.setattr(_replicas, "_write_bases", write_bases_then_fill_redis)
-            monkeypatch.setattr(_replicas, "write_many", write_many_cancel_on_refusal)
+            full.arm(write_many=write_many_cancel_on_refusal)
             writer = asyncio.ensure_future(cache.set("book", {"id": 1}, "new"))
             (outcome,) = await asyncio.gather(writer, return_exceptions=True)
             assert isinstance(outcome, asyncio.CancelledError), outcome
-            monkeypatch.setattr(_replicas, "_write_bases", original_bases)
-            monkeypatch.setattr(_replicas, "write_many", original_many)
-            await asyncio.sleep(0.5)  # whatever was left running has finished
-            served = {await cache.get("book", {"id": 1}) for _ in range(64)}
+            full.disarm()
+            served = await full.served(cache)
             assert "old" not in served, served
     finally:
-        for master in masters:
-            await master.config_set("maxmemory", 0)
-            await master.aclose()
+        await full.close()
