@@ -38,7 +38,7 @@ from typing import Any, TextIO
 import structlog
 
 from layered_cache._config import LoggingConfig
-from layered_cache._redact import redact
+from layered_cache._redact import redact, replace_quoted
 
 __all__ = [
     "FORMAT_ENV",
@@ -129,14 +129,12 @@ class _KeyRedactor:
     def _hash_quoted(self, event: MutableMapping[str, Any], raw: list[str]) -> None:
         """Each raw value inside another string field becomes its hash; longest first,
         so a key holding another (``book:12`` and ``book:1``) is replaced whole."""
-        raw.sort(key=len, reverse=True)
         for name, value in event.items():
-            if name in _REDACTED_FIELDS or not isinstance(value, str):
-                continue
-            for item in raw:
-                if item in value:
-                    value = value.replace(item, redact_key(item, self._salt))
-            event[name] = value
+            if name not in _REDACTED_FIELDS and isinstance(value, str):
+                event[name] = replace_quoted(value, raw, self._hash)
+
+    def _hash(self, value: str) -> str:
+        return redact_key(value, self._salt)
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

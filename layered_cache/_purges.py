@@ -25,6 +25,7 @@ import msgspec
 import structlog
 
 from layered_cache._config import Config
+from layered_cache._redact import replace_quoted
 
 __all__ = ["PurgeQueue", "PurgeStats", "Purger", "Purges", "purges_for"]
 
@@ -307,7 +308,4 @@ def _elided(text: str, unshown: list[str]) -> str:
     """``text`` without the keys and tags a log line doesn't show (it names five at
     most): with ``redact_keys`` the shown ones are hashed wherever quoted
     (``_logs``), and a purger's error naming the sixth key of a batch logged it raw."""
-    for value in sorted(set(unshown), key=len, reverse=True):
-        if value and value in text:
-            text = text.replace(value, "...")
-    return text
+    return replace_quoted(text, unshown, lambda _: "...")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote
 
@@ -36,6 +37,7 @@ __all__ = [
     "redact_url",
     "remember_secret",
     "remember_url_secrets",
+    "replace_quoted",
 ]
 
 MASK = "***"
@@ -180,3 +182,12 @@ def redact_data(data: Any) -> Any:
     if isinstance(data, list | tuple):
         return [redact_data(item) for item in data]
     return data
+
+
+def replace_quoted(text: str, values: Iterable[str], by: Callable[[str], str]) -> str:
+    """``text`` with each of ``values`` it quotes replaced by ``by(value)``; longest
+    first, so a value holding another (``book:12`` and ``book:1``) goes whole."""
+    for value in sorted(set(values), key=len, reverse=True):
+        if value and value in text:
+            text = text.replace(value, by(value))
+    return text
