@@ -238,9 +238,7 @@ class Namespace:
         """Write ``value`` to L2 (base and replicas) and this instance's L1; other
         instances drop their L1 copy through the backplane. Raises ``L2Unavailable``
         if Redis fails (see ``_writes``)."""
-        check_tags(self.policy, tags)
-        if isinstance(tags, str):  # its characters would each be a tag
-            raise TypeError(f"tags must be a list of strings, not the string {tags[:80]!r}")
+        check_tags(self.policy, tags)  # a string is refused there (``_tag_args``)
         await self._writes.set_many([(fields, value)], tags)
 
     async def set_many(self, items: Sequence[tuple[Mapping[str, object], Any]]) -> None:
