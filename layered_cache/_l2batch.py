@@ -27,18 +27,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from layered_cache import _direct as direct
 from layered_cache._chunks import by_count, by_size
 from layered_cache._keys import fill_channel
 from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._replyerrors import moving_as_replies
 from layered_cache._scripts import FILL_SCRIPT, RELEASE_SCRIPT, fill_args
 
 __all__ = ["Fill", "L2Batch", "Replies"]
 
 Fill = tuple[str, str, bytes, int]  # (key, its lease, envelope bytes, ttl in ms)
-Send = Callable[[Sequence[int]], Awaitable[None]]  # one round trip, by positions
+# One round trip, by positions: those of a slot in migration come back (unknown).
+Send = Callable[[Sequence[int]], Awaitable[list[int]]]
 Cut = Callable[[Sequence[int]], Iterator[Sequence[int]]]  # positions into round trips
 
 T = TypeVar("T")
@@ -46,8 +48,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Replies(Generic[T]):
-    """One reply per name, in order. ``failed``: the positions whose master failed (a
-    cluster): their reply is unknown, left at the default (None, False)."""
+    """One reply per name, in order. ``failed``: the positions whose master failed, or
+    whose slot was moving (a cluster): their reply is unknown, left at the default
+    (None, False)."""
 
     values: list[T]
     failed: frozenset[int] = frozenset()
@@ -70,13 +73,26 @@ class L2Batch:
                 found += await store.guard(direct.execute_command(store.direct, "MGET", *chunk))
             return Replies(found)
         values: list[bytes | None] = [None] * len(names)
+        keyslot = store.client.keyslot  # type: ignore[union-attr]
 
-        async def send(run: Sequence[int]) -> None:
-            part = [names[i] for i in run]
-            # Groups by slot, one pipelined MGET per slot: all on this part's master.
-            operation = store.client.mget_nonatomic(part)  # type: ignore[union-attr]
-            for i, value in zip(run, await store.guard(operation, names=part), strict=True):
-                values[i] = value
+        async def send(run: Sequence[int]) -> list[int]:
+            # One pipelined MGET per slot, all on this part's master (as
+            # ``mget_nonatomic`` sends them, which fails them all for one moving slot).
+            slots: dict[int, list[int]] = {}
+            for i in run:
+                slots.setdefault(keyslot(names[i]), []).append(i)
+            pipe = store.client.pipeline(transaction=False)
+            for positions in slots.values():
+                pipe.execute_command("MGET", *(names[i] for i in positions))
+            replies = await self._replies(pipe, [names[i] for i in run])
+            moving: list[int] = []
+            for positions, reply in zip(slots.values(), replies, strict=True):
+                if isinstance(reply, Exception):
+                    moving += positions
+                    continue
+                for i, value in zip(positions, reply, strict=True):
+                    values[i] = value
+            return moving
 
         return Replies(values, await self._per_master(names, send))
 
@@ -87,13 +103,14 @@ class L2Batch:
         (a compare-and-delete by ``token``)."""
         held = [False] * len(leases)
 
-        async def send(run: Sequence[int]) -> None:
+        async def send(run: Sequence[int]) -> list[int]:
             pipe = self._store.client.pipeline(transaction=False)
             for i in run:
                 pipe.set(leases[i], token, nx=True, px=ttl_ms)
-            replies = await self._store.guard(pipe.execute(), names=[leases[i] for i in run])
+            replies = await self._replies(pipe, [leases[i] for i in run])
             for i, won in zip(run, replies, strict=True):
-                held[i] = bool(won)
+                held[i] = not isinstance(won, Exception) and bool(won)
+            return _moving(run, replies)
 
         return Replies(held, await self._per_master(leases, send))
 
@@ -103,15 +120,16 @@ class L2Batch:
         cluster, db = self._store.cluster, self._store.db
         written = [False] * len(fills)
 
-        async def send(run: Sequence[int]) -> None:
+        async def send(run: Sequence[int]) -> list[int]:
             pipe = self._store.client.pipeline(transaction=False)
             for i in run:
                 key, lease, data, ttl_ms = fills[i]
                 args = fill_args(token, data, ttl_ms, fill_channel(key, db), True, cluster)
                 pipe.eval(FILL_SCRIPT, 2, key, lease, *args)
-            replies = await self._store.guard(pipe.execute(), names=[fills[i][0] for i in run])
+            replies = await self._replies(pipe, [fills[i][0] for i in run])
             for i, done in zip(run, replies, strict=True):
-                written[i] = bool(done)
+                written[i] = not isinstance(done, Exception) and bool(done)
+            return _moving(run, replies)
 
         def cut(positions: Sequence[int]) -> Iterator[Sequence[int]]:
             return by_size(positions, lambda i: len(fills[i][2]))
@@ -123,11 +141,11 @@ class L2Batch:
         """Compare-and-delete each lease still holding ``token`` (``L2Unavailable`` if a
         master failed: its leases expire by themselves)."""
 
-        async def send(run: Sequence[int]) -> None:
+        async def send(run: Sequence[int]) -> list[int]:
             pipe = self._store.client.pipeline(transaction=False)
             for i in run:
                 pipe.eval(RELEASE_SCRIPT, 1, leases[i], token)
-            await self._store.guard(pipe.execute(), names=[leases[i] for i in run])
+            return _moving(run, await self._replies(pipe, [leases[i] for i in run]))
 
         if await self._per_master(leases, send):
             raise L2Unavailable("a master failed: its leases expire by themselves")
@@ -137,13 +155,17 @@ class L2Batch:
     ) -> frozenset[int]:
         """``send`` each round trip (``cut``) of each master's positions of ``names``: a
         master's in order, the masters concurrently. Returns the positions of the masters
-        whose part failed, from its failed round trip on; raises ``L2Unavailable`` when
-        nothing got through (the one part of a single node or of a batch on one master)."""
+        whose part failed, from its failed round trip on, and those of slots in
+        migration; raises ``L2Unavailable`` when nothing got through (the one part of a
+        single node or of a batch on one master, or every slot moving)."""
         groups = self._store.breakers.by_master(names)
         if len(groups) <= 1:
+            moving: list[int] = []
             for run in cut(groups[0] if groups else []):
-                await send(run)
-            return frozenset()
+                moving += await send(run)
+            if moving and len(moving) == len(names):
+                raise L2Unavailable("every slot of the batch is moving")
+            return frozenset(moving)
         # gather, not a TaskGroup: a master's failure (``_part`` returns it) must not
         # cancel the others' parts. Anything else (a bug, a CancelledError of a part)
         # is raised once every part ended; our own cancellation cancels them all.
@@ -160,13 +182,27 @@ class L2Batch:
         return frozenset(failed)
 
 
+    async def _replies(self, pipe: Any, names: list[str]) -> list[Any]:
+        """The pipeline's replies under the breaker of ``names``' master; in a cluster a
+        moving slot's commands get their error as their reply (``moving_as_replies``)."""
+        store = self._store
+        operation = moving_as_replies(pipe) if store.cluster else pipe.execute()
+        return list(await store.guard(operation, names=names))
+
+
+def _moving(run: Sequence[int], replies: list[Any]) -> list[int]:
+    """The positions of ``run`` whose reply is an error (a slot in migration)."""
+    return [i for i, reply in zip(run, replies, strict=True) if isinstance(reply, Exception)]
+
+
 async def _part(positions: list[int], send: Send, cut: Cut) -> list[int]:
-    """One master's round trips, in order: the positions from its first failure on."""
-    sent = 0
+    """One master's round trips, in order: the positions from its first failure on, and
+    those of slots in migration before it."""
+    sent, moving = 0, []
     try:
         for run in cut(positions):
-            await send(run)
+            moving += await send(run)
             sent += len(run)
     except L2Unavailable:
-        return positions[sent:]
-    return []
+        return moving + positions[sent:]
+    return moving

@@ -6,6 +6,8 @@ every other key of the node.
 
 from __future__ import annotations
 
+from typing import Any
+
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -18,7 +20,7 @@ from redis.exceptions import (
 
 from layered_cache._direct import ReplyTooLarge
 
-__all__ = ["is_key_error", "slot_moving"]
+__all__ = ["is_key_error", "moving_as_replies", "slot_moving"]
 
 # Error replies that speak for the whole node (a replica after failover, cluster down,
 # ...): they count against the breaker like a timeout. Every other error reply
@@ -54,3 +56,17 @@ def slot_moving(exc: BaseException) -> bool:
     if isinstance(exc, TryAgainError | AskError):  # MovedError is an AskError
         return True
     return isinstance(exc, ClusterError) and "TTL exhausted" in str(exc)
+
+
+async def moving_as_replies(pipe: Any) -> list[Any]:
+    """A cluster pipeline's replies, where a command on a slot in migration
+    (``slot_moving``) gets its error as its reply instead of failing the others: one
+    moving slot among a master's keys made every key of the round trip unknown (a
+    batch's MGET, leases and fills, a tagged batch's versions), where a reshard is to
+    cost the moving slot's keys only (docs/operations.md, "Resharding"). Any other
+    error is raised, for ``L2Store.guard`` to judge."""
+    replies = await pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, Exception) and not slot_moving(reply):
+            raise reply
+    return list(replies)

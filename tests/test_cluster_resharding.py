@@ -257,3 +257,41 @@ async def test_a_slot_in_migration_fails_only_its_own_invalidations_and_opens_no
 
         finish_migration(slot, dst, [port for _, port in cluster.nodes])
         await cache.invalidate("book", {"id": 1})  # the slot has moved: it succeeds
+
+
+# -- a later review: batches while a slot moves ---------------------------------------------
+
+
+async def test_a_batch_with_one_key_of_a_moving_slot_still_serves_its_masters_other_keys_from_l2(
+    cluster: RedisClusterServers, prefix: str
+) -> None:
+    """A batch of 9 keys of one master, one in a slot being migrated (already MIGRATEd:
+    its source answers ASK). Each master's part was one mget_nonatomic (and one pipeline
+    of leases, of fills) failing whole for that one slot: the 8 keys in slots nobody
+    moves were misses for get_many and loaded again by get_or_load_many. Now only the
+    moving slot's commands fail."""
+    owners = slot_owners(cluster.nodes[0][1])
+    async with LayeredCache.from_config(config(cluster, prefix)) as cache:
+        moved_slot = key_slot(f"{prefix}book:1".encode())
+        src = owners[moved_slot]
+        dst = next(port for _, port in cluster.nodes if port != src)
+        others = key_ids_on(owners, prefix, src, 8, {moved_slot})
+        ids = [1, *others]
+        for i in ids:
+            await cache.get_or_load("book", {"id": i}, CountingLoader(f"v{i}"))
+        await warm_connections(cache, key_ids_on(owners, prefix, dst, 16, set()))
+        begin_migration(moved_slot, src, dst)
+        assert migrate_keys(moved_slot, src, dst), "the key is on the target now"
+        loaded: list[int] = []
+
+        async def load_many(missing: list[dict[str, object]]) -> list[str]:
+            loaded.extend(int(str(f["id"])) for f in missing)
+            return [f"reloaded {f['id']}" for f in missing]
+
+        fields = [{"id": i} for i in ids]
+        got = await cache.get_many("book", fields)
+        values = await cache.get_or_load_many("book", fields, load_many)
+        status = cache.redis_status()
+    assert got[1:] == [f"v{i}" for i in others], (got, status)
+    assert values[1:] == [f"v{i}" for i in others] and set(loaded) <= {1}, (values, loaded)
+    assert all(state == "closed" for state in status.node_breakers.values()), status
