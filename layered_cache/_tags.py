@@ -48,7 +48,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache._chunks import by_count
@@ -58,6 +58,7 @@ from layered_cache._keys import is_tag, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._loading import take_loading
 from layered_cache._memory_policy import refused_for_memory
+from layered_cache._replyerrors import moving_as_replies
 from layered_cache._scripts import FETCH_SCRIPT, PEEK_SCRIPT
 from layered_cache._tag_args import TagsOf, entry_tags, tag_names
 
@@ -283,11 +284,18 @@ class TagVersions:
                 pipe.eval(PEEK_SCRIPT, 1, name, self._ttl_ms)
         return pipe
 
+    def _replies(self, tags: Sequence[str], create: bool) -> Awaitable[list[Any]]:
+        """A reader's fetch in a cluster leaves a tag whose slot is moving unknown (its
+        entries misses), not every tag of the round trip; a writer needs every version."""
+        pipe = self._pipeline(tags, create)
+        return moving_as_replies(pipe) if self._store.cluster and not create else pipe.execute()
+
     async def _fetch(self, tags: list[str], create: bool) -> dict[str, str]:
         generation, started = self._generation, self._clock()
         results: list[Any] = []
         for chunk in by_count(tags):  # one pipeline of 60,000 outlasted the timeout
-            results += await self._store.guard(self._pipeline(chunk, create).execute())
+            results += await self._store.guard(self._replies(chunk, create))
+        moving = {t for t, reply in zip(tags, results, strict=True) if isinstance(reply, Exception)}
         fetched = {
             tag: token
             for tag, version in zip(tags, results, strict=True)
@@ -303,7 +311,7 @@ class TagVersions:
             for tag in tags:
                 self._absent.pop(tag, None)
         else:
-            self._note_absent([tag for tag in fresh if tag not in fetched])
+            self._note_absent([t for t in fresh if t not in fetched and t not in moving])
         if len(self._versions) + len(fetched) > _LIMIT:
             self._versions.clear()
             self._fetched_at.clear()
