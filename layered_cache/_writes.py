@@ -77,8 +77,9 @@ class Writes:
         """Raises ``L2Unavailable`` if Redis fails, including when the values were
         written but neither the backplane append nor its pub/sub fallback (``_fallback``)
         was taken: then other instances may still serve their old L1 copies for their
-        TTL, and returning normally would promise otherwise. A Redis full under
-        noeviction refuses the values: the keys are dropped everywhere instead."""
+        TTL, and returning normally would promise otherwise (a failed write is announced
+        in the background). A Redis full under noeviction refuses the values: the keys
+        are dropped everywhere instead."""
         self._rt.check_open()
         if not isinstance(items, list):
             items = list(items)  # read once: written, then purged (an iterator is taken)
@@ -176,7 +177,9 @@ class Writes:
             raise
         except L2Unavailable as exc:
             if not refused_for_memory(exc):
-                self._forget(keys)  # the write may have landed: see ``_abandoned``
+                # It may have landed (in a cluster in part): announced unless it rode in
+                # the atomic step, else instances that heard nothing keep their copies.
+                self._abandoned(keys, announce=write.unannounced())
                 raise
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
@@ -223,11 +226,10 @@ class Writes:
 
     def _abandoned(self, keys: list[str], *, announce: bool) -> None:
         """Our caller was cancelled once the write was done (or while its announcement
-        was in flight): the write landed, or may have.
-        Our L1 is left empty and the keys tombstoned (a load that read the replaced
-        value must not fill it: ``_settle`` won't run); with ``announce``, the
-        announcement is sent in the background: other instances must not keep the
-        replaced value for their L1 TTL."""
+        was in flight), or the write failed: it landed, or may have. Our L1 is left
+        empty and the keys tombstoned (a load that read the replaced value must not
+        fill it: ``_settle`` won't run); with ``announce``, the announcement is sent in
+        the background: others must not keep the replaced value for their L1 TTL."""
         self._forget(keys)
         if announce:
             self._rt.tasks.spawn_orphan(self._announce_quietly(keys))

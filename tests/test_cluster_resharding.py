@@ -260,7 +260,7 @@ async def test_a_slot_in_migration_fails_only_its_own_invalidations_and_opens_no
         await cache.invalidate("book", {"id": 1})  # the slot has moved: it succeeds
 
 
-# -- a later review: batches and tag versions while a slot moves ----------------------------
+# -- a later review: batches, a failed set_many and tag versions while a slot moves --------
 
 
 async def test_a_batch_with_one_key_of_a_moving_slot_still_serves_its_masters_other_keys_from_l2(
@@ -296,6 +296,41 @@ async def test_a_batch_with_one_key_of_a_moving_slot_still_serves_its_masters_ot
     assert got[1:] == [f"v{i}" for i in others], (got, status)
     assert values[1:] == [f"v{i}" for i in others] and set(loaded) <= {1}, (values, loaded)
     assert all(state == "closed" for state in status.node_breakers.values()), status
+
+
+async def test_a_cluster_set_many_that_raises_after_writing_most_keys_still_tells_the_other_instances(
+    cluster: RedisClusterServers, prefix: str
+) -> None:
+    """One key's slot is mid-migration: set_many raises L2Unavailable for it after its
+    pipeline wrote the others. Nothing was announced, and B served the old values of
+    the written keys from L1 for its whole L1 TTL while L2 held the new ones."""
+    owners = slot_owners(cluster.nodes[0][1])
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "10m"}}}
+    redis = {"cluster": True, "timeout": "1s", "breaker": {"failures": 3, "reset": "10s"}}
+    with_l1 = make_config(cluster.url, prefix, namespaces, redis=redis)
+    moved_slot = key_slot(f"{prefix}book:1".encode())
+    src = owners[moved_slot]
+    dst = next(port for _, port in cluster.nodes if port != src)
+    others = key_ids_on(owners, prefix, src, 2, {moved_slot})
+    others += key_ids_on(owners, prefix, dst, 2, {moved_slot})
+    ids = [1, *others]
+    async with LayeredCache.from_config(with_l1) as a, LayeredCache.from_config(with_l1) as b:
+        for i in ids:
+            await b.get_or_load("book", {"id": i}, CountingLoader("old"))
+        await warm_connections(a, key_ids_on(owners, prefix, dst, 16, set()))
+        begin_migration(moved_slot, src, dst)
+        assert migrate_keys(moved_slot, src, dst), "book 1 is on the target now"
+        with pytest.raises(L2Unavailable):
+            await a.set_many("book", [({"id": i}, "new") for i in ids])
+        in_l2 = {i: await a.get("book", {"id": i}) for i in others}  # A's L1 was dropped
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            on_b = {i: await b.get("book", {"id": i}) for i in others}
+            if on_b == in_l2:
+                break
+            await asyncio.sleep(0.05)
+    assert in_l2 == {i: "new" for i in others}, f"set_many wrote the other keys: {in_l2}"
+    assert on_b == in_l2, f"L2 holds {in_l2}, B serves {on_b} from its L1"
 
 
 async def test_a_tagged_batch_serves_entries_whose_tags_are_in_unmoved_slots_while_one_tag_key_moves(
