@@ -258,6 +258,8 @@ class LayeredCache(HitPath):
 
         The return annotation (or ``value_type``) declares the namespace's value type,
         so L2 hits decode into it; a namespace has one type (a different one raises).
+        Only the return annotation is evaluated: at the first call if it names what
+        does not exist yet (a classmethod's own class).
         Every other parameter must be a key field, or named in ``ignore`` (it never
         changes the value: a database session). ``tags``: as ``get_or_load``'s."""
         ns = self.namespace(namespace)  # an unknown namespace fails here, not at a call

@@ -17,6 +17,13 @@ changes the value). A ``staticmethod`` is wrapped after the decorator ran, so in
 body only its first call tells it from a method: a first argument that is no receiver
 (``Prices.of("premium", 1)`` of a static ``of(cls, id)``) is refused then
 (``KeyArguments``).
+
+Of the annotations, only the return annotation is read (the value type); the parameters'
+are not evaluated at all: with postponed annotations (``from __future__ import
+annotations``) a session's type imported under ``if TYPE_CHECKING:`` names nothing at run
+time, and the key needs no type. A return annotation that names what does not exist yet
+(a classmethod's ``-> Book`` in ``Book``'s own body) is read at the first call instead,
+once; still unresolved then, every call is a TypeError that says to pass ``value_type=``.
 """
 
 from __future__ import annotations
@@ -52,21 +59,36 @@ class KeyArguments:
         fn: Callable[..., Any],
         receiver: bool,
         fields: tuple[str, ...],
+        declare_later: Callable[[], None] | None = None,
     ):
         self._signature = signature
         self._fn = fn
-        self._unchecked = receiver
+        self._receiver = receiver
+        self._declare_later = declare_later
+        # One test per call until the first call's checks passed; none after.
+        self._unchecked = receiver or declare_later is not None
         self._fields = fields
 
     def of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The key fields of this call, and only them: the receiver and the ``ignore``d
         arguments are no key fields (a template refuses a field it doesn't name)."""
         if self._unchecked:
-            self._check_receiver(args)
+            self._first_call(args)
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
         return {name: arguments[name] for name in self._fields}
+
+    def _first_call(self, args: tuple[Any, ...]) -> None:
+        """What decoration could not settle: the receiver, and a return annotation that
+        named nothing yet. Either raising, the next call checks again."""
+        if self._receiver:
+            self._check_receiver(args)
+            self._receiver = False
+        if self._declare_later is not None:
+            self._declare_later()
+            self._declare_later = None
+        self._unchecked = False
 
     def _check_receiver(self, args: tuple[Any, ...]) -> None:
         """A method's receiver (an instance, or a class for a classmethod) has this very
@@ -81,7 +103,6 @@ class KeyArguments:
                 "parameters are all arguments; rename it (then it is a key field or goes in "
                 "ignore=)"
             ) from None
-        self._unchecked = False
 
 
 def _receives(first: object, fn: Callable[..., Any]) -> bool:
@@ -110,16 +131,21 @@ def _attribute(fn: Callable[..., Any]) -> str:
     return name
 
 
+# Declares a value type for a namespace: (type, who declares it, for the error).
+Declare = Callable[[Any, str], None]
+
+
 def bind_key_fields(
     namespace: Namespace,
     fn: Callable[..., Any],
     value_type: Any = None,
     ignore: Iterable[str] = (),
+    declare: Declare | None = None,
 ) -> KeyArguments:
     """Checks shared by the async and sync decorators: every key field is a parameter
     of ``fn``, and ``fn`` has no other (see the module doc); ``value_type`` (or else
-    ``fn``'s return annotation) is declared as the namespace's value type. Returns what
-    binds its calls."""
+    ``fn``'s return annotation) is declared as the namespace's value type, through
+    ``declare`` (by default on ``namespace``). Returns what binds its calls."""
     template = namespace.policy.template
     signature = inspect.signature(fn)
     parameters = signature.parameters
@@ -131,14 +157,65 @@ def bind_key_fields(
         )
     ignored = _ignored(namespace, fn, signature, ignore)
     receiver = _refuse_unkeyed_parameters(namespace, fn, signature, ignored)
-    declared = value_type
-    if declared is None:
-        # A ``functools.partial`` keeps its function's return annotation there.
-        annotated = fn.func if isinstance(fn, functools.partial) else fn
-        declared = typing.get_type_hints(annotated).get("return")
-    if declared is not None:
-        namespace._declare_type(declared, by=_name(fn))
+    if declare is None:
+        declare = functools.partial(_declare_on, namespace)
+    if value_type is not None:
+        declare(value_type, _name(fn))
+        return KeyArguments(signature, fn, receiver, template.fields)
+    try:
+        _declare_returned(namespace, fn, declare, later=False)
+    except NameError:  # a name defined after fn (its own class): at the first call
+        later = functools.partial(_declare_returned, namespace, fn, declare, later=True)
+        return KeyArguments(signature, fn, receiver, template.fields, later)
     return KeyArguments(signature, fn, receiver, template.fields)
+
+
+def _declare_on(namespace: Namespace, value_type: Any, by: str) -> None:
+    namespace._declare_type(value_type, by=by)
+
+
+def _declare_returned(
+    namespace: Namespace, fn: Callable[..., Any], declare: Declare, *, later: bool
+) -> None:
+    """Declares ``fn``'s return annotation, if it has one. At the first call (``later``),
+    a name it still can't find is the caller's to fix: the TypeError says how."""
+    try:
+        declared = _return_annotation(fn)
+    except NameError as error:
+        if not later:
+            raise
+        raise TypeError(
+            f"namespace {namespace.name!r}: {_name(fn)}'s return annotation can't be "
+            f"resolved at its first call either ({error}: imported only under "
+            "TYPE_CHECKING, or local to a function?), so the value type is unknown; "
+            f"declare it: cached({namespace.name!r}, value_type=...)"
+        ) from None
+    if declared is not None:
+        declare(declared, _name(fn))
+
+
+def _return_annotation(fn: Callable[..., Any]) -> Any:
+    """``fn``'s return annotation evaluated, as ``typing.get_type_hints`` would (strings
+    and forward references in it, in ``fn``'s module), without evaluating the
+    parameters' annotations (see the module doc). None without one."""
+    # A ``functools.partial`` keeps its function's annotations there.
+    annotated = fn.func if isinstance(fn, functools.partial) else fn
+    annotations = getattr(annotated, "__annotations__", None) or {}
+    if "return" not in annotations:
+        return None
+    unwrapped = inspect.unwrap(annotated)  # where get_type_hints finds the globals
+    only_return = _Annotated({"return": annotations["return"]}, annotated)
+    globalns = getattr(unwrapped, "__globals__", {})
+    return typing.get_type_hints(only_return, globalns).get("return")
+
+
+class _Annotated:
+    """Something ``typing.get_type_hints`` reads annotations from: these ones, with the
+    type parameters of ``fn`` (``def f[T](...) -> list[T]``) they may name."""
+
+    def __init__(self, annotations: dict[str, Any], fn: Callable[..., Any]):
+        self.__annotations__ = annotations
+        self.__type_params__ = getattr(fn, "__type_params__", ())
 
 
 def _ignored(
@@ -250,12 +327,14 @@ def cached_sync(
     ignore: Iterable[str],
     tags: TagsOf | None,
     get_or_load: Callable[[str, Mapping[str, object], Callable[[], T], TagsOf | None], T],
+    declare: Declare,
 ) -> Callable[P, T]:
-    """``cached`` for a plain function, through the sync API's ``get_or_load``."""
+    """``cached`` for a plain function, through the sync API's ``get_or_load``; the
+    value type through ``declare`` (on whichever inner cache runs then)."""
     check_tags(namespace.policy, tags)
     if inspect.iscoroutinefunction(fn):
         raise TypeError(f"{_name(fn)} is async: use LayeredCache.cached, not the sync API")
-    arguments = bind_key_fields(namespace, fn, value_type, ignore)
+    arguments = bind_key_fields(namespace, fn, value_type, ignore, declare)
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:

@@ -51,9 +51,11 @@ class InnerCaches:
         # ones every inner cache is built with, so a hook added to one is on all.
         self.hooks = Hooks()
 
-    def declared(self, namespace: Namespace) -> None:
-        """Remember the value type ``namespace`` decodes into now (``cached`` declared
-        it), for the inner caches built after this one."""
+    def declare(self, namespace: Namespace, value_type: Any, by: str) -> None:
+        """Declare ``value_type`` (``cached`` does, at decoration or at the first call)
+        on ``namespace``, of the inner cache running now, and remember it for the inner
+        caches built after this one."""
+        namespace._declare_type(value_type, by=by)
         declared = namespace.policy.codec.value_type
         if declared is not Any:
             self._value_types[namespace.name] = declared

@@ -315,15 +315,17 @@ class SyncLayeredCache:
     ) -> Callable[[Callable[P, T]], Callable[P, T]]:
         """Decorator for sync functions; key fields come from the call's arguments.
 
-        The return annotation (or ``value_type``) becomes the namespace's value type.
+        The return annotation (or ``value_type``) becomes the namespace's value type
+        (evaluated alone, at the first call if it names what does not exist yet).
         Every other parameter must be a key field, or named in ``ignore``. ``tags``: as
         ``get_or_load``'s."""
         ns = self.cache.namespace(namespace)  # an unknown namespace fails here, not at a call
 
+        def declare(value_type: Any, by: str) -> None:  # at a first call: after a fork too
+            self._inner.declare(self.cache.namespace(namespace), value_type, by)
+
         def decorate(fn: Callable[P, T]) -> Callable[P, T]:
-            wrapper = cached_sync(ns, fn, value_type, ignore, tags, self.get_or_load)
-            self._inner.declared(ns)  # and so in every inner cache built after this one
-            return wrapper
+            return cached_sync(ns, fn, value_type, ignore, tags, self.get_or_load, declare)
 
         return decorate
 

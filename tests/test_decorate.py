@@ -7,6 +7,9 @@ refused when the function is decorated, by both the async and the sync decorator
 
 from __future__ import annotations
 
+import sys
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -318,3 +321,109 @@ def test_a_sync_cached_method_under_property_is_still_a_method(
 
 
 # -- fcf1bfc: abandoned loaders counted, then new loaders queue for the pool ---------
+
+
+# -- annotations: only the return annotation is evaluated, at the first call if need be --
+
+
+def _module(name: str, source: str, **names: object) -> types.ModuleType:
+    """``source`` run as the module ``name`` (its own globals, as an imported file has),
+    with ``names`` set in it first; left in ``sys.modules`` for the test's duration."""
+    module = types.ModuleType(name)
+    module.__dict__.update(names)
+    sys.modules[name] = module
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)
+    return module
+
+
+@pytest.fixture
+def _drop_modules() -> Iterator[None]:
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+_TYPE_CHECKING_ONLY = '''
+from __future__ import annotations
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+@cache.cached("book", ignore=("session",))
+async def book_detail(id: int, session: AsyncSession) -> dict[str, int]:
+    return {"id": id}
+'''
+
+
+@pytest.mark.usefixtures("_drop_modules")
+def test_a_parameter_annotation_imported_only_for_type_checking_does_not_break_decoration(
+) -> None:
+    """A session parameter whose type is imported under ``if TYPE_CHECKING:`` (the usual
+    way with postponed annotations), left out of the key: the module imports, although
+    the name does not exist at run time (the return annotation is all that is read)."""
+    module = _module("decorate_typing_only", _TYPE_CHECKING_ONLY, cache=_cache())
+    assert module.book_detail.__name__ == "book_detail"
+
+
+_SELF_TYPED = '''
+from __future__ import annotations
+import msgspec
+
+class Book(msgspec.Struct):
+    id: int
+    price: str
+
+    @classmethod
+    @cache.cached("book")
+    async def load(cls, id: int) -> Book:
+        return cls(id=id, price="9.90")
+'''
+
+
+@pytest.mark.usefixtures("_drop_modules")
+async def test_a_cached_classmethod_returning_its_own_class_can_be_decorated(
+    redis_url: str, prefix: str
+) -> None:
+    """An active-record loader, ``Book.load(id) -> Book``: the annotation names a class
+    that does not exist yet while its body runs, so it is read at the first call, and
+    an L2 hit (no L1 here) still comes back as a ``Book``, not a dict."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    async with LayeredCache.from_config(config) as cache:
+        Book = _module("decorate_self_typed", _SELF_TYPED, cache=cache).Book
+        loaded = await Book.load(1)
+        hit = await Book.load(1)
+        stats = cache.stats()["book"]
+    assert loaded == hit == Book(id=1, price="9.90")
+    assert isinstance(hit, Book) and stats["l2_hit"] == 1, (hit, stats)
+
+
+_SYNC_SELF_TYPED = _SELF_TYPED.replace("async def", "def")
+
+
+@pytest.mark.usefixtures("_drop_modules")
+def test_a_sync_cached_classmethod_returning_its_own_class_decodes_an_l2_hit_into_it(
+    redis_url: str, prefix: str
+) -> None:
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
+    with SyncLayeredCache.from_config(config) as cache:
+        Book = _module("decorate_sync_self_typed", _SYNC_SELF_TYPED, cache=cache).Book
+        Book.load(1)
+        hit = Book.load(1)
+    assert isinstance(hit, Book) and hit == Book(id=1, price="9.90"), hit
+
+
+async def test_a_return_annotation_that_never_resolves_is_a_type_error_naming_value_type(
+) -> None:
+    """Read at the first call, the annotation still names nothing: the error says which
+    function and how to declare the type instead, at every call (nothing is cached
+    under an undeclared type)."""
+    cache = _cache()
+
+    @cache.cached("book")
+    async def book_detail(id: int) -> Unknown:  # type: ignore[name-defined]  # noqa: F821
+        raise AssertionError("not called")
+
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"book_detail.*Unknown.*value_type="):
+            await book_detail(1)
