@@ -12,6 +12,12 @@ Why a queue per gateway (``Purges``): one dead Varnish beside live ones made eve
 fail and be retried, with backoff, on the one in-order worker, and each retry held back
 every later purge to the live ones too (three changes' purges 10 s late at the default
 timeout). Each gateway now has its own queue, worker and retries.
+
+A repeat (``repeat_after``) is the second purge of keys and tags already counted once,
+as delivered: its own outcome is ``repeated``, or else only logged
+(``http_purge_repeat_failed``, ``http_purge_repeat_dropped``), never ``failed`` or
+``dropped``, which would count one purge twice (``delivered + failed + dropped`` adds up
+to ``submitted``).
 """
 
 from __future__ import annotations
@@ -43,9 +49,9 @@ class PurgeStats(msgspec.Struct):
     submitted: int = 0  # keys + tags handed to the queue
     delivered: int = 0  # keys + tags the purger accepted (first purges: repeats apart)
     repeated: int = 0  # keys + tags purged once more, ``repeat_after`` later
-    retries: int = 0  # attempts after a failure
-    failed: int = 0  # keys + tags given up on after every retry (logged)
-    dropped: int = 0  # keys + tags refused by a full queue, or left at close (logged)
+    retries: int = 0  # attempts after a failure (first purges and repeats)
+    failed: int = 0  # keys + tags given up on after every retry (logged; repeats apart)
+    dropped: int = 0  # keys + tags refused by a full queue, or left at close (repeats apart)
 
 
 def purges_for(
@@ -166,14 +172,8 @@ class PurgeQueue:
         if size > room:
             keys, tags, repeat = job
             kept = keys[:room], tags[: max(0, room - len(keys))]
-            self.stats.dropped += size - room
-            _log.warning(
-                "http_purge_dropped",
-                reason="queue full",
-                count=size - room,
-                keys=keys[len(kept[0]) :][:5],
-                tags=tags[len(kept[1]) :][:5],
-            )
+            left = keys[len(kept[0]) :], tags[len(kept[1]) :]
+            self._dropped(size - room, repeat, "queue full", *left)
             job, size = (*kept, repeat), room
             if not size:
                 return
@@ -224,21 +224,34 @@ class PurgeQueue:
 
     def _count_abandoned(self) -> None:
         """What ``close`` leaves undelivered (in flight, queued, repeats not yet due) is
-        counted as dropped and logged: a gateway that keeps those responses serves them
-        until their ``s-maxage``, and an operator must be able to tell."""
+        logged and, repeats apart, counted as dropped: a gateway that keeps those
+        responses serves them until their ``s-maxage``, and an operator must be able to
+        tell."""
         jobs = [] if self._current is None else [self._current]
         while not self._queue.empty():
             jobs.append(self._queue.get_nowait())
             self._queue.task_done()
         self._pending = 0
-        size = sum(len(keys) + len(tags) for keys, tags, _ in jobs) + sum(self._timers.values())
+        waiting = sum(self._timers.values())  # repeats whose time had not come
         self._timers.clear()
         self._current = None
-        if size:
-            self.stats.dropped += size
-            keys = [key for job in jobs for key in job[0]][:5]
-            tags = [tag for job in jobs for tag in job[1]][:5]
-            _log.warning("http_purge_dropped", reason="closed", count=size, keys=keys, tags=tags)
+        for repeat in (False, True):
+            left = [job for job in jobs if job[2] is repeat]
+            keys = [key for job in left for key in job[0]]
+            tags = [tag for job in left for tag in job[1]]
+            size = len(keys) + len(tags) + (waiting if repeat else 0)
+            if size:
+                self._dropped(size, repeat, "closed", keys, tags)
+
+    def _dropped(
+        self, count: int, repeat: bool, reason: str, keys: list[str], tags: list[str]
+    ) -> None:
+        """``count`` keys and tags given up on unsent, logged; counted as dropped unless
+        they are a repeat (see the module doc)."""
+        if not repeat:
+            self.stats.dropped += count
+        event = "http_purge_repeat_dropped" if repeat else "http_purge_dropped"
+        _log.warning(event, reason=reason, count=count, keys=keys[:5], tags=tags[:5])
 
     async def _run(self) -> None:
         while True:
@@ -272,9 +285,10 @@ class PurgeQueue:
                 await self._purge(keys, tags)
             except Exception as exc:  # any purger failure: retried, then counted
                 if attempt == self._retries:
-                    self.stats.failed += size
+                    if not repeat:  # a repeat's keys were delivered: see the module doc
+                        self.stats.failed += size
                     _log.warning(
-                        "http_purge_failed",
+                        "http_purge_repeat_failed" if repeat else "http_purge_failed",
                         keys=keys[:5],
                         tags=tags[:5],
                         error=_elided(repr(exc), keys[5:] + tags[5:]),

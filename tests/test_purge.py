@@ -197,3 +197,72 @@ async def test_purges_still_queued_when_the_queue_closes_are_counted_as_dropped(
     stats = queue.stats
     assert stats.submitted == 6 and stats.delivered == 0
     assert stats.dropped == 6  # one in flight, five queued
+
+
+# -- a repeat is the second purge of one submitted: never a second outcome for it -------
+
+
+class FirstOnly:
+    """A gateway that accepts the first purge and then goes down."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("gateway down")
+
+
+def _outcomes(queue: PurgeQueue) -> int:
+    return queue.stats.delivered + queue.stats.failed + queue.stats.dropped
+
+
+async def test_a_delivered_purge_whose_repeat_fails_is_not_counted_as_failed_too() -> None:
+    """docs/metrics.md: ``delivered + failed + dropped`` add up to ``submitted``. A
+    purge the gateway took, whose repeat failed, was counted delivered *and* failed: an
+    alert on ``failed`` reported a purge lost that was delivered."""
+    gateway = FirstOnly()
+    queue = PurgeQueue(gateway, retries=0, backoff=[0.01], repeat_after=0.05)
+    queue.submit(["shop:book:1"])
+    assert await eventually(lambda: gateway.calls == 2, timeout=5)  # the repeat, failing
+    await queue.drain()
+    await queue.close()
+    assert queue.stats.failed == 0 and _outcomes(queue) == queue.stats.submitted == 1, (
+        queue.stats
+    )
+
+
+async def test_a_repeat_still_waiting_at_close_is_not_counted_as_a_dropped_purge() -> None:
+    """The same sum at close: the key and tag were delivered; their repeat, not due
+    yet, was counted dropped as well."""
+    queue = PurgeQueue(Recording(), repeat_after=30.0)
+    queue.submit(["shop:book:1"], ["book:1"])
+    await queue.drain()
+    await queue.close(grace=0.1)
+    assert queue.stats.dropped == 0 and _outcomes(queue) == queue.stats.submitted == 2, (
+        queue.stats
+    )
+
+
+async def test_a_repeat_a_full_queue_refuses_is_not_counted_as_a_dropped_purge() -> None:
+    """Room for one purge: book:2 hangs at the gateway (then is left at close, dropped)
+    when book:1's repeat is due. The repeat is refused, but book:1 was delivered: only
+    book:2 counts as dropped."""
+
+    class HangsOnBook2(Recording):
+        async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+            self.calls.append((list(keys), list(tags)))
+            if "book:2" in keys:
+                await asyncio.Event().wait()
+
+    gateway = HangsOnBook2()
+    queue = PurgeQueue(gateway, max_pending=1, repeat_after=0.2)
+    queue.submit(["book:1"])
+    assert await eventually(lambda: len(gateway.calls) == 1, timeout=5)
+    queue.submit(["book:2"])
+    assert await eventually(lambda: len(gateway.calls) == 2, timeout=5)
+    await asyncio.sleep(0.4)  # book:1's repeat came due and found the queue full
+    await queue.close(grace=0.1)
+    stats = queue.stats
+    assert (stats.delivered, stats.dropped) == (1, 1) and _outcomes(queue) == 2, stats
