@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from email.utils import formatdate
 from typing import Any
 
 import httpx
@@ -192,3 +195,56 @@ async def test_a_price_change_event_through_the_daemon_purges_the_gateway(
         metrics = daemon.metrics.render().decode()
         assert 'layered_cache_daemon_http_purges_total{outcome="failed"} 0.0' in metrics
         assert 'layered_cache_daemon_http_purges_total{outcome="delivered"}' in metrics
+
+
+async def test_a_price_change_reaches_the_batch_page_through_the_gateway_at_once(
+    redis_url: str, prefix: str, db: SQLiteDatabase
+) -> None:
+    """``GET /books?ids=8`` reads the ``book`` entry ``/books/8`` serves, but is no
+    ``CachedResponses`` response: no ``X-Cache-Key`` for a purge to find. It went out with
+    no Cache-Control, so Varnish kept it its default TTL (120 s) and served the old
+    price that long. Every such route now says ``no-store``; the gateway asks the app."""
+    async with gateway(redis_url, prefix, db, s_maxage=30, purge=True) as gw:
+        ids = {"ids": "8"}
+        for _ in range(2):
+            old = (await gw.edge.get("/books", params=ids)).json()[0]["price"]
+        assert (await gw.app.put("/books/8/price", json={"price": "77.77"})).is_success
+        batch = await gw.edge.get("/books", params=ids)
+        assert old != "77.77" and batch.json()[0]["price"] == "77.77", batch.headers
+        for path in ("/books?ids=8", "/books/999", "/healthz", "/stats", "/metrics"):
+            reply = await gw.edge.get(path)
+            assert "no-store" in reply.headers.get("cache-control", ""), (path, reply.headers)
+
+
+async def test_the_gateway_keeps_no_response_that_states_no_lifetime() -> None:
+    """deploy/varnish/default.vcl, in front of any app: a response with neither
+    Cache-Control nor Expires (a hand-built route) was kept Varnish's default TTL (120 s),
+    out of reach of every purge (no ``X-Cache-Key``). Now it is not kept; one that gives
+    its lifetime (``max-age``, ``s-maxage``, ``Expires``) still is."""
+    served: Counter[str] = Counter()
+    lifetimes = {
+        "/silent": [],
+        "/max-age": [(b"cache-control", b"public, max-age=60")],
+        "/s-maxage": [(b"cache-control", b"public, s-maxage=60")],
+        "/expires": [(b"expires", formatdate(time.time() + 60, usegmt=True).encode())],
+    }
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        served[scope["path"]] += 1
+        headers = lifetimes[scope["path"]]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    varnish = VarnishServer(port)
+    await asyncio.to_thread(varnish.start, 60)
+    try:
+        async with serve(app, port=port), httpx.AsyncClient(base_url=varnish.url) as edge:
+            for path in lifetimes:
+                for _ in range(3):
+                    assert (await edge.get(path)).status_code == 200
+    finally:
+        varnish.close()
+    assert served == {"/silent": 3, "/max-age": 1, "/s-maxage": 1, "/expires": 1}, served

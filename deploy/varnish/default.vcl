@@ -1,5 +1,6 @@
 # Varnish in front of the bookstore (docs/http.md). It honours the app's Cache-Control
-# (s-maxage is the TTL here, stale-while-revalidate the grace), revalidates expired
+# (s-maxage is the TTL here, stale-while-revalidate the grace), keeps no response that
+# states no lifetime (no max-age, s-maxage or Expires), revalidates expired
 # objects with If-None-Match (the app answers 304 from L1/L2), and takes purges from
 # localhost: by cache key (PURGE + X-Cache-Key) and by tag (BAN + X-Cache-Tag), matched
 # against the X-Cache-Key / X-Cache-Tags headers that layered_cache.asgi puts on each
@@ -43,6 +44,17 @@ sub vcl_recv {
 }
 
 sub vcl_backend_response {
+    # A response that states no lifetime (no max-age/s-maxage, no Expires: a route not
+    # built by layered_cache.asgi) would be kept default_ttl (120 s) with no X-Cache-Key
+    # for a purge to find: its data stale for 2 minutes after a change. Not kept; marked
+    # hit-for-miss (as the built-in VCL marks no-store) so requests for it go straight
+    # to the app, side by side, and a later response with a lifetime is kept again.
+    if (beresp.http.Cache-Control !~ "(?i)(s-maxage|max-age)" && !beresp.http.Expires) {
+        set beresp.ttl = 120s;
+        set beresp.grace = 0s;
+        set beresp.uncacheable = true;
+        return (deliver);
+    }
     # Past s-maxage, serve stale only as long as the app allows (stale-while-revalidate
     # sets the grace); Varnish's default 10 s grace would stretch the freshness bound.
     if (beresp.http.Cache-Control !~ "stale-while-revalidate") {
