@@ -427,3 +427,31 @@ async def test_a_return_annotation_that_never_resolves_is_a_type_error_naming_va
     for _ in range(2):
         with pytest.raises(TypeError, match=r"book_detail.*Unknown.*value_type="):
             await book_detail(1)
+
+
+# -- what a result shares with L1 (README, "Results are shared") ----------------------
+
+
+async def test_changing_the_loaders_object_or_the_one_given_to_set_never_changes_a_later_hit(
+    redis_url: str, prefix: str
+) -> None:
+    """L1 keeps the value decoded back from the bytes written, not the loader's object
+    nor ``set()``'s: their owners may change them afterwards. A result is L1's own
+    object, though, the filling call's as every hit's: read-only (not copied per hit)."""
+    catalog = {1: {"id": 1, "price": "9.90"}}  # an in-process store the loader hands out
+    async with LayeredCache.from_config(make_config(redis_url, prefix)) as cache:
+
+        @cache.cached("book")
+        async def book_detail(id: int) -> dict[str, Any]:
+            return catalog[id]
+
+        first = await book_detail(1)
+        catalog[1]["price"] = "0.00"  # the loader's object, changed by its owner
+        given = {"id": 2, "price": "5.00"}
+        await cache.set("book", {"id": 2}, given)
+        given["price"] = "0.00"
+        hits = [await book_detail(1), await book_detail(2)]
+        stats = cache.stats()["book"]
+    assert hits == [{"id": 1, "price": "9.90"}, {"id": 2, "price": "5.00"}]
+    assert stats["l1_hit"] == 2 and stats["load"] == 1, stats
+    assert hits[0] is first  # shared with L1: the README says to treat it as read-only
