@@ -55,7 +55,8 @@ FORMAT_ENV = "LAYERED_CACHE_LOG_FORMAT"
 LEVEL_ENV = "LAYERED_CACHE_LOG_LEVEL"
 SALT_ENV = "LAYERED_CACHE_LOG_REDACT_SALT"
 _FORMATS = ("json", "console")
-_REDACTED_FIELDS = ("key", "keys", "tag", "tags")
+# ``channel``: a lease waiter's fill channel, ``{<key>}:filled``, names its key.
+_REDACTED_FIELDS = ("key", "keys", "tag", "tags", "channel")
 _configured = False
 _handler: logging.Handler | None = None
 
@@ -102,7 +103,7 @@ def _redact_rendered(_logger: Any, _method: str, line: str) -> str:
 
 
 class _KeyRedactor:
-    """Processor: replace ``key``/``keys``/``tag``/``tags`` by their keyed hashes, and
+    """Processor: replace ``key``/``keys``/``tag``/``tags``/``channel`` by their keyed hashes, and
     those values wherever another string field of the event quotes them (an error
     raised by a purger or a client may name the key it failed on)."""
 

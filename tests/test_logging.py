@@ -15,7 +15,9 @@ import structlog
 
 from layered_cache import LayeredCache, parse_config
 from layered_cache._config import LoggingConfig
+from layered_cache._keys import lease_name
 from layered_cache._logs import configure_logging, mask_url_credentials, redact_key, reset_logging
+from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import free_port
 
@@ -213,3 +215,39 @@ async def test_a_purge_error_naming_the_eighth_key_of_a_batch_logs_no_raw_key(
     logged = stream.getvalue()
     assert '"http_purge_failed"' in logged
     assert not [email for email in emails if email in logged]
+
+
+async def test_with_redact_keys_a_waiter_whose_subscription_is_slow_logs_no_raw_key(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """A key that is customer data (an e-mail) whose lease another process holds: the
+    read waits for the fill on the key's fill channel, whose confirmation comes late (a
+    slow Redis). The debug event ``fill_subscribe_timeout`` named the channel,
+    ``{<key>}:filled``: the raw key, which ``redact_keys`` promises never to log."""
+    out = io.StringIO()
+    configure_logging(
+        LoggingConfig(format="json", level="debug", redact_keys=True), stream=out, env={},
+        force=True,
+    )
+    try:
+        stampede = {"max_wait": "400ms", "reread_pause": ["50ms", "100ms"]}
+        config = make_config(
+            late_replies.url,
+            prefix,
+            {"user": {"key": "user:{email}", "stampede": stampede}},
+            redis={"timeout": "2s", "connect_timeout": "2s"},
+        )
+        admin = redis.Redis.from_url(redis_url)
+        async with LayeredCache.from_config(config) as cache:
+            key = cache.key("user", {"email": "alice@example.com"})
+            await admin.set(lease_name(key), "another process", px=10_000)
+            late_replies.match, late_replies.delay = b"SUBSCRIBE", 0.5
+            await cache.get_or_load("user", {"email": "alice@example.com"}, CountingLoader("v"))
+            late_replies.match = None
+        await admin.aclose()
+    finally:
+        reset_logging()
+    events = [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+    assert any(e["event"] == "fill_subscribe_timeout" for e in events), events
+    leaking = [e for e in events if "alice@example.com" in json.dumps(e)]
+    assert not leaking, f"events naming the raw key: {leaking}"
