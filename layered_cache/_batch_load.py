@@ -11,6 +11,7 @@ from typing import Any
 
 from layered_cache._batch_fill import BatchFill
 from layered_cache._batch_read import BatchReader
+from layered_cache._codec import Envelope
 from layered_cache._failsafe import Misshapen
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
@@ -76,12 +77,12 @@ class BatchLoader:
         if not envelopes:
             return await self._load_unleased(list(reads.values()), fields_of, load_many)
         found: dict[str, Any] = {}
+        hits: list[tuple[Read, Envelope[Any]]] = []
         now = self._rt.clock()
         for key, envelope in envelopes.items():
             if envelope is not None and now < envelope.soft_expiry:
                 policy.stats.l2_hit += 1
-                loader = one_loader(self._policy.name, fields_of[key], load_many)
-                self._refresher.maybe_refresh_early(reads[key], envelope, loader, now)
+                hits.append((reads[key], envelope))
                 self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, seq, envelope.tags)
                 found[key] = envelope.value
             else:
@@ -92,6 +93,11 @@ class BatchLoader:
         if misses or unread:
             on_hits(found)
             found.update(await self._load_misses(misses, unread, fields_of, load_many))
+        # Early refreshes only once the batch succeeded: each calls ``load_many`` in the
+        # background, and a batch that raised leaves nothing that would call it after.
+        for read, envelope in hits:
+            loader = one_loader(policy.name, fields_of[read.key], load_many)
+            self._refresher.maybe_refresh_early(read, envelope, loader, now)
         return found
 
     async def _load_misses(

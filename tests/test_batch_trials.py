@@ -10,11 +10,13 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from layered_cache import LayeredCache
 from layered_cache.sync import SyncLayeredCache
+from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import make_config
 
 Cluster = Any  # RedisClusterServers | ExistingRedisCluster (tests.servers)
@@ -315,3 +317,36 @@ async def test_a_batch_cancelled_while_it_waits_for_load_timeout_ends_its_load_a
         await asyncio.sleep(0.05)
         values, took = await _read_elsewhere(config)
     assert values == ["other1", "other2"] and took < 1.0, round(took, 2)
+
+
+async def test_a_batch_that_raised_leaves_no_early_refresh_that_calls_load_many_after_it(
+    prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """Book 1 is an L2 hit due for an early refresh (a loader made of ``load_many``),
+    book 2 a miss whose load fails: the batch raises. The refresh began before the
+    misses loaded, and with its lease's reply late it called ``load_many`` after the
+    batch had raised to its caller. Refreshes now start once the batch succeeded."""
+    book = {"key": "book:{id}", "l1": False, "l2": {"ttl": "10s", "jitter": 0},
+            "stampede": {"early_refresh_beta": 1.0}}
+    config = make_config(late_replies.url, prefix, {"book": book},
+                         redis={"timeout": "2s", "connect_timeout": "2s"})
+    calls: list[tuple[str, list[object]]] = []
+    raised = asyncio.Event()
+
+    async def first() -> str:
+        await asyncio.sleep(0.5)  # delta 0.5 s: with the draw below every hit refreshes
+        return "one"
+
+    async def load_many(fields: list[dict[str, object]]) -> list[str]:
+        calls.append(("after" if raised.is_set() else "during", [f["id"] for f in fields]))
+        raise RuntimeError("database down")
+
+    async with LayeredCache.from_config(config, rand=lambda: 1 - 1e-12) as cache:
+        await cache.get_or_load("book", {"id": 1}, first)
+        late_replies.match, late_replies.delay = b"book:1}:lease", 0.3
+        with pytest.raises(RuntimeError, match="database down"):
+            await cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many)
+        raised.set()
+        await asyncio.sleep(1.0)
+        late_replies.match = None
+    assert calls == [("during", [2])], calls
