@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
+import aiokafka
+import structlog
 from aiokafka.consumer import fetcher
 from aiokafka.errors import CorruptRecordException
 from aiokafka.record.util import decode_varint
@@ -40,6 +42,8 @@ _BatchPy: Any = _DefaultRecordBatchPy or object  # ``_LenientBatch``'s base (unu
 
 __all__ = ["lenient_fetches"]
 
+_log = structlog.get_logger("layered_cache.daemon")
+
 _LENIENT: ContextVar[bool] = ContextVar("layered_cache_lenient_header_names", default=False)
 _MEMORY_RECORDS: Any = getattr(fetcher, "MemoryRecords", None)  # aiokafka's own
 _LOG_OVERHEAD = 12  # every batch, v0 to v2: base offset (8 bytes), length (4), then length
@@ -50,6 +54,14 @@ _MAGIC_AT = 16  # after the offset, length and partition leader epoch (4): the f
 def lenient_fetches() -> Iterator[None]:
     """Around a consumer's ``start()``: its fetches read header names leniently."""
     hookable = _MEMORY_RECORDS is not None and _DefaultRecordBatchPy is not None
+    if not hookable:  # said at each start: the defence this module is is off
+        _log.warning(
+            "kafka_header_names_strict",
+            aiokafka=getattr(aiokafka, "__version__", "?"),
+            consequence="this aiokafka lacks the classes read leniently with: a record "
+            "whose header name is not UTF-8 sets aside the valid records after it in its "
+            "batch as unreadable (to the dead-letter topic, unapplied)",
+        )
     if hookable and fetcher.MemoryRecords is _MEMORY_RECORDS:
         fetcher.MemoryRecords = _records  # aiokafka changed: left alone (``unreadable``)
     token = _LENIENT.set(True)
