@@ -117,7 +117,7 @@ class BatchFill:
     async def _finish(
         self, reads: list[Read], token: str, task: asyncio.Task[Sequence[Any]], started: float
     ) -> None:
-        """The fill of a load whose caller was served stale (``MissPath._finish_fill``)."""
+        """The fill of a load whose caller was served stale (``_miss._finish_fill``)."""
         try:
             values = await task
         except BaseException as exc:

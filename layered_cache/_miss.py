@@ -137,9 +137,12 @@ class MissPath:
             self.replicas_behind(read.key)
         return _Filled(filled.value)
 
-    async def load_and_fill(self, read: Read, token: str, loader: Loader) -> Any:
+    async def load_and_fill(
+        self, read: Read, token: str, loader: Loader, *, refresh: bool = False
+    ) -> Any:
         """Load under our lease, then fill. A slow loader with a stale value at hand
-        serves stale after ``load_timeout`` and fills in the background."""
+        serves stale after ``load_timeout`` and fills in the background. ``refresh``: an
+        XFetch refresh, which no caller awaits (``_load_cancelled``)."""
         policy = self._policy
         try:
             registered = not policy.tags or await self._register(read, token)
@@ -162,15 +165,11 @@ class MissPath:
                 if not done and await self.failsafe.usable(read):
                     policy.stats.stale_served += 1
                     _log.warning("load_timeout_serving_stale", namespace=policy.name, key=read.key)
-                    self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
+                    self._rt.tasks.spawn(_finish_fill(self, read, token, task, started))
                     return read.stale.value
             value = await asyncio.shield(task)
         except asyncio.CancelledError:
-            # Our caller went away, the load runs on: it fills L2 (and releases the
-            # lease) in the background, so the readers waiting on it, here (the single-
-            # flight joiners start over and wait on the lease) and in other processes,
-            # get its value instead of loading again after ``max_wait``.
-            self._rt.tasks.spawn(self._finish_fill(read, token, task, started))
+            _load_cancelled(self, read, token, task, started, refresh)
             raise
         except BaseException as exc:  # nobody will fill: the lease goes back
             # Released before our caller hears of it; a cancel now leaves the release going.
@@ -196,24 +195,6 @@ class MissPath:
     def _unregister(self, read: Read, token: str) -> None:
         if self._policy.tags:
             self._loading.leave([lease_name(read.key)], token)
-
-    async def _finish_fill(
-        self, read: Read, token: str, task: asyncio.Task[Any], started: float
-    ) -> None:
-        try:
-            value = await task
-        except BaseException as exc:
-            # A failed load (whatever it raised), or a cancelled one (a loader that raised
-            # CancelledError, or close() stopping us): nobody will fill, the lease goes back.
-            await self.release(read.key, token)
-            self._unregister(read, token)
-            current = asyncio.current_task()
-            if isinstance(exc, asyncio.CancelledError) and current and current.cancelling():
-                raise
-            return
-        # The request's read.seq: an invalidation delivered while this slow load ran (or
-        # between its L2 write and here) must keep it out of L1.
-        await self.fill(read, token, value, time.monotonic() - started)
 
     async def load_l1_only(self, read: Read, loader: Loader) -> Any:
         """The miss of an ``l2 = false`` namespace: load, then fill L1."""
@@ -347,6 +328,52 @@ async def bound_lease(store: L2Store, key: str, lease_ttl: float) -> None:
     name = lease_name(key)
     with contextlib.suppress(L2Unavailable):
         await store.guard(store.client.pexpire(name, max(1, int(lease_ttl * 1000)), nx=True), name)
+
+
+def _load_cancelled(
+    miss: MissPath, read: Read, token: str, task: asyncio.Task[Any], started: float, refresh: bool
+) -> None:
+    """``MissPath.load_and_fill`` cancelled while its load runs.
+
+    A caller that went away (a client's deadline): the load runs on and fills L2 (and
+    releases the lease) in the background, so the readers waiting on it, here (the
+    single-flight joiners start over and wait on the lease) and in other processes, get
+    its value instead of loading again after ``max_wait``.
+
+    A refresh has no caller: only ``close()`` cancels it, and its load ends with it.
+    Running on, it called the user's loader after close() returned and filled L2
+    through the closed cache, on a connection nobody closed (the fill's task came after
+    close() had cancelled its tasks). No reader loses a value by it: none joins a
+    refresh's load (it runs outside the single-flight), readers that miss the key wait
+    on its lease, which goes back once the load has ended (a waiter then takes it
+    over). That end, and the release, are an orphan: close() waits for it."""
+    finishing = _finish_fill(miss, read, token, task, started)
+    if refresh:
+        task.cancel()
+        miss._rt.tasks.spawn_orphan(finishing)
+    else:
+        miss._rt.tasks.spawn(finishing)
+
+
+async def _finish_fill(
+    miss: MissPath, read: Read, token: str, task: asyncio.Task[Any], started: float
+) -> None:
+    """The fill of a load whose caller left or was served stale after ``load_timeout``."""
+    try:
+        value = await task
+    except BaseException as exc:
+        # A failed load (whatever it raised), or a cancelled one (a loader that raised
+        # CancelledError, a refresh or close() stopping us): nobody will fill, the lease
+        # goes back.
+        await miss.release(read.key, token)
+        miss._unregister(read, token)
+        current = asyncio.current_task()
+        if isinstance(exc, asyncio.CancelledError) and current and current.cancelling():
+            raise
+        return
+    # The request's read.seq: an invalidation delivered while this slow load ran (or
+    # between its L2 write and here) must keep it out of L1.
+    await miss.fill(read, token, value, time.monotonic() - started)
 
 
 def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:

@@ -80,7 +80,7 @@ class Refresher:
             # load_error, not a stale value served (stale_served and its warning).
             read = Read(key, seq, None, request.tags_of)
             with contextlib.suppress(Exception):
-                await self._miss.load_and_fill(read, token, loader)
+                await self._miss.load_and_fill(read, token, loader, refresh=True)
         except L2Unavailable:  # the lease may be ours: see ``MissPath.load_under_lease``
             policy.stats.redis_error += 1
             self._miss.give_back(key, mine)

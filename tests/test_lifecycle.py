@@ -11,10 +11,12 @@ import os
 from typing import Any
 
 import pytest
+import redis.asyncio as redis
 from fastapi.testclient import TestClient
 
 from layered_cache import LayeredCache
 from tests.helpers import make_config
+from tests.servers import RedisServer
 from tests.test_fastapi import build_app
 
 
@@ -310,3 +312,59 @@ async def test_a_cache_started_again_drops_what_was_invalidated_while_it_was_clo
         assert await a.get_or_load("book", {"id": 1}, never) == "new"
     finally:
         await a.close()
+
+
+async def test_close_stops_an_early_refresh_whose_loader_is_still_running(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """README, lifecycle: "A closed cache refuses calls"; ``BackgroundTasks.close``:
+    "nothing outlives the clients closed next".
+
+    close() cancelled the XFetch refresh task, whose cancel handler handed the running
+    load to a new background fill (``MissPath.load_and_fill``, right for a caller that
+    went away: the load fills for the others). That task was spawned after close() had
+    taken its list of tasks: the user's loader ran on after close() returned, and its
+    fill wrote "new" to L2 through the closed cache, on a connection opened after
+    close() that nobody closed. Found by a review; failed before its fix."""
+    book = {
+        "key": "book:{id}",
+        "l1": False,
+        "l2": {"ttl": "10s", "jitter": 0},
+        "stampede": {"early_refresh_beta": 1.0},
+    }
+    config = make_config(redis_server.url, prefix, {"book": book})
+    admin = redis.Redis.from_url(redis_server.url)
+    refresh_started = asyncio.Event()
+    refresh_ended: list[str] = []
+
+    async def first() -> str:
+        await asyncio.sleep(0.5)  # delta 0.5 s: with the draw below every hit refreshes
+        return "old"
+
+    async def refresh_loader() -> str:
+        refresh_started.set()
+        try:
+            await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            refresh_ended.append("cancelled")
+            raise
+        refresh_ended.append("finished")
+        return "new"
+
+    cache = LayeredCache.from_config(config, rand=lambda: 1 - 1e-12)
+    await cache.start()
+    try:
+        assert await cache.get_or_load("book", {"id": 1}, first) == "old"
+        # An L2 hit that starts an early refresh in the background.
+        assert await cache.get_or_load("book", {"id": 1}, refresh_loader) == "old"
+        await asyncio.wait_for(refresh_started.wait(), 5)
+    finally:
+        await cache.close()
+    ended_at_close = list(refresh_ended)
+    await asyncio.sleep(1.5)  # the refresh's loader would have ended by now
+    raw = await admin.get(f"{prefix}book:1")
+    await admin.aclose()
+    assert raw is not None
+    held = cache.namespace("book").policy.codec.decode(raw).value
+    assert ended_at_close == ["cancelled"], "close() returned with the load in flight"
+    assert refresh_ended == ["cancelled"] and held == "old", (refresh_ended, held)
