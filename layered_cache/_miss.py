@@ -96,8 +96,10 @@ class MissPath:
     def give_back(self, key: str, token: str) -> None:
         """Release our lease (if ``token`` holds it) in the background, for a caller being
         cancelled (it can't await) or whose Redis step timed out: kept, every reader of the
-        key, fleet-wide, waits ``max_wait``. A no-op where we never held it (compare-and-delete)."""
-        self._rt.tasks.spawn(self.release(key, token))
+        key, fleet-wide, waits ``max_wait``. A no-op where we never held it (compare-and-delete).
+        An orphan: ``close()`` waits for it, also for one that a task it cancelled gives
+        back (a refresh, a fill), which an ordinary task spawned then would outlive."""
+        self._rt.tasks.spawn_orphan(self.release(key, token))
 
     async def _wait_for_fill(self, read: Read, token: str) -> _Filled | str | None:
         """The winner's fill, our own lease (the winner gave up), or None (timeout)."""

@@ -9,6 +9,7 @@ what starts such a copy.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -66,13 +67,9 @@ class Refresher:
     ) -> None:
         """XFetch refresh under the lease: one per key for the whole fleet."""
         policy, key = self._policy, request.key
-        mine = new_token()
         try:
-            token = await self._rt.leases.try_acquire(lease_name(key), policy.lease_ttl, mine)
+            token = await self._leased(key, envelope)
             if token is None:
-                return  # someone else is refreshing (or loading) it
-            if await self._refreshed_meanwhile(key, envelope):
-                await self._miss.release(key, token)
                 return
             policy.stats.early_refresh += 1
             seq = policy.l1.begin_read() if policy.l1 is not None else None
@@ -81,11 +78,28 @@ class Refresher:
             read = Read(key, seq, None, request.tags_of)
             with contextlib.suppress(Exception):
                 await self._miss.load_and_fill(read, token, loader, refresh=True)
-        except L2Unavailable:  # the lease may be ours: see ``MissPath.load_under_lease``
-            policy.stats.redis_error += 1
-            self._miss.give_back(key, mine)
         finally:
             self._refreshing.discard(key)
+
+    async def _leased(self, key: str, envelope: Envelope[Any]) -> str | None:
+        """The key's lease for a refresh; None if someone else is refreshing (or
+        loading) it, a refresh landed meanwhile, or Redis failed."""
+        mine = new_token()
+        try:
+            token = await self._rt.leases.try_acquire(lease_name(key), self._policy.lease_ttl, mine)
+            if token is not None and await self._refreshed_meanwhile(key, envelope):
+                await self._miss.release(key, token)
+                return None
+            return token
+        except L2Unavailable:  # the lease may be ours: see ``MissPath.load_under_lease``
+            self._policy.stats.redis_error += 1
+            self._miss.give_back(key, mine)
+            return None
+        except asyncio.CancelledError:
+            # close() stopping us (nothing else cancels a refresh): kept, the lease made
+            # every other instance's miss of the key wait max_wait, for lease_ttl.
+            self._miss.give_back(key, mine)
+            raise
 
     async def _refreshed_meanwhile(self, key: str, seen: Envelope[Any]) -> bool:
         """Double-check under the lease, as a miss does (``MissPath._filled_meanwhile``):
@@ -131,11 +145,17 @@ class Refresher:
 
     async def _copy(self, key: str) -> None:
         policy = self._policy
+        token = new_token()
         try:
             await replicas.copy_to_replicas(
-                self._rt.store, self._rt.leases, key, policy.replicas, policy.lease_ttl
+                self._rt.store, self._rt.leases, key, policy.replicas, policy.lease_ttl, token
             )
         except L2Unavailable:
             policy.stats.redis_error += 1
+        except asyncio.CancelledError:
+            # close() stopping us after the SET NX may have landed: the lease goes back,
+            # as in ``_leased`` (a no-op once the copy's read released it).
+            self._miss.give_back(key, token)
+            raise
         finally:
             self._copying.discard(key)

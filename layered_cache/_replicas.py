@@ -41,7 +41,7 @@ from layered_cache._backplane import Announcement
 from layered_cache._keys import fill_channel, lease_name, replica_names
 from layered_cache._l2 import L2Store, L2Unavailable, Write
 from layered_cache._scripts import WRITE_ONE_SCRIPT
-from layered_cache._stampede import LeaseWaiter, new_token
+from layered_cache._stampede import LeaseWaiter
 
 __all__ = [
     "copy_to_replicas",
@@ -197,11 +197,12 @@ async def fill(
 
 
 async def copy_to_replicas(
-    store: L2Store, leases: LeaseWaiter, key: str, count: int, lease_ttl: float
+    store: L2Store, leases: LeaseWaiter, key: str, count: int, lease_ttl: float, token: str
 ) -> None:
     """A newly hot key has no replicas yet: copy the base value under the same protocol
-    (reserve, check, write), so an invalidation racing the copy leaves no replica."""
-    token = new_token()
+    (reserve, check, write), so an invalidation racing the copy leaves no replica.
+    ``token`` is the lease's, known to the caller: a cancelled copy's caller gives the
+    lease back (``Refresher._copy``)."""
     try:
         if await leases.try_acquire(lease_name(key), lease_ttl, token) is None:
             return  # a fill or another copy holds the lease; it writes the replicas

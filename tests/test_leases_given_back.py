@@ -292,3 +292,46 @@ async def test_a_foreign_value_without_ttl_at_a_lease_name_blocks_a_key_only_for
 
 async def _has_ttl(admin: Any, name: str) -> bool:
     return bool(await admin.pttl(name) > 0)
+
+
+async def test_close_gives_back_the_lease_of_an_early_refresh_it_stops(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """close() cancels an early refresh holding the key's lease, here in its double-check
+    GET under the lease (its reply slow to come, well within redis.timeout). The refresh
+    gave back its lease only when Redis failed, and close() waited for no task spawned
+    once it had cancelled: the lease stayed for lease_ttl (20 s), and every other
+    instance's miss of the key waited for it (max_wait), then loaded without writing L2.
+    Found by a review; failed before its fix."""
+    book = {
+        "key": "book:{id}",
+        "l1": False,
+        "l2": {"ttl": "10s", "jitter": 0},
+        "stampede": {"early_refresh_beta": 1.0, "lease_ttl": "20s"},
+    }
+    config = make_config(late_replies.url, prefix, {"book": book}, redis={"timeout": "3s"})
+    admin = redis.Redis.from_url(redis_url)
+    cache = LayeredCache.from_config(config, rand=lambda: 1 - 1e-12)  # every hit refreshes
+    await cache.start()
+    acquire = cache._store.acquire_lease
+
+    async def won_then_late(*args: Any) -> bool:
+        won: bool = await acquire(*args)
+        late_replies.match, late_replies.delay = b"GET", 2.0  # the double-check's reply
+        return won
+
+    try:
+        assert await cache.get_or_load("book", {"id": 1}, lambda: _slow("old", 0.5)) == "old"
+        cache._store.acquire_lease = won_then_late  # type: ignore[method-assign]
+        matched = late_replies.matched
+        # An L2 hit that starts an early refresh in the background.
+        assert await cache.get_or_load("book", {"id": 1}, lambda: _slow("new")) == "old"
+        assert await eventually(lambda: late_replies.matched > matched, timeout=2.0)
+        late_replies.match = None  # the refresh holds the lease, its GET's reply is late
+    finally:
+        await cache.close()
+    lease = lease_name(cache.key("book", {"id": 1}))
+    held, ttl = await admin.get(lease), await admin.pttl(lease)
+    await admin.aclose()
+    assert held is None, f"close() left the refresh's lease for {ttl} ms more"
+
