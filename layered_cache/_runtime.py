@@ -107,9 +107,17 @@ class BackgroundTasks:
         if self._orphans:
             await asyncio.wait(list(self._orphans), timeout=self.ORPHAN_GRACE)
         await self._cancel(list(self._tasks))
-        if self._orphans:  # what the cancelled ones left to finish (a lease given back)
-            await asyncio.wait(list(self._orphans), timeout=max(0.0, until - loop.time()))
-        await self._cancel(list(self._orphans))  # nothing outlives the clients closed next
+        # What each cancelled round left to finish (a lease given back: one round trip,
+        # ``grace`` at least), then cancelled, until a round leaves nothing new: a task
+        # cancelled in the last round could spawn its cleanup after it, which outlived
+        # the clients closed next. Bounded: a cleanup that spawns another each time is
+        # cut off.
+        for _ in range(3):
+            left = [task for task in self._tasks if not task.done()]
+            if not left:
+                return
+            await asyncio.wait(left, timeout=max(grace, until - loop.time()))
+            await self._cancel(left)
 
     async def _cancel(self, tasks: list[asyncio.Task[Any]]) -> None:
         for task in tasks:

@@ -15,6 +15,7 @@ import redis.asyncio as redis
 from fastapi.testclient import TestClient
 
 from layered_cache import LayeredCache
+from layered_cache._runtime import BackgroundTasks
 from tests.helpers import make_config
 from tests.servers import RedisServer
 from tests.test_fastapi import build_app
@@ -368,3 +369,34 @@ async def test_close_stops_an_early_refresh_whose_loader_is_still_running(
     held = cache.namespace("book").policy.codec.decode(raw).value
     assert ended_at_close == ["cancelled"], "close() returned with the load in flight"
     assert refresh_ended == ["cancelled"] and held == "old", (refresh_ended, held)
+
+
+async def test_close_leaves_no_task_that_a_task_it_cancelled_spawned_on_its_way_out() -> None:
+    """``BackgroundTasks.close``: "nothing outlives the clients closed next". A task
+    cancelled in close()'s last round (a fill, a refresh) gives its lease back in a
+    task it spawns then: close() had taken its list already, and that task ran on
+    after it, on the closed clients. Now close() waits for such cleanups (within the
+    same grace) and cancels what is left, until a round leaves nothing new."""
+    tasks = BackgroundTasks()
+    tasks.ORPHAN_GRACE = 0.3  # the test's patience, not the library's
+    cleaned: list[str] = []
+
+    async def give_back() -> None:
+        await asyncio.sleep(0.01)
+        cleaned.append("lease given back")
+
+    async def write() -> None:
+        try:
+            await asyncio.Event().wait()  # a Redis step that never answers
+        except asyncio.CancelledError:
+            tasks.spawn_orphan(give_back())
+            tasks.spawn(asyncio.Event().wait())  # and one that would never end
+            raise
+
+    tasks.spawn(write())  # a fill's or a refresh's task
+    await asyncio.sleep(0)
+    before = asyncio.all_tasks()
+    await tasks.close()
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert cleaned == ["lease given back"]
+    assert left == [], left
