@@ -173,8 +173,7 @@ class BackplaneListener:
         return BackplaneStatus(
             connected=self.connected.is_set(),
             last_id=self.last_id.decode() if self.last_id is not None else None,
-            entries_applied=self.entries_applied,
-            keys_applied=self.keys_applied,
+            entries_applied=self.entries_applied, keys_applied=self.keys_applied,
             gaps=self.gaps,
             lag_seconds=max(self._lag, down),
             errors=self.errors,
@@ -216,13 +215,14 @@ class BackplaneListener:
             try:
                 if self.last_id is None:
                     self.last_id = await self._tail_id()
-                    await self._counted.start(self.last_id, self.entries_seen)
+                    await self._counted.settle(self.last_id, self.entries_seen)
                     if self._serving_unpositioned:
                         self._serving_unpositioned = False
                         self._gap("positioned_after_serving")
                 elif check_from is not None:
                     await self._check_gap(check_from)
                 check_from = None
+                await self._counted.settle(self.last_id, self.entries_seen)  # after a clear too
                 self.connected.set()
                 self._down_since = None
                 backoff.reset()

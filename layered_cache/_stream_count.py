@@ -23,6 +23,12 @@ from layered_cache._stream_link import StreamLink
 __all__ = ["EntryCount"]
 
 
+# What ``_added_at`` answers besides a count: the stream's last ID is past the position
+# (entries not read yet, or a relay's kept XINFO older than the position), or there is
+# no stream ("no such key": deleted, evicted, not created again yet).
+_BEHIND, _GONE = -1, -2
+
+
 class EntryCount:
     """One XINFO at most every ``every`` seconds, and only after entries were read
     since the last one: an idle reader sends nothing more. So a loss is seen at the
@@ -36,6 +42,7 @@ class EntryCount:
         self._due = 0.0
         self._counted_at_read = 0  # the reader's total when we last asked
         self._mark: tuple[int, int] | None = None  # (entries-added, entries read) then
+        self._wanted = True  # no mark since the start or the last clear (``settle``)
 
     async def lost(self, position: bytes, read: int) -> bool:
         """True if entries were added since the last caught-up moment that were not
@@ -43,40 +50,57 @@ class EntryCount:
         if read == self._counted_at_read or time.monotonic() < self._due:
             return False
         self._due, self._counted_at_read = time.monotonic() + self._every, read
-        added = await self._added_if_caught_up(position)
-        if added is None:
+        added = await self._added_at(position)
+        if added is None or added < 0:  # behind, or gone: the next read finds out
             return False
-        mark, self._mark = self._mark, (added, read)
+        mark, self._mark, self._wanted = self._mark, (added, read), False
         return mark is not None and added - mark[0] != read - mark[1]
 
-    async def start(self, position: bytes, read: int) -> None:
-        """The first mark, when the reader takes its position: otherwise the first one
-        came at its first caught-up read, and a new instance (or one in a quiet fleet)
-        that lost the entries before it (stream deleted, emptied, trimmed by a writer
-        with a smaller ``maxlen``) while it had read none had no mark to see it by: its
-        L1 kept what they invalidated, with ``gaps`` 0 (review, 2026-12-05). One XINFO,
-        at start only; an entry appended since ``position`` leaves no mark, as before."""
-        added = await self._added_if_caught_up(position)
+    async def settle(self, position: bytes, read: int) -> None:
+        """Take a mark at ``position`` if none was taken since the reader took its
+        position or since its last clear (``forget``); the reader calls it before each
+        read. Without it the first mark came at a caught-up count after an entry was
+        read, and a reader that had read none since (a new instance, one in a quiet
+        fleet, one idle since a clear) and then lost entries while stalled (stream
+        deleted, emptied, trimmed by a writer with a smaller ``maxlen``) had no mark to
+        see it by: its L1 kept what they invalidated (reviews, 2026-12-05 and -07).
+        Not caught up (an entry appended since ``position``; behind a relay, its kept
+        XINFO older than our position) leaves it wanted, asked again at the next read
+        (at most every ``every`` seconds), or taken by ``lost`` once entries are read."""
+        if not self._wanted or time.monotonic() < self._due:
+            return
+        self._due = time.monotonic() + self._every
+        added = await self._added_at(position)
+        if added == _BEHIND:
+            return
+        self._wanted = False  # counted, or can't be (Redis < 7)
+        if added == _GONE:
+            # The stream made anew counts its entries from 0, and each is after our
+            # position: read from the first (after a clear for a deleted stream the
+            # position is 0-0, ``_check_gap``). No mark here, and an idle reader stalled
+            # while the new stream's first entries were emptied away never saw it.
+            added = 0
         if added is not None:
             self._mark, self._counted_at_read = (added, read), read
 
-    async def _added_if_caught_up(self, position: bytes) -> int | None:
-        """The stream's ``entries-added`` if its last ID is ``position``; None if it is
-        gone meanwhile ("no such key": the next read finds out), on an older Redis, or
-        not caught up (no comparable moment). A failed link raises to the listener's
+    async def _added_at(self, position: bytes) -> int | None:
+        """The stream's ``entries-added`` if its last ID is ``position``, ``_BEHIND`` if
+        it is another, ``_GONE`` if there is no stream; None if it can't be counted (an
+        older Redis, an error reply). A failed link raises to the listener's
         loop, like a failed XREAD: the held connection is dropped with it, and had the
         error been swallowed here, the next read would have gone out on a fresh
         connection with no gap check - after a relay reset (or a Redis restart) that
         closed it, L1 kept what was lost."""
         try:
             info = await self._link.info()
-        except ResponseError:
-            return None
+        except ResponseError as exc:
+            return _GONE if "no such key" in str(exc).lower() else None
         added, last = stream_field(info, "entries-added"), last_generated(info)
-        if added is None or last is None or bytes(last) != position:
+        if added is None or last is None:
             return None
-        return int(added)
+        return int(added) if bytes(last) == position else _BEHIND
 
     def forget(self) -> None:
-        """After an L1 clear: what was lost before is covered by it."""
-        self._mark = None
+        """After an L1 clear: what was lost before is covered by it. A new mark is taken
+        at the reader's next read (``settle``)."""
+        self._mark, self._wanted = None, True

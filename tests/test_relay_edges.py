@@ -195,3 +195,64 @@ async def test_behind_a_relay_redis_answers_the_instances_entry_counts_once_per_
         for reader in readers:
             await reader.close()
         await relay.close()
+
+
+async def test_an_instance_whose_first_count_through_a_relay_is_older_than_its_position_still_sees_a_loss(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Was broken (a review, 2026-12-07): README, "The L1 bound": a listener that stayed
+    connected but stalled while entries it had not read were lost clears L1 at the
+    first count after the loss, also behind a relay.
+
+    A new instance takes its position (XREVRANGE, forwarded) and its count's first mark
+    (XINFO STREAM, which the relay answers with one it keeps up to 0.25 s): kept from
+    before the newest entry, the reply's last ID was not the position, so no mark was
+    taken, and none until a count after an entry was read. Idle, then stalled until the
+    relay held no more its position (``keep``: its reads forwarded to Redis) while its
+    first unread entry was emptied away, the instance took its first mark after the
+    loss. Observed: book 1 served as v1 from B's L1 after A set v2. Expected: L1
+    cleared. Cause: ``EntryCount.start`` asked once; ``settle`` asks again."""
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+    base = make_config(redis_server.url, prefix, namespaces, backplane={"block": BLOCK})
+    relay, relay_url = await start_relay(base, keep=1)  # the relay holds 1 to 2 entries
+    reader_config = make_config(
+        redis_server.url, prefix, namespaces, backplane={"block": BLOCK, "relay": relay_url}
+    )
+    stream = (prefix + base.backplane.stream).encode()
+    forward = relay._forward
+    try:
+        async with LayeredCache.from_config(base) as writer:
+            older = await forward([b"XINFO", b"STREAM", stream])
+            await writer.invalidate("book", {"id": 99})  # the newest entry, past ``older``
+            kept = [older]
+
+            async def kept_first(command: Any) -> bytes:
+                if command[0].upper() == b"XINFO" and kept:
+                    return kept.pop()  # the relay's kept reply, from before that entry
+                return await forward(command)
+
+            relay._forward = kept_first  # type: ignore[method-assign]
+            async with LayeredCache.from_config(reader_config) as reader:
+                listener = reader._backplane
+                assert listener is not None
+                assert await eventually(listener.connected.is_set)
+                assert not kept
+                await asyncio.sleep(0.6)  # B reads on, idle
+                gate = stall_listener(reader)
+                await asyncio.sleep(0.3)  # B is held at its next XREAD
+                assert await reader.get_or_load("book", {"id": 1}, lambda: _value("v1")) == "v1"
+                await writer.set("book", {"id": 1}, "v2")
+                await writer._store.client.xtrim(stream, maxlen=0, approximate=False)
+                for book in (2, 4, 5):  # entries flow again: B's position leaves the relay
+                    await writer.set("book", {"id": book}, "x")
+                gate.set()
+                await asyncio.sleep(1.0)
+                await writer.set("book", {"id": 3}, "y")  # more entries, more counts
+                await asyncio.sleep(1.0)
+                served = await reader.get("book", {"id": 1})
+                assert served == "v2" or not in_l1(reader, 1), (
+                    f"B serves book 1 = {served!r} from L1 though A set v2 and its entry "
+                    f"was emptied unread while B stalled (gaps={listener.gaps})"
+                )
+    finally:
+        await relay.close()

@@ -124,3 +124,46 @@ async def test_a_stalled_listener_sees_the_stream_deleted_and_created_anew(
     >= trim_visible entries or when idle at a future ID; a stream that was re-created
     (entries-added / first-entry / a missing key seen while reading) is not checked."""
     await _stalled_listener_then(redis_url, prefix, "del")
+
+
+async def test_a_stalled_listener_sees_the_stream_emptied_under_it_after_an_earlier_l1_clear(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken (a review, 2026-12-07): the same promise, for a listener that had
+    cleared L1 once before (here: the stream evicted while its connection dropped).
+
+    The clear dropped the entry count's mark (what was lost before it is covered), and a
+    new one was taken only at a caught-up count after an entry was read: an idle
+    listener had none. Stalled later while an unread entry was emptied away, it took its
+    first mark after the loss and never saw it. Observed: book 1 (set to v2 by A, its
+    entry emptied unread) served as v1 from B's L1, no second gap. Expected: L1
+    cleared. Cause: ``EntryCount.forget`` left no mark until entries flowed."""
+    async with _pair(redis_url, prefix, {}, {}) as (a, b):
+        listener, stream = b._backplane, prefix + a.config.backplane.stream
+        assert listener is not None
+        admin = aioredis.from_url(redis_url)
+        try:
+            await admin.delete(stream)  # an earlier incident, seen on reconnect: a clear
+            for client in await admin.client_list():
+                if client["cmd"] == "xread":
+                    await admin.client_kill_filter(_id=client["id"])
+            assert await eventually(lambda: listener.gaps >= 1, timeout=5)
+            assert await eventually(listener.connected.is_set, timeout=5)
+            await asyncio.sleep(0.5)  # B reads on, idle: nothing appended since
+            gate = stall_listener(b)
+            await asyncio.sleep(0.5)  # B is held at its next XREAD
+            assert await b.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+            await a.set("book", {"id": 1}, "v2")
+            await admin.xtrim(stream, maxlen=0, approximate=False)
+        finally:
+            await admin.aclose()
+        await a.set("book", {"id": 2}, "x")  # entries flow again
+        gate.set()
+        await asyncio.sleep(1.0)
+        await a.set("book", {"id": 3}, "y")  # more entries, more counts
+        await asyncio.sleep(1.0)
+        served = await b.get("book", {"id": 1})
+        assert served == "v2" or not in_l1(b, 1), (
+            f"B serves book 1 = {served!r} from L1 though A set v2 and its entry was "
+            f"emptied unread while B stalled (gaps={listener.gaps})"
+        )
