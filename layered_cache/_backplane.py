@@ -215,7 +215,7 @@ class BackplaneListener:
             try:
                 if self.last_id is None:
                     self.last_id = await self._tail_id()
-                    await self._counted.settle(self.last_id, self.entries_seen)
+                    # At once: were the XINFO below to fail, no later round comes here.
                     if self._serving_unpositioned:
                         self._serving_unpositioned = False
                         self._gap("positioned_after_serving")

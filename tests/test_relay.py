@@ -20,7 +20,7 @@ import redis.asyncio as redis
 
 from layered_cache import ConfigError, LayeredCache
 from layered_cache._config import Config
-from layered_cache._relay import Relay
+from layered_cache._relay import Relay, _Unavailable
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import parse_command
 from tests.helpers import CountingLoader, eventually, in_l1, make_config, start_relay
@@ -831,6 +831,59 @@ async def test_an_instance_started_while_its_relay_is_down_clears_l1_once_it_has
                 assert value is None, (
                     f"B serves {value!r} from L1 after A's invalidate() returned and B's "
                     f"listener connected (gaps={b._backplane.gaps})"
+                )
+            finally:
+                await relay.close()
+
+
+async def test_an_instance_that_served_before_its_position_clears_l1_even_if_its_first_count_fails(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken (a review, 2026-12-07): README, "if its listener (through a relay still
+    starting, say) finds its place only after that, L1 is cleared then".
+
+    As above, and right after answering B's XREVRANGE (its position) the relay can't
+    answer the next command, the entry count's XINFO STREAM (its upstream blipped), and
+    closes B's connection. The clear came after that XINFO in the same step: the next
+    round kept the position, connected, and never cleared. Observed: B serves book 1's
+    old value from L1 after A's invalidate() returned and B's listener connected.
+    Expected: L1 cleared once B has a position. Cause: BackplaneListener._run acted on
+    ``_serving_unpositioned`` after the count's first XINFO."""
+    port = free_port()
+    namespaces = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+    a_config = make_config(redis_url, prefix, namespaces, backplane={"block": BLOCK})
+    b_config = make_config(
+        redis_url, prefix, namespaces,
+        backplane={"block": BLOCK, "relay": f"redis://127.0.0.1:{port}"},
+    )
+    stream = stream_of(a_config)
+    relay = Relay(Upstream(a_config.redis, stream, 0.2), stream, block=0.2)
+    forward, failed = relay._forward, []
+
+    async def blip_at_first_xinfo(command: Any) -> bytes:
+        if command[0].upper() == b"XINFO" and not failed:
+            failed.append(command)
+            raise _Unavailable  # the relay can't answer: it closes B's connection
+        return await forward(command)
+
+    relay._forward = blip_at_first_xinfo  # type: ignore[method-assign]
+    async with LayeredCache.from_config(a_config) as a:
+        assert a._backplane is not None
+        assert await eventually(a._backplane.connected.is_set)
+        async with LayeredCache.from_config(b_config) as b:  # relay down: starts anyway
+            listener = b._backplane
+            assert listener is not None and not listener.connected.is_set()
+            assert await b.get_or_load("book", {"id": 1}, CountingLoader("old")) == "old"
+            await a.invalidate("book", {"id": 1})  # returned: L2 gone, entry appended
+            await relay.start("127.0.0.1", port)
+            try:
+                assert await eventually(listener.connected.is_set, timeout=10)
+                assert failed
+                await asyncio.sleep(1.0)
+                value = await b.get("book", {"id": 1})
+                assert value is None, (
+                    f"B serves {value!r} from L1 after A's invalidate() returned and B's "
+                    f"listener connected (gaps={listener.gaps})"
                 )
             finally:
                 await relay.close()
