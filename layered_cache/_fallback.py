@@ -95,12 +95,14 @@ class FallbackSubscriber:
         on_tags: Callable[[dict[str, str]], None],
         on_error: Callable[[], None] = lambda: None,
         origin: str = "",
+        on_subscribed: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = client
         self._channel = channel
         self._on_keys = on_keys
         self._on_tags = on_tags
         self._on_error = on_error  # clears L1 (``_apply`` says when)
+        self._on_subscribed = on_subscribed  # forgets the tag versions held (``_subscribed``)
         self._origin = origin
         self.subscribed = asyncio.Event()
         self._lost_at = float("-inf")  # monotonic time the subscription last ended
@@ -147,8 +149,19 @@ class FallbackSubscriber:
 
     def known_as_of(self) -> float:
         """As of when no fallback message can have passed us by (``_tags``): now while
-        subscribed, else when the subscription ended (never: minus infinity)."""
+        subscribed (the versions held before it are forgotten: ``_subscribed``), else
+        when the subscription ended (never: minus infinity)."""
         return time.monotonic() if self.subscribed.is_set() else self._lost_at
+
+    def _subscribed(self) -> None:
+        """From now on no message passes us by; before, one may have (the subscription
+        lost, or not yet made), and what it invalidated is unknown. Vouching "now" for
+        the tag versions held then, fetched before such a message, trusted them for the
+        hour a version is held (a review, 2026-12-07): they are forgotten instead, and
+        fetched again. (A key it dropped from L1 lives at most its L1 TTL there: its L2
+        copy was deleted before the message was sent.)"""
+        self._on_subscribed()
+        self.subscribed.set()
 
     async def _read(self, pubsub: redis.client.PubSub, backoff: Backoff) -> None:
         while True:
@@ -157,7 +170,7 @@ class FallbackSubscriber:
             if message is None:
                 continue
             if message["type"] == "subscribe":
-                self.subscribed.set()
+                self._subscribed()
                 backoff.reset()
             elif message["type"] == "message" and _text(message["channel"]) == self._channel:
                 # Only ours: on RESP2 the connection also gets what another client sends

@@ -9,11 +9,12 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
 from layered_cache import LayeredCache
 from tests.faults.reply_delay import ReplyDelayProxy
-from tests.helpers import CountingLoader, make_config, stall_listener
+from tests.helpers import CountingLoader, eventually, make_config, stall_listener
 
 L1_TTL = 0.3
 NAMESPACES = {
@@ -127,18 +128,73 @@ async def test_a_tag_invalidation_missed_over_the_pubsub_fallback_is_bounded_too
         await _cached_book_and_page(b)
         assert b._fallback is not None
         await b._fallback.stop()
-
-        async def refused(*args: Any, **kwargs: Any) -> bytes:
-            raise OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
-
-        publisher = a._parts.publisher
-        assert publisher is not None
-        publisher.publish = refused  # type: ignore[method-assign]
+        _refuse_appends(a)
         await _price_change(a)
         status = a.backplane_status()
         assert status is not None and status.fallback_sent >= 1
         await _book_and_page_gone_within_l1_ttl(b)
 
+
+
+def _refuse_appends(cache: LayeredCache) -> None:
+    """``cache``'s XADDs are refused (a Redis full under noeviction): its announcements
+    go over the pub/sub fallback."""
+
+    async def refused(*args: Any, **kwargs: Any) -> bytes:
+        raise OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+
+    publisher = cache._parts.publisher
+    assert publisher is not None
+    publisher.publish = refused  # type: ignore[method-assign]
+
+
+def _hold_subscriptions(cache: LayeredCache) -> asyncio.Event:
+    """``cache``'s fallback subscriber's next SUBSCRIBE waits for the returned gate."""
+    fallback = cache._fallback
+    assert fallback is not None
+    gate, real_pubsub = asyncio.Event(), fallback._client.pubsub
+
+    def gated_pubsub(**kwargs: Any) -> Any:
+        pubsub = real_pubsub(**kwargs)
+        real_subscribe = pubsub.subscribe
+
+        async def subscribe(*args: Any, **kw: Any) -> Any:
+            await gate.wait()
+            return await real_subscribe(*args, **kw)
+
+        pubsub.subscribe = subscribe
+        return pubsub
+
+    fallback._client.pubsub = gated_pubsub  # type: ignore[method-assign]
+    return gate
+
+
+async def test_a_tag_invalidation_missed_while_the_fallback_subscriber_reconnected_is_bounded(
+    redis_url: str, prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """Was broken (a review, 2026-12-07): B's fallback subscription dropped (a network
+    blip, a proxy restart) and A's tag invalidation went over pub/sub before B
+    subscribed again. Subscribed, B vouched "now" for every version it held, the one
+    fetched before the gap too: the page was served for the hour a version is held.
+    Expected: within the L1 TTL, as a key invalidation missed so. Now the versions held
+    when a subscription is confirmed are forgotten (``FallbackSubscriber``)."""
+    config = make_config(redis_url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _connected(a, b)
+        fallback = b._fallback
+        assert fallback is not None
+        await asyncio.wait_for(fallback.subscribed.wait(), 5)
+        await _cached_book_and_page(b)
+        gate = _hold_subscriptions(b)
+        await redis_client.client_kill_filter(_type="pubsub")
+        assert await eventually(lambda: not fallback.subscribed.is_set()), "never lost"
+        _refuse_appends(a)
+        await _price_change(a)  # over pub/sub: B, not subscribed, misses it
+        status = a.backplane_status()
+        assert status is not None and status.fallback_sent >= 1
+        gate.set()
+        assert await eventually(fallback.subscribed.is_set), "never subscribed again"
+        await _book_and_page_gone_within_l1_ttl(b)
 
 async def test_a_listener_whose_xread_reply_is_late_stops_vouching(
     redis_url: str, prefix: str, late_replies: ReplyDelayProxy
