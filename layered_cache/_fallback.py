@@ -11,6 +11,11 @@ Pub/sub is at-most-once: an instance disconnected from Redis at that moment miss
 message, and keeps its L1 copy for at most its ``l1.ttl`` (the bound documented in
 docs/operations.md, "Redis under memory pressure"). In a cluster, classic PUBLISH is
 broadcast over the cluster bus, so subscribing on one node sees every message.
+
+A subscribed connection is idle until a full Redis refuses an XADD, and one that dies
+without a reset (a NAT or firewall dropping an idle flow) would look subscribed for
+ever: the subscriber PINGs it every ``PING_EVERY`` seconds and, with no PONG within
+``redis.timeout``, stops vouching for the tag versions held and subscribes again.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from layered_cache._clients import RedisClient, is_redis_failure, stop_if_cancel
 from layered_cache._codec import UNDECODABLE
 
 __all__ = [
+    "PING_EVERY",
     "FallbackChannel",
     "FallbackMessage",
     "FallbackSubscriber",
@@ -38,6 +44,10 @@ __all__ = [
 
 _log = structlog.get_logger("layered_cache.backplane")
 _LOG_EVERY = 1.0  # seconds between two degraded-delivery warnings (an OOM storm is one)
+# Seconds between two PINGs on a subscription (docs/operations.md): each instance's costs
+# its Redis one PING per 2 s, and a connection dead without a reset is found within this
+# plus ``redis.timeout`` (``_Heartbeat``).
+PING_EVERY = 2.0
 
 
 def fallback_channel(stream: str) -> str:
@@ -84,6 +94,47 @@ class FallbackChannel:
             )
 
 
+class _Heartbeat:
+    """Whether a subscribed connection still delivers: a PING every ``every`` seconds,
+    its PONG due within ``timeout`` (the SUBSCRIBE's reply counts as the first). Replies
+    come in order, so a PONG also says that every message published before its PING
+    was sent has arrived."""
+
+    def __init__(self, every: float, timeout: float) -> None:
+        self._every, self._timeout = every, timeout
+        self._sent: float | None = None  # when the command awaiting its reply went out
+        self._next = 0.0  # when the next PING is due
+        self.alive_at = float("-inf")  # the last moment known to have delivered all
+
+    def sent(self) -> None:
+        self._sent = time.monotonic()
+
+    def answered(self) -> None:
+        if self._sent is not None:
+            self.alive_at, self._sent = self._sent, None
+        self._next = time.monotonic() + self._every
+
+    def due(self) -> bool:
+        return self._sent is None and time.monotonic() >= self._next
+
+    def live(self) -> bool:
+        """No reply overdue."""
+        return self._sent is None or time.monotonic() - self._sent <= self._timeout
+
+    def wait(self, overdue: bool) -> float:
+        """How long to wait for a message before looking again. Once the reply is
+        overdue, ``timeout`` more: only a wait begun then that brings nothing says the
+        link is dead (a reply on its way while the event loop was held still counts)."""
+        if overdue:
+            return self._timeout
+        until = self._next if self._sent is None else self._sent + self._timeout
+        return max(until - time.monotonic(), 0.001)
+
+    def dead(self) -> TimeoutError:
+        _log.warning("fallback_subscription_unanswered", timeout=self._timeout)
+        return TimeoutError(f"no reply on the fallback subscription in {self._timeout:g}s")
+
+
 class FallbackSubscriber:
     """Follows the fallback channel and applies its messages like stream entries."""
 
@@ -96,6 +147,7 @@ class FallbackSubscriber:
         on_error: Callable[[], None] = lambda: None,
         origin: str = "",
         on_subscribed: Callable[[], None] = lambda: None,
+        timeout: float = 0.1,
     ) -> None:
         self._client = client
         self._channel = channel
@@ -106,6 +158,7 @@ class FallbackSubscriber:
         self._origin = origin
         self.subscribed = asyncio.Event()
         self._lost_at = float("-inf")  # monotonic time the subscription last ended
+        self._heartbeat = _Heartbeat(PING_EVERY, timeout)
         self.received = 0  # messages from others applied
         self.errors = 0  # bugs met applying a message (each cleared L1)
         self.clears = 0  # messages it could not read (each cleared L1: a gap, not a bug)
@@ -141,7 +194,7 @@ class FallbackSubscriber:
                 _log.debug("fallback_subscriber_failed", error=type(exc).__name__)
             finally:
                 if self.subscribed.is_set():
-                    self._lost_at = time.monotonic()
+                    self._lost_at = self._heartbeat.alive_at
                 self.subscribed.clear()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(pubsub.aclose(), 0.1)  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2
@@ -149,9 +202,13 @@ class FallbackSubscriber:
 
     def known_as_of(self) -> float:
         """As of when no fallback message can have passed us by (``_tags``): now while
-        subscribed (the versions held before it are forgotten: ``_subscribed``), else
-        when the subscription ended (never: minus infinity)."""
-        return time.monotonic() if self.subscribed.is_set() else self._lost_at
+        subscribed (the versions held before it are forgotten: ``_subscribed``) and no
+        PONG is overdue, else when the link was last known to deliver (never: minus
+        infinity)."""
+        if not self.subscribed.is_set():
+            return self._lost_at
+        heartbeat = self._heartbeat
+        return time.monotonic() if heartbeat.live() else heartbeat.alive_at
 
     def _subscribed(self) -> None:
         """From now on no message passes us by; before, one may have (the subscription
@@ -164,11 +221,22 @@ class FallbackSubscriber:
         self.subscribed.set()
 
     async def _read(self, pubsub: redis.client.PubSub, backoff: Backoff) -> None:
+        heartbeat = self._heartbeat
+        heartbeat.sent()  # the SUBSCRIBE
         while True:
             stop_if_cancelled()
-            message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
+            if heartbeat.due():
+                await pubsub.ping()
+                heartbeat.sent()
+            overdue = not heartbeat.live()
+            wait = heartbeat.wait(overdue)
+            message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=wait)
             if message is None:
+                if overdue:  # dead without a reset: subscribe again (``_run``)
+                    raise heartbeat.dead()
                 continue
+            if message["type"] in ("subscribe", "pong"):
+                heartbeat.answered()
             if message["type"] == "subscribe":
                 self._subscribed()
                 backoff.reset()

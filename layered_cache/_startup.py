@@ -270,6 +270,7 @@ def followers(
         on_error=coherence.forget_all,
         origin=parts.instance_id,
         on_subscribed=versions.forget_all,
+        timeout=redis.timeout,
     )
     # Invalidations come by either way (a writer whose XADD Redis refused publishes
     # them), so the two vouch together: as of the older of their words.

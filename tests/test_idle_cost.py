@@ -11,6 +11,7 @@ import msgspec
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
+from layered_cache._fallback import PING_EVERY
 from layered_cache._hotreport import HotKeyReporter, fleet_hot_keys
 from layered_cache._keys import hot_report_name
 from tests.helpers import eventually, make_config
@@ -36,8 +37,9 @@ def _spent(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 async def test_an_idle_instance_sends_redis_about_one_command_a_second(prefix: str) -> None:
-    """The backplane's blocking XREAD (one a second) and, every 30 s, the clock's TIME:
-    nothing else, with hot-key detection on and nothing hot."""
+    """The backplane's blocking XREAD (one a second), the fallback subscriber's PING
+    (one every ``PING_EVERY`` seconds) and, every 30 s, the clock's TIME: nothing else,
+    with hot-key detection on and nothing hot."""
     with RedisServer() as server:
         admin = redis.Redis.from_url(server.url)
         async with LayeredCache.from_config(make_config(server.url, prefix, HOT)):
@@ -46,9 +48,10 @@ async def test_an_idle_instance_sends_redis_about_one_command_a_second(prefix: s
             await asyncio.sleep(WINDOW)
             spent = _spent(before, await _calls(admin))
         await admin.aclose()
-    assert set(spent) <= {"xread", "time"}, spent
+    assert set(spent) <= {"xread", "ping", "time"}, spent
     assert spent.get("xread", 0) <= WINDOW + 1, spent
-    assert sum(spent.values()) <= WINDOW + 2, spent
+    assert spent.get("ping", 0) <= WINDOW / PING_EVERY + 1, spent
+    assert sum(spent.values()) <= WINDOW + WINDOW / PING_EVERY + 3, spent
 
 
 async def test_an_idle_instance_on_a_cluster_reads_the_stream_from_its_master_only(

@@ -13,6 +13,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
 from layered_cache import LayeredCache
+from layered_cache._fallback import PING_EVERY
+from tests.faults.proxy import ToxicProxy
 from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import CountingLoader, eventually, make_config, stall_listener
 
@@ -195,6 +197,40 @@ async def test_a_tag_invalidation_missed_while_the_fallback_subscriber_reconnect
         gate.set()
         assert await eventually(fallback.subscribed.is_set), "never subscribed again"
         await _book_and_page_gone_within_l1_ttl(b)
+
+
+async def test_a_tag_invalidation_missed_on_a_silently_dead_fallback_connection_is_bounded(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken (a review, 2026-12-07): B's pub/sub connection died without a reset (a
+    NAT or firewall dropping an idle flow: it is idle until a full Redis refuses an
+    XADD, unlike the listener's, which reads every ``block``). Nothing checked it: B
+    stayed "subscribed", vouched "now" for every version it held, and served the page
+    A's tag invalidation (over pub/sub) had killed, for the hour a version is held.
+    Expected: the subscriber PINGs every ``PING_EVERY`` seconds; with no PONG within
+    ``redis.timeout`` it stops vouching and subscribes again (its versions forgotten)."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = await ToxicProxy("127.0.0.1", port).start()
+    proxy.marker = b"SUBSCRIBE"
+    a_config = make_config(redis_url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    b_config = make_config(proxy.url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    try:
+        async with (
+            LayeredCache.from_config(a_config) as a,
+            LayeredCache.from_config(b_config) as b,
+        ):
+            await _connected(a, b)
+            fallback = b._fallback
+            assert fallback is not None
+            await asyncio.wait_for(fallback.subscribed.wait(), 5)
+            await _cached_book_and_page(b)
+            assert proxy.silence_marked() >= 1  # B's subscription: gone, without a word
+            _refuse_appends(a)
+            await _price_change(a)  # over pub/sub: lost on the way to B
+            await asyncio.sleep(PING_EVERY + 0.5)  # found dead within PING_EVERY + timeout
+            await _book_and_page_gone_within_l1_ttl(b)
+    finally:
+        await proxy.stop()
 
 async def test_a_listener_whose_xread_reply_is_late_stops_vouching(
     redis_url: str, prefix: str, late_replies: ReplyDelayProxy

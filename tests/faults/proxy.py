@@ -9,6 +9,10 @@ Modes (switchable while connections are open):
 - ``hold_at``: the next chunk to the server that holds these bytes is forwarded up to
   them, then the rest waits until ``release`` is set (``holding`` is set meanwhile):
   the moment before a command reaches the server, made as long as a test needs.
+- ``marker`` and ``silence_marked()``: a connection whose client sent the marker's
+  bytes is marked; ``silence_marked()`` makes the open marked ones pass nothing either
+  way from then on, closing nothing (a NAT or firewall that dropped an idle flow
+  without a reset). Connections opened later pass.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ from typing import Literal
 Mode = Literal["pass", "latency", "blackhole"]
 
 
+class _Flow:
+    """One proxied connection, for ``marker``."""
+
+    def __init__(self) -> None:
+        self.marked = False
+        self.silent = False
+
+
 class ToxicProxy:
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -30,6 +42,8 @@ class ToxicProxy:
         self.hold_at: bytes | None = None
         self.holding = asyncio.Event()
         self.release = asyncio.Event()
+        self.marker: bytes | None = None
+        self._flows: list[_Flow] = []
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -50,6 +64,13 @@ class ToxicProxy:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
+    def silence_marked(self) -> int:
+        """Black-hole the open connections whose client sent ``marker``; how many."""
+        marked = [flow for flow in self._flows if flow.marked]
+        for flow in marked:
+            flow.silent = True
+        return len(marked)
+
     def cut(self) -> None:
         for writer in list(self._writers):
             writer.close()
@@ -66,11 +87,16 @@ class ToxicProxy:
             client_w.close()
             return
         self._writers.add(server_w)
-        await asyncio.gather(
-            self._pipe(client_r, server_w, upstream=True),
-            self._pipe(server_r, client_w, upstream=False),
-            return_exceptions=True,
-        )
+        flow = _Flow()
+        self._flows.append(flow)
+        try:
+            await asyncio.gather(
+                self._pipe(client_r, server_w, upstream=True, flow=flow),
+                self._pipe(server_r, client_w, upstream=False, flow=flow),
+                return_exceptions=True,
+            )
+        finally:
+            self._flows.remove(flow)
 
     async def _swallow(self, reader: asyncio.StreamReader) -> None:
         with contextlib.suppress(Exception):
@@ -78,11 +104,17 @@ class ToxicProxy:
                 pass
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        upstream: bool,
+        flow: _Flow,
     ) -> None:
         try:
             while data := await reader.read(65536):
-                if self.mode == "blackhole":
+                if upstream and self.marker is not None and self.marker in data:
+                    flow.marked = True
+                if self.mode == "blackhole" or flow.silent:
                     continue
                 if not upstream and self.mode == "latency" and self.latency:
                     await asyncio.sleep(self.latency)
