@@ -214,7 +214,7 @@ class FallbackSubscriber:
         """From now on no message passes us by; before, one may have (the subscription
         lost, or not yet made), and what it invalidated is unknown. Vouching "now" for
         the tag versions held then, fetched before such a message, trusted them for the
-        hour a version is held (a review, 2026-12-07): they are forgotten instead, and
+        hour a version is held (a review, 2026-12-05): they are forgotten instead, and
         fetched again. (A key it dropped from L1 lives at most its L1 TTL there: its L2
         copy was deleted before the message was sent.)"""
         self._on_subscribed()

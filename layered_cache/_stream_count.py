@@ -63,7 +63,7 @@ class EntryCount:
         read, and a reader that had read none since (a new instance, one in a quiet
         fleet, one idle since a clear) and then lost entries while stalled (stream
         deleted, emptied, trimmed by a writer with a smaller ``maxlen``) had no mark to
-        see it by: its L1 kept what they invalidated (reviews, 2026-12-05 and -07).
+        see it by: its L1 kept what they invalidated (reviews, 2026-12-05).
         Not caught up (an entry appended since ``position``; behind a relay, its kept
         XINFO older than our position) leaves it wanted, asked again at the next read
         (at most every ``every`` seconds), or taken by ``lost`` once entries are read."""
