@@ -20,10 +20,11 @@ dropped, so a worker counts its own requests (docs/metrics.md).
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
+
+from layered_cache._forklock import ForkSafeLock
 
 if TYPE_CHECKING:
     from layered_cache._cache import LayeredCache
@@ -76,7 +77,7 @@ class RetiredCounters:
     """The retired totals of one collector, and the caches it may have to retire."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()  # a scrape may hold it at a fork (``_forklock``)
         self._pid = os.getpid()
         self._sources: weakref.WeakKeyDictionary[Exported, _Source] = (
             weakref.WeakKeyDictionary()

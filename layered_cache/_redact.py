@@ -23,10 +23,11 @@ a secret anyway.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote
+
+from layered_cache._forklock import ForkSafeLock
 
 __all__ = [
     "MASK",
@@ -55,7 +56,7 @@ _QUERY_SECRET = re.compile(rf"(?i)(?P<key>[?&;](?:{_PASSWORD_PARAMS})=)\S*")
 _CONFIGURED_QUERY_SECRET = re.compile(rf"(?i)(?P<key>[?&;](?:{_PASSWORD_PARAMS})=).*")
 _PARAM_NAME = re.compile(rf"(?i){_PASSWORD_PARAMS}")
 _URL_DELIMITERS = re.compile(r"[/?#@:&;=\s]")
-_lock = threading.Lock()
+_lock = ForkSafeLock()  # a forked child may load a config with new secrets
 _known: tuple[str, ...] = ()
 
 

@@ -18,7 +18,6 @@ keeps the other's body on a 304. The digest is computed once per fill, not per r
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import msgspec
 
 from layered_cache._config import NamespaceConfig
+from layered_cache._forklock import ForkSafeLock
 
 __all__ = ["ETags", "body_etag", "cache_control", "matches", "strong_etag"]
 
@@ -91,7 +91,8 @@ class ETags:
         self._max = max_entries
         self._etag_of = etag_of
         self._memo: OrderedDict[str, tuple[Any, str]] = OrderedDict()
-        self._lock = threading.Lock()  # SyncLayeredCache users call from many threads
+        # SyncLayeredCache users call from many threads; one may hold it at a fork.
+        self._lock = ForkSafeLock()
 
     def of(self, key: str, value: Any) -> str:
         with self._lock:

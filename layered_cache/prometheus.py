@@ -23,13 +23,13 @@ master's counters frozen at the fork.
 from __future__ import annotations
 
 import bisect
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from layered_cache._cache import LayeredCache
 from layered_cache._extras import missing_extra
+from layered_cache._forklock import ForkSafeLock
 from layered_cache._sync_inner import facade_of
 from layered_cache.sync import SyncLayeredCache
 
@@ -117,7 +117,7 @@ class _Histogram:
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)
         self.series: dict[tuple[str, ...], list[float]] = {}
-        self._lock = threading.Lock()  # the sync API may run caches on several loops
+        self._lock = ForkSafeLock()  # several loops (sync API); released after a fork
 
     def observe(self, labels: tuple[str, ...], value: float) -> None:
         with self._lock:
@@ -360,7 +360,7 @@ def _l1_entries(cache: LayeredCache) -> dict[str, int]:
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, CacheCollector] = (
     weakref.WeakKeyDictionary()
 )
-_collectors_lock = threading.Lock()
+_collectors_lock = ForkSafeLock()  # renewed in a forked child (``_forklock``)
 
 
 def register_cache(

@@ -4,16 +4,24 @@
 id, the origin of its backplane entries: each worker's listener skipped the others'
 entries as its own, and a write in one worker was never dropped from another's L1
 (found by an adversarial review, 2026-12-05). A cache the master had *started* holds
-the master's connections: a worker refuses to start it, with a clear error."""
+the master's connections: a worker refuses to start it, with a clear error. A lock
+another thread of the parent held at the fork is released in the child (``_forklock``)."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
-from layered_cache import LayeredCache
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from layered_cache import LayeredCache, _redact, prometheus
+from layered_cache.http import ETags
+from layered_cache.sync import SyncLayeredCache
 from tests.helpers import CountingLoader, make_config
 
 _NAMESPACES = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
@@ -122,3 +130,78 @@ async def test_a_cache_started_before_the_fork_refuses_to_start_in_the_child(
                 child.kill()
         assert outcome == "refused", message
         assert f"started in process {os.getpid()}" in message and "per process" in message
+
+
+# Locks a thread of the parent may hold at the fork: the loop thread recording a load
+# time or an L2 read, a scrape copying the histograms or folding retired counters, a
+# registration, a request tagging a response, a config remembering its secrets.
+_HELD_AT_THE_FORK: dict[str, Callable[[prometheus.CacheCollector, ETags], Any]] = {
+    "load-time histogram": lambda collector, _: collector.load_seconds._lock,
+    "L2-read histogram": lambda collector, _: collector.l2_read_seconds._lock,
+    "retired counters": lambda collector, _: collector._retired._lock,
+    "collectors": lambda *_: prometheus._collectors_lock,
+    "etags": lambda _, etags: etags._lock,
+    "redaction": lambda *_: _redact._lock,
+}
+
+
+def _uses_everything(
+    cache: SyncLayeredCache, registry: CollectorRegistry, etags: ETags, out: Any
+) -> None:
+    """In the child: each use in a thread of its own, given 5 s (a held lock: forever)."""
+    steps: dict[str, Callable[[], object]] = {
+        "load": lambda: cache.get_or_load("book", {"id": 2}, lambda: "child"),
+        "scrape": lambda: generate_latest(registry) and "ok",
+        "register": lambda: prometheus.register_cache(cache, registry) is not None,
+        "etag": lambda: etags.of("book:2", "child") == etags.of("book:2", "child"),
+        "redact": _masks_a_new_secret,
+    }
+    outcome: dict[str, object] = {}
+    for name, step in steps.items():
+        thread = threading.Thread(target=lambda n=name, f=step: outcome.update({n: f()}))
+        thread.start()
+        thread.join(5)
+        outcome.setdefault(name, "still waiting after 5 s")
+    _report(out, ("child", "outcome", outcome))
+
+
+def _masks_a_new_secret() -> bool:
+    _redact.remember_secret("child-secret")
+    return _redact.redact("password child-secret") == f"password {_redact.MASK}"
+
+
+@pytest.mark.parametrize("held", list(_HELD_AT_THE_FORK))
+def test_a_child_forked_while_a_parent_thread_holds_a_lock_loads_and_is_scraped(
+    redis_url: str, prefix: str, held: str
+) -> None:
+    """README, "Fork-safe": a cache started at import survives ``multiprocessing``
+    (fork), a worker's ``/metrics`` counts its own requests. ``fork()`` copies a lock
+    held by another thread of the parent (only the forking thread goes on in the
+    child), so the child's first use of it waited forever: every load timed out, the
+    scrape hung. The parent's thread is stood in for by holding the lock across the
+    fork."""
+    cache = SyncLayeredCache.from_config(make_config(redis_url, prefix), timeout=2)
+    cache.start()
+    try:
+        registry, etags = CollectorRegistry(), ETags()
+        collector = prometheus.register_cache(cache, registry)
+        assert collector is not None
+        assert cache.get_or_load("book", {"id": 1}, lambda: "parent") == "parent"
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_uses_everything, args=(cache, registry, etags, out))
+        with _HELD_AT_THE_FORK[held](collector, etags):
+            child.start()
+        try:
+            _, _, outcome = out.get(timeout=60)
+        finally:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+        expected = {"load": "child", "scrape": "ok", "register": True, "etag": True, "redact": True}
+        assert outcome == expected, f"held at the fork: {held}"
+        # and the parent, its lock released, goes on
+        assert cache.get_or_load("book", {"id": 3}, lambda: "parent") == "parent"
+        assert b"layered_cache_load_seconds" in generate_latest(registry)
+    finally:
+        cache.close()
