@@ -51,12 +51,14 @@ class Loading:
 
     async def enter(self, leases: list[str], token: str) -> None:
         """Before a tagged load starts: its leases join the set ``invalidate`` revokes.
-        Raises ``L2Unavailable`` (the load must then not write L2). Cancelled, it takes
-        them out again: its SADD may have landed, and the set has no TTL."""
+        Raises ``L2Unavailable`` (the load must then not write L2). Failed or cancelled,
+        it takes them out again: its SADD may have landed (a reply later than
+        ``redis.timeout``), and the set has no TTL: each such blip left a member per
+        load until some ``invalidate_tag`` ran."""
         members = loading_members(leases, token)
         try:
             await self._store.guard(self._store.client.sadd(self._name, *members), self._name)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, L2Unavailable):
             self._spawn(self._leave(members))
             raise
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 import redis.exceptions
 
 from layered_cache import Config, LayeredCache, _tags
@@ -16,6 +17,7 @@ from layered_cache._keys import loading_set_name
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache.daemon.deletes import Deleter
 from layered_cache.daemon.stats import DaemonStats
+from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import CountingLoader, make_config
 
 NAMESPACES = {"category": {"key": "category:{slug}", "tags": True}}
@@ -185,3 +187,30 @@ async def test_an_invalidate_tag_whose_new_version_landed_unheard_serves_no_dead
             await cache.invalidate_tag("book:42")
         store.guard = real_guard  # type: ignore[method-assign]
         assert await cache.get("category", page) is None
+
+
+async def test_tagged_loads_whose_registration_reply_was_late_leave_no_member_behind(
+    late_replies: ReplyDelayProxy, redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """docs/operations.md: the loading set (no TTL) holds "one member per tagged load in
+    flight". A tagged load's SADD whose reply came after ``redis.timeout`` had landed,
+    and the load only gave its lease back (loading without writing L2): its member
+    stayed for good, until some ``invalidate_tag`` ran. 30 such loads left 30."""
+    namespaces = {"book": {"key": "book:{id}", "tags": True, "l1": False}}
+    config = make_config(
+        late_replies.url, prefix, namespaces,
+        redis={"timeout": "200ms", "breaker": {"failures": 1000, "reset": "300ms"}},
+        backplane={"enabled": False},
+    )
+    async with LayeredCache.from_config(config) as cache:
+        late_replies.match, late_replies.delay = b"SADD", 0.5
+        for i in range(30):
+
+            async def load(i: int = i) -> dict[str, int]:
+                return {"id": i}
+
+            assert await cache.get_or_load("book", {"id": i}, load, tags=[f"book:{i}"]) == {"id": i}
+        late_replies.match = None
+        await asyncio.sleep(1.0)  # the late replies arrive, background work settles
+        members = await redis_client.scard(loading_set_name(prefix))
+    assert members == 0, f"no tagged load in flight, yet the loading set holds {members}"
