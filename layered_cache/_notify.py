@@ -3,8 +3,10 @@
 Waiters subscribe to ``{key}:filled`` on a shared pub/sub connection; the fill script
 publishes the envelope there, so a waiter gets the value in the message itself and needs
 no extra GET. Subscriptions are reference counted per channel and dropped when the last
-waiter leaves. A message can be lost (reconnect, subscription racing the fill, a slot
-moved by a failover), so callers always combine ``wait`` with jittered re-reads of L2.
+waiter leaves; an UNSUBSCRIBE that fails drops the connection instead (redis-py would
+subscribe the channel again on reconnecting, for nobody). A message can be lost
+(reconnect, subscription racing the fill, a slot moved by a failover), so callers always
+combine ``wait`` with jittered re-reads of L2.
 
 The fill script publishes only when the node it runs on has a subscriber on the channel
 (``PUBSUB NUMSUB``/``SHARDNUMSUB`` in the same atomic step), so a waiter must subscribe
@@ -195,12 +197,20 @@ class FillNotifier:
         is held."""
         if channel in self._waiters or self._closed:
             return
+        if self._pubsub.connection is None:
+            return  # connection replaced (``_reset``) since: nothing subscribed on this one
         try:
-            with contextlib.suppress(*REDIS_FAILURES):
-                if self._sharded:
-                    await self._pubsub.sunsubscribe(channel)
-                else:
-                    await self._pubsub.unsubscribe(channel)
+            if self._sharded:
+                await self._pubsub.sunsubscribe(channel)
+            else:
+                await self._pubsub.unsubscribe(channel)
+        except REDIS_FAILURES as exc:
+            # Not unsubscribed (Redis down, say): redis-py still counts the channel as
+            # subscribed and subscribes it again when its connection comes back, with
+            # nobody left to unsubscribe it: every outage added the channels of the
+            # waiters it ended, for good. The connection goes, and the channel with it.
+            _log.debug("fill_unsubscribe_failed", error=type(exc).__name__)
+            await self._reset()
         except asyncio.CancelledError:
             await self._reset()  # timed out mid-command: don't reuse the connection
             raise

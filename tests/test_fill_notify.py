@@ -12,6 +12,7 @@ cluster, where classic PUBLISH reached all 6 nodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,8 @@ import pytest
 import redis.asyncio as redis
 
 from layered_cache import Config, LayeredCache
-from layered_cache._l2 import NOTIFY_INLINE_MAX
+from layered_cache._keys import lease_name
+from layered_cache._l2 import NOTIFY_INLINE_MAX, L2Unavailable
 from layered_cache._notify import FillNotifier
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisClusterServers, RedisServer
@@ -436,3 +438,79 @@ async def test_a_fill_in_another_database_is_never_served_to_a_waiter_of_this_on
         assert await staging.get_or_load("book", {"id": 42}, load_staging) == "staging value"
         assert await waiting == "prod value"  # its lease expired: loaded by prod itself
     await admin.aclose()
+
+
+# -- found by review, 2026-12-05 -----------------------------------------------------------
+
+
+async def _load_v() -> str:
+    return "v"
+
+
+async def _waiters_leave_while_redis_is_down(
+    cache: LayeredCache, server: RedisServer, ids: range
+) -> None:
+    """Callers wait on another process's leases of books ``ids``, each subscribed to its
+    book's fill channel; Redis is killed, they give up and leave; Redis comes back."""
+    admin = server.client()
+    for i in ids:
+        admin.set(lease_name(cache.key("book", {"id": i})), "another-process", px=60_000)
+    admin.close()
+    waiters = [asyncio.create_task(cache.get_or_load("book", {"id": i}, _load_v)) for i in ids]
+
+    def all_waiting() -> bool:
+        return bool(cache.stats()["book"]["lease_lost"] >= len(ids))
+
+    assert await eventually(all_waiting, timeout=15)
+    await asyncio.sleep(0.5)  # their subscriptions confirmed
+    server.kill()
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(r == "v" or isinstance(r, L2Unavailable) for r in results), results[:3]
+    server.start()
+    await asyncio.sleep(3.0)  # the notifier's reader would have reconnected
+
+
+async def test_fill_channels_of_waiters_that_left_during_a_redis_restart_are_not_subscribed_for_ever(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Their UNSUBSCRIBEs failed (connection refused) and were ignored: redis-py kept the
+    channels and subscribed them again on reconnecting, and nothing unsubscribed them
+    after: each outage added the channels of the waiters it ended, for good (and every
+    later fill of those books published to this instance)."""
+    stampede = {"reread_pause": ["300ms", "400ms"], "max_wait": "20s"}
+    namespaces = {"book": {"key": "book:{id}", "l1": False, "stampede": stampede}}
+    config = make_config(redis_server.url, prefix, namespaces, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.get_or_load("book", {"id": -1}, _load_v)  # connections made
+        await _waiters_leave_while_redis_is_down(cache, redis_server, range(100))
+        for i in range(1000, 1050):  # the cache serves on, normally
+            await cache.get_or_load("book", {"id": i}, _load_v)
+        admin = redis.Redis.from_url(redis_server.url)
+        try:
+            assert await admin.pubsub_channels(f"{{{prefix}*") == []
+        finally:
+            await admin.aclose()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["subscribe", "ssubscribe"])
+async def test_channels_a_notifier_could_not_unsubscribe_while_redis_was_down_are_not_subscribed_again(
+    redis_server: RedisServer, prefix: str, sharded: bool
+) -> None:
+    """Also the cluster's notifier (SSUBSCRIBE per master), the same way: its
+    SUNSUBSCRIBE failed, redis-py kept them in ``shard_channels`` and subscribed them
+    again once the master was back."""
+    notifier = FillNotifier(redis.Redis.from_url(redis_server.url), sharded=sharded)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        async with contextlib.AsyncExitStack() as waiters:
+            for i in range(20):
+                sub = await waiters.enter_async_context(notifier.subscribe(f"{prefix}{i}:filled", 2.0))
+                assert sub.confirmed.is_set()
+            redis_server.kill()  # the waiters leave while it is down
+        redis_server.start()
+        await asyncio.sleep(2.5)  # the reader (1 s reads) would have reconnected
+        listed = admin.pubsub_shardchannels if sharded else admin.pubsub_channels
+        assert await listed(f"{prefix}*") == []
+    finally:
+        await notifier.close()
+        await admin.aclose()
