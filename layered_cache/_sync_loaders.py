@@ -18,8 +18,12 @@ that hangs every timed-out call of another key would leave one more thread: thos
 overflow threads are capped (``max_overflow``), and past the cap a load fails at once
 with ``LoaderThreadsExhausted`` (the caller gets a stale value where the namespace may
 serve one, else the error). Failing, not queueing: a queue there would bring back the
-wait this rule prevents. Nested loads are not capped: each belongs to a running loader,
-so they are bounded by those loaders and the depth of their nesting.
+wait this rule prevents. The threads of nested loads, and those that unblock queued
+loaders, count against the same cap, each until its thread ends: a nested load outlives
+the loader it belongs to when that loader gives up on it (its nested call timed out),
+so against a database that hangs every request left one more hung nested thread. Past
+the cap a nested load fails at once too, and a queued loader that would need a thread
+of its own fails rather than wait behind the pool.
 
 A loader that raises what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
 gevent's ``GreenletExit``) would stop the loop thread itself if handed to it as is
@@ -87,7 +91,7 @@ class LoaderThreads:
         self._pool_size = pool_size
         self._on_pool = 0  # loaders handed to the pool, not yet done (under _queued_lock)
         self._max_overflow = max_overflow
-        self._overflow = 0  # top-level loaders on threads of their own (under _queued_lock)
+        self._overflow = 0  # loaders on threads of their own, nested ones too (_queued_lock)
 
     def fresh(self) -> LoaderThreads:
         """Empty counts with the same limits (a forked child: its threads are gone)."""
@@ -147,7 +151,7 @@ class LoaderThreads:
         async def load() -> T:
             loop = asyncio.get_running_loop()
             if outer:
-                return await _in_own_thread(loop, run_marked)
+                return await self._in_own_thread(loop, run_marked, "layered-cache-nested-loader")
             job = _Job(run_marked, loop)
             with self._queued_lock:
                 spare = self._on_pool < self._pool_size
@@ -155,7 +159,7 @@ class LoaderThreads:
                     self._on_pool += 1
                     self._queued.add(job)
             if not spare:  # every pool thread taken: see the module doc
-                return await self._in_overflow_thread(loop, run_marked)
+                return await self._in_own_thread(loop, run_marked, "layered-cache-loader")
             loop.run_in_executor(executor, self._run_on_pool, job)
             try:
                 return await job.done
@@ -176,11 +180,20 @@ class LoaderThreads:
             with self._queued_lock:
                 self._on_pool -= 1
 
-    async def _in_overflow_thread(
-        self, loop: asyncio.AbstractEventLoop, fn: Callable[[], T]
+    async def _in_own_thread(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[[], T], name: str
     ) -> T:
-        """``fn`` on a thread of its own, counted until the thread ends (not until its
-        caller stops waiting: an abandoned loader still holds its thread)."""
+        """``fn`` on a thread of its own (an overflow or a nested load), or
+        ``LoaderThreadsExhausted``."""
+        job = _Job(fn, loop)
+        job.take()
+        self._start_taken(job, name)
+        return await job.done
+
+    def _start_taken(self, job: _Job[Any], name: str) -> None:
+        """Run ``job`` (taken) on a thread of its own, counted until the thread ends
+        (not until its caller stops waiting: an abandoned loader still holds its thread,
+        a nested one too once the loader it belonged to gave up on it)."""
         with self._queued_lock:
             if self._overflow >= self._max_overflow:
                 raise LoaderThreadsExhausted(
@@ -189,19 +202,17 @@ class LoaderThreads:
                     "fails rather than start another thread (SyncLayeredCache(max_overflow=))"
                 )
             self._overflow += 1
-        job = _Job(fn, loop)
         try:
             threading.Thread(
-                target=self._run_overflow, args=(job,), name="layered-cache-loader", daemon=True
+                target=self._run_overflow, args=(job,), name=name, daemon=True
             ).start()
         except BaseException:
             self._overflow_done()
             raise
-        return await job.done
 
     def _run_overflow(self, job: _Job[Any]) -> None:
         try:
-            job.run()
+            job.run_taken()
         finally:
             self._overflow_done()
 
@@ -213,8 +224,12 @@ class LoaderThreads:
         with self._queued_lock:
             queued = list(self._queued)
         for job in queued:
-            name = "layered-cache-unqueued-loader"
-            threading.Thread(target=job.run, name=name, daemon=True).start()
+            if not job.take():
+                continue  # running already (on the pool, or unqueued by another call)
+            try:
+                self._start_taken(job, "layered-cache-unqueued-loader")
+            except Exception as exc:  # past max_overflow: it fails, as any load there
+                job.fail(exc)
 
 
 class _Job(Generic[T]):
@@ -234,17 +249,26 @@ class _Job(Generic[T]):
         return not taken
 
     def run(self) -> None:
-        if not self.take():
-            return
+        if self.take():
+            self.run_taken()
+
+    def run_taken(self) -> None:
+        """Run it: the caller has taken it (``take``)."""
         done = self.done
         try:
             result = self._fn()
         except BaseException as exc:  # handed to the awaiting task, not lost in the thread
-            outcome = functools.partial(done.set_exception, _carried(exc))
+            self._settle(functools.partial(done.set_exception, _carried(exc)))
         else:
-            outcome = functools.partial(done.set_result, result)
+            self._settle(functools.partial(done.set_result, result))
+
+    def fail(self, error: Exception) -> None:
+        """Fail it without running it: the caller has taken it (``take``)."""
+        self._settle(functools.partial(self.done.set_exception, error))
+
+    def _settle(self, outcome: Callable[[], None]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (close())
-            self._loop.call_soon_threadsafe(_settle, done, outcome)
+            self._loop.call_soon_threadsafe(_settle, self.done, outcome)
 
 
 def _carried(error: BaseException) -> BaseException:
@@ -278,10 +302,3 @@ def _call_marked(chain: tuple[str, ...], loader: Callable[[], T]) -> T:
 def _settle(future: asyncio.Future[Any], outcome: Callable[[], None]) -> None:
     if not future.done():
         outcome()
-
-
-async def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on a new daemon thread (a nested load: see the module doc)."""
-    job = _Job(fn, loop)
-    threading.Thread(target=job.run, name="layered-cache-nested-loader", daemon=True).start()
-    return await job.done

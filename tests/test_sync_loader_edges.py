@@ -3,6 +3,7 @@ they start of their own, and calls that are wrong whichever layer would answer t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import threading
@@ -288,6 +289,78 @@ def test_a_load_refused_for_want_of_threads_serves_the_stale_value_it_may(
             assert cache.get_or_load("book", {"id": 1}, lambda: "new price") == "old price"
         finally:
             hung.set()
+
+
+def _threads_of_loaders() -> int:
+    """The pool's, the overflow's, the nested and the unqueued loaders' threads."""
+    return sum(
+        t.name.startswith("layered-cache-") and "loader" in t.name for t in threading.enumerate()
+    )
+
+
+def test_a_hung_database_can_not_grow_nested_loader_threads_without_bound(
+    redis_url: str, prefix: str
+) -> None:
+    """A page's loader reads its author through the cache, and the database hangs. Each
+    page call timed out; its loader timed out on the nested call too, raised and freed its
+    pool thread, but the nested author loader stayed hung on a thread of its own, counted
+    nowhere: one more thread per request. Now nested threads count against
+    ``max_overflow`` until they end, past which a nested load fails at once."""
+    hung = threading.Event()
+    config = make_config(redis_url, prefix, NAMESPACES)
+    before = _threads_of_loaders()
+    with (
+        SyncLayeredCache.from_config(config, max_workers=2, max_overflow=3, timeout=0.15) as cache,
+        _released(hung),
+    ):
+
+        def page_loader(i: int) -> Any:
+            return lambda: {"author": cache.get_or_load("inner", {"id": i}, hung.wait)}
+
+        outcomes = []
+        for i in range(40):
+            try:
+                cache.get_or_load("outer", {"id": i}, page_loader(i))
+            except Exception as exc:
+                outcomes.append(type(exc).__name__)
+            time.sleep(0.2)  # the page's loader gave up on its author meanwhile
+        assert _threads_of_loaders() - before <= 2 + 3, outcomes
+        assert "LoaderThreadsExhausted" in outcomes
+        hung.set()
+        deadline = time.monotonic() + PROMPT
+        while time.monotonic() < deadline:  # the hung authors finish, their threads end
+            with contextlib.suppress(Exception):
+                if cache.get_or_load("outer", {"id": 100}, page_loader(100)):
+                    break
+            time.sleep(0.01)
+        assert cache.get_or_load("outer", {"id": 101}, page_loader(101)) == {"author": True}
+
+
+async def test_loaders_unqueued_for_a_nested_call_take_no_threads_past_max_overflow() -> None:
+    """When a nested call begins, the loaders queued for the pool get threads of their
+    own (the nested call may join one); those threads were counted nowhere. Here two
+    loaders wait behind a pool whose thread hangs: one gets a thread, the cap's last, and
+    the other fails at once, as any load past ``max_overflow`` does."""
+    from layered_cache._sync_loaders import LoaderThreads, LoaderThreadsExhausted
+
+    hung = threading.Event()
+    threads = LoaderThreads(pool_size=2, max_overflow=2)
+    with ThreadPoolExecutor(max_workers=1) as pool, _released(hung):
+        pool.submit(hung.wait)  # the pool's thread is taken: the two loaders wait
+        before = _threads_of_loaders()
+        queued = [asyncio.ensure_future(threads.wrap(k, hung.wait, pool)()) for k in "ab"]
+        await asyncio.sleep(0.05)
+
+        def page() -> str:  # a nested call begins
+            threads.wrap("author", hung.wait, None)
+            return "page"
+
+        assert await threads.wrap("page", page, pool)() == "page"  # the pool is full: overflow
+        done, _ = await asyncio.wait(queued, timeout=PROMPT, return_when=asyncio.FIRST_COMPLETED)
+        assert [type(task.exception()) for task in done] == [LoaderThreadsExhausted]
+        assert _threads_of_loaders() - before <= 2
+        hung.set()
+        assert await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), 5)
 
 
 def test_a_loader_raising_stopiteration_fails_its_call_at_once(cache: SyncLayeredCache) -> None:
