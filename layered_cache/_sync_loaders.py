@@ -19,7 +19,8 @@ overflow threads are capped (``max_overflow``), and past the cap a load fails at
 with ``LoaderThreadsExhausted`` (the caller gets a stale value where the namespace may
 serve one, else the error). Failing, not queueing: a queue there would bring back the
 wait this rule prevents. The threads of nested loads, and those that unblock queued
-loaders, count against the same cap, each until its thread ends: a nested load outlives
+loaders, are capped by the same number, counted apart (a healthy database's nested loads
+must not crowd out the overflow), each until its thread ends: a nested load outlives
 the loader it belongs to when that loader gives up on it (its nested call timed out),
 so against a database that hangs every request left one more hung nested thread. Past
 the cap a nested load fails at once too, and a queued loader that would need a thread
@@ -80,6 +81,10 @@ def check_limits(pool_size: int, max_overflow: int) -> None:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
+_OVERFLOW, _NESTED = "overflow", "nested"  # the kinds of loader threads of their own
+_THREAD_NAMES = {_OVERFLOW: "layered-cache-loader", _NESTED: "layered-cache-nested-loader"}
+
+
 class LoaderThreads:
     def __init__(self, pool_size: int, max_overflow: int) -> None:
         check_limits(pool_size, max_overflow)
@@ -91,7 +96,9 @@ class LoaderThreads:
         self._pool_size = pool_size
         self._on_pool = 0  # loaders handed to the pool, not yet done (under _queued_lock)
         self._max_overflow = max_overflow
-        self._overflow = 0  # loaders on threads of their own, nested ones too (_queued_lock)
+        # Loaders on threads of their own (under _queued_lock), each kind capped at
+        # ``max_overflow``: top-level ones past the pool, and nested or unqueued ones.
+        self._own = {_OVERFLOW: 0, _NESTED: 0}
 
     def fresh(self) -> LoaderThreads:
         """Empty counts with the same limits (a forked child: its threads are gone)."""
@@ -151,7 +158,7 @@ class LoaderThreads:
         async def load() -> T:
             loop = asyncio.get_running_loop()
             if outer:
-                return await self._in_own_thread(loop, run_marked, "layered-cache-nested-loader")
+                return await self._in_own_thread(loop, run_marked, _NESTED)
             job = _Job(run_marked, loop)
             with self._queued_lock:
                 spare = self._on_pool < self._pool_size
@@ -159,7 +166,7 @@ class LoaderThreads:
                     self._on_pool += 1
                     self._queued.add(job)
             if not spare:  # every pool thread taken: see the module doc
-                return await self._in_own_thread(loop, run_marked, "layered-cache-loader")
+                return await self._in_own_thread(loop, run_marked, _OVERFLOW)
             loop.run_in_executor(executor, self._run_on_pool, job)
             try:
                 return await job.done
@@ -181,44 +188,47 @@ class LoaderThreads:
                 self._on_pool -= 1
 
     async def _in_own_thread(
-        self, loop: asyncio.AbstractEventLoop, fn: Callable[[], T], name: str
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[[], T], kind: str
     ) -> T:
         """``fn`` on a thread of its own (an overflow or a nested load), or
         ``LoaderThreadsExhausted``."""
         job = _Job(fn, loop)
         job.take()
-        self._start_taken(job, name)
+        self._start_taken(job, kind)
         return await job.done
 
-    def _start_taken(self, job: _Job[Any], name: str) -> None:
-        """Run ``job`` (taken) on a thread of its own, counted until the thread ends
-        (not until its caller stops waiting: an abandoned loader still holds its thread,
-        a nested one too once the loader it belonged to gave up on it)."""
+    def _start_taken(self, job: _Job[Any], kind: str) -> None:
+        """Run ``job`` (taken) on a thread of its own, counted with its ``kind`` until
+        the thread ends (not until its caller stops waiting: an abandoned loader still
+        holds its thread, a nested one too once the loader it belonged to gave up on
+        it). Each kind has its own cap: nested loads of a healthy database (every
+        request's loader reading through the cache once more) never crowd out the
+        overflow past the pool, nor the other way round."""
         with self._queued_lock:
-            if self._overflow >= self._max_overflow:
+            if self._own[kind] >= self._max_overflow:
                 raise LoaderThreadsExhausted(
-                    f"{self._pool_size} pool threads and {self._max_overflow} overflow "
+                    f"{self._pool_size} pool threads and {self._max_overflow} {kind} loader "
                     "threads are all running loaders (a database that hangs?): this load "
                     "fails rather than start another thread (SyncLayeredCache(max_overflow=))"
                 )
-            self._overflow += 1
+            self._own[kind] += 1
         try:
             threading.Thread(
-                target=self._run_overflow, args=(job,), name=name, daemon=True
+                target=self._run_own, args=(job, kind), name=_THREAD_NAMES[kind], daemon=True
             ).start()
         except BaseException:
-            self._overflow_done()
+            self._own_done(kind)
             raise
 
-    def _run_overflow(self, job: _Job[Any]) -> None:
+    def _run_own(self, job: _Job[Any], kind: str) -> None:
         try:
             job.run_taken()
         finally:
-            self._overflow_done()
+            self._own_done(kind)
 
-    def _overflow_done(self) -> None:
+    def _own_done(self, kind: str) -> None:
         with self._queued_lock:
-            self._overflow -= 1
+            self._own[kind] -= 1
 
     def _unblock_queued(self) -> None:
         with self._queued_lock:
@@ -227,7 +237,7 @@ class LoaderThreads:
             if not job.take():
                 continue  # running already (on the pool, or unqueued by another call)
             try:
-                self._start_taken(job, "layered-cache-unqueued-loader")
+                self._start_taken(job, _NESTED)  # for a nested call: counted as one
             except Exception as exc:  # past max_overflow: it fails, as any load there
                 job.fail(exc)
 

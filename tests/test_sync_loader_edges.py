@@ -339,12 +339,13 @@ def test_a_hung_database_can_not_grow_nested_loader_threads_without_bound(
 async def test_loaders_unqueued_for_a_nested_call_take_no_threads_past_max_overflow() -> None:
     """When a nested call begins, the loaders queued for the pool get threads of their
     own (the nested call may join one); those threads were counted nowhere. Here two
-    loaders wait behind a pool whose thread hangs: one gets a thread, the cap's last, and
-    the other fails at once, as any load past ``max_overflow`` does."""
+    loaders wait behind a pool whose thread hangs: one gets a thread, the nested cap's
+    last (``max_overflow``, counted apart from the overflow the page itself takes), and
+    the other fails at once, as any load past the cap does."""
     from layered_cache._sync_loaders import LoaderThreads, LoaderThreadsExhausted
 
     hung = threading.Event()
-    threads = LoaderThreads(pool_size=2, max_overflow=2)
+    threads = LoaderThreads(pool_size=2, max_overflow=1)
     with ThreadPoolExecutor(max_workers=1) as pool, _released(hung):
         pool.submit(hung.wait)  # the pool's thread is taken: the two loaders wait
         before = _threads_of_loaders()
