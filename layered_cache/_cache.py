@@ -156,7 +156,8 @@ class LayeredCache(HitPath):
 
     async def close(self) -> None:
         """Followers first, then background work's grace (``BackgroundTasks.close``), then
-        the clients, which a caller's deadline cutting this short still closes. Calls are
+        the clients; a caller's deadline cutting this short still cancels the rest
+        (``_cancel_own_work``) and closes the clients. Calls are
         refused from here on, L1 dropped (``Runtime.check_open``); a start() waiting stops."""
         self._rt.refusal, self._closed = _CLOSED, True
         try:
@@ -172,7 +173,10 @@ class LayeredCache(HitPath):
         finally:
             self._started_in = 0  # nothing left to a fork; start reopens (``_closed``)
             self._coherence.forget_all()  # no listener keeps it coherent any more
-            await self._parts.close()
+            try:
+                await _cancel_own_work(self)
+            finally:
+                await self._parts.close()
 
     # -- namespaces --------------------------------------------------------------------
 
@@ -334,6 +338,20 @@ async def _rebind(cache: LayeredCache) -> None:
         startup.reopened(cache._parts, cache._rt, cache._coherence, cache.config, cache._purger)
         cache._follow()
     cache._rt.loop, cache._rt.other_loop = loop, False
+
+
+async def _cancel_own_work(cache: LayeredCache) -> None:
+    """What a ``close()`` cut short by its caller's deadline left running (nothing once
+    it ran to its end): followers, the clock's sampler, background tasks. Cancelled
+    before the clients close, which each would reopen: the hot-key reporter writing its
+    report every second, a fill writing L2 on a connection nobody closed."""
+    # The backplane listener's ``stop``, close()'s first step, cancels it before its
+    # first await: a close() that ran at all did.
+    for follower in (cache._fallback, cache._hot_reporter):
+        if follower is not None:
+            follower.cancel()
+    cache._clock.cancel()
+    await cache._rt.tasks.cancel_all()
 
 
 def _forget_parent(cache: LayeredCache) -> None:

@@ -168,6 +168,13 @@ class FallbackSubscriber:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="layered_cache._fallback")
 
+    def cancel(self) -> None:
+        """Cancel the subscriber without waiting (``LayeredCache.close`` cut short before or
+        while ``stop`` ran: the clients are closed next, which it would reopen)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+
     async def stop(self) -> None:
         """Never hangs: the connection is closed to unblock a pending read."""
         task, self._task = self._task, None

@@ -59,6 +59,13 @@ class HotKeyReporter:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="layered_cache._hotreport")
 
+    def cancel(self) -> None:
+        """Cancel the reporting without waiting (``LayeredCache.close`` cut short before or
+        while ``stop`` ran: the clients are closed next, which it would reopen)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:

@@ -137,6 +137,13 @@ class RedisClock:
         if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._task = asyncio.ensure_future(self._run())
 
+    def cancel(self) -> None:
+        """Cancel the sampling without waiting (``LayeredCache.close`` cut short before or
+        while ``stop`` ran: the clients are closed next, which it would reopen)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:

@@ -119,6 +119,19 @@ class BackgroundTasks:
             await asyncio.wait(left, timeout=max(grace, until - loop.time()))
             await self._cancel(left)
 
+    async def cancel_all(self, grace: float = 0.2) -> None:
+        """Cancel every task now, with no grace to finish first, and what they spawn on
+        their way out: ``close`` cut short by its caller's deadline, whose clients are
+        closed next (a task left running reopened them). Each round waits up to
+        ``grace`` for the cancelled tasks' own cleanup (a lease given back) to end."""
+        for _ in range(3):
+            left = [task for task in self._tasks if not task.done()]
+            if not left:
+                return
+            for task in left:
+                task.cancel()
+            await asyncio.wait(left, timeout=grace)
+
     async def _cancel(self, tasks: list[asyncio.Task[Any]]) -> None:
         for task in tasks:
             task.cancel()

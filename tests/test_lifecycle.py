@@ -400,3 +400,74 @@ async def test_close_leaves_no_task_that_a_task_it_cancelled_spawned_on_its_way_
     left = [t for t in asyncio.all_tasks() - before if not t.done()]
     assert cleaned == ["lease given back"]
     assert left == [], left
+
+
+_COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+
+
+async def test_a_close_cut_short_in_its_grace_leaves_no_fill_of_a_cancelled_caller_running(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """``BackgroundTasks``: "no task outlives the cache or its Redis clients". A read
+    whose caller was cancelled mid-load leaves its fill to a background task. A
+    shutdown whose deadline lands in close()'s 0.2 s grace for such tasks closed the
+    clients but never cancelled the task: the load finished after close() returned and
+    its fill wrote L2 on a connection redis-py opened anew on the closed client."""
+    config = make_config(redis_server.url, prefix, _COHERENT, backplane={"block": "200ms"})
+    admin = redis.Redis.from_url(redis_server.url)
+    cache = LayeredCache.from_config(config)
+    await cache.start()
+    gate, loading = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> str:
+        loading.set()
+        await gate.wait()
+        return "loaded after close"
+
+    try:
+        call = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, slow))
+        await asyncio.wait_for(loading.wait(), 5)
+        call.cancel()  # a client's timeout: the load runs on, its fill in the background
+        await asyncio.gather(call, return_exceptions=True)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(cache.close(), 0.05)  # the shutdown's deadline
+        baseline = len(await admin.client_list())
+        gate.set()  # the database answers after close()
+        await asyncio.sleep(0.5)
+        written = await admin.get(cache.key("book", {"id": 1}))
+        opened = len(await admin.client_list()) - baseline
+        assert (written, opened) == (None, 0), "the fill ran on after close()"
+    finally:
+        gate.set()
+        await cache.close()
+        await admin.aclose()
+
+
+async def test_a_close_cancelled_while_it_stops_the_listener_stops_the_other_followers(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """README: "a `close()` cut short by its caller's deadline has stopped the listeners
+    first and still closes the clients". A cancel landing while close() stops the
+    backplane listener (up to 1.2 s: a listener inside XREAD) left the fallback
+    subscriber, the hot-key reporter and the Redis clock's sampler running for good,
+    each reconnecting the closed clients, the reporter writing its report every second."""
+    namespaces = {"book": {"key": "book:{id}", "hot": {"keys": ["book:1"], "threshold": "2/s"}}}
+    config = make_config(redis_server.url, prefix, namespaces, backplane={"block": "200ms"})
+    admin = redis.Redis.from_url(redis_server.url)
+    before = asyncio.all_tasks()
+    cache = LayeredCache.from_config(config)
+    await cache.start()
+    try:
+        closing = asyncio.ensure_future(cache.close())
+        await asyncio.sleep(0)  # close() waits for the listener's task to end
+        closing.cancel()  # the shutdown's deadline
+        await asyncio.gather(closing, return_exceptions=True)
+        report = f"{prefix}*hot*"
+        await asyncio.sleep(0.1)
+        await admin.delete(*(await admin.keys(report) or [b"-"]))
+        await asyncio.sleep(1.5)
+        left = [t for t in asyncio.all_tasks() - before if not t.done()]
+        assert left == [] and await admin.keys(report) == [], left
+    finally:
+        await cache.close()
+        await admin.aclose()
