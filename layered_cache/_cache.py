@@ -82,6 +82,7 @@ class LayeredCache(HitPath):
         for name, own_expiry in (expiry_of or {}).items():
             self.namespace(name).policy.expiry_of = own_expiry
         self._built_in, self._started_in, self._starts = os.getpid(), 0, 0
+        self._one_start = startup.OneAtATime()
         self._follow()
         _after_fork_in_child(self)
 
@@ -125,14 +126,15 @@ class LayeredCache(HitPath):
     async def start(self) -> None:
         """Start following the backplane (L1 coherence) and reporting hot keys; see
         ``_startup`` for what is checked first and why."""
-        await _rebind(self)
-        self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
-        self._rt.refusal, self._starts = None, self._starts + 1
-        try:
-            await self._start_steps(self._starts)
-        except BaseException:  # a mismatch, Redis down, our caller's deadline: undone
-            await self.close()
-            raise
+        async with self._one_start.turn():  # one overlapping it waits (``OneAtATime``)
+            await _rebind(self)
+            self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
+            self._rt.refusal, self._starts = None, self._starts + 1
+            try:
+                await self._start_steps(self._starts)
+            except BaseException:  # a mismatch, Redis down, our caller's deadline: undone
+                await self.close()
+                raise
 
     async def _start_steps(self, start: int) -> None:
         await startup.learn_slots(self._parts.client)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -29,6 +29,7 @@ from layered_cache._tags import TagVersions, version_ttl
 from layered_cache._wiring import CacheParts, new_instance_id
 
 __all__ = [
+    "OneAtATime",
     "background_checks",
     "check_database",
     "check_memory_policy",
@@ -159,6 +160,30 @@ async def listening(
         positioned(listener, redis),
         subscribed(fallback, 2 * (redis.connect_timeout + redis.timeout)),
     )
+
+
+class OneAtATime:
+    """``start()`` calls of one event loop run one after the other: a second that came
+    while the first waited on Redis (two lifespans sharing a module's cache, a lazy
+    start hit by two requests at once) then does what a second start does, nothing.
+    Overlapping, it counted as a close() for the first, which raised and closed the
+    cache. One left by a loop that ended is not waited for."""
+
+    def __init__(self) -> None:
+        self._running: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        while self._running is not None and self._running[0] is loop:
+            await self._running[1].wait()
+        done = asyncio.Event()
+        self._running = (loop, done)
+        try:
+            yield
+        finally:
+            self._running = None
+            done.set()
 
 
 def runtime(

@@ -317,3 +317,50 @@ async def test_a_set_that_lands_during_the_close_grace_still_gets_its_purge_deli
     finally:
         proxy.release.set()
         await proxy.stop()
+
+
+async def test_two_overlapping_starts_leave_a_started_cache_and_blame_no_close(
+    redis_url: str, prefix: str
+) -> None:
+    """A second ``start()`` of a started cache does nothing. Two that overlap (two
+    lifespans sharing the module's cache, a lazy "start on first request" hit by two
+    requests at once), with no ``close()`` at all: the second counted as a close for
+    the first, which raised "close() ran while start() was starting" and closed the
+    cache; the second then raised the same. Now the second waits for the first."""
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    cache = LayeredCache.from_config(config)
+    outcomes = await asyncio.gather(cache.start(), cache.start(), return_exceptions=True)
+
+    async def load() -> str:
+        return "v"
+
+    try:
+        assert outcomes == [None, None]
+        assert await cache.get_or_load("book", {"id": 1}, load) == "v"
+    finally:
+        await cache.close()
+
+
+async def test_a_start_overtaken_by_close_raises_and_the_next_start_serves(
+    redis_url: str, prefix: str
+) -> None:
+    """README: "A `close()` that overtakes a `start()` still waiting on Redis leaves
+    nothing running: that `start()` raises"; a start() that came after that close()
+    starts the cache (it waited for the overtaken one to end)."""
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    cache = LayeredCache.from_config(config)
+    first = asyncio.ensure_future(cache.start())
+    await asyncio.sleep(0)  # start() is on its first round trip
+    await cache.close()
+    second = asyncio.ensure_future(cache.start())
+    outcomes = await asyncio.gather(first, second, return_exceptions=True)
+
+    async def load() -> str:
+        return "v"
+
+    try:
+        assert isinstance(outcomes[0], RuntimeError) and "close() ran" in str(outcomes[0])
+        assert outcomes[1] is None
+        assert await cache.get_or_load("book", {"id": 1}, load) == "v"
+    finally:
+        await cache.close()
