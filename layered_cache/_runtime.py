@@ -119,6 +119,15 @@ class BackgroundTasks:
             await asyncio.wait(left, timeout=max(grace, until - loop.time()))
             await self._cancel(left)
 
+    def forget_other_loops(self) -> None:
+        """Drop the tasks of an event loop other than the running one: one that ended
+        without ``close`` (``asyncio.run`` returning mid-load) left them pending for
+        good, and cancelling one raised "Event loop is closed" in the next ``close``.
+        In place: each task's done callback discards it from these very sets."""
+        loop = asyncio.get_running_loop()
+        for tasks in (self._tasks, self._orphans):
+            tasks.difference_update([task for task in tasks if task.get_loop() is not loop])
+
     async def cancel_all(self, grace: float = 0.2) -> None:
         """Cancel every task now, with no grace to finish first, and what they spawn on
         their way out: ``close`` cut short by its caller's deadline, whose clients are

@@ -215,9 +215,11 @@ def reopened(
     anew. An asyncio lock, semaphore or queue is bound to the first loop that waits on
     it, and the purge queue's own Varnish client was closed (the clients themselves
     reconnect; the listener, fallback subscriber and hot-key reporter: ``_follow``).
+    Background tasks an ended loop left pending are forgotten, not cancelled.
     L1 and the tag versions are dropped: the new listener starts at the stream's end,
     and whatever was invalidated while the cache was closed never reached it."""
     coherence.forget_all()
+    runtime.tasks.forget_other_loops()
     parts.notifier.reopen()
     parts.store.slots = asyncio.Semaphore(parts.store.max_in_flight)
     runtime.admission = asyncio.Semaphore(config.redis.max_connections)

@@ -471,3 +471,36 @@ async def test_a_close_cancelled_while_it_stops_the_listener_stops_the_other_fol
     finally:
         await cache.close()
         await admin.aclose()
+
+
+async def test_a_cache_whose_loop_ended_mid_load_closes_cleanly_on_the_next_loop(
+    redis_url: str, prefix: str
+) -> None:
+    """README: "`start()` closes the connections made on another event loop (... a start
+    whose loop ended without `close()` ...)"; "A closed cache starts again". A lifespan
+    that ended without ``close()`` while a request's load ran: ``asyncio.run`` cancels
+    the request, whose fill is left to a background task that the loop's end leaves
+    pending. The next lifespan's ``start()`` kept it, and its ``close()`` cancelled a
+    task of the dead loop: ``RuntimeError: Event loop is closed``."""
+    config = make_config(redis_url, prefix, _COHERENT, backplane={"block": "200ms"})
+    cache = LayeredCache.from_config(config)
+
+    async def slow() -> str:
+        await asyncio.sleep(30)
+        return "v"
+
+    async def first_lifespan() -> None:
+        await cache.start()
+        request = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, slow))
+        await asyncio.sleep(0.2)  # the load runs; the app ends without close()
+        assert not request.done()
+
+    async def load() -> str:
+        return "v2"
+
+    await asyncio.to_thread(asyncio.run, first_lifespan())
+    await cache.start()  # the next lifespan, on this loop
+    try:
+        assert await cache.get_or_load("book", {"id": 2}, load) == "v2"
+    finally:
+        await cache.close()
