@@ -129,7 +129,7 @@ class LayeredCache(HitPath):
         async with self._one_start.turn():  # one overlapping it waits (``OneAtATime``)
             await _rebind(self)
             self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
-            self._rt.refusal, self._starts = None, self._starts + 1
+            self._rt.refusal, self._rt.ended, self._starts = None, False, self._starts + 1
             try:
                 await self._start_steps(self._starts)
             except BaseException:  # a mismatch, Redis down, our caller's deadline: undone
@@ -162,6 +162,7 @@ class LayeredCache(HitPath):
         (``_cancel_own_work``) and closes the clients. Calls are
         refused from here on, L1 dropped (``Runtime.check_open``); a start() waiting stops."""
         self._rt.refusal, self._closed = _CLOSED, True
+        self._rt.leases.end_waits()  # reads waiting on a lease raise the closed error
         try:
             if self._backplane is not None:
                 await self._backplane.stop()
@@ -173,8 +174,7 @@ class LayeredCache(HitPath):
             await self._clock.stop()
             await self._rt.tasks.close()
         finally:
-            self._started_in = 0  # nothing left to a fork; start reopens (``_closed``)
-            self._coherence.forget_all()  # no listener keeps it coherent any more
+            _ended(self)
             try:
                 await _cancel_own_work(self)
             finally:
@@ -340,6 +340,13 @@ async def _rebind(cache: LayeredCache) -> None:
         startup.reopened(cache._parts, cache._rt, cache._coherence, cache.config, cache._purger)
         cache._follow()
     cache._rt.loop, cache._rt.other_loop = loop, False
+
+
+def _ended(cache: LayeredCache) -> None:
+    """What ``close`` does whatever cut it short, before the clients close."""
+    cache._started_in = 0  # nothing left to a fork; start reopens (``_closed``)
+    cache._coherence.forget_all()  # no listener keeps it coherent any more
+    cache._rt.ended = True  # a call in flight stores nothing from here on (``_miss``)
 
 
 async def _cancel_own_work(cache: LayeredCache) -> None:

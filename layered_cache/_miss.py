@@ -27,7 +27,7 @@ from layered_cache._clients import resurface_cancel
 from layered_cache._failsafe import FailSafe, Read
 from layered_cache._fills import Fills, FillWatch
 from layered_cache._keys import lease_name
-from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._l2 import L2Unavailable
 from layered_cache._loader_call import (
     LoaderCancelledError,
     awaited,
@@ -37,7 +37,7 @@ from layered_cache._loader_call import (
 from layered_cache._loading import Loading
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
-from layered_cache._stampede import new_token
+from layered_cache._stampede import bound_lease, new_token
 from layered_cache._tags import TagsOf, tag_names
 
 __all__ = [
@@ -74,6 +74,8 @@ class MissPath:
                 waited = await wait_or_stale(self, read, mine)
                 if isinstance(waited, _Filled):
                     return waited.value
+                # Closed while we waited (``LeaseWaiter.end_waits``): no loader call.
+                self._rt.check_open()
                 if waited is None:
                     # max_wait passed: load ourselves, but never write L2 without a lease.
                     policy.stats.lease_timeout_load += 1
@@ -217,6 +219,8 @@ class MissPath:
 
     def kept_in_l1(self, read: Read, value: Any) -> Any:
         """``value`` as an L2 hit returns it, not in L2 (``Fills.kept_in_l1``)."""
+        if self._rt.ended:
+            return _unstored(read, value)  # a closed cache keeps no L1 (``close``)
         served = self._fills.kept_in_l1(read.key, value, read.seq, read.tags_of is not None)
         read.owned = served is value  # not encodable: handed back as it came
         return served
@@ -226,6 +230,8 @@ class MissPath:
         Returns the value as L2 readers will see it (see ``Fills.encode``). Any
         error releases the lease: other readers must not wait max_wait for nothing."""
         _warn_if_outlived(self._policy, read.key, delta)
+        if self._rt.ended:
+            return _unstored(read, value)  # closed while loading: ``_unstored``
         try:
             return await self._fill_under_lease(read, token, value, delta)
         except asyncio.CancelledError:
@@ -322,16 +328,6 @@ async def wait_or_stale(miss: MissPath, read: Read, token: str) -> _Filled | str
         raise
 
 
-async def bound_lease(store: L2Store, key: str, lease_ttl: float) -> None:
-    """A lease name holding something without a TTL (a value planted at ``{key}:lease``,
-    a tool's leftover) is no lease of ours, and every miss of the key would wait
-    ``max_wait`` for good: it gets the TTL a lease has. ``PEXPIRE ... NX`` sets one only
-    where none is, so a lease of ours (it always has one) is untouched."""
-    name = lease_name(key)
-    with contextlib.suppress(L2Unavailable):
-        await store.guard(store.client.pexpire(name, max(1, int(lease_ttl * 1000)), nx=True), name)
-
-
 def _load_cancelled(
     miss: MissPath, read: Read, token: str, task: asyncio.Task[Any], started: float, refresh: bool
 ) -> None:
@@ -387,6 +383,14 @@ def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:
             "load_outlived_lease", namespace=policy.name, key=key, load_s=round(load_s, 3),
             lease_ttl_s=policy.lease_ttl, fix="raise stampede.lease_ttl above the slowest load",
         )
+
+
+def _unstored(read: Read, value: Any) -> Any:
+    """The load of a call in flight when its cache closed: its caller gets it, stored
+    nowhere. Filled, it reopened the closed client on a connection nobody closed, and
+    wrote L1 after close() had dropped it, unheard by any listener."""
+    read.owned = True
+    return value
 
 
 def _ignore(key: str) -> None:

@@ -38,12 +38,12 @@ from redis.crc import key_slot
 
 from layered_cache._clients import REDIS_FAILURES, resurface_cancel
 
-__all__ = ["ClusterFillNotifier", "FillNotifier", "Notifier"]
+__all__ = ["ClusterFillNotifier", "FillNotifier", "Notifier", "Subscription"]
 
 _log = structlog.get_logger("layered_cache.notify")
 
 
-class _Subscription:
+class Subscription:
     __slots__ = ("channel", "confirmed", "queue")
 
     def __init__(self, channel: str) -> None:
@@ -67,7 +67,7 @@ class Notifier(Protocol):
 
     def subscribe(
         self, channel: str, confirm_timeout: float
-    ) -> contextlib.AbstractAsyncContextManager[_Subscription]: ...
+    ) -> contextlib.AbstractAsyncContextManager[Subscription]: ...
 
     async def close(self) -> None: ...
 
@@ -83,7 +83,7 @@ class FillNotifier:
         self._client = client
         self._sharded = sharded
         self._pubsub = client.pubsub()
-        self._waiters: dict[str, list[_Subscription]] = {}
+        self._waiters: dict[str, list[Subscription]] = {}
         # Channels whose subscription went with a replaced connection (``_reset``) while
         # waiters stayed: the next waiter on one subscribes again, for them all.
         self._lost: set[str] = set()
@@ -93,12 +93,12 @@ class FillNotifier:
         self._lock = asyncio.Lock()
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, channel: str, confirm_timeout: float) -> AsyncIterator[_Subscription]:
+    async def subscribe(self, channel: str, confirm_timeout: float) -> AsyncIterator[Subscription]:
         """Subscribe for the duration of the block; waits (bounded) for Redis to confirm
         the subscription so that a re-read after it cannot miss a fill in between."""
         task = asyncio.current_task()
         requested = task.cancelling() if task is not None else 0
-        sub = _Subscription(channel)
+        sub = Subscription(channel)
         # The registration is undone on every way out, a cancellation while subscribing
         # included: a waiter left in ``_waiters`` kept the reader alive for ever and, after
         # a ``_reset``, made later waiters on its channel count as subscribed.
@@ -125,7 +125,7 @@ class FillNotifier:
                     await self._remove(sub)
         resurface_cancel(task, requested)  # UNSUBSCRIBE too goes through ``wait_for``
 
-    async def _add(self, sub: _Subscription) -> None:
+    async def _add(self, sub: Subscription) -> None:
         if self._closed:
             return  # a waiter of a closing cache: its re-reads will do (no new connection)
         async with self._lock:
@@ -155,7 +155,7 @@ class FillNotifier:
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="layered_cache._notify")
 
-    def _unregister(self, sub: _Subscription) -> bool:
+    def _unregister(self, sub: Subscription) -> bool:
         """Drop ``sub`` from ``_waiters``; whether it was its channel's last waiter."""
         waiters = self._waiters.get(sub.channel)
         if waiters is None or sub not in waiters:
@@ -167,7 +167,7 @@ class FillNotifier:
         self._lost.discard(sub.channel)
         return True
 
-    async def _remove(self, sub: _Subscription) -> None:
+    async def _remove(self, sub: Subscription) -> None:
         # Unregistered before waiting for the lock: a cancel or a timeout while waiting
         # must not leave the waiter registered.
         if not self._unregister(sub):
@@ -297,10 +297,10 @@ class ClusterFillNotifier:
         self._nodes: dict[str, FillNotifier] = {}
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, channel: str, confirm_timeout: float) -> AsyncIterator[_Subscription]:
+    async def subscribe(self, channel: str, confirm_timeout: float) -> AsyncIterator[Subscription]:
         notifier = self._owner(channel)
         if notifier is None:
-            yield _Subscription(channel)  # never notified: the waiter re-reads
+            yield Subscription(channel)  # never notified: the waiter re-reads
             return
         async with notifier.subscribe(channel, confirm_timeout) as sub:
             yield sub

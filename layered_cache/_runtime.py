@@ -175,6 +175,9 @@ class Runtime:
     # Why calls are refused (``check_open``), None while they may run: set by close()
     # and in a child forked from the process that started the cache, cleared by start().
     refusal: str | None = None
+    # Set once close() dropped L1 and closes the clients, cleared by start(): a load that
+    # ends now (its call was in flight) stores nothing, which reopened a closed client.
+    ended: bool = False
     # The event loop calls last reached Redis on (``check_open``; ``start``), and whether
     # an earlier one did since the last (re)build: a start on another loop, or after
     # calls on two, closes the connections the other loop left (``LayeredCache._rebind``).

@@ -13,17 +13,18 @@ than ``lease_ttl``. After ``max_wait`` a waiter gives up and loads by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from layered_cache._keys import fill_channel
-from layered_cache._l2 import L2Store
-from layered_cache._notify import Notifier
+from layered_cache._keys import fill_channel, lease_name
+from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._notify import Notifier, Subscription
 
-__all__ = ["ANNOUNCED", "LeaseResult", "LeaseWaiter", "new_token"]
+__all__ = ["ANNOUNCED", "LeaseResult", "LeaseWaiter", "bound_lease", "new_token"]
 
 # The notification of a fill whose envelope was too large to send along (``_l2``): never
 # a valid envelope itself.
@@ -55,6 +56,20 @@ class LeaseWaiter:
         self._notifier = notifier
         self._rand = rand
         self._clock = clock
+        # Set by the cache's close(): each wait ends at its next step, without another
+        # Redis command (its client is being closed), and the live ones are woken.
+        self.closed = False
+        self._waiting: set[asyncio.Queue[bytes]] = set()
+
+    def end_waits(self) -> None:
+        """``close()``: every wait returns at once, as a timeout (``LeaseResult()``);
+        its reader then raises the closed error rather than calling its loader."""
+        self.closed = True
+        for queue in self._waiting:
+            queue.put_nowait(ANNOUNCED)
+
+    def reopen(self) -> None:
+        self.closed = False
 
     async def try_acquire(
         self, lease: str, lease_ttl: float, token: str | None = None
@@ -89,22 +104,47 @@ class LeaseWaiter:
         async with self._notifier.subscribe(
             fill_channel(key, self._l2.db), min(reread_pause[1], max_wait)
         ) as sub:
-            # Re-read once the subscription is confirmed: a fill that landed between our
-            # lost SET NX and the SUBSCRIBE would otherwise go unnoticed.
-            data = await self._l2.get(key)
-            if usable(data):
-                return LeaseResult(data=data)
-            while (remaining := deadline - self._clock()) > 0:
-                message = await sub.wait(min(self._rand(*reread_pause), remaining))
-                if message == ANNOUNCED:  # a large value: the fill landed, read it
-                    message = await self._l2.get(key)
-                if message is not None and usable(message):
-                    return LeaseResult(data=message)
-                if message is not None:
-                    continue
-                result = await self._recheck(key, lease, lease_ttl, usable, token, deadline)
-                if result is not None:
-                    return result
+            self._waiting.add(sub.queue)
+            try:
+                return await self._notified(
+                    sub, key, lease, lease_ttl, reread_pause, deadline, usable, token
+                )
+            finally:
+                self._waiting.discard(sub.queue)
+
+    async def _notified(
+        self,
+        sub: Subscription,
+        key: str,
+        lease: str,
+        lease_ttl: float,
+        reread_pause: tuple[float, float],
+        deadline: float,
+        usable: Callable[[bytes | None], bool],
+        token: str | None,
+    ) -> LeaseResult:
+        """``wait_for_fill`` once subscribed: woken by the fill's message, or re-reading
+        after each silent pause."""
+        if self.closed:
+            return LeaseResult()
+        # Re-read once the subscription is confirmed: a fill that landed between our
+        # lost SET NX and the SUBSCRIBE would otherwise go unnoticed.
+        data = await self._l2.get(key)
+        if usable(data):
+            return LeaseResult(data=data)
+        while not self.closed and (remaining := deadline - self._clock()) > 0:
+            message = await sub.wait(min(self._rand(*reread_pause), remaining))
+            if self.closed:
+                break
+            if message == ANNOUNCED:  # a large value: the fill landed, read it
+                message = await self._l2.get(key)
+            if message is not None and usable(message):
+                return LeaseResult(data=message)
+            if message is not None:
+                continue
+            result = await self._recheck(key, lease, lease_ttl, usable, token, deadline)
+            if result is not None:
+                return result
         return LeaseResult()
 
     async def _poll(
@@ -117,8 +157,10 @@ class LeaseWaiter:
         usable: Callable[[bytes | None], bool],
         token: str | None,
     ) -> LeaseResult:
-        while (remaining := deadline - self._clock()) > 0:
+        while not self.closed and (remaining := deadline - self._clock()) > 0:
             await asyncio.sleep(min(self._rand(*reread_pause), remaining))
+            if self.closed:
+                break
             result = await self._recheck(key, lease, lease_ttl, usable, token, deadline)
             if result is not None:
                 return result
@@ -139,9 +181,19 @@ class LeaseWaiter:
         data = await self._l2.get(key)
         if usable(data):
             return LeaseResult(data=data)
-        if self._clock() >= deadline:
+        if self._clock() >= deadline or self.closed:
             return None
         won = await self.try_acquire(lease, lease_ttl, token)
         if won is not None:
             return LeaseResult(token=won)
         return None
+
+
+async def bound_lease(store: L2Store, key: str, lease_ttl: float) -> None:
+    """A lease name holding something without a TTL (a value planted at ``{key}:lease``,
+    a tool's leftover) is no lease of ours, and every miss of the key would wait
+    ``max_wait`` for good: it gets the TTL a lease has. ``PEXPIRE ... NX`` sets one only
+    where none is, so a lease of ours (it always has one) is untouched."""
+    name = lease_name(key)
+    with contextlib.suppress(L2Unavailable):
+        await store.guard(store.client.pexpire(name, max(1, int(lease_ttl * 1000)), nx=True), name)

@@ -220,6 +220,7 @@ def reopened(
     and whatever was invalidated while the cache was closed never reached it."""
     coherence.forget_all()
     runtime.tasks.forget_other_loops()
+    runtime.leases.reopen()
     parts.notifier.reopen()
     parts.store.slots = asyncio.Semaphore(parts.store.max_in_flight)
     runtime.admission = asyncio.Semaphore(config.redis.max_connections)

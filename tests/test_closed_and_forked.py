@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import pytest
 import redis.asyncio as aioredis
 
 from layered_cache import LayeredCache
@@ -364,3 +365,81 @@ async def test_a_start_overtaken_by_close_raises_and_the_next_start_serves(
         assert await cache.get_or_load("book", {"id": 1}, load) == "v"
     finally:
         await cache.close()
+
+
+async def test_a_load_that_ends_after_close_returns_its_value_and_writes_nothing(
+    redis_server: Any, prefix: str
+) -> None:
+    """A load running when close() is called used to fill L2 after close() returned,
+    on a connection redis-py opened anew on the closed client, open for the life of the
+    process. Its caller now gets the value; nothing reaches Redis."""
+    config = make_config(redis_server.url, prefix, _COHERENT, backplane={"block": "200ms"})
+    admin = aioredis.Redis.from_url(redis_server.url)
+    cache = LayeredCache.from_config(config)
+    gate, loading = asyncio.Event(), asyncio.Event()
+
+    async def load() -> str:
+        loading.set()
+        await gate.wait()
+        return "v"
+
+    try:
+        baseline = len(await admin.client_list())
+        await cache.start()
+        call = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, load))
+        await asyncio.wait_for(loading.wait(), 5)
+        await cache.close()
+        gate.set()
+        served = await call
+        await asyncio.sleep(0.3)
+        opened = len(await admin.client_list()) - baseline
+        written = await admin.get(cache.key("book", {"id": 1}))
+        assert (served, written, opened) == ("v", None, 0)
+    finally:
+        gate.set()
+        await cache.close()
+        await admin.aclose()
+
+
+async def test_a_read_waiting_on_a_lease_when_its_cache_closes_raises_the_closed_error(
+    redis_url: str, prefix: str
+) -> None:
+    """README: "A closed cache refuses calls". A read waiting on another instance's
+    lease when its cache closed was not stopped: it went on re-reading L2 (reconnecting
+    the closed client) until ``max_wait``, then called its own loader, seconds after
+    close() returned. Now close() ends the wait: the read raises the closed error at
+    once, its loader never called."""
+    namespaces = {"book": {"key": "book:{id}", "stampede": {"max_wait": "1500ms"}}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"block": "200ms"})
+    a, b = LayeredCache.from_config(config), LayeredCache.from_config(config)
+    await a.start()
+    await b.start()
+    gate, loading = asyncio.Event(), asyncio.Event()
+    called: list[str] = []
+
+    async def slow() -> str:  # b's load holds the lease
+        loading.set()
+        await gate.wait()
+        return "b"
+
+    async def mine() -> str:
+        called.append("a's loader")
+        return "a"
+
+    try:
+        held = asyncio.ensure_future(b.get_or_load("book", {"id": 1}, slow))
+        await asyncio.wait_for(loading.wait(), 5)
+        waiting = asyncio.ensure_future(a.get_or_load("book", {"id": 1}, mine))
+        await asyncio.sleep(0.3)  # a lost the lease and waits for b's fill
+        await a.close()
+        done, _ = await asyncio.wait({waiting}, timeout=0.5)
+        assert done, "the read still waits after close() returned"
+        with pytest.raises(RuntimeError, match="this LayeredCache is closed"):
+            waiting.result()
+        assert called == []
+        gate.set()
+        assert await held == "b"
+    finally:
+        gate.set()
+        await a.close()
+        await b.close()
