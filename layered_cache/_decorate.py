@@ -85,8 +85,11 @@ class KeyArguments:
         if self._receiver:
             self._check_receiver(args)
             self._receiver = False
-        if self._declare_later is not None:
-            self._declare_later()
+        # Read once: the first calls of a sync function come from several threads at
+        # once, and one that found it set then saw another's None (a TypeError).
+        declare_later = self._declare_later
+        if declare_later is not None:
+            declare_later()  # twice at worst, the same type: the second a no-op
             self._declare_later = None
         self._unchecked = False
 

@@ -8,8 +8,10 @@ refused when the function is decorated, by both the async and the sync decorator
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -455,3 +457,57 @@ async def test_changing_the_loaders_object_or_the_one_given_to_set_never_changes
     assert hits == [{"id": 1, "price": "9.90"}, {"id": 2, "price": "5.00"}]
     assert stats["l1_hit"] == 2 and stats["load"] == 1, stats
     assert hits[0] is first  # shared with L1: the README says to treat it as read-only
+
+
+def test_two_threads_making_the_first_call_of_a_lazily_typed_function_both_succeed() -> None:
+    """A sync app (threads) whose cached function's return annotation names a class
+    defined after it: two requests make its first call at once. The check that a
+    declaration is due and its call were two reads of one attribute, which the other
+    thread set to None in between (forced here: this thread paused on the call's line),
+    and the call raised ``TypeError: 'NoneType' object is not callable``."""
+    from layered_cache import _decorate
+    from layered_cache._decorate import bind_key_fields
+
+    cache = LayeredCache.from_config(make_config("redis://127.0.0.1:1/0", "lazy:"))
+    module = types.ModuleType("lazy_return_race")
+    sys.modules["lazy_return_race"] = module
+    source = "from __future__ import annotations\ndef load(id: int) -> Later:\n    return None\n"
+    exec(source, module.__dict__)
+    arguments = bind_key_fields(cache.namespace("book"), module.load)
+    exec("class Later:\n    pass\n", module.__dict__)  # defined after decoration
+    code = _decorate.KeyArguments._first_call.__code__
+    lines = Path(code.co_filename).read_text().splitlines()
+    call_line = next(  # the line that calls the declaration, in either version of it
+        n for n, text in enumerate(lines, 1)
+        if n > code.co_firstlineno
+        and text.strip().startswith(("declare_later()", "self._declare_later()"))
+    )
+    at_call, first_done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def pause_before_the_call(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is code and event == "line" and frame.f_lineno == call_line:
+            at_call.set()
+            first_done.wait(5)
+        return pause_before_the_call if frame.f_code is code or event == "call" else None
+
+    def second() -> None:
+        sys.settrace(pause_before_the_call)
+        try:
+            arguments.of((1,), {})
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    try:
+        assert at_call.wait(5), "the second thread never reached the declaration"
+        arguments.of((2,), {})  # the other thread's first call: declares, then None
+    finally:
+        first_done.set()
+        thread.join(5)
+        sys.modules.pop("lazy_return_race", None)
+    assert not errors, f"a concurrent first call raised {errors[0]!r}"
+    assert cache.namespace("book").policy.codec.value_type is module.Later
