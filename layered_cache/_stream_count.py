@@ -40,6 +40,7 @@ class EntryCount:
         self._link = link
         self._every = every
         self._due = 0.0
+        self._settle_due = 0.0  # ``settle``'s own pace
         self._counted_at_read = 0  # the reader's total when we last asked
         self._mark: tuple[int, int] | None = None  # (entries-added, entries read) then
         self._wanted = True  # no mark since the start or the last clear (``settle``)
@@ -51,6 +52,8 @@ class EntryCount:
             return False
         self._due, self._counted_at_read = time.monotonic() + self._every, read
         added = await self._added_at(position)
+        if added == _GONE:  # deleted: the entries that make it anew are counted at once
+            self._due = 0.0
         if added is None or added < 0:  # behind, or gone: the next read finds out
             return False
         mark, self._mark, self._wanted = self._mark, (added, read), False
@@ -67,9 +70,12 @@ class EntryCount:
         Not caught up (an entry appended since ``position``; behind a relay, its kept
         XINFO older than our position) leaves it wanted, asked again at the next read
         (at most every ``every`` seconds), or taken by ``lost`` once entries are read."""
-        if not self._wanted or time.monotonic() < self._due:
+        if not self._wanted or time.monotonic() < self._settle_due:
             return
-        self._due = time.monotonic() + self._every
+        # Its own pace, not ``lost``'s: sharing it, a mark taken at the start held back
+        # the count of the first entries read, and a loss right after them was counted
+        # only after the next XREAD's BLOCK.
+        self._settle_due = time.monotonic() + self._every
         added = await self._added_at(position)
         if added == _BEHIND:
             return
