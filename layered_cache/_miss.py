@@ -74,7 +74,10 @@ class MissPath:
                 waited = await wait_or_stale(self, read, mine)
                 if isinstance(waited, _Filled):
                     return waited.value
-                # Closed while we waited (``LeaseWaiter.end_waits``): no loader call.
+                # Closed while we waited (``LeaseWaiter.end_waits``): no loader call, and
+                # a lease taken over meanwhile goes back (close() waits for it).
+                if isinstance(waited, str) and self._rt.refusal is not None:
+                    self.give_back(key, waited)
                 self._rt.check_open()
                 if waited is None:
                     # max_wait passed: load ourselves, but never write L2 without a lease.

@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from layered_cache import LayeredCache
+from layered_cache._keys import lease_name
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import make_config
 from tests.test_purge import Recording
@@ -443,3 +444,66 @@ async def test_a_read_waiting_on_a_lease_when_its_cache_closes_raises_the_closed
         gate.set()
         await a.close()
         await b.close()
+
+
+_TAKEN_OVER_NAMESPACES = {
+    "book": {
+        "key": "book:{id}",
+        "stampede": {"lease_ttl": "20s", "max_wait": "5s", "reread_pause": ["20ms", "30ms"]},
+    }
+}
+
+
+async def test_a_lease_taken_over_while_close_runs_is_given_back(
+    redis_url: str, prefix: str
+) -> None:
+    """A read waiting on another instance's lease takes it over (the holder gone) with
+    a SET NX whose reply is on its way when close() runs: the wait hands the token back,
+    the read raises the closed error, and the lease stayed for ``lease_ttl`` (every
+    instance's miss of the key waited ``max_wait``). It goes back now."""
+    config = make_config(redis_url, prefix, _TAKEN_OVER_NAMESPACES)
+    admin = aioredis.Redis.from_url(redis_url)
+    cache = LayeredCache.from_config(config)
+    await cache.start()
+    key = cache.key("book", {"id": 1})
+    lease = lease_name(key)
+    await admin.set(lease, "another-instance", px=20_000)  # another instance is loading
+    leases = cache._rt.leases
+    real_acquire = leases.try_acquire
+    calls, reached, gate = 0, asyncio.Event(), asyncio.Event()
+
+    async def acquire(name: str, ttl: float, token: str | None = None) -> str | None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return await real_acquire(name, ttl, token)  # lost: the reader waits
+        await admin.delete(name)  # the other instance's load died, its lease gone
+        won = await real_acquire(name, ttl, token)  # our SET NX lands...
+        reached.set()
+        await gate.wait()  # ...its reply is on the way when close() runs
+        return won
+
+    leases.try_acquire = acquire  # type: ignore[method-assign]
+
+    async def loader() -> str:
+        return "v"
+
+    try:
+        read = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, loader))
+        await asyncio.wait_for(reached.wait(), 5)
+        closing = asyncio.ensure_future(cache.close())
+        await asyncio.sleep(0)  # close() has begun (end_waits)
+        gate.set()
+        await asyncio.wait_for(closing, 10)
+        outcome = (await asyncio.gather(read, return_exceptions=True))[0]
+        await asyncio.sleep(0.3)
+        held = await admin.get(lease)
+        ttl = await admin.pttl(lease)
+        assert held is None, (
+            f"the read ended with {outcome!r} and left the lease {held!r} held for {ttl} ms"
+        )
+    finally:
+        gate.set()
+        await cache.close()
+        await admin.delete(lease)
+        await admin.aclose()
