@@ -19,8 +19,9 @@ overflow threads are capped (``max_overflow``), and past the cap a load fails at
 with ``LoaderThreadsExhausted`` (the caller gets a stale value where the namespace may
 serve one, else the error). Failing, not queueing: a queue there would bring back the
 wait this rule prevents. The threads of nested loads, and those that unblock queued
-loaders, are capped by the same number, counted apart (a healthy database's nested loads
-must not crowd out the overflow), each until its thread ends: a nested load outlives
+loaders, are capped apart (a healthy database's nested loads must not crowd out the
+overflow), at ``max_workers + max_overflow`` (as many as may run loaders that nest),
+each until its thread ends: a nested load outlives
 the loader it belongs to when that loader gives up on it (its nested call timed out),
 so against a database that hangs every request left one more hung nested thread. Past
 the cap a nested load fails at once too, and a queued loader that would need a thread
@@ -204,12 +205,15 @@ class LoaderThreads:
         it). Each kind has its own cap: nested loads of a healthy database (every
         request's loader reading through the cache once more) never crowd out the
         overflow past the pool, nor the other way round."""
+        # Nested ones: as many as the pool and its overflow may run loaders (each may
+        # nest), never 0: with max_overflow=0 every nested call failed on an idle cache.
+        cap = self._max_overflow if kind == _OVERFLOW else self._pool_size + self._max_overflow
         with self._queued_lock:
-            if self._own[kind] >= self._max_overflow:
+            if self._own[kind] >= cap:
                 raise LoaderThreadsExhausted(
-                    f"{self._pool_size} pool threads and {self._max_overflow} {kind} loader "
-                    "threads are all running loaders (a database that hangs?): this load "
-                    "fails rather than start another thread (SyncLayeredCache(max_overflow=))"
+                    f"{self._pool_size} pool threads and {cap} {kind} loader threads are "
+                    "all running loaders (a database that hangs?): this load fails rather "
+                    "than start another thread (SyncLayeredCache(max_overflow=))"
                 )
             self._own[kind] += 1
         try:
