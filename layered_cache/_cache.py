@@ -124,8 +124,7 @@ class LayeredCache(HitPath):
         await self.close()
 
     async def start(self) -> None:
-        """Start following the backplane (L1 coherence) and reporting hot keys; see
-        ``_startup`` for what is checked first and why."""
+        """Follow the backplane, report hot keys; ``_startup`` says what is checked first."""
         async with self._one_start.turn():  # one overlapping it waits (``OneAtATime``)
             await _rebind(self)
             self._built_in, self._started_in, self._closed = os.getpid(), os.getpid(), False
@@ -159,26 +158,27 @@ class LayeredCache(HitPath):
     async def close(self) -> None:
         """Followers first, then background work's grace (``BackgroundTasks.close``), then
         the clients; a caller's deadline cutting this short still cancels the rest
-        (``_cancel_own_work``) and closes the clients. Calls are
-        refused from here on, L1 dropped (``Runtime.check_open``); a start() waiting stops."""
-        self._rt.refusal, self._closed = _CLOSED, True
-        self._rt.leases.end_waits()  # reads waiting on a lease raise the closed error
-        try:
-            if self._backplane is not None:
-                await self._backplane.stop()
-            if self._fallback is not None:
-                await self._fallback.stop()
-            if self._hot_reporter is not None:
-                await self._hot_reporter.stop()
-            await self._rt.purges.close()  # what is queued gets a second to go out
-            await self._clock.stop()
-            await self._rt.tasks.close()
-        finally:
-            _ended(self)
+        (``_cancel_own_work``) and closes the clients. Calls are refused from here on,
+        L1 dropped (``Runtime.check_open``); a start() waiting stops."""
+        async with self._one_start.closing():  # a start() meanwhile waits for our end
+            self._rt.refusal, self._closed = _CLOSED, True
+            self._rt.leases.end_waits()  # reads waiting on a lease raise the closed error
             try:
-                await _cancel_own_work(self)
+                if self._backplane is not None:
+                    await self._backplane.stop()
+                if self._fallback is not None:
+                    await self._fallback.stop()
+                if self._hot_reporter is not None:
+                    await self._hot_reporter.stop()
+                await self._rt.purges.close()  # what is queued gets a second to go out
+                await self._clock.stop()
+                await self._rt.tasks.close()
             finally:
-                await self._parts.close()
+                _ended(self)
+                try:
+                    await _cancel_own_work(self)
+                finally:
+                    await self._parts.close()
 
     # -- namespaces --------------------------------------------------------------------
 

@@ -171,12 +171,13 @@ class OneAtATime:
 
     def __init__(self) -> None:
         self._running: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._closing: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        while self._running is not None and self._running[0] is loop:
-            await self._running[1].wait()
+        while (waited := self._busy(loop)) is not None:
+            await waited.wait()
         done = asyncio.Event()
         self._running = (loop, done)
         try:
@@ -184,6 +185,27 @@ class OneAtATime:
         finally:
             self._running = None
             done.set()
+
+    @contextlib.asynccontextmanager
+    async def closing(self) -> AsyncIterator[None]:
+        """Around ``close()``: a ``start()`` waits for it to end. One that returned while
+        a close() was still at its awaits got its work undone by the close's end (its
+        followers cancelled, every later load stored nowhere). A close() doesn't wait
+        for a start (it overtakes it, and that start raises)."""
+        done = asyncio.Event()
+        self._closing = (asyncio.get_running_loop(), done)
+        try:
+            yield
+        finally:
+            if self._closing is not None and self._closing[1] is done:
+                self._closing = None
+            done.set()
+
+    def _busy(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event | None:
+        for held in (self._closing, self._running):
+            if held is not None and held[0] is loop and not held[1].is_set():
+                return held[1]
+        return None
 
 
 def runtime(

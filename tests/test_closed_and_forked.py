@@ -507,3 +507,47 @@ async def test_a_lease_taken_over_while_close_runs_is_given_back(
         await cache.close()
         await admin.delete(lease)
         await admin.aclose()
+
+
+async def test_a_start_made_while_a_close_is_still_running_leaves_a_cache_that_caches(
+    redis_url: str, prefix: str
+) -> None:
+    """Two lifespans sharing a module's cache: one shuts down (its close() paused at an
+    await) while the next starts. The start returned at once, then the close's end undid
+    it: its followers cancelled and every later load stored nowhere, in L1 or L2, for as
+    long as the cache ran. A start() now waits for a close() in progress."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}})
+    admin = aioredis.Redis.from_url(redis_url)
+    cache = LayeredCache.from_config(config)
+    await cache.start()
+    gate, reached = asyncio.Event(), asyncio.Event()
+    real_close = cache._rt.purges.close
+
+    async def held_purges_close() -> None:  # close() pauses at its purge-queue step
+        reached.set()
+        await gate.wait()
+        await real_close()
+
+    cache._rt.purges.close = held_purges_close  # type: ignore[method-assign]
+    try:
+        closing = asyncio.ensure_future(cache.close())  # app A's shutdown
+        await asyncio.wait_for(reached.wait(), 5)
+        starting = asyncio.ensure_future(cache.start())  # app B's startup
+        await asyncio.sleep(0.2)
+        gate.set()
+        await asyncio.wait_for(closing, 10)
+        await asyncio.wait_for(starting, 10)
+        loads: list[str] = []
+
+        async def loader() -> str:
+            loads.append("v")
+            return "v"
+
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"  # not refused
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
+        stored = await admin.get(cache.key("book", {"id": 1}))
+        assert (len(loads), stored is not None) == (1, True), (loads, stored, cache._rt.ended)
+    finally:
+        gate.set()
+        await cache.close()
+        await admin.aclose()
