@@ -171,7 +171,9 @@ class OneAtATime:
 
     def __init__(self) -> None:
         self._running: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self._closing: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        # Every close() running (one inside a start() that failed, beside the close()
+        # that made it fail): a start() waits for them all.
+        self._closing: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -192,17 +194,16 @@ class OneAtATime:
         a close() was still at its awaits got its work undone by the close's end (its
         followers cancelled, every later load stored nowhere). A close() doesn't wait
         for a start (it overtakes it, and that start raises)."""
-        done = asyncio.Event()
-        self._closing = (asyncio.get_running_loop(), done)
+        held = (asyncio.get_running_loop(), asyncio.Event())
+        self._closing.append(held)
         try:
             yield
         finally:
-            if self._closing is not None and self._closing[1] is done:
-                self._closing = None
-            done.set()
+            self._closing.remove(held)
+            held[1].set()
 
     def _busy(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event | None:
-        for held in (self._closing, self._running):
+        for held in (*self._closing, self._running):
             if held is not None and held[0] is loop and not held[1].is_set():
                 return held[1]
         return None

@@ -551,3 +551,59 @@ async def test_a_start_made_while_a_close_is_still_running_leaves_a_cache_that_c
         gate.set()
         await cache.close()
         await admin.aclose()
+
+
+async def test_a_start_waits_for_every_close_still_running_also_one_that_failed_a_start(
+    redis_url: str, prefix: str
+) -> None:
+    """A close() overtakes a start(), which then fails and closes too: two close() calls
+    at once. The failed start's close ending first cleared the one mark of a close in
+    progress, and a start() made then returned before the first close's end undid it."""
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}})
+    admin = aioredis.Redis.from_url(redis_url)
+    cache = LayeredCache.from_config(config)
+    real_steps, real_purges_close = cache._start_steps, cache._rt.purges.close
+    a_held, a_gate, c_reached, c_gate = (asyncio.Event() for _ in range(4))
+
+    async def held_steps(start: int) -> None:  # start A waits on Redis
+        a_held.set()
+        await a_gate.wait()
+        await real_steps(start)
+
+    async def held_purges_close() -> None:  # the first close() pauses here
+        if not c_reached.is_set():
+            c_reached.set()
+            await c_gate.wait()
+        await real_purges_close()
+
+    cache._start_steps = held_steps  # type: ignore[method-assign]
+    cache._rt.purges.close = held_purges_close  # type: ignore[method-assign]
+    try:
+        starting_a = asyncio.ensure_future(cache.start())
+        await asyncio.wait_for(a_held.wait(), 5)
+        closing = asyncio.ensure_future(cache.close())  # overtakes start A
+        await asyncio.wait_for(c_reached.wait(), 5)
+        cache._start_steps = real_steps  # type: ignore[method-assign]
+        a_gate.set()
+        with pytest.raises(RuntimeError, match="close"):
+            await asyncio.wait_for(starting_a, 10)  # it failed, and closed once more
+        starting_b = asyncio.ensure_future(cache.start())
+        await asyncio.sleep(0.2)
+        c_gate.set()
+        await asyncio.wait_for(closing, 10)
+        await asyncio.wait_for(starting_b, 10)
+        loads: list[str] = []
+
+        async def loader() -> str:
+            loads.append("v")
+            return "v"
+
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
+        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
+        stored = await admin.get(cache.key("book", {"id": 1}))
+        assert (len(loads), stored is not None) == (1, True), (loads, stored, cache._rt.ended)
+    finally:
+        a_gate.set()
+        c_gate.set()
+        await cache.close()
+        await admin.aclose()
