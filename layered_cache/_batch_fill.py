@@ -56,7 +56,7 @@ class BatchFill:
         return True
 
     def _leave(self, reads: list[Read], token: str) -> None:
-        if self._policy.tags:
+        if self._policy.tags and not self._rt.ended:  # closed: no Redis after close()
             self._loading.leave([lease_name(r.key) for r in reads], token)
 
     async def load_and_fill(
@@ -194,7 +194,12 @@ class BatchFill:
     async def fill_many(
         self, reads: list[Read], values: Sequence[Any], token: str, delta: float
     ) -> dict[str, Any]:
-        """Each value under its lease, in one pipeline (hot keys: ``_replicas``); L1 then."""
+        """Each value under its lease, in one pipeline (hot keys: ``_replicas``); L1 then.
+        Closed while it loaded: handed back, stored nowhere (``MissPath.fill``)."""
+        if self._rt.ended:
+            for read in reads:
+                read.owned = True
+            return {read.key: value for read, value in zip(reads, values, strict=True)}
         policy, fills = self._policy, self._fills
         found: dict[str, Any] = {}
         batch: list[tuple[Read, Fill, Any, float, dict[str, str] | None]] = []

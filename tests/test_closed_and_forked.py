@@ -607,3 +607,39 @@ async def test_a_start_waits_for_every_close_still_running_also_one_that_failed_
         c_gate.set()
         await cache.close()
         await admin.aclose()
+
+
+async def test_a_batch_load_that_ends_after_close_returns_its_values_and_writes_nothing(
+    redis_server: Any, prefix: str
+) -> None:
+    """As for a single read: a ``get_or_load_many`` whose ``load_many`` ran when close()
+    was called filled L2 after close() returned, on a connection redis-py opened anew on
+    the closed client. Its caller now gets the values; nothing reaches Redis."""
+    config = make_config(redis_server.url, prefix, _COHERENT, backplane={"block": "200ms"})
+    admin = aioredis.Redis.from_url(redis_server.url)
+    cache = LayeredCache.from_config(config)
+    gate, loading = asyncio.Event(), asyncio.Event()
+
+    async def load_many(missing: Sequence[Any]) -> list[str]:
+        loading.set()
+        await gate.wait()
+        return [f"v{fields['id']}" for fields in missing]
+
+    try:
+        baseline = len(await admin.client_list())
+        await cache.start()
+        call = asyncio.ensure_future(
+            cache.get_or_load_many("book", [{"id": 1}, {"id": 2}], load_many)
+        )
+        await asyncio.wait_for(loading.wait(), 5)
+        await cache.close()
+        gate.set()
+        served = await call
+        await asyncio.sleep(0.3)
+        opened = len(await admin.client_list()) - baseline
+        written = await admin.get(cache.key("book", {"id": 1}))
+        assert (served, written, opened) == (["v1", "v2"], None, 0)
+    finally:
+        gate.set()
+        await cache.close()
+        await admin.aclose()
