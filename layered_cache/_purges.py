@@ -74,6 +74,9 @@ def purges_for(
             repeat_after=config.purge.repeat_after,
             owned=owned,
             stats=stats,
+            # A purger of the caller's (a CDN's API) is bounded by ``purge.timeout`` per
+            # call; ours bound each request they send by it already.
+            timeout=None if owned else config.purge.timeout,
         )
         for each in purgers
     ], stats)
@@ -133,8 +136,10 @@ class PurgeQueue:
         repeat_after: float = 0.0,
         owned: bool = False,
         stats: PurgeStats | None = None,
+        timeout: float | None = None,
     ) -> None:
         self.purger = purger
+        self._timeout = timeout  # per call of the purger: a hung one is a failure
         self._repeat_after = repeat_after
         self._owned = owned  # built from the config: closed with the queue
         self.stats = PurgeStats() if stats is None else stats  # shared by ``Purges``
@@ -310,7 +315,10 @@ class PurgeQueue:
         ended the only worker, and every later purge waited for ever, counted nowhere."""
         assert self.purger is not None  # no worker runs without one
         try:
-            await self.purger.purge(keys, tags)
+            # A purger that never answered held its queue's only worker for good: every
+            # later purge waited behind it until the queue was full, then was dropped.
+            async with asyncio.timeout(self._timeout):
+                await self.purger.purge(keys, tags)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

@@ -79,6 +79,28 @@ async def test_a_hanging_gateway_never_blocks_invalidate_and_a_full_queue_drops_
         assert stats.submitted == 50 and stats.dropped >= 50 - 5 - 1 and stats.delivered == 0
 
 
+class _HangsOnce(Recording):
+    """A CDN API that never answers one request (no timeout of its own), then does."""
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls.append((list(keys), list(tags)))
+        if len(self.calls) == 1:
+            await asyncio.Event().wait()
+
+
+async def test_a_purger_of_our_own_that_never_answers_is_cut_off_at_the_timeout_and_retried(
+    redis_url: str, prefix: str
+) -> None:
+    """``purge.timeout`` bounded only the Varnish purger's requests: a purger given
+    to ``from_config`` that never answered held its queue's only worker for good, and
+    every later purge waited behind it until the queue was full, then was dropped."""
+    purger = _HangsOnce()
+    async with _cache(redis_url, prefix, purger, timeout="200ms") as cache:
+        await cache.invalidate("book", {"id": 1})
+        assert await eventually(lambda: cache.purge_stats().delivered == 1, timeout=5)
+        assert len(purger.calls) == 2 and cache.purge_stats().retries == 1
+
+
 async def test_an_undeliverable_purge_is_retried_then_counted_as_failed(
     redis_url: str, prefix: str
 ) -> None:
