@@ -509,6 +509,21 @@ async def test_a_lease_taken_over_while_close_runs_is_given_back(
         await admin.aclose()
 
 
+async def _assert_caches(cache: LayeredCache, admin: aioredis.Redis) -> None:
+    """The cache takes calls and stores what it loads: the second read is a hit, and L2
+    holds the value."""
+    loads: list[str] = []
+
+    async def loader() -> str:
+        loads.append("v")
+        return "v"
+
+    assert await cache.get_or_load("book", {"id": 1}, loader) == "v"  # not refused
+    assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
+    stored = await admin.get(cache.key("book", {"id": 1}))
+    assert (len(loads), stored is not None) == (1, True), (loads, stored, cache._rt.ended)
+
+
 async def test_a_start_made_while_a_close_is_still_running_leaves_a_cache_that_caches(
     redis_url: str, prefix: str
 ) -> None:
@@ -516,7 +531,7 @@ async def test_a_start_made_while_a_close_is_still_running_leaves_a_cache_that_c
     await) while the next starts. The start returned at once, then the close's end undid
     it: its followers cancelled and every later load stored nowhere, in L1 or L2, for as
     long as the cache ran. A start() now waits for a close() in progress."""
-    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}})
+    config = make_config(redis_url, prefix, _COHERENT)
     admin = aioredis.Redis.from_url(redis_url)
     cache = LayeredCache.from_config(config)
     await cache.start()
@@ -537,16 +552,7 @@ async def test_a_start_made_while_a_close_is_still_running_leaves_a_cache_that_c
         gate.set()
         await asyncio.wait_for(closing, 10)
         await asyncio.wait_for(starting, 10)
-        loads: list[str] = []
-
-        async def loader() -> str:
-            loads.append("v")
-            return "v"
-
-        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"  # not refused
-        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
-        stored = await admin.get(cache.key("book", {"id": 1}))
-        assert (len(loads), stored is not None) == (1, True), (loads, stored, cache._rt.ended)
+        await _assert_caches(cache, admin)
     finally:
         gate.set()
         await cache.close()
@@ -559,7 +565,7 @@ async def test_a_start_waits_for_every_close_still_running_also_one_that_failed_
     """A close() overtakes a start(), which then fails and closes too: two close() calls
     at once. The failed start's close ending first cleared the one mark of a close in
     progress, and a start() made then returned before the first close's end undid it."""
-    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}})
+    config = make_config(redis_url, prefix, _COHERENT)
     admin = aioredis.Redis.from_url(redis_url)
     cache = LayeredCache.from_config(config)
     real_steps, real_purges_close = cache._start_steps, cache._rt.purges.close
@@ -592,16 +598,7 @@ async def test_a_start_waits_for_every_close_still_running_also_one_that_failed_
         c_gate.set()
         await asyncio.wait_for(closing, 10)
         await asyncio.wait_for(starting_b, 10)
-        loads: list[str] = []
-
-        async def loader() -> str:
-            loads.append("v")
-            return "v"
-
-        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
-        assert await cache.get_or_load("book", {"id": 1}, loader) == "v"
-        stored = await admin.get(cache.key("book", {"id": 1}))
-        assert (len(loads), stored is not None) == (1, True), (loads, stored, cache._rt.ended)
+        await _assert_caches(cache, admin)
     finally:
         a_gate.set()
         c_gate.set()
