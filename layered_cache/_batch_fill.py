@@ -21,7 +21,7 @@ from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch, Replies
 from layered_cache._loading import Loading
-from layered_cache._miss import MissPath, retrieve_outcome
+from layered_cache._miss import MissPath, retrieve_outcome, unstored
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 from layered_cache._tags import tag_names
@@ -197,9 +197,7 @@ class BatchFill:
         """Each value under its lease, in one pipeline (hot keys: ``_replicas``); L1 then.
         Closed while it loaded: handed back, stored nowhere (``MissPath.fill``)."""
         if self._rt.ended:
-            for read in reads:
-                read.owned = True
-            return {read.key: value for read, value in zip(reads, values, strict=True)}
+            return {r.key: unstored(r, v) for r, v in zip(reads, values, strict=True)}
         policy, fills = self._policy, self._fills
         found: dict[str, Any] = {}
         batch: list[tuple[Read, Fill, Any, float, dict[str, str] | None]] = []

@@ -42,7 +42,7 @@ from layered_cache._tags import TagsOf, tag_names
 
 __all__ = [
     "LoaderCancelledError", "MissPath", "Read", "TagsOf", "awaited", "call_loader",
-    "retrieve_outcome",
+    "retrieve_outcome", "unstored",
 ]
 
 Loader = Callable[[], Awaitable[Any]]
@@ -223,7 +223,7 @@ class MissPath:
     def kept_in_l1(self, read: Read, value: Any) -> Any:
         """``value`` as an L2 hit returns it, not in L2 (``Fills.kept_in_l1``)."""
         if self._rt.ended:
-            return _unstored(read, value)  # a closed cache keeps no L1 (``close``)
+            return unstored(read, value)  # a closed cache keeps no L1 (``close``)
         served = self._fills.kept_in_l1(read.key, value, read.seq, read.tags_of is not None)
         read.owned = served is value  # not encodable: handed back as it came
         return served
@@ -234,7 +234,7 @@ class MissPath:
         error releases the lease: other readers must not wait max_wait for nothing."""
         _warn_if_outlived(self._policy, read.key, delta)
         if self._rt.ended:
-            return _unstored(read, value)  # closed while loading: ``_unstored``
+            return unstored(read, value)  # closed while loading: ``unstored``
         try:
             return await self._fill_under_lease(read, token, value, delta)
         except asyncio.CancelledError:
@@ -388,7 +388,7 @@ def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:
         )
 
 
-def _unstored(read: Read, value: Any) -> Any:
+def unstored(read: Read, value: Any) -> Any:
     """The load of a call in flight when its cache closed: its caller gets it, stored
     nowhere. Filled, it reopened the closed client on a connection nobody closed, and
     wrote L1 after close() had dropped it, unheard by any listener."""
