@@ -137,8 +137,11 @@ async def test_a_cluster_batch_of_pages_with_many_distinct_tags_is_cached(
     Cause: ``_batch_load.versions_of`` -> ``TagVersions.current`` -> ``_tags._fetch``
     pipelines every tag at once, not cut by ``_chunks.by_count`` as the batch's other
     round trips are (the same for ``valid_many`` on the read side)."""
+    # The Redis timeouts are the defaults; the lease outlives a slow CI machine's batch
+    # (3,000 loads and 60,000 tag versions took 5 s there: every fill refused).
+    category = {"key": "category:{slug}", "tags": True, "stampede": {"lease_ttl": "60s"}}
     config = make_config(
-        redis_cluster.url, prefix, {"category": {"key": "category:{slug}", "tags": True}},
+        redis_cluster.url, prefix, {"category": category},
         redis={"cluster": True, "timeout": "100ms", "connect_timeout": "500ms"},  # defaults
     )
 
