@@ -21,7 +21,7 @@ from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable
 from layered_cache._l2batch import Fill, L2Batch, Replies
 from layered_cache._loading import Loading
-from layered_cache._miss import MissPath, retrieve_outcome, unstored
+from layered_cache._miss import MissPath, retrieve_outcome, unstored, warn_if_outlived
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 from layered_cache._tags import tag_names
@@ -140,7 +140,7 @@ class BatchFill:
         # Each entry's recompute time for XFetch (with 0 none was refreshed early).
         delta = time.monotonic() - started
         try:
-            return await self.fill_many(reads, values, token, delta)
+            found = await self.fill_many(reads, values, token, delta)
         except asyncio.CancelledError:
             # Our caller's deadline, or close() stopping a background fill: the leases go
             # back without our waiting for it (a cancelled caller can't; close() waits
@@ -156,6 +156,10 @@ class BatchFill:
             raise
         finally:
             self._leave(reads, token)
+        # A batch's leases run through its load and its tag versions' round trips too.
+        revoked = [read.key for read in reads if read.revoked]
+        warn_if_outlived(self._policy, revoked, time.monotonic() - started)
+        return found
 
     async def filled_meanwhile(self, reads: list[Read], token: str) -> dict[str, Any]:
         """Fills that landed between our MGET and our SET NX (``MissPath._filled_meanwhile``)."""

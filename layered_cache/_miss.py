@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from layered_cache._tags import TagsOf, tag_names
 
 __all__ = [
     "LoaderCancelledError", "MissPath", "Read", "TagsOf", "awaited", "call_loader",
-    "retrieve_outcome", "unstored",
+    "retrieve_outcome", "unstored", "warn_if_outlived",
 ]
 
 Loader = Callable[[], Awaitable[Any]]
@@ -232,7 +232,7 @@ class MissPath:
         """Write L2 under the lease (base, then replicas for a hot key), then L1.
         Returns the value as L2 readers will see it (see ``Fills.encode``). Any
         error releases the lease: other readers must not wait max_wait for nothing."""
-        _warn_if_outlived(self._policy, read.key, delta)
+        warn_if_outlived(self._policy, [read.key], delta)
         if self._rt.ended:
             return unstored(read, value)  # closed while loading: ``unstored``
         try:
@@ -377,14 +377,14 @@ async def _finish_fill(
     await miss.fill(read, token, value, time.monotonic() - started)
 
 
-def _warn_if_outlived(policy: Policy, key: str, load_s: float) -> None:
-    """A load longer than ``lease_ttl`` lost its lease while it ran: its fill is refused
-    (``fill_revoked``), a waiter took the lease over and loads again, and the key may
-    never be cached. Said where it happens, with the fix."""
-    if load_s > policy.lease_ttl:
+def warn_if_outlived(policy: Policy, keys: Sequence[str], load_s: float) -> None:
+    """A load longer than ``lease_ttl`` lost its lease: its fill is refused (``fill_revoked``),
+    a waiter loads again, the key may never be cached. Said, with the fix (a batch's: once)."""
+    if keys and load_s > policy.lease_ttl:
         _log.warning(
-            "load_outlived_lease", namespace=policy.name, key=key, load_s=round(load_s, 3),
-            lease_ttl_s=policy.lease_ttl, fix="raise stampede.lease_ttl above the slowest load",
+            "load_outlived_lease", namespace=policy.name, key=keys[0], keys=len(keys),
+            load_s=round(load_s, 3), lease_ttl_s=policy.lease_ttl,
+            fix="raise stampede.lease_ttl above the slowest load",
         )
 
 

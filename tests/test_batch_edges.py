@@ -206,3 +206,30 @@ async def test_a_read_joining_a_batch_whose_tag_versions_failed_is_told_the_valu
         served = await joined
     assert served.value is mine
     assert served.owned, "the loader's own object, stored nowhere, served as owned=False"
+
+
+async def test_a_batch_whose_load_outlived_its_leases_says_so_with_the_fix(
+    redis_url: str, prefix: str
+) -> None:
+    """docs/operations.md, `stampede.lease_ttl`: "a load that outlives it loses its lease:
+    its fill is refused ... logged as `load_outlived_lease`". A batch's fills were
+    refused (``fill_revoked``) and nothing said why: a batch of many tagged pages whose
+    load and tag versions outlast ``lease_ttl`` was never cached, silently (the CI met
+    one on a loaded machine)."""
+    import structlog
+
+    stampede = {"lease_ttl": "300ms", "max_wait": "3s"}
+    config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "stampede": stampede}})
+
+    async def slow_many(fields_list: list[Mapping[str, object]]) -> list[str]:
+        await asyncio.sleep(0.5)
+        return [f"v{fields['id']}" for fields in fields_list]
+
+    with structlog.testing.capture_logs() as logs:
+        async with LayeredCache.from_config(config) as cache:
+            ids = [{"id": 1}, {"id": 2}]
+            assert await cache.get_or_load_many("book", ids, slow_many) == ["v1", "v2"]
+            assert cache.stats()["book"]["fill_revoked"] == 2
+    said = [e for e in logs if e["event"] == "load_outlived_lease"]
+    assert len(said) == 1 and said[0]["keys"] == 2 and said[0]["lease_ttl_s"] == 0.3
+    assert "stampede.lease_ttl" in said[0]["fix"]
