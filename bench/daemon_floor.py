@@ -79,7 +79,7 @@ async def _produce(bootstrap: str, topic: str, events: int, prefix: str) -> dict
     """Produce the events; returns (partition, offset) -> the names the event invalidates."""
     from aiokafka import AIOKafkaProducer
 
-    from layered_cache._events import BookPriceChanged, encode_event
+    from layered_cache._event_types import BookPriceChanged, encode_event
     from tests.servers import create_topic
 
     await create_topic(bootstrap, topic, PARTITIONS)

@@ -25,7 +25,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from layered_cache._config import parse_config
-from layered_cache._events import BookPriceChanged, encode_event
+from layered_cache._event_types import BookPriceChanged, encode_event
 from layered_cache.daemon import Daemon
 from tests.servers import FAST_GROUP_KWARGS, KafkaBroker, RedisServer, create_topic
 

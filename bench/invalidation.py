@@ -151,7 +151,7 @@ def _wait_event(event: Any, timeout: float) -> bool:
 async def _latency(env: BenchEnv, bootstrap: str, seconds: float) -> dict[str, Any]:
     from aiokafka import AIOKafkaProducer
 
-    from layered_cache._events import BookPriceChanged, encode_event
+    from layered_cache._event_types import BookPriceChanged, encode_event
     from tests.servers import create_topic
 
     url = env.redis_url()
@@ -211,7 +211,7 @@ async def _latency(env: BenchEnv, bootstrap: str, seconds: float) -> dict[str, A
 async def _throughput(env: BenchEnv, bootstrap: str, events: int, max_batch: int) -> dict[str, Any]:
     from aiokafka import AIOKafkaProducer
 
-    from layered_cache._events import BookPriceChanged, encode_event
+    from layered_cache._event_types import BookPriceChanged, encode_event
     from tests.servers import create_topic
 
     url = env.redis_url()

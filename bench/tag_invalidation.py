@@ -127,7 +127,7 @@ def _wait(event: Any, timeout: float) -> bool:
 async def _kafka(env: BenchEnv, rounds: int) -> list[list[float]]:
     from aiokafka import AIOKafkaProducer
 
-    from layered_cache._events import BookPriceChanged, encode_event
+    from layered_cache._event_types import BookPriceChanged, encode_event
     from tests.servers import create_topic
 
     bootstrap = (await asyncio.to_thread(env.kafka)).bootstrap

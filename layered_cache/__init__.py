@@ -12,7 +12,7 @@ from layered_cache._backplane import BackplaneStatus
 from layered_cache._cache import LayeredCache, RedisStatus
 from layered_cache._codec import CodecError
 from layered_cache._config import Config, ConfigError, ConfigWarning, load_config, parse_config
-from layered_cache._events import BookPriceChanged, CacheInvalidate, encode_event
+from layered_cache._event_types import BookPriceChanged, CacheInvalidate, encode_event
 from layered_cache._invalidation import ReplicaCountMismatch
 from layered_cache._l2 import L2Unavailable
 from layered_cache._logs import configure_logging, redact_event

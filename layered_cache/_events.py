@@ -1,4 +1,5 @@
-"""Invalidation events on the wire: decoding, routing and the typed events producers use.
+"""Invalidation events on the wire: decoding and routing (the typed events producers
+use are in ``_event_types``).
 
 One event is one JSON object per Kafka message, tagged by ``type``:
 
@@ -26,22 +27,12 @@ from typing import Any
 import msgspec
 
 from layered_cache._config import Config, EventRoute
+from layered_cache._event_types import CACHE_INVALIDATE, CacheInvalidate
 from layered_cache._keys import KeyTemplate, tag_problem
 from layered_cache._logs import SALT_ENV, redact_key
 from layered_cache._policy import compile_policies
 
-__all__ = [
-    "CACHE_INVALIDATE",
-    "BookPriceChanged",
-    "CacheInvalidate",
-    "DecodedEvent",
-    "EventDecoder",
-    "PoisonEvent",
-    "Target",
-    "encode_event",
-]
-
-CACHE_INVALIDATE = "CacheInvalidate"
+__all__ = ["DecodedEvent", "EventDecoder", "PoisonEvent", "Target"]
 
 
 class PoisonEvent(ValueError):
@@ -51,33 +42,6 @@ class PoisonEvent(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.event_type = event_type
-
-
-# -- typed events (what producers send) ------------------------------------------------
-
-
-class BookPriceChanged(msgspec.Struct, tag="BookPriceChanged", tag_field="type", frozen=True):
-    """Catalog changed a book's price. Prices are decimal strings (never floats: money)."""
-
-    book_id: int
-    old_price: str
-    new_price: str
-    occurred_at: str
-
-
-class CacheInvalidate(msgspec.Struct, tag=CACHE_INVALIDATE, tag_field="type", frozen=True):
-    """Generic invalidation: any namespace, any keys, no route needed."""
-
-    namespace: str
-    keys: list[dict[str, int | str]]
-
-
-_encoder = msgspec.json.Encoder()
-
-
-def encode_event(event: msgspec.Struct) -> bytes:
-    """JSON bytes of a typed event, ``type`` tag included (for producers and tests)."""
-    return _encoder.encode(event)
 
 
 # -- decoding ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from aiokafka.structs import TopicPartition
 
 from consumers import Daemon
 from layered_cache import Config, LayeredCache
-from layered_cache._events import BookPriceChanged, encode_event
+from layered_cache._event_types import BookPriceChanged, encode_event
 from layered_cache._keys import lease_name, replica_names
 from layered_cache._l1 import MISSING
 from tests.helpers import CountingLoader, eventually, make_config

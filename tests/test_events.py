@@ -11,14 +11,8 @@ from hypothesis import strategies as st
 
 from layered_cache import ConfigError, parse_config
 from layered_cache._config import Config
-from layered_cache._events import (
-    BookPriceChanged,
-    CacheInvalidate,
-    EventDecoder,
-    PoisonEvent,
-    Target,
-    encode_event,
-)
+from layered_cache._event_types import BookPriceChanged, CacheInvalidate, encode_event
+from layered_cache._events import EventDecoder, PoisonEvent, Target
 from layered_cache._policy import compile_policy
 
 

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from consumers import Daemon
 from layered_cache import L2Unavailable, LayeredCache
 from layered_cache._config import Duration
-from layered_cache._events import BookPriceChanged, encode_event
+from layered_cache._event_types import BookPriceChanged, encode_event
 from layered_cache._keys import lease_name, replica_names
 from layered_cache.prometheus import register_cache
 from tests.helpers import CountingLoader, eventually, make_config

@@ -27,7 +27,7 @@ from aiokafka import AIOKafkaProducer
 from consumers import Daemon
 from layered_cache import LayeredCache
 from layered_cache._config import Config
-from layered_cache._events import BookPriceChanged, encode_event
+from layered_cache._event_types import BookPriceChanged, encode_event
 from tests.helpers import eventually, make_config, start_relay
 from tests.servers import create_topic
 
