@@ -228,7 +228,7 @@ class EventDecoder:
         in turn: another tag than the event's), checked like a tag."""
         values: dict[str, str] = {}
         for placeholder, path in route.fields:
-            value = _field(event, path)
+            value = _field(event_type, event, path)
             if type(value) not in (int, str):
                 raise PoisonEvent(
                     f"{event_type}: field {'.'.join(path)!r} of tag {route.template!r} must "
@@ -348,11 +348,12 @@ def _planned_keys(plan: _Plan, event: dict[str, Any]) -> list[tuple[str, int]] |
 _TAG_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
 
 
-def _field(event: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+def _field(event_type: str, event: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     value: Any = event
     for part in path:
         if not isinstance(value, dict) or part not in value:
-            raise PoisonEvent(f"missing field {'.'.join(path)!r} (of a tag)")
+            reason = f"{event_type}: missing field {'.'.join(path)!r} (of a tag)"
+            raise PoisonEvent(reason, event_type)
         value = value[part]
     return value
 

@@ -84,6 +84,21 @@ def test_a_cache_invalidate_key_naming_more_fields_invalidates_the_entry_the_nam
     assert targets == [Target("author", "env:author:1", 0)]
 
 
+def test_an_event_missing_its_tag_field_is_poison_named_by_its_type() -> None:
+    """docs/daemon.md: `dlq.event.type` is "the event's `type`, when it had one". An event
+    routed to a tag and missing the tag's field had none (and its reason no type)."""
+    from tests.helpers import make_config
+
+    routed = make_config(
+        "redis://127.0.0.1:1", "p:",
+        events=[{"type": "AuthorRenamed", "invalidate": [{"tag": "author:{author.id}"}]}],
+    )
+    with pytest.raises(PoisonEvent) as info:
+        EventDecoder(routed).decode(b'{"type": "AuthorRenamed", "author": {"name": "x"}}')
+    assert info.value.event_type == "AuthorRenamed"
+    assert info.value.reason == "AuthorRenamed: missing field 'author.id' (of a tag)"
+
+
 def test_unrouted_fields_are_not_checked() -> None:
     """Deleting a key is always safe: a producer's extra or missing metadata must not
     stop it (only the fields that build keys are strict)."""
