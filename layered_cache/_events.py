@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from layered_cache._config import Config, EventRoute
-from layered_cache._event_types import CACHE_INVALIDATE, CacheInvalidate
+from layered_cache._event_types import CACHE_INVALIDATE
 from layered_cache._keys import KeyTemplate, tag_problem
 from layered_cache._logs import SALT_ENV, redact_key
 from layered_cache._policy import compile_policies
@@ -42,6 +42,15 @@ class PoisonEvent(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.event_type = event_type
+
+
+class _ReceivedInvalidate(msgspec.Struct, frozen=True):
+    """A received ``CacheInvalidate``: its keys' members are checked by ``_target``, and
+    only those the template names (a key may carry the whole changed row: a price, a
+    null, a nested object)."""
+
+    namespace: str
+    keys: list[dict[str, Any]]
 
 
 # -- decoding ---------------------------------------------------------------------------
@@ -262,7 +271,7 @@ class EventDecoder:
 
     def _generic(self, event: Mapping[str, Any]) -> list[Target]:
         try:
-            generic = msgspec.convert(event, CacheInvalidate)
+            generic = msgspec.convert(event, _ReceivedInvalidate)
         except msgspec.ValidationError as exc:
             raise PoisonEvent(f"{CACHE_INVALIDATE}: {exc}", CACHE_INVALIDATE) from None
         namespace = self._namespaces.get(generic.namespace)

@@ -84,6 +84,26 @@ def test_a_cache_invalidate_key_naming_more_fields_invalidates_the_entry_the_nam
     assert targets == [Target("author", "env:author:1", 0)]
 
 
+@pytest.mark.parametrize(
+    "row",
+    [{"id": 7, "price": 9.9}, {"id": 7, "deleted_at": None}, {"id": 7, "in_stock": True},
+     {"id": 7, "meta": {"lang": "fr"}}],
+    ids=["float", "null", "bool", "object"],
+)
+def test_a_cache_invalidate_key_carrying_the_changed_row_invalidates_its_entry(
+    row: dict[str, Any],
+) -> None:
+    """docs/daemon.md: a key "with members the template doesn't name ... invalidates the
+    entry the named ones build". A producer sending the row it changed ({"id": 7,
+    "price": 9.9}) had the whole event dead-lettered ("Expected `int | str`, got
+    `float`"): every member was type-checked, the unnamed ones too; book:7 stayed."""
+    data = msgspec.json.encode({"type": "CacheInvalidate", "namespace": "book", "keys": [row]})
+    decoder = EventDecoder(config([]))
+    assert decoder.decode(data).targets == [Target("book", "env:book:7", 8)]
+    keys: dict[str, int] = {}
+    assert decoder.collect(data, keys, []) == "CacheInvalidate" and keys == {"env:book:7": 8}
+
+
 def test_an_event_missing_its_tag_field_is_poison_named_by_its_type() -> None:
     """docs/daemon.md: `dlq.event.type` is "the event's `type`, when it had one". An event
     routed to a tag and missing the tag's field had none (and its reason no type)."""
