@@ -17,6 +17,7 @@ import pytest
 from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon import Daemon
+from layered_cache.daemon.deletes import Deleter
 from layered_cache.daemon.watch import INTERVAL
 from tests.helpers import eventually
 from tests.servers import KafkaBroker, RedisServer, create_topic
@@ -238,3 +239,61 @@ async def test_a_partition_moved_while_the_watch_asks_the_broker_leaves_the_lag_
             b.stop()
             if task_b is not None:
                 await asyncio.wait_for(task_b, 20)
+
+
+def lag_series(metrics: bytes) -> list[str]:
+    return re.findall(rb"^layered_cache_daemon_lag\{([^}]*)\} \S+$", metrics, re.M)
+
+
+async def test_a_batch_that_outlived_its_partition_leaves_no_lag_for_a_partition_it_lost(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """docs/daemon.md, `layered_cache_daemon_lag{topic,partition}`: "only partitions the
+    daemon owns". Daemon A's batch is slow in Redis (a gate) past half of
+    rebalance_timeout; B joins and takes the partition (A's rebalance hook gives up and
+    clears A's lag); then A's delete lands and the abandoned batch goes on, its commit
+    refused. A, owning nothing, exported lag for B's partition on every scrape: the
+    batch's end re-added what the rebalance hook had removed."""
+    group = f"g-late-{prefix.rstrip(':')}"
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    tp = TopicPartition(unique_topic, 0)
+
+    def make(tag: bytes) -> Daemon:
+        config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic, group=group)
+        options = {"partition_assignment_strategy": (prefer(tag),)}
+        return Daemon(config, health_port=0, consumer_options=options)
+
+    a, b = make(b"A"), make(b"B")
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+    original = Deleter.delete
+
+    async def slow_for_a(self: Deleter, *args: Any, **kwargs: Any) -> None:
+        if self is a._deleter and not gate.is_set():
+            entered.set()
+            await gate.wait()  # a slow Redis round trip, which then succeeds
+        await original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Deleter, "delete", slow_for_a)
+        async with running(a), producer(kafka_bootstrap) as p:
+            assert a.assignment == {tp}
+            await p.send_and_wait(unique_topic, price_changed(1), partition=0)
+            await asyncio.wait_for(entered.wait(), 10)
+            task_b = asyncio.create_task(b.run())
+            try:
+                assert await eventually(
+                    lambda: b.assignment == {tp} and not a.assignment, timeout=20
+                ), "B never took the partition over"
+                assert a.lag == {}  # _drain cleared it
+                gate.set()  # A's delete lands now: its abandoned batch carries on
+                assert await eventually(lambda: a.stats.commit_failures >= 1, timeout=10)
+                await asyncio.sleep(INTERVAL + 0.5)  # a watch round on A
+                text = a.metrics.render()
+                assert b"layered_cache_daemon_assigned_partitions 0.0" in text
+                series = lag_series(text)
+                assert series == [], f"A (owning nothing) exports lag for {series}"
+            finally:
+                b.stop()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task_b, 20)

@@ -240,7 +240,12 @@ class Daemon:
             if letters.pending and not await self._dead_letter(letters):
                 return False
             await self._commit(batch.offsets)
-        self.lag.update({(tp.topic, tp.partition): behind for tp, behind in batch.lag.items()})
+        # Only partitions still ours: a batch abandoned in a rebalance may end after it,
+        # and its lag series would stay for good (the watch updates owned ones only).
+        self.lag.update({
+            (tp.topic, tp.partition): behind
+            for tp, behind in batch.lag.items() if tp in self.assignment
+        })
         account(self.stats, batch, len(keys), time.perf_counter() - started)
         return True
 
