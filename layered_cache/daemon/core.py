@@ -104,9 +104,7 @@ class Daemon:
         self._health_port = config.kafka.health_port if health_port is None else health_port
         self._kafka = KafkaClients(config.kafka, consumer_options, producer_options)
         self._retrier = Retrier(
-            self._stopping,
-            self.stats,
-            config.kafka.retry_max_backoff,
+            self._stopping, self.stats, config.kafka.retry_max_backoff,
             redact_keys=config.logging.redact_keys,
         )
         self.started = asyncio.Event()
@@ -240,12 +238,7 @@ class Daemon:
             if letters.pending and not await self._dead_letter(letters):
                 return False
             await self._commit(batch.offsets)
-        # Only partitions still ours: a batch abandoned in a rebalance may end after it,
-        # and its lag series would stay for good (the watch updates owned ones only).
-        self.lag.update({
-            (tp.topic, tp.partition): behind
-            for tp, behind in batch.lag.items() if tp in self.assignment
-        })
+        self.lag.update(_owned_lag(batch.lag, self.assignment))
         account(self.stats, batch, len(keys), time.perf_counter() - started)
         return True
 
@@ -334,3 +327,12 @@ class Daemon:
 
 def _names(partitions: set[TopicPartition]) -> list[str]:
     return sorted(f"{tp.topic}:{tp.partition}" for tp in partitions)
+
+
+def _owned_lag(
+    lag: Mapping[TopicPartition, int], owned: set[TopicPartition]
+) -> dict[tuple[str, int], int]:
+    """Only partitions still ours: a batch abandoned in a rebalance may end after it, and
+    its lag series stayed for good (the watch updates owned partitions only)."""
+    return {(tp.topic, tp.partition): behind for tp, behind in lag.items() if tp in owned}
+
