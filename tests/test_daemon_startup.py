@@ -223,6 +223,20 @@ async def test_kafka_settings_no_retry_fixes_refuse_to_start_instead_of_retrying
     assert daemon.stats.connect_retries == 0
 
 
+@pytest.mark.kafka
+async def test_a_new_group_under_auto_offset_reset_none_stops_with_the_setting_named(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """README: `none` is a valid `kafka.auto_offset_reset`. A group that never committed
+    (or whose offset retention removed) has no position under it: the daemon crashed
+    with aiokafka's bare NoOffsetForPartitionError and a traceback (exit 1, as a bug)."""
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic, auto_offset_reset="none")
+    daemon = Daemon(config)
+    with pytest.raises(DaemonStartError, match=r'auto_offset_reset = "none": no position'):
+        await asyncio.wait_for(daemon.run(), 20)
+
+
 async def test_health_server_binds_the_configured_host_only(
     redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
 ) -> None:

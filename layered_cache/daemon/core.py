@@ -30,7 +30,12 @@ from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
-from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.errors import (
+    IllegalStateError,
+    KafkaError,
+    NoOffsetForPartitionError,
+    OffsetOutOfRangeError,
+)
 from aiokafka.structs import TopicPartition
 
 from layered_cache._config import Config
@@ -157,6 +162,8 @@ class Daemon:
                         self._stopping,
                     )
                     continue
+                except (NoOffsetForPartitionError, OffsetOutOfRangeError) as exc:
+                    raise DaemonStartError(_no_position(exc)) from None
                 if records is None:
                     break  # stop() during the poll (a rebalance may hold it: ``poll``)
                 if records and not await self._handle(records):
@@ -336,3 +343,14 @@ def _owned_lag(
     its lag series stayed for good (the watch updates owned partitions only)."""
     return {(tp.topic, tp.partition): behind for tp, behind in lag.items() if tp in owned}
 
+
+def _no_position(exc: KafkaError) -> str:
+    """Under ``auto_offset_reset = "none"`` aiokafka raises where a partition has no
+    position to read from; said as the setting it is, with the ways out, not as a crash
+    (a restart loop can't fix it)."""
+    return (
+        f'kafka.auto_offset_reset = "none": no position to read from ({exc!r}): the group '
+        "never committed this partition, or its committed offset is no longer retained. "
+        'Set kafka.auto_offset_reset = "earliest" (re-deletes what is retained: always '
+        "safe) or commit a start for the group (kafka-consumer-groups --reset-offsets)"
+    )
