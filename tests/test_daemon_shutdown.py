@@ -286,3 +286,31 @@ async def test_stop_ends_a_rewind_or_an_assignment_waiting_on_an_unanswered_comm
     assigned = consumer.assignment()
     starts = await asyncio.wait_for(uncommitted_starts(consumer, assigned, stopping), 2)  # type: ignore[arg-type]
     assert starts == {}  # nothing to commit once stopping
+
+
+@pytest.mark.parametrize("swallowed", ["returns", "raises another error"])
+async def test_the_watch_ends_when_its_probe_drops_the_cancel_of_close(swallowed: str) -> None:
+    """A daemon stopped as it started (a `none` group without a position, a SIGTERM at
+    once) hung in its shutdown 1 run in 5: close() cancelled the watch while a probe ran,
+    and the probe's wait_for (Python 3.11's, aiokafka's) returned the result that came
+    with the cancel and dropped it, or a client turned it into its own error; the watch
+    ran on and close() waited for it for good."""
+    from layered_cache.daemon.watch import Watch
+
+    entered = asyncio.Event()
+
+    async def probe() -> None:
+        if entered.is_set():
+            return  # only the first cancel is dropped: the loop's teardown ends the rest
+        entered.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if swallowed == "returns":
+                return
+            raise ConnectionError("request cut short") from None
+
+    watch = Watch({"broker": probe}, interval=0.01)
+    watch.start()
+    await asyncio.wait_for(entered.wait(), 2)
+    await asyncio.wait_for(watch.close(), 2)

@@ -60,9 +60,16 @@ class Watch:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> None:
+        current = asyncio.current_task()
         while True:
             for name, probe in self._probes.items():
                 await self._probe(name, probe)
+                # close()'s cancel may never reach us as an error: a probe's wait_for
+                # (aiokafka's, Python 3.11's) returns a result that came with the cancel and
+                # drops it, or a client turns it into its own error. Unseen, the watch ran
+                # on and close() waited for good (a daemon stopped as it started hung).
+                if current is not None and current.cancelling():
+                    raise asyncio.CancelledError
             await asyncio.sleep(self._interval)
 
     async def _probe(self, name: str, probe: Probe) -> None:
