@@ -231,7 +231,7 @@ class BatchFill:
         written = await self._write(token, [b[1] for b in batch])
         for (read, _, value, soft_expiry, tagged), done in zip(batch, written, strict=True):
             if done:
-                fills.fill_l1(read.key, value, soft_expiry, read.seq, tagged)
+                fills.fill_l1(read.key, value, soft_expiry, read.seq, tagged, loaded=True)
             else:
                 policy.stats.fill_revoked += 1
                 read.revoked = True  # served, but no gateway may keep it (``Served``)

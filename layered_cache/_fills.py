@@ -1,7 +1,8 @@
 """How one namespace's values enter and leave the layers: L2 bytes decoded and encoded
-(``_envelopes``), L1 filled for no longer than L2's freshness, the hard TTL in Redis,
-whether a key is hot here, and the stale window. Shared by the hit path
-(``_namespace``) and the miss path (``_miss``), so neither reaches into the other.
+(``_envelopes``), L1 filled for no longer than L2's freshness (nor a tagged entry for
+longer than its versions are vouched for), the hard TTL in Redis, whether a key is hot
+here, and the stale window. Shared by the hit path (``_namespace``) and the miss path
+(``_miss``), so neither reaches into the other.
 """
 
 from __future__ import annotations
@@ -68,16 +69,28 @@ class Fills:
         soft_expiry: float | None,
         read_seq: int | None,
         tags: Mapping[str, str] | None = None,
+        *,
+        loaded: bool = False,
     ) -> None:
         """L1 takes ``value`` unless the key was invalidated since ``read_seq`` or, for a
-        tagged value, one of its tags was (its versions are no longer current)."""
+        tagged value, one of its tags was (its versions are no longer current).
+
+        A tagged entry read from L2 was judged alive by versions last vouched for a while
+        ago (their fetch, or the backplane's last word: up to the L1 TTL ago when the
+        backplane is off or stalled, ``NamespaceVersions``): its copy lives its L1 TTL
+        counted from then, not from now, else a tag invalidation not heard of here let
+        it live up to twice the L1 TTL. ``loaded``: a value this instance just loaded
+        (under its lease) or wrote, not an entry judged by its versions: not shortened."""
         l1 = self._policy.l1
         if l1 is None:
             return
-        if tags and self.versions.known(tags) is not True:
-            self._policy.stats.l1_fill_discarded += 1
-            return
         ttl = self._policy.l1_ttl_draw()
+        if tags:
+            unvouched = self.versions.unvouched_for(tags)
+            if unvouched is None:  # a tag invalidated, or not vouched for any more
+                self._policy.stats.l1_fill_discarded += 1
+                return
+            ttl -= 0.0 if loaded else unvouched
         if soft_expiry is not None:
             ttl = min(ttl, soft_expiry - self._clock())  # never outlive L2's freshness
         if not l1.put(key, value, ttl, read_seq):
@@ -132,7 +145,8 @@ class Fills:
             if each and self.versions.invalidated_since(each, generation):
                 self._policy.stats.l1_fill_discarded += 1
                 continue
-            self.fill_l1(key, value, None, read_seq, {t: current[t] for t in each} or None)
+            tagged = {t: current[t] for t in each} or None
+            self.fill_l1(key, value, None, read_seq, tagged, loaded=True)
 
     def _index(self, key: str, tags: Mapping[str, str]) -> None:
         l1 = self._policy.l1

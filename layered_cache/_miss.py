@@ -282,7 +282,7 @@ class MissPath:
             policy.stats.fill_revoked += 1
             read.revoked = True  # the caller still gets it; ``Served`` tells the HTTP layer
             return value
-        fills.fill_l1(key, value, soft_expiry, read.seq, versions)
+        fills.fill_l1(key, value, soft_expiry, read.seq, versions, loaded=True)
         return value
 
     async def release(self, key: str, token: str, *, quietly: bool = True) -> None:

@@ -36,6 +36,9 @@ class NamespaceVersions:
     def known(self, tags: Mapping[str, str]) -> bool | None:
         return self._shared.known(tags, self._within)
 
+    def unvouched_for(self, tags: Mapping[str, str]) -> float | None:
+        return self._shared.unvouched_for(tags, self._within)
+
     async def current(self, tags: Iterable[str]) -> dict[str, str]:
         return await self._shared.current(tags, self._within)
 

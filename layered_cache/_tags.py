@@ -19,7 +19,8 @@ Design (chosen over a set of member keys per tag; docs/tags.md has the measureme
   stalled), a namespace trusts a token for its L1 TTL after the fetch and then asks
   Redis again (``NamespaceVersions``): a tag invalidation that hasn't reached an
   instance stops its dead entries' L2 copies within the bound its key invalidations
-  have (their L1 copies), not after the hour a token is otherwise held.
+  have (their L1 copies), not after the hour a token is otherwise held. Their L1
+  copies live the L1 TTL counted from that last word or fetch (``unvouched_for``).
 - **Loads in flight can't land after an invalidation.** A tagged load registers its
   lease (with its token) in ``{prefix}layered_cache:loading`` before it calls the
   loader (its tags come from the loaded value, so they aren't known before).
@@ -53,7 +54,6 @@ from typing import Any
 
 from layered_cache._chunks import by_count
 from layered_cache._codec import MAX_TAGS
-from layered_cache._config.schema import Config, L1Config, L2Config, NamespaceConfig
 from layered_cache._keys import is_tag, tag_version_name, validate_tag
 from layered_cache._l2 import L2Store, L2Unavailable
 from layered_cache._loading import take_loading
@@ -61,11 +61,13 @@ from layered_cache._memory_policy import refused_for_memory
 from layered_cache._replyerrors import moving_as_replies
 from layered_cache._scripts import FETCH_SCRIPT, PEEK_SCRIPT
 from layered_cache._tag_args import TagsOf, entry_tags, tag_names
+from layered_cache._tag_ttl import VERSION_TTL_FLOOR, version_ttl
 
 # ``TagsOf``, ``tag_names`` and ``entry_tags`` (the ``tags=`` argument) live in
-# ``_tag_args``; importable from here, as before.
+# ``_tag_args``, ``version_ttl`` in ``_tag_ttl``; importable from here, as before.
 __all__ = [
     "MAX_TAGS",
+    "VERSION_TTL_FLOOR",
     "TagVersions",
     "TagsOf",
     "entry_tags",
@@ -83,7 +85,6 @@ _LIMIT = 65_536  # tags remembered per instance; past it, forget all (they're re
 # misses; a get_or_load loads, and its write fetches the key, which ends the wait).
 _ABSENT_FOR = 5.0
 
-VERSION_TTL_FLOOR = 86_400.0  # seconds: a token key lives at least a day after its last use
 # The longest a token is trusted without asking Redis: what a lost token (evicted) costs
 # is loads until every instance asks again, so not a quarter of a 30-day entry's life.
 _MAX_TRUST = 3_600.0
@@ -94,26 +95,6 @@ _HELD = float("inf")
 
 def _nothing_vouched() -> float:
     return float("-inf")
-
-
-def version_ttl(config: Config) -> float:
-    """How long a tag's token key lives after its last fetch or invalidation (seconds):
-    a day, or twice the longest life of an entry of a tagged namespace if longer (the
-    module doc says why twice). ``expiry_of`` can only shorten an entry's life
-    (``Policy.soft_expiry``), so the namespace's TTL bounds it."""
-    lives = [_entry_life(ns) for ns in config.namespaces.values() if ns.tags]
-    return max(VERSION_TTL_FLOOR, 2 * max(lives, default=0.0))
-
-
-def _entry_life(ns: NamespaceConfig) -> float:
-    """The longest an entry of ``ns`` lives: in Redis, or in L1 when it has no L2."""
-    if ns.l2 is not False:
-        l2 = ns.l2 if isinstance(ns.l2, L2Config) else L2Config()
-        return l2.ttl * (1 + l2.jitter) + ns.stale.max_age
-    if ns.l1 is not False:
-        l1 = ns.l1 if isinstance(ns.l1, L1Config) else L1Config()
-        return l1.ttl * (1 + l1.jitter)
-    return 0.0
 
 
 def _writable(tags: Mapping[str, str]) -> bool:
@@ -215,6 +196,20 @@ class TagVersions:
             elif current != version:
                 return False
         return None if unknown else True
+
+    def unvouched_for(self, tags: Mapping[str, str], within: float) -> float | None:
+        """For an L1 copy of an entry carrying ``tags``: None unless ``known`` says True
+        (no copy), else for how long its versions have gone unvouched for: since their
+        fetch, or the backplane's last word if later (0: it vouches as of now). Checked
+        as ``known`` checks (a subset of the held versions, none aged): one call."""
+        if not tags.items() <= self._trusted().items():
+            return None
+        now, vouched = self._clock(), self._known_as_of()
+        if vouched >= now:  # the listener waits on a live link: the common case
+            return 0.0
+        fetched = self._fetched_at
+        since = max(vouched, min((fetched.get(tag, vouched) for tag in tags), default=now))
+        return now - since if since >= now - within else None
 
     async def current(self, tags: Iterable[str], within: float = _HELD) -> dict[str, str]:
         """The current version of each tag, for a writer: unknown ones fetched, or

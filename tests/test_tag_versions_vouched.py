@@ -6,9 +6,11 @@ vouches that every invalidation since has reached it (``_namespace_versions``)."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
@@ -273,3 +275,127 @@ async def test_a_namespace_without_l1_asks_nothing_again_while_the_fleet_writes(
                 await asyncio.sleep(pause)
                 assert await b.get("category", {"slug": "scifi"}) == page
         assert fetches[0] <= 8  # of 400 reads (before: 67-100)
+
+
+# The L1 copy of a tagged L2 hit (``Fills.fill_l1``): a 1 s L1 TTL, so that the read late
+# in the versions' trust and the check past the key invalidation's bound are far apart.
+SLOW_L1_TTL = 1.0
+SLOW_NAMESPACES = {
+    name: {**spec, "l1": {"ttl": f"{SLOW_L1_TTL}s", "jitter": 0}}
+    for name, spec in NAMESPACES.items()
+}
+
+
+async def _sleep_until(moment: float) -> None:
+    await asyncio.sleep(max(0.0, moment - time.monotonic()))
+
+
+async def _read_poetry(cache: LayeredCache, many: bool) -> Any:
+    if many:
+        return (await cache.get_many("category", [{"slug": "poetry"}]))[0]
+    return await cache.get("category", {"slug": "poetry"})
+
+
+async def _dead_page_gone_with_the_book(b: LayeredCache, invalidated: float) -> None:
+    """At 1.25 x the L1 TTL after the price change the book is gone from B (the key
+    invalidation's bound), and the dead page with it."""
+    await _sleep_until(invalidated + 1.25 * SLOW_L1_TTL)
+    assert await b.get("book", {"id": 42}) is None
+    page = await b.get("category", {"slug": "poetry"})
+    assert page is None, (
+        f"{time.monotonic() - invalidated:.2f}s after invalidate_tag (L1 TTL {SLOW_L1_TTL}s)"
+        f" B still serves the dead page {page}"
+    )
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["get", "get_many"])
+async def test_without_the_backplane_a_tagged_l2_hit_copied_late_in_its_versions_trust_dies_in_time(
+    redis_url: str, prefix: str, many: bool
+) -> None:
+    """docs/tags.md: "with the backplane off, [...] a tag invalidation stops the dead L2
+    entry within the namespace's L1 TTL, as a key invalidation does".
+
+    B caches book 42 and page scifi tagged book:42 (fetching the tag's version at f). A
+    writes page poetry tagged book:42, then invalidates the book and the tag at T. Just
+    before f + L1 TTL B reads poetry from L2: its version still trusted, it is served
+    and copied into B's L1. At T + 1.25 x the L1 TTL the book is gone from B; the page
+    was still served from L1, until about f + 2 x the L1 TTL: ``Fills.fill_l1`` gave
+    the copy a whole L1 TTL from the read, though the version it was judged by was
+    trusted only for what was left of the L1 TTL since its fetch. The copy now lives
+    its L1 TTL counted from the fetch (``TagVersions.unvouched_for``)."""
+    config = make_config(redis_url, prefix, SLOW_NAMESPACES, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _cached_book_and_page(b)
+        fetched = b._rt.versions._fetched_at["book:42"]
+        await a.set("category", {"slug": "poetry"}, _page("poetry", [42]), tags=["book:42"])
+        await _price_change(a)
+        invalidated = time.monotonic()
+        await _sleep_until(fetched + 0.8 * SLOW_L1_TTL)
+        assert time.monotonic() < fetched + SLOW_L1_TTL
+        assert await _read_poetry(b, many) is not None  # an L2 hit B still trusts
+        await _dead_page_gone_with_the_book(b, invalidated)
+
+
+async def test_with_a_stalled_listener_a_tagged_l2_hit_copied_late_in_its_versions_trust_dies_in_time(
+    redis_url: str, prefix: str
+) -> None:
+    """docs/tags.md: "with [...] this instance's listener stalled [...] a tag
+    invalidation stops the dead L2 entry within the namespace's L1 TTL".
+
+    B's listener held at its next XREAD; A writes page poetry tagged book:42 and
+    invalidates the book and the tag at T. B trusts its version until its fetch or the
+    listener's last caught-up read, the later, plus the L1 TTL; just before that it
+    reads poetry from L2 and copies it into L1. The copy lived a whole L1 TTL from the
+    read, past T + 1.25 x the L1 TTL when the book was long gone; it now lives the L1
+    TTL counted from the listener's last word."""
+    config = make_config(redis_url, prefix, SLOW_NAMESPACES, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        await _connected(a, b)
+        await _cached_book_and_page(b)
+        gate = stall_listener(b)
+        try:
+            await asyncio.sleep(0.4)  # B's listener is held at its next XREAD
+            assert b._backplane is not None
+            fetched = b._rt.versions._fetched_at["book:42"]
+            vouched_until = max(fetched, b._backplane._link._caught_up_at) + SLOW_L1_TTL
+            await a.set("category", {"slug": "poetry"}, _page("poetry", [42]), tags=["book:42"])
+            await _price_change(a)
+            invalidated = time.monotonic()
+            await _sleep_until(vouched_until - 0.15)
+            assert time.monotonic() < vouched_until
+            assert await _read_poetry(b, many=False) is not None  # an L2 hit B trusts
+            await _dead_page_gone_with_the_book(b, invalidated)
+        finally:
+            gate.set()
+
+
+async def test_a_vouched_l2_hit_or_a_fresh_load_keeps_its_whole_l1_ttl(
+    redis_url: str, prefix: str
+) -> None:
+    """What the L1 copy's shortening leaves alone: with a healthy backplane a tagged L2
+    hit is copied for its whole L1 TTL (the listener vouches as of now), and so, with
+    the backplane off, is a value just loaded here late in its version's trust (loaded
+    under a lease ``invalidate_tag`` revokes: not a dead entry)."""
+    healthy = make_config(redis_url, prefix, SLOW_NAMESPACES)
+    off = make_config(redis_url, prefix, SLOW_NAMESPACES, backplane={"enabled": False})
+    async with LayeredCache.from_config(healthy) as a, LayeredCache.from_config(off) as b:
+        await _connected(a)
+        await _cached_book_and_page(a)
+        a.namespace("category").policy.l1.clear()  # type: ignore[union-attr]
+        await asyncio.sleep(0.5 * SLOW_L1_TTL)  # the version fetched a while ago
+        assert await a.get("category", {"slug": "scifi"}) is not None  # an L2 hit
+        assert _l1_ttl_left(a, f"{prefix}category:scifi") > 0.9 * SLOW_L1_TTL
+        await _cached_book_and_page(b)
+        fetched = b._rt.versions._fetched_at["book:42"]
+        await _sleep_until(fetched + 0.8 * SLOW_L1_TTL)
+        page = CountingLoader(_page("poetry", [42]))
+        await b.get_or_load("category", {"slug": "poetry"}, page, tags=_tags_of)
+        assert _l1_ttl_left(b, f"{prefix}category:poetry") > 0.9 * SLOW_L1_TTL
+
+
+def _l1_ttl_left(cache: LayeredCache, key: str) -> float:
+    l1 = cache.namespace("category").policy.l1
+    assert l1 is not None
+    remaining = l1.remaining_ttl(key)
+    assert remaining is not None
+    return remaining
