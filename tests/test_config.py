@@ -463,6 +463,33 @@ def test_a_redis_url_query_redis_py_would_choke_on_is_refused_at_load(
         assert parse_config({"redis": {"url": fine}}, env={}).redis.url == fine
 
 
+@pytest.mark.parametrize("url", ["redis://h:1/0", "unix:///tmp/redis.sock"])
+@pytest.mark.parametrize(
+    ("redis", "field"),
+    [
+        ({"url": "{url}?ssl_cert_reqs=none"}, "url"),
+        ({"url": "{url}?protocol=3&ssl_check_hostname=false"}, "url"),
+        ({"url": "{url}", "ssl_ca_certs": "/etc/ca.pem"}, "ssl_ca_certs"),
+        ({"url": "{url}", "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem"}, "ssl_certfile"),
+    ],
+)
+def test_tls_options_beside_a_plain_redis_url_are_refused_at_load(
+    url: str, redis: dict[str, str], field: str
+) -> None:
+    """A TLS query option on a redis:// or unix:// URL passed `config check`, then the
+    cache's first connection raised a TypeError (redis-py passes it as a keyword only a
+    TLS connection takes); a TLS file beside one was silently ignored: a plaintext
+    connection where the file said TLS. Both are refused, pointing at rediss://; the
+    same options on a rediss:// URL load."""
+    given = {name: value.format(url=url) for name, value in redis.items()}
+    with pytest.raises(ConfigError, match=rf"redis\.{field}: .*rediss://"):
+        parse_config({"redis": given}, env={})
+    tls = {**given, "url": given["url"].replace(url, "rediss://h:1/0")}
+    assert parse_config({"redis": tls}, env={}).redis.url.startswith("rediss://")
+    with pytest.raises(ConfigError, match=r"redis\.ssl_ca_certs: .*LAYERED_CACHE_REDIS_SSL_CA_CERTS"):
+        parse_config({"redis": {"url": url}}, env={"LAYERED_CACHE_REDIS_SSL_CA_CERTS": "/ca"})
+
+
 def test_a_relay_url_is_checked_like_the_redis_url_and_its_password_never_shown() -> None:
     for relay in ("redis:Hunter2Secret@h:1", "redis://u:Hunter2Secret@h:99999"):
         with pytest.raises(ConfigError) as error:

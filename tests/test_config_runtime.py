@@ -5,12 +5,14 @@ And a fill that fails never keeps its lease."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 import tempfile
 import time
 import uuid
 import warnings
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +231,43 @@ def test_a_config_replaced_in_code_with_overlapping_namespaces_makes_no_cache() 
     never = msgspec.structs.replace(ns, hot=msgspec.structs.replace(ns.hot, keys=["b:1"]))
     with pytest.raises(ConfigError, match=r"namespaces\.a\.hot\.keys\[0\]: 'b:1' is not a key"):
         LayeredCache.from_config(msgspec.structs.replace(hot, namespaces={"a": never}))
+
+
+@pytest.mark.parametrize("query", ["ssl_cert_reqs=none", "ssl_check_hostname=false"])
+async def test_a_tls_query_option_on_a_plain_redis_url_is_refused_by_config_check(
+    tmp_path: Path, redis_url: str, prefix: str, query: str
+) -> None:
+    """PROMISE (README.md, "Configuration reference"): "`layered-cache config check`
+    passing means the cache and the daemon start with that file: every value the
+    runtime would refuse, hang on, or misread is refused at load" (DESIGN.md §5 too).
+
+    SCENARIO: `redis.url` is a plain `redis://` URL with `?ssl_cert_reqs=none` (or
+    `?ssl_check_hostname=false`), e.g. a TLS URL's query kept when an environment
+    switched to a plain Redis; `config check` on it, then a cache from the same file.
+
+    WAS: `config check` printed OK, and the cache's start raised `TypeError:
+    AbstractConnection.__init__() got an unexpected keyword argument 'ssl_cert_reqs'`:
+    redis-py passes every query parameter as a connection keyword, and only a TLS
+    connection takes these. `_config.checks` allowed them for every scheme.
+
+    NOW: `config check` refuses the file (exit 2, naming `redis.url` and rediss://), and
+    the same URL without that query starts."""
+    from layered_cache.cli import main
+
+    path = tmp_path / "layered_cache.toml"
+    separator = "&" if "?" in redis_url else "?"
+    doc = {
+        "redis": {"url": f"{redis_url}{separator}{query}", "prefix": prefix},
+        "namespaces": {"book": {"key": "book:{id}"}},
+    }
+    path.write_text(_toml(doc))
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out):
+        code = main(["config", "check", str(path)])
+    assert code == 2, out.getvalue()
+    assert "redis.url" in out.getvalue() and "rediss://" in out.getvalue(), out.getvalue()
+    with pytest.raises(ConfigError, match=r"redis\.url: .*rediss://"):
+        load_config(path, env={})
+    config = make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config) as cache:
+        assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v")) == "v"

@@ -37,6 +37,7 @@ __all__ = [
     "sasl_credentials_problem",
     "sasl_mechanism_problem",
     "ssl_cafile_problem",
+    "tls_files_problem",
     "url_problem",
 ]
 
@@ -113,7 +114,11 @@ def url_problem(url: str) -> str | None:
             "the port must be a number within 0..65535, and an IPv6 host in brackets "
             "(a password containing '/' must be percent-encoded)"
         )
-    if problem := _query_problem(parsed.query) or _credentials_twice(parsed):
+    if problem := (
+        _query_problem(parsed.query)
+        or _credentials_twice(parsed)
+        or _tls_query_problem(parsed)
+    ):
         return problem
     if parsed.scheme == "unix":
         return None if parsed.path else "a unix:// URL needs the socket path"
@@ -205,6 +210,43 @@ def _query_problem(query: str) -> str | None:
             return f"?{name}= must be one of {', '.join(allowed)}"
         if name == "db" and (not is_number(value) or int(value) > _MAX_DATABASE):
             return f"?db= must be a database number up to {_MAX_DATABASE}"
+    return None
+
+
+_TLS_QUERY = ("ssl_cert_reqs", "ssl_check_hostname")
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def _tls_query_problem(parsed: SplitResult) -> str | None:
+    """A TLS option in the query of a plain URL: redis-py passes it on as a keyword that
+    only a TLS connection takes, so ``config check`` passed and the cache's first
+    connection raised a TypeError (and a TLS URL's query kept on a plain Redis is
+    likelier a mistake than a wish)."""
+    if parsed.scheme == "rediss":
+        return None
+    for name, _ in parse_qsl(parsed.query, keep_blank_values=True):
+        if name in _TLS_QUERY:
+            return (
+                f"?{name}= is a TLS option, for a rediss:// URL only: use rediss:// to "
+                f"connect over TLS, or drop it for a plain {parsed.scheme}:// connection"
+            )
+    return None
+
+
+def tls_files_problem(section: msgspec.Struct) -> tuple[str, str] | None:
+    """(field, problem) for a ``redis.ssl_*`` file set beside a ``redis.url`` that is
+    not rediss://: the connection would be plaintext and the file silently ignored, so a
+    deployment that meant TLS would send its password and values in clear."""
+    url: str = getattr(section, "url")  # noqa: B009 - any section with a url
+    if url.startswith("rediss://"):
+        return None
+    for field in _TLS_FILES:
+        if getattr(section, field) is not None:
+            return field, (
+                f"is for a rediss:// (TLS) URL, but redis.url is {url.partition(':')[0]}://, "
+                f"a plain connection that would ignore it: use rediss:// to connect over "
+                f"TLS, or drop {field}"
+            )
     return None
 
 

@@ -28,6 +28,7 @@ from layered_cache._config.checks import (
     positive,
     relay_url_problem,
     sasl_mechanism_problem,
+    tls_files_problem,
     url_problem,
 )
 from layered_cache._config.names import purge_url_problem, stream_problem
@@ -104,6 +105,8 @@ class RedisConfig(_Section, frozen=True):
             raise bad("url", f"{problem}, got {redact_url(self.url)!r}")
         if problem := credentials_clash(self.url, self.username, self.password):
             raise bad("url", problem)
+        if found := tls_files_problem(self):
+            raise bad(*found)
         positive(self, "timeout", "connect_timeout")
         if self.busy_poll > _MAX_BUSY_POLL:
             raise bad("busy_poll", f"must be <= 1ms, got {self.busy_poll * 1e6:g}us")
