@@ -490,6 +490,19 @@ def test_tls_options_beside_a_plain_redis_url_are_refused_at_load(
         parse_config({"redis": {"url": url}}, env={"LAYERED_CACHE_REDIS_SSL_CA_CERTS": "/ca"})
 
 
+@pytest.mark.parametrize("name", ["", " ", "book:v2", "a\tb", "book\n", "template:book:{id}"])
+def test_a_namespace_name_with_a_colon_or_whitespace_is_refused_at_load(name: str) -> None:
+    """Names were never checked: a namespace named like a field of the replica-count
+    record (``template:book:{id}``, ``shape:book:{}``) overwrote another namespace's
+    entry there and hid a replica-count mismatch (docs/hotkeys.md); an empty name or one
+    with a newline garbled logs and metrics. The names in use still load."""
+    with pytest.raises(ConfigError, match=r"namespaces: .* is not a namespace name: use letters"):
+        parse_config({"namespaces": {name: {"key": "x:{id}"}}}, env={})
+    fine = ["book", "book_v2", "books.v2", "top-10", "Book2", "livres_épuisés", "django"]
+    config = parse_config({"namespaces": {n: {"key": f"k{i}:{{id}}"} for i, n in enumerate(fine)}}, env={})
+    assert list(config.namespaces) == fine
+
+
 def test_a_relay_url_is_checked_like_the_redis_url_and_its_password_never_shown() -> None:
     for relay in ("redis:Hunter2Secret@h:1", "redis://u:Hunter2Secret@h:99999"):
         with pytest.raises(ConfigError) as error:

@@ -631,6 +631,53 @@ async def test_a_namespace_and_placeholder_renamed_with_another_replica_count_re
         assert {await fleet.get("book", {"id": 1}) for _ in range(40)} == {None}
 
 
+async def test_namespaces_named_like_the_replica_records_fields_are_refused(
+    redis_url: str, prefix: str
+) -> None:
+    """PROMISE (docs/hotkeys.md, "Record the count and refuse a mismatch"): each process
+    records `hot.replicas` under its key template's shape (`shape:book:{}`), under its
+    key template (`template:book:{id}`) and under its name; "a process whose count
+    differs refuses to start with `ReplicaCountMismatch`".
+
+    SCENARIO: the fleet runs `book` = `book:{id}` with 4 replicas. A second config serves
+    the same keys as `books` with 1 replica, plus namespaces *named* `shape:book:{}` and
+    `template:book:{id}` (keys `s:{id}`, `t:{id}`, 4 replicas each).
+
+    WAS: it loaded and started: its counts' `shape:book:{}` and `template:book:{id}`
+    entries (1) were overwritten by the two namespaces' name entries (4), every field
+    matched the fleet's record, and its `invalidate` left replicas #1..#3 serving the old
+    value. `_invalidation.recorded_counts` keeps names in the hash of the shape and
+    template fields, and namespace names were never checked ("", a tab, `a:b` loaded).
+
+    NOW: a namespace name is letters, digits, `_`, `-`, `.`: such names are refused at
+    load, and in a Config replaced in code, naming the namespace; without them, `books`
+    is refused with `ReplicaCountMismatch`."""
+    import msgspec
+
+    from layered_cache import ConfigError
+
+    hot = {"replicas": 4, "keys": ["book:1"]}
+    fleet_config = make_config(
+        redis_url, prefix, {"book": {"key": "book:{id}", "l1": False, "hot": hot}}
+    )
+    books = {"books": {"key": "book:{id}", "l1": False, "hot": {"replicas": 1}}}
+    aliases = {
+        "shape:book:{}": {"key": "s:{id}", "l1": False, "hot": {"replicas": 4}},
+        "template:book:{id}": {"key": "t:{id}", "l1": False, "hot": {"replicas": 4}},
+    }
+    with pytest.raises(ConfigError, match=r"namespaces: 'shape:book:\{\}' is not a namespace"):
+        make_config(redis_url, prefix, {**books, **aliases})
+    other = make_config(redis_url, prefix, books)
+    renamed = {**other.namespaces, "template:book:{id}": other.namespaces["books"]}
+    with pytest.raises(ConfigError, match=r"'template:book:\{id\}' is not a namespace name"):
+        LayeredCache.from_config(msgspec.structs.replace(other, namespaces=renamed))
+    async with LayeredCache.from_config(fleet_config) as fleet:
+        await fleet.set("book", {"id": 1}, "old")  # base + 4 replicas
+        with pytest.raises(ReplicaCountMismatch, match=r"hot.replicas = 1 here, 4"):
+            async with LayeredCache.from_config(other):
+                pass
+
+
 async def test_a_process_refused_for_its_replica_count_records_nothing_and_starts_once_corrected(
     redis_url: str, prefix: str
 ) -> None:

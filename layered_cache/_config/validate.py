@@ -53,6 +53,7 @@ def check_namespaces(config: Config) -> dict[str, KeyTemplate]:
     source = config.source
     templates: dict[str, KeyTemplate] = {}
     for name, ns in config.namespaces.items():
+        _check_name(source, name)
         try:
             templates[name] = KeyTemplate(name, ns.key, config.redis.prefix)
         except ValueError as exc:
@@ -66,6 +67,22 @@ def check_namespaces(config: Config) -> dict[str, KeyTemplate]:
     for name, ns in config.namespaces.items():
         _check_static_hot_keys(source, name, ns, templates[name])
     return templates
+
+
+# Letters, digits, "_", "-" and ".": no ":" nor whitespace. The replica-count record
+# (``_invalidation.recorded_counts``) keeps each namespace's name in the hash that holds
+# its ``shape:...`` and ``template:...`` fields: a namespace named ``template:book:{id}``
+# overwrote another namespace's entry there and hid a replica-count mismatch. Names also
+# reach logs, metrics labels and the CLI, where a newline or a tab would garble them.
+_NAME = re.compile(r"[\w.-]+")
+
+
+def _check_name(source: str, name: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"{source}: namespaces: {name!r} is not a namespace name: use letters, "
+            "digits, '_', '-' and '.' (no ':', no whitespace)"
+        )
 
 
 def _check_routes(config: Config, templates: Mapping[str, KeyTemplate]) -> None:
