@@ -17,6 +17,7 @@ import msgspec
 import structlog
 
 from layered_cache._codec import CodecError, Envelope
+from layered_cache._logs import error_text
 from layered_cache._policy import Policy
 
 __all__ = ["Encoded", "decode", "encode", "recheck"]
@@ -44,7 +45,7 @@ def decode(policy: Policy, key: str, data: bytes | None) -> Envelope[Any] | None
         return policy.codec.decode(data)
     except CodecError as exc:
         policy.stats.decode_error += 1
-        _log.warning("l2_value_undecodable", namespace=policy.name, key=key, error=str(exc))
+        _log.warning("l2_value_undecodable", namespace=policy.name, key=key, error=error_text(exc))
         return None
 
 

@@ -32,6 +32,7 @@ import structlog
 from layered_cache._backoff import Backoff
 from layered_cache._clients import RedisClient, is_redis_failure, stop_if_cancelled
 from layered_cache._codec import UNDECODABLE
+from layered_cache._logs import error_text
 
 __all__ = [
     "PING_EVERY",
@@ -87,7 +88,7 @@ class FallbackChannel:
             self._logged_at = now
             _log.warning(
                 "backplane_append_failed_delivered_over_pubsub",
-                error=f"{type(refused).__name__}: {refused}",
+                error=error_text(refused),
                 keys=len(keys),
                 tags=len(tags or {}),
                 degraded_total=self.deliveries,
@@ -279,8 +280,7 @@ class FallbackSubscriber:
             # listener does (``BackplaneListener._failed``), L1 is cleared instead -
             # what the message was to drop goes with it - and the subscriber goes on.
             self.errors += 1
-            error = f"{type(exc).__name__}: {exc}"
-            _log.error("backplane_fallback_error", error=error, exc_info=exc)
+            _log.error("backplane_fallback_error", error=error_text(exc), exc_info=exc)
             self._on_error()
             return
         self.received += 1

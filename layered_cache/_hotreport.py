@@ -28,6 +28,7 @@ import structlog
 from layered_cache._clients import REDIS_FAILURES, RedisClient, is_redis_failure, stop_if_cancelled
 from layered_cache._codec import UNDECODABLE
 from layered_cache._keys import hot_report_name
+from layered_cache._logs import error_text
 
 __all__ = ["HotKeyReporter", "fleet_hot_keys"]
 
@@ -83,8 +84,7 @@ class HotKeyReporter:
                 if not is_redis_failure(exc):
                     # A bug: said at error, with the traceback, and tried again next
                     # period. A task that ended here would stop reporting unseen.
-                    error = f"{type(exc).__name__}: {exc}"
-                    _log.error("hot_report_error", error=error, exc_info=exc)
+                    _log.error("hot_report_error", error=error_text(exc), exc_info=exc)
             await asyncio.sleep(self._interval)
 
     async def report_once(self) -> None:

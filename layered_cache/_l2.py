@@ -29,6 +29,7 @@ from layered_cache._clients import (
     raised_in_redis_py,
     resurface_cancel,
 )
+from layered_cache._logs import error_text
 from layered_cache._nodebreakers import NodeBreakers
 from layered_cache._placement import ReplicaPlacement
 from layered_cache._replyerrors import is_key_error
@@ -232,7 +233,7 @@ class L2Store:
             # overwrites it, repairing it.
             breaker.success()
             self.key_errors += 1
-            _log.warning("l2_key_error", key=name, error=str(exc))
+            _log.warning("l2_key_error", key=name, error=error_text(exc))
             return None
         except REDIS_FAILURES as exc:
             breaker.failure(exc)

@@ -17,6 +17,14 @@ never reaches the log. A tag is hashed like a key: it is a key of another namesp
 ``LAYERED_CACHE_LOG_REDACT_SALT`` to a secret so that low-entropy keys (``book:42``)
 can't be recovered by hashing guesses.
 
+With ``redact_keys`` an exception's message is withheld too, its types kept (``L2Unavailable:
+ConnectionError``): redis-py's messages quote the commands that failed with their
+arguments (``Command # 1 (DEL {p:user:a@b.c}:lease) of pipeline caused error``), keys
+that no ``key`` field names, so hashing can't find them. The library therefore logs an
+exception as ``error=error_text(exc)`` (or the exception itself), never as an f-string
+of its own; a traceback (``exc_info``) keeps its frames and loses its messages. (A
+purger's error quotes no Redis command: it keeps its text, the keys in it hashed.)
+
 Independently of key redaction, every value of every event (and the rendered traceback)
 goes through the one redaction rule of ``layered_cache._redact``: credentials in URLs of
 any shape and every secret of the loaded config are masked, so a failing connect never
@@ -32,6 +40,7 @@ import hashlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TextIO
 
@@ -44,7 +53,10 @@ __all__ = [
     "FORMAT_ENV",
     "LEVEL_ENV",
     "SALT_ENV",
+    "ErrorText",
     "configure_logging",
+    "error_text",
+    "exception_types",
     "mask_url_credentials",
     "redact_event",
     "redact_key",
@@ -70,6 +82,38 @@ def redact_key(key: str, salt: bytes = b"") -> str:
     """A short, stable, keyed hash of a cache key: ``h:`` + 12 hex digits."""
     digest = hashlib.blake2b(key.encode(), digest_size=6, key=salt[:64]).hexdigest()
     return f"h:{digest}"
+
+
+class ErrorText(str):
+    """An exception as a log field: its ``Type: message`` text (a str, for every
+    renderer and for ``structlog.testing.capture_logs``), plus its types alone, which
+    the log shows instead with ``redact_keys`` (``_KeyRedactor``)."""
+
+    types: str
+
+
+def error_text(exc: BaseException, text: str | None = None) -> ErrorText:
+    """``exc`` for an ``error=`` field: ``text`` (by default ``Type: message``), or its
+    types only where keys are redacted: the one way the library logs an exception."""
+    logged = ErrorText(f"{type(exc).__name__}: {exc}" if text is None else text)
+    logged.types = exception_types(exc)
+    return logged
+
+
+def exception_types(exc: BaseException, limit: int = 4) -> str:
+    """``L2Unavailable: ConnectionError``: the type of ``exc`` and of its causes (or
+    contexts), without a message that may quote a key."""
+    return ": ".join(type(each).__name__ for each in _chain(exc)[:limit])
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` then what it was raised from (or while handling), once each."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and all(cause is not seen for seen in chain):
+        chain.append(cause)
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return chain
 
 
 def _mask_value(value: Any) -> Any:
@@ -111,6 +155,7 @@ class _KeyRedactor:
         self._salt = salt
 
     def __call__(self, _logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+        _withhold_messages(event)
         raw: list[str] = []
         for name in _REDACTED_FIELDS:
             value = event.get(name)
@@ -136,6 +181,53 @@ class _KeyRedactor:
 
     def _hash(self, value: str) -> str:
         return redact_key(value, self._salt)
+
+
+def _withhold_messages(event: MutableMapping[str, Any]) -> None:
+    """With ``redact_keys``: exceptions logged as their types only (see the module doc),
+    whether given through ``error_text``, as the exception itself, or as ``exc_info``,
+    whose traceback keeps its frames and loses its messages (and so does any other
+    field of the event quoting them: ``error=f"{type(exc).__name__}: {exc}"``)."""
+    exc = _logged_exception(event.pop("exc_info", None))
+    for name, value in event.items():
+        if isinstance(value, ErrorText):
+            event[name] = value.types
+        elif isinstance(value, BaseException):
+            event[name] = exception_types(value)
+    if exc is None:
+        return
+    chain = _chain(exc)
+    whole = {f"{type(each).__name__}: {each}": exception_types(each) for each in chain}
+    messages = [str(each) for each in chain]
+    for name, value in event.items():
+        if isinstance(value, str):
+            event[name] = whole.get(value) or replace_quoted(value, messages, _elide)
+    event["exception"] = _traceback_without_messages(exc)
+
+
+def _elide(_message: str) -> str:
+    return "..."
+
+
+def _logged_exception(exc_info: Any) -> BaseException | None:
+    """The exception of an ``exc_info`` field: True (the one being handled), the
+    exception itself, or a ``sys.exc_info()`` tuple."""
+    if exc_info is True:
+        exc_info = sys.exc_info()
+    if isinstance(exc_info, tuple) and len(exc_info) == 3:
+        exc_info = exc_info[1]
+    return exc_info if isinstance(exc_info, BaseException) else None
+
+
+def _traceback_without_messages(exc: BaseException) -> str:
+    """The traceback of ``exc`` and its causes, each ending in its type alone."""
+    parts = [
+        "Traceback (most recent call last):\n"
+        + "".join(traceback.format_tb(each.__traceback__))
+        + f"{type(each).__module__}.{type(each).__qualname__} (message withheld: redact_keys)\n"
+        for each in reversed(_chain(exc))
+    ]
+    return "\nThe above led to:\n\n".join(parts)
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -40,6 +40,7 @@ from redis.exceptions import ResponseError
 
 from layered_cache._backoff import Backoff
 from layered_cache._clients import is_redis_failure, stop_if_cancelled
+from layered_cache._logs import error_text
 from layered_cache._relay_commands import refused_forward, xread_arguments
 from layered_cache._relay_info import InfoCache
 from layered_cache._relay_outage import Outage
@@ -216,7 +217,7 @@ class Relay:
                     # for a lost upstream, the relay forgets instead (every instance
                     # reconnects and checks the stream itself) and follows again.
                     self._errors += 1
-                    _log.error("relay_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+                    _log.error("relay_error", error=error_text(exc), exc_info=exc)
                 else:
                     self._outage.failed(exc)
                 self._forget(f"upstream_{type(exc).__name__}")
@@ -282,7 +283,7 @@ class Relay:
                     return
                 await send(writer, await self._execute(command, reader), self._send_timeout)
         except ProtocolError as exc:
-            _log.warning("relay_bad_request", error=str(exc))
+            _log.warning("relay_bad_request", error=error_text(exc))
             writer.write(encode_error(f"ERR protocol error: {exc}"))
         except TimeoutError:
             _log.warning("relay_client_not_reading", timeout=self._send_timeout)

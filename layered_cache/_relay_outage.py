@@ -19,6 +19,7 @@ import time
 
 import structlog
 
+from layered_cache._logs import error_text
 from layered_cache._redact import redact
 
 __all__ = ["Outage"]
@@ -47,7 +48,7 @@ class Outage:
         self._logged_at = now
         _log.warning(
             "relay_upstream_unreachable",
-            error=redact(f"{type(exc).__name__}: {exc}")[:300],
+            error=error_text(exc, redact(f"{type(exc).__name__}: {exc}")[:300]),
             failures=self._failures,
             down_seconds=round(now - self._since, 1),
         )

@@ -19,6 +19,7 @@ import structlog
 
 from layered_cache._invalidation import Invalidator
 from layered_cache._l2 import L2Store
+from layered_cache._logs import error_text
 from layered_cache._purges import Purges
 from layered_cache._singleflight import SingleFlight
 from layered_cache._stampede import LeaseWaiter
@@ -39,7 +40,7 @@ def _log_orphan_failure(task: asyncio.Task[Any]) -> None:
         _log.warning(
             "background_step_failed_after_its_caller_left",
             step=task.get_coro().__qualname__,  # type: ignore[union-attr]
-            error=f"{type(exc).__name__}: {exc}",
+            error=error_text(exc),
         )
 
 

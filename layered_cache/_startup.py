@@ -20,6 +20,7 @@ from layered_cache._fallback import FallbackSubscriber, fallback_channel, subscr
 from layered_cache._hotreport import HotKeyReporter
 from layered_cache._invalidation import Invalidator, check_replica_counts, recorded_counts
 from layered_cache._keys import hot_report_name
+from layered_cache._logs import error_text
 from layered_cache._memory_policy import log_memory_policies, tagged_namespaces
 from layered_cache._namespace import Namespace
 from layered_cache._purges import Purger, purges_for
@@ -110,7 +111,7 @@ async def check_database(client: RedisClient, redis: RedisConfig) -> None:
         if "DB index" in str(exc):
             _log.error(
                 "redis_database_refused",
-                error=str(exc),
+                error=error_text(exc),
                 fix="use a database the server has: its `databases` setting (16 by "
                 "default) counts them from 0",
             )
@@ -141,7 +142,7 @@ async def check_transactions(client: RedisClient, redis: RedisConfig) -> bool:
             return True
         _log.error(
             "redis_transactions_refused",
-            error=str(exc),
+            error=error_text(exc),
             fix="grant the cache's Redis user +multi +exec (set_many and hot-key writes "
             "are MULTI/EXEC on a single node)",
         )

@@ -27,6 +27,8 @@ import structlog
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.cluster import PRIMARY, get_node_name
 
+from layered_cache._logs import error_text
+
 __all__ = ["MIN_GAP", "RefreshingCluster"]
 
 MIN_GAP = 0.25  # seconds between background refreshes: each one reconnects every node
@@ -99,7 +101,7 @@ class RefreshingCluster(RedisCluster):
             await self.nodes_manager.initialize()
         except Exception as exc:  # no startup node answered: the next failure asks again
             self._initialize = True
-            _log.warning("cluster_refresh_failed", error=f"{type(exc).__name__}: {exc}")
+            _log.warning("cluster_refresh_failed", error=error_text(exc))
             return
         for listener in self.refresh_listeners:
             listener()

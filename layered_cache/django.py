@@ -49,6 +49,7 @@ from layered_cache._django_values import (
     loads,
     readable,
 )
+from layered_cache._logs import error_text
 from layered_cache._templates import parse_template
 from layered_cache.sync import SyncLayeredCache
 
@@ -347,5 +348,5 @@ def _value(entry: Entry, sync_cache: SyncLayeredCache, namespace: str) -> Any:
     except UndecodableValue as exc:
         cache = sync_cache._cache or sync_cache.cache
         cache.namespace(namespace).policy.stats.decode_error += 1
-        _log.warning("django_value_undecodable", namespace=namespace, error=str(exc))
+        _log.warning("django_value_undecodable", namespace=namespace, error=error_text(exc))
         return _UNDECODABLE

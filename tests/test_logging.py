@@ -12,14 +12,23 @@ from typing import Any
 import pytest
 import redis.asyncio as redis
 import structlog
+from redis.crc import key_slot
 
-from layered_cache import LayeredCache, parse_config
+from layered_cache import L2Unavailable, LayeredCache, parse_config
 from layered_cache._config import LoggingConfig
 from layered_cache._keys import lease_name
-from layered_cache._logs import configure_logging, mask_url_credentials, redact_key, reset_logging
+from layered_cache._l2 import L2Store
+from layered_cache._logs import (
+    SALT_ENV,
+    configure_logging,
+    error_text,
+    mask_url_credentials,
+    redact_key,
+    reset_logging,
+)
 from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import CountingLoader, eventually, make_config
-from tests.servers import free_port
+from tests.servers import RedisClusterServers, free_port
 
 
 @pytest.fixture
@@ -251,3 +260,108 @@ async def test_with_redact_keys_a_waiter_whose_subscription_is_slow_logs_no_raw_
     assert any(e["event"] == "fill_subscribe_timeout" for e in events), events
     leaking = [e for e in events if "alice@example.com" in json.dumps(e)]
     assert not leaking, f"events naming the raw key: {leaking}"
+
+
+async def test_with_redact_keys_a_cancelled_invalidate_that_fails_logs_no_raw_key(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PROMISE (docs/metrics.md, "Logs"; layered_cache/_logs.py module doc): with
+    `logging.redact_keys = true` "the key itself (an e-mail, a user id) never reaches the
+    log".
+
+    SCENARIO: a cache on a 3-master Redis Cluster, JSON logs with `redact_keys`. The
+    master owning `user:{email}` is SIGKILLed. `invalidate("user", {"email": secret})` is
+    cancelled (a request's deadline) while its delete is held at a gate on
+    `L2Store.delete_in_order`; the delete then finishes in the background
+    (`BackgroundTasks.to_completion`) and fails against the dead master.
+
+    WAS: `background_step_failed_after_its_caller_left` logged redis-py's message,
+    `L2Unavailable: ConnectionError: Command # 1 (DEL {<prefix>user:<e-mail>}:lease) of
+    pipeline caused error: ...`, the e-mail in clear: `_runtime._log_orphan_failure`
+    logged the exception's text, and the event has no `key` field to hash.
+
+    NOW: the library logs exceptions through `_logs.error_text`, which `redact_keys`
+    shows as the exception's types only (as the daemon's `RedisRetrier` does)."""
+    secret = "user.0@example.com"  # a key field value: a customer e-mail
+    out = io.StringIO()
+    with RedisClusterServers(3) as cluster:
+        config = make_config(
+            cluster.url,
+            prefix,
+            {"user": {"key": "user:{email}", "l1": False}},
+            redis={"cluster": True, "timeout": "1s", "breaker": {"failures": 50, "reset": "5s"}},
+            logging={"format": "json", "redact_keys": True},
+        )
+        configure_logging(config.logging, stream=out, env={SALT_ENV: "pepper"}, force=True)
+        try:
+            async with LayeredCache.from_config(config) as cache:
+                client: Any = cache._rt.store.client  # type: ignore[attr-defined]
+                lease = f"{{{prefix}user:{secret}}}:lease"
+                owner = client.nodes_manager.slots_cache[key_slot(lease.encode())][0]
+                dead = next(s for s in cluster.servers if s.port == owner.port)
+                gate, reached = asyncio.Event(), asyncio.Event()
+                original = L2Store.delete_in_order
+
+                async def gated(self: L2Store, groups: Any) -> int:
+                    reached.set()
+                    await gate.wait()  # until the caller's cancel has landed
+                    return await original(self, groups)
+
+                monkeypatch.setattr(L2Store, "delete_in_order", gated)
+                dead.kill()
+                request = asyncio.create_task(cache.invalidate("user", {"email": secret}))
+                await asyncio.wait_for(reached.wait(), 5)
+                request.cancel()  # the request's deadline
+                with pytest.raises(asyncio.CancelledError):
+                    await request
+                gate.set()
+                logged = "background_step_failed_after_its_caller_left"
+                assert await eventually(lambda: logged in out.getvalue(), timeout=10)
+        finally:
+            reset_logging()
+    event = next(e for e in json_lines(out) if e["event"] == logged)
+    assert event["error"].startswith("L2Unavailable"), event
+    leaked = [line for line in out.getvalue().splitlines() if secret in line]
+    assert not leaked, leaked[0][:600]
+
+
+def _failed_delete() -> Exception:
+    """An L2Unavailable raised from redis-py's cluster-pipeline error, which quotes the
+    command and its key, as a dead master's delete raises it."""
+    quoted = f"Command # 1 (DEL {{p:user:{EMAIL}}}:lease) of pipeline caused error: refused"
+    try:
+        try:
+            raise redis.ConnectionError(quoted)
+        except redis.ConnectionError as exc:
+            raise L2Unavailable(f"ConnectionError: {quoted}") from exc
+    except L2Unavailable as exc:
+        return exc
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_with_redact_keys_an_exception_is_logged_by_its_types_only(
+    stream: io.StringIO, fmt: str
+) -> None:
+    """Besides the orphan delete above, every library event that logged an exception's
+    text (a listener's or a reporter's bug with its traceback, a refused cluster
+    refresh, a key's error, ...) could quote a key no `key` field names. With
+    `redact_keys`, `error_text(exc)`, the exception itself and `exc_info` all show the
+    types only, and an event's own f-string of the exception is withheld beside its
+    traceback (`backplane_listener_error` logs `error=f"{type(exc).__name__}: {exc}"`);
+    without `redact_keys` the text is kept."""
+    exc = _failed_delete()
+    log = structlog.get_logger("layered_cache")
+    configure_logging(LoggingConfig(format=fmt, redact_keys=True), stream=stream, env={},
+                      force=True)  # fmt: skip
+    log.warning("cluster_refresh_failed", error=error_text(exc))
+    log.warning("raw", error=exc)
+    log.error("backplane_listener_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    text = stream.getvalue()
+    assert EMAIL not in text and "Command # 1" not in text, text
+    assert text.count("L2Unavailable: ConnectionError") >= 3, text
+    assert "test_logging.py" in text and "_failed_delete" in text  # the frames are kept
+    configure_logging(LoggingConfig(format=fmt), stream=stream, env={}, force=True)
+    log.warning("cluster_refresh_failed", error=error_text(exc))
+    assert f"L2Unavailable: ConnectionError: Command # 1 (DEL {{p:user:{EMAIL}" in (
+        stream.getvalue()[len(text) :]
+    )

@@ -41,6 +41,7 @@ from aiokafka.structs import TopicPartition
 from layered_cache._config import Config
 from layered_cache._config.validate import daemon_start_problem
 from layered_cache._events import EventDecoder
+from layered_cache._logs import error_text
 from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
 from layered_cache.daemon.commits import Commits
@@ -221,8 +222,7 @@ class Daemon:
             try:
                 await close()
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                _log.warning("shutdown_step_failed", step=name, error=error)
+                _log.warning("shutdown_step_failed", step=name, error=error_text(exc))
         _log.info("daemon_stopped", **self.stats.totals())
 
     # -- one batch -------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import structlog
 
 from layered_cache._backoff import Backoff
+from layered_cache._logs import exception_types
 from layered_cache.daemon.deletes import DELETE_FAILURES
 from layered_cache.daemon.dlq import cap_text
 from layered_cache.daemon.stats import DaemonStats
@@ -163,12 +164,7 @@ class Retrier:
         fields only. A cluster master dying put raw keys in every retry's log line."""
         if not (self._redact_keys and isinstance(exc, DELETE_FAILURES)):
             return cap_text(f"{type(exc).__name__}: {exc}")
-        names: list[str] = []
-        cause: BaseException | None = exc
-        while cause is not None and len(names) < 4:
-            names.append(type(cause).__name__)
-            cause = cause.__cause__ or cause.__context__
-        return ": ".join(names)
+        return exception_types(exc)
 
     async def _pause(self, delay: float) -> None:
         """Sleep ``delay`` seconds, or less if ``stop()`` is called meanwhile."""
