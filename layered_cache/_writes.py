@@ -17,13 +17,11 @@ awaited in place: no task (a set()'s cost is a benchmark target, bench/sets.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from layered_cache import _replicas as replicas
 from layered_cache._backplane import Announcement
-from layered_cache._clients import REDIS_FAILURES
 from layered_cache._fills import Fills
 from layered_cache._l2 import L2Unavailable, Write
 from layered_cache._memory_policy import refused_for_memory
@@ -31,6 +29,7 @@ from layered_cache._policy import Policy
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._runtime import Runtime
 from layered_cache._tags import entry_tags
+from layered_cache._write_ends import WriteEnds
 
 __all__ = ["Writes"]
 
@@ -68,6 +67,7 @@ class Writes:
         self._fills = fills
         self._rt = runtime
         self._forget = forget
+        self._ends = WriteEnds(policy, runtime, forget)
 
     async def set_many(
         self,
@@ -122,7 +122,7 @@ class Writes:
         if not policy.l2:
             # Each instance's L1 is all there is: the others must drop their copies, as
             # for invalidate() (they kept the old value for their L1 TTL).
-            await self._announce_or_abandon([key for key, _ in keyed])
+            await self._ends.announce_or_abandon([key for key, _ in keyed])
             for key, value in keyed:
                 fills.fill_l1(key, value, None, read_seq, versions)
             return
@@ -143,7 +143,7 @@ class Writes:
             # The new value can't be stored (not encodable, too large): the old one
             # must not be served in its place, so the key goes, everywhere (as
             # memcached drops a key whose new value is refused).
-            await self._drop(uncacheable)
+            await self._ends.drop(uncacheable)
         if not writes:
             return
         keys = [key for key, _, _ in settled]
@@ -155,7 +155,7 @@ class Writes:
         """Write L2, then announce ``keys``. On a single node the backplane append rides
         in the SETs' atomic step (one round trip instead of two, and it still lands after
         them); in a cluster (the stream's slot is not the keys') or when the stream
-        refused it (the SETs landed), ``_announce`` follows, falling back to pub/sub.
+        refused it (the SETs landed), ``WriteEnds.announce`` follows, falling back to pub/sub.
         Returns False when a Redis full under noeviction refused the values: then the
         keys are dropped everywhere instead."""
         announcement = self._rt.invalidator.announcement_with_writes(keys)
@@ -169,9 +169,9 @@ class Writes:
             write.left = True
             if write.done and write.refused:  # refused, then cancelled before we resumed
                 self._forget(keys)
-                self._rt.tasks.spawn_orphan(self._drop(keys))  # as below, in the background
+                self._rt.tasks.spawn_orphan(self._ends.drop(keys))  # as below, in the background
             elif write.done:  # it finished before the cancel reached us: ours to do
-                self._abandoned(keys, announce=write.unannounced())
+                self._ends.abandoned(keys, announce=write.unannounced())
             else:  # it ends on its own (``_written``); our L1 is dropped now already
                 self._forget(keys)
             raise
@@ -179,16 +179,16 @@ class Writes:
             if not refused_for_memory(exc):
                 # It may have landed (in a cluster in part): announced unless it rode in
                 # the atomic step, else instances that heard nothing keep their copies.
-                self._abandoned(keys, announce=write.unannounced())
+                self._ends.abandoned(keys, announce=write.unannounced())
                 raise
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
             self._policy.stats.not_cached += len(keys)
             self._policy.stats.refused_full += len(keys)
-            await self._drop(keys)
+            await self._ends.drop(keys)
             return False
         if announcement is None or not appended:
-            await self._announce_or_abandon(keys)
+            await self._ends.announce_or_abandon(keys)
         return True
 
     async def _written(self, writes: list[Write], write: _Write) -> bool:
@@ -206,53 +206,15 @@ class Writes:
                 # as our caller does on this error (announcing alone left old replicas).
                 write.done = True
                 self._policy.stats.refused_full += len(write.keys)
-                await self._drop(write.keys)
+                await self._ends.drop(write.keys)
             raise
         finally:
             write.done = True
             if write.left:
                 self._forget(write.keys)
                 if write.unannounced():
-                    await self._announce_quietly(write.keys)
+                    await self._ends.announce_quietly(write.keys)
                 self._rt.purges.submit(write.keys)  # a no-op without gateways
-
-    async def _announce_or_abandon(self, keys: list[str]) -> None:
-        """``_announce``; our caller cancelled meanwhile, it goes on in the background."""
-        try:
-            await self._announce(keys)
-        except asyncio.CancelledError:
-            self._abandoned(keys, announce=True)
-            raise
-
-    def _abandoned(self, keys: list[str], *, announce: bool) -> None:
-        """Our caller was cancelled once the write was done (or while its announcement
-        was in flight), or the write failed: it landed, or may have. Our L1 is left
-        empty and the keys tombstoned (a load that read the replaced value must not
-        fill it: ``_settle`` won't run); with ``announce``, the announcement is sent in
-        the background: others must not keep the replaced value for their L1 TTL."""
-        self._forget(keys)
-        if announce:
-            self._rt.tasks.spawn_orphan(self._announce_quietly(keys))
-
-    async def _announce_quietly(self, keys: list[str]) -> None:
-        with contextlib.suppress(L2Unavailable):
-            await self._announce(keys)
-
-    async def _drop(self, keys: list[str]) -> None:
-        """A write whose new values can't be stored drops the keys everywhere instead, as
-        ``invalidate()`` does: to completion (a DEL without its announcement would leave
-        the other instances their old copies) and dropped from our L1 again after the
-        DEL (a read that read L2 before it may have filled the old value; our listener
-        skips our own announcement)."""
-        try:
-            await self._rt.tasks.to_completion(self._drop_steps(keys))
-        except REDIS_FAILURES as exc:
-            self._policy.stats.redis_error += 1
-            raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
-
-    async def _drop_steps(self, keys: list[str]) -> None:
-        await self._rt.invalidator.invalidate((key, self._policy.replicas) for key in keys)
-        self._forget(keys)
 
     def _begin(self, keys: list[str]) -> int | None:
         """Detach in-flight loads and drop our L1 copies before writing. Like every other
@@ -266,21 +228,6 @@ class Writes:
             return None
         l1.discard(keys)
         return l1.begin_read()
-
-    async def _announce(self, keys: list[str]) -> None:
-        try:
-            await self._rt.invalidator.announce(keys)
-        except (*REDIS_FAILURES, L2Unavailable) as exc:
-            # L2 holds our values, but the other instances were not told to drop their
-            # L1 copies: set() must not return as if the write had reached everyone (like
-            # invalidate(), it raises). Our own L1 is left empty: reads here go to L2.
-            self._policy.stats.redis_error += 1
-            self._forget(keys)
-            wrote = "wrote L2 but " if self._policy.l2 else ""
-            raise L2Unavailable(
-                f"set() {wrote}could not announce it on the backplane: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
 
     def _settle(
         self,

@@ -180,7 +180,7 @@ async def test_a_cluster_set_cancelled_after_its_write_still_announces_when_clos
     between its DEL and its announcement, the fleet would keep the old value in L1
     until its TTL".
 
-    The cancelled set()'s background announcement (``_writes._abandoned`` ->
+    The cancelled set()'s background announcement (``_write_ends.WriteEnds.abandoned`` ->
     ``tasks.spawn``) is an ordinary task, not an orphan of ``to_completion``: the
     shutdown that follows the client's timeout (``close()``) gives it only
     ``grace=0.2`` s and cancels it before its XADD. L2 holds "new", instance b serves
