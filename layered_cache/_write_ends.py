@@ -63,8 +63,12 @@ class WriteEnds:
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
 
     async def _drop_steps(self, keys: list[str]) -> None:
-        await self._rt.invalidator.invalidate((key, self._policy.replicas) for key in keys)
-        self._forget(keys)
+        try:
+            await self._rt.invalidator.invalidate((key, self._policy.replicas) for key in keys)
+        finally:
+            # Also when the DEL or its announcement failed, as ``Coherence._delete``: the
+            # DEL may have landed, and a racing read's old copy would outlive it here.
+            self._forget(keys)
 
     async def announce(self, keys: list[str]) -> None:
         try:

@@ -966,3 +966,51 @@ async def test_a_failed_invalidate_still_drops_the_local_copy_read_while_it_ran(
         with pytest.raises(L2Unavailable):
             await invalidating
         assert await cache.get("book", {"id": 1}) is None  # deleted in L2, dropped here
+
+
+@pytest.mark.parametrize("refused", ["too large", "not encodable"])
+async def test_a_failed_drop_of_a_refused_set_still_drops_the_local_copy_read_while_it_ran(
+    redis_url: str, prefix: str, refused: str
+) -> None:
+    """README "Invalidation wins everywhere": a set() whose value can't be stored "drops
+    the key as invalidate() does: ... its own L1 drops the key again after the DEL, so a
+    read that raced it keeps no old copy" - also when the drop raises after its DEL
+    landed, as the failed invalidate() above does. Scenario: L2 holds "old", L1 empty; a
+    set() of a refused value begins, its drop's DEL is held; a read here fills "old"
+    into L1; the DEL lands, the announcement fails (set() raises). Once, the second drop
+    ran only after a successful invalidation (no ``finally`` in ``Writes._drop_steps``):
+    L1 served "old" for its 60 s TTL while L2 had deleted it."""
+    config = make_config(
+        redis_url, prefix,
+        {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}, "max_value_bytes": 200}},
+    )  # fmt: skip
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "old")
+        l1 = cache.namespace("book").policy.l1
+        assert l1 is not None
+        l1.clear()  # the value in L2 only
+        store, invalidator = cache._rt.store, cache._rt.invalidator
+        deleting, go_on = asyncio.Event(), asyncio.Event()
+        real_delete = store.delete_in_order
+
+        async def paused_delete(groups: Any) -> int:
+            deleting.set()
+            await go_on.wait()
+            return await real_delete(groups)
+
+        async def announcement_refused(keys: Any) -> bool:
+            raise redis.ConnectionError("stream and pub/sub both unreachable")
+
+        store.delete_in_order = paused_delete  # type: ignore[method-assign]
+        invalidator.announce = announcement_refused  # type: ignore[method-assign]
+        new = "x" * 1000 if refused == "too large" else object()
+        setting = asyncio.ensure_future(cache.set("book", {"id": 1}, new))
+        await asyncio.wait_for(deleting.wait(), 5)
+        assert await cache.get("book", {"id": 1}) == "old"  # read meanwhile, into L1
+        go_on.set()
+        with pytest.raises(L2Unavailable):
+            await setting
+        assert await admin.get(cache.key("book", {"id": 1})) is None  # deleted in L2
+        assert await cache.get("book", {"id": 1}) is None  # and dropped here again
+    await admin.aclose()
