@@ -82,15 +82,20 @@ class FallbackChannel:
             FallbackMessage(list(keys), dict(tags or {}), self._origin)
         )
         await self._client.publish(self.channel, payload)
+        self.delivered(len(keys), len(tags or {}), error_text(refused))
+
+    def delivered(self, keys: int, tags: int, error: str) -> None:
+        """Count (and log) one degraded delivery: ours, or one a write's own script
+        published (``WRITE_ONE_SCRIPT``)."""
         self.deliveries += 1
         now = time.monotonic()
         if now - self._logged_at >= _LOG_EVERY:
             self._logged_at = now
             _log.warning(
                 "backplane_append_failed_delivered_over_pubsub",
-                error=error_text(refused),
-                keys=len(keys),
-                tags=len(tags or {}),
+                error=error,
+                keys=keys,
+                tags=tags,
                 degraded_total=self.deliveries,
             )
 

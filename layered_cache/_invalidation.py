@@ -223,6 +223,12 @@ class Invalidator:
             return None
         return backplane.announcement(keys)
 
+    def published_by_write(self, keys: Sequence[str]) -> None:
+        """A ``set()`` whose append the stream refused published it on the fallback
+        channel in its own atomic step (``WRITE_ONE_SCRIPT``): counted as ours."""
+        if self.fallback is not None:
+            self.fallback.delivered(len(keys), 0, "the stream refused set()'s append")
+
     async def announce(self, keys: Sequence[str]) -> bool:
         """Tell every instance to drop ``keys`` from L1. Returns whether it went over
         pub/sub (degraded); raises the Redis error only when neither the stream nor

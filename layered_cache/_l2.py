@@ -42,7 +42,13 @@ from layered_cache._scripts import (
     fill_args,
 )
 from layered_cache._topology import RefreshingCluster
-from layered_cache._write_commands import Write, one_write_args, run_transaction
+from layered_cache._write_commands import (
+    Append,
+    Write,
+    one_write_args,
+    run_transaction,
+    script_append,
+)
 
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
@@ -278,27 +284,27 @@ class L2Store:
 
     async def write_many(
         self, writes: Sequence[Write], announcement: Announcement | None = None
-    ) -> bool:
+    ) -> Append:
         """Each ``(names, delete_first, data, ttl_ms)``: SET ``names`` to ``data`` and DEL
         ``delete_first`` (the leases the write revokes), then append ``announcement``
-        (set()'s backplane entry; single node only). Returns False if the stream refused
-        the append (the writes landed); raises if the writes failed.
+        (set()'s backplane entry; single node only). Returns what became of the append
+        (refused by the stream: the writes landed); raises if the writes failed.
 
         On a single node it is one atomic step, a script or a MULTI/EXEC
         (``_write_commands`` says which, why atomic, and why the SETs come first). In a
         cluster it is a pipeline that redis-py splits per node; commands to one node
         keep their order, so the DEL of a key's lease (same slot as the key) runs before
-        the SET of the key. A cluster can't make names of several slots atomic; there
-        the replicas of concurrent writers may disagree until their TTL
-        (docs/hotkeys.md)."""
+        the SET of the key. A cluster can't make names of several slots atomic: there the
+        replicas of concurrent writers may disagree until their TTL (docs/hotkeys.md)."""
         if not writes:
-            return True
+            return Append.DONE
         if not self.cluster:
             assert self.direct is not None
             if (one := one_write_args(writes, announcement)) is not None:
-                script, (keys, args) = self._write_one, one  # one key, not hot: a script
-                return bool(await self.guard(direct.evalsha(self.direct, script, keys, args)) == 1)
-            return bool(await self.guard(run_transaction(self.direct, writes, announcement)))
+                script = direct.evalsha(self.direct, self._write_one, *one)  # not hot: a script
+                return script_append(await self.guard(script))
+            appended: Append = await self.guard(run_transaction(self.direct, writes, announcement))
+            return appended
         assert announcement is None, "a cluster announces after the writes"
         for chunk in by_size(writes, _write_size):  # not atomic anyway: see ``_chunks``
             pipe = self.client.pipeline(transaction=False)
@@ -308,7 +314,7 @@ class L2Store:
                 for name in names:
                     pipe.set(name, data, px=ttl_ms)
             await self.guard(pipe.execute(), names=[n for w in chunk for n in (*w[0], *w[1])])
-        return True
+        return Append.DONE
 
     async def delete(self, names: Sequence[str | bytes]) -> int:
         """Delete names in one round trip per node. In a cluster one DEL per name, the

@@ -42,6 +42,7 @@ from layered_cache._keys import fill_channel, lease_name, replica_names
 from layered_cache._l2 import L2Store, L2Unavailable, Write
 from layered_cache._scripts import WRITE_ONE_SCRIPT
 from layered_cache._stampede import LeaseWaiter
+from layered_cache._write_commands import Append
 
 __all__ = [
     "copy_to_replicas",
@@ -148,9 +149,9 @@ def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:
 
 async def write_many(
     store: L2Store, writes: Sequence[Write], announcement: Announcement | None = None
-) -> bool:
+) -> Append:
     """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``).
-    Returns False if the stream refused ``announcement`` (the writes landed)."""
+    Returns what became of ``announcement`` (refused by the stream: the writes landed)."""
     if store.cluster and any(len(outdated) > 1 for _, outdated, _, _ in writes):
         # A cluster pipeline is not ordered across nodes, so in two phases, as an
         # invalidation: each base key written with its lease deleted, in one step per

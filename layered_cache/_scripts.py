@@ -110,8 +110,14 @@ def fill_args(
 
 # KEYS: the name to SET, the lease to DEL, then the stream if the write is announced.
 # ARGV: the data and its TTL (ms), then, if announced, the stream's MAXLEN and the
-# entry's field/value pairs. Returns 1, or the error the stream's XADD replied: the SET
-# first and the append under ``pcall``, for the reasons ``_write_commands`` gives.
+# entry's field/value pairs. Returns 1 when appended. The SET first and the append under
+# ``pcall``, for the reasons ``_write_commands`` gives. A stream that refuses the append
+# (a WRONGTYPE name, ...) after the SET: the entry goes over the stream's pub/sub
+# fallback channel instead (``_fallback.fallback_channel``, ``FallbackMessage``: the
+# entry's ``keys`` and ``origin``), here, in the same step. Only so does a write that
+# lands after its caller left (cancelled, timed out: nobody reads this reply) still reach
+# every instance. Returns the XADD's error in a one-element array when published so,
+# the error alone when the PUBLISH failed too (the caller announces another way).
 WRITE_ONE_SCRIPT = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('DEL', KEYS[2])
@@ -119,10 +125,22 @@ if KEYS[3] == nil then
   return 1
 end
 local reply = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
-if type(reply) == 'table' and reply.err then
+if type(reply) ~= 'table' or not reply.err then
+  return 1
+end
+local message = {}
+for i = 4, #ARGV, 2 do
+  if ARGV[i] == 'keys' then
+    message.keys = cmsgpack.unpack(ARGV[i + 1])
+  else
+    message[ARGV[i]] = ARGV[i + 1]
+  end
+end
+local sent = redis.pcall('PUBLISH', KEYS[3] .. ':fallback', cmsgpack.pack(message))
+if type(sent) == 'table' and sent.err then
   return reply.err
 end
-return 1
+return {reply.err}
 """
 
 

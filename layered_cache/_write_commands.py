@@ -8,13 +8,14 @@ base key could end with one writer's value and the replicas with the other's), a
 because a full ``noeviction`` Redis must refuse all of it (nothing written) rather than
 let the lease DELs through and refuse the SET. The SETs come first and the append
 last: the append tells the others to read again, so it follows the values. A stream
-that refuses the append (a WRONGTYPE name) leaves the SETs in place, and the caller
-announces another way (``_fallback``).
+that refuses the append (a WRONGTYPE name) leaves the SETs in place; the script then
+publishes the entry on the pub/sub fallback channel itself (``_fallback``), in the same
+step, and after a transaction the caller announces another way.
 
 Two forms, the same guarantees:
 
 - One key that is not hot, the common ``set()``: ``WRITE_ONE_SCRIPT`` (one command, one
-  reply; the append under ``pcall``).
+  reply; the append under ``pcall``, the fallback's PUBLISH if it was refused).
 - Anything more (``set_many``, a hot key with its replicas, replica-lease
   reservations): MULTI, plain SETs, one DEL, the XADD, EXEC. Not a script: inside one,
   every ``redis.call`` converts its arguments and its reply between Lua and Redis. For
@@ -27,11 +28,14 @@ Two forms, the same guarantees:
   whose transaction holds a write once it is over (EXECABORT naming OOM: ``_direct``
   raises the error it names): either way none of it runs, and the caller sees
   ``OutOfMemoryError``. An XADD that fails inside EXEC is an error in its place; the
-  SETs before it ran.
+  SETs before it ran. A transaction can't branch on it, so the fallback is the caller's
+  (``Writes``): after its reply, or in the background when nobody read it (its caller
+  left), a write whose outcome is unknown.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -41,9 +45,38 @@ from layered_cache._packing import Packed
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
 
-__all__ = ["Write", "one_write_args", "run_transaction", "write_commands"]
+__all__ = [
+    "Append",
+    "Write",
+    "is_one_write",
+    "one_write_args",
+    "run_transaction",
+    "script_append",
+    "write_commands",
+]
 
 Write = tuple[Sequence[str], Sequence[str], bytes, int]  # (names, delete first, data, ms)
+
+
+class Append(enum.Enum):
+    """What became of a write's backplane entry (``L2Store.write_many``)."""
+
+    DONE = "done"  # appended to the stream, or there was none to append
+    PUBLISHED = "published"  # refused by the stream, published on the fallback instead
+    REFUSED = "refused"  # refused by the stream, carried by nothing: the caller announces
+
+
+def script_append(reply: object) -> Append:
+    """``WRITE_ONE_SCRIPT``'s reply: 1, the XADD's error in an array (published on the
+    fallback channel), or the error alone."""
+    if reply == 1:
+        return Append.DONE
+    return Append.PUBLISHED if isinstance(reply, list) else Append.REFUSED
+
+
+def is_one_write(writes: Sequence[Write]) -> bool:
+    """Whether ``writes`` is one name and its lease (a key that is not hot): the script."""
+    return len(writes) == 1 and len(writes[0][0]) == 1 and len(writes[0][1]) == 1
 
 
 def one_write_args(
@@ -51,7 +84,7 @@ def one_write_args(
 ) -> tuple[list[str], list[bytes | str | int]] | None:
     """KEYS and ARGV of ``WRITE_ONE_SCRIPT`` when ``writes`` is one name and its lease
     (a key that is not hot), else None."""
-    if len(writes) != 1 or len(writes[0][0]) != 1 or len(writes[0][1]) != 1:
+    if not is_one_write(writes):
         return None
     (name,), (lease,), data, ttl_ms = writes[0]
     if announcement is None:
@@ -78,8 +111,8 @@ def write_commands(writes: Sequence[Write], announcement: Announcement | None) -
 
 async def run_transaction(
     client: direct.DirectClient, writes: Sequence[Write], announcement: Announcement | None
-) -> bool:
-    """The MULTI/EXEC form, sent and read back. Returns False if the stream refused the
+) -> Append:
+    """The MULTI/EXEC form, sent and read back. Returns REFUSED if the stream refused the
     append (the writes landed). A SET or the DEL that failed as EXEC ran (none can with
     these arguments: a SET overwrites any type) raises: the others may have landed."""
     replies = await direct.execute_transaction(client, write_commands(writes, announcement))
@@ -87,4 +120,4 @@ async def run_transaction(
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
-    return not isinstance(appended, Exception)
+    return Append.REFUSED if isinstance(appended, Exception) else Append.DONE

@@ -29,6 +29,7 @@ from layered_cache._policy import Policy
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._runtime import Runtime
 from layered_cache._tags import entry_tags
+from layered_cache._write_commands import Append, is_one_write
 from layered_cache._write_ends import WriteEnds
 
 __all__ = ["Writes"]
@@ -38,21 +39,30 @@ class _Write:
     """One ``set()``'s L2 write, as its caller and the task writing it both see it: the
     caller may be cancelled while the write runs on (``Writes._write``)."""
 
-    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused")
+    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused", "writes")
 
-    def __init__(self, keys: list[str], announcement: Announcement | None) -> None:
+    def __init__(
+        self, keys: list[str], writes: list[Write], announcement: Announcement | None
+    ) -> None:
         self.keys = keys
+        self.writes = writes
         self.announcement = announcement  # rides in the write's atomic step (one node)
-        self.appended: bool | None = None  # whether the stream took it (None: no reply)
+        self.appended: bool | None = None  # whether the write carried it (None: no reply)
         self.done = False  # the write's task finished (landed or failed)
         self.left = False  # its caller was cancelled: whoever is last finishes the set()
         self.refused = False  # a full Redis refused part of it: the keys must be dropped
 
     def unannounced(self) -> bool:
         """Whether the keys still need announcing: no announcement rode in the write (a
-        cluster, no backplane), or the stream refused it. On a single node the atomic
-        step appends it with the SETs, or runs not at all."""
-        return self.announcement is None or self.appended is False
+        cluster, no backplane), or the stream refused it and nothing else carried it.
+        With no reply read (its caller left, it timed out: it may land later), the
+        script needs nothing more: it appends, or publishes on the fallback channel,
+        with its SETs, or runs not at all (``WRITE_ONE_SCRIPT``). A transaction can't
+        publish a refused append itself, and nobody will read its reply: it is announced
+        at once, in the background (before it lands, if the network holds it back)."""
+        if self.announcement is None or self.appended is False:
+            return True
+        return self.appended is None and not is_one_write(self.writes)
 
 
 class Writes:
@@ -159,7 +169,7 @@ class Writes:
         Returns False when a Redis full under noeviction refused the values: then the
         keys are dropped everywhere instead."""
         announcement = self._rt.invalidator.announcement_with_writes(keys)
-        write = _Write(keys, announcement)
+        write = _Write(keys, writes, announcement)
         try:
             # In a cluster to completion; on one node in place (the module doc says why).
             writing = self._written(writes, write)
@@ -197,7 +207,10 @@ class Writes:
         L1 from a replica not rewritten yet), drop our L1 again, purge HTTP caches again
         (``set_many``'s purge left before the write landed)."""
         try:
-            write.appended = await replicas.write_many(self._rt.store, writes, write.announcement)
+            appended = await replicas.write_many(self._rt.store, writes, write.announcement)
+            if appended is Append.PUBLISHED:  # by the write's own script
+                self._rt.invalidator.published_by_write(write.keys)
+            write.appended = appended is not Append.REFUSED
             return write.appended
         except L2Unavailable as exc:
             write.refused = refused_for_memory(exc)

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
 
 from layered_cache import L2Unavailable, LayeredCache, _replicas, _tags, parse_config
 from layered_cache import _direct as direct
+from tests.faults.proxy import ToxicProxy
 from tests.helpers import CountingLoader, eventually, make_config
 
 NS: dict[str, dict[str, Any]] = {
@@ -419,3 +421,99 @@ async def test_a_cluster_set_cancelled_just_after_its_refused_write_finished_dro
             assert "old" not in served, served
     finally:
         await full.close()
+
+
+WRITES = {  # each call of a set(), and the command its write is held at
+    "set": (b"EVALSHA", lambda cache, value: cache.set("book", {"id": 1}, value)),
+    "set_many": (
+        b"MULTI",
+        lambda cache, value: cache.set_many("book", [({"id": i}, value) for i in (1, 2)]),
+    ),
+}
+
+
+@contextlib.asynccontextmanager
+async def _proxied_writer(redis_url: str, prefix: str, how: str) -> AsyncIterator[
+    tuple[ToxicProxy, LayeredCache, LayeredCache]
+]:
+    """Instances a (through a proxy that can hold a command before Redis: a slow
+    network) and b, both connected to the backplane; a's ``redis.timeout`` is 300 ms if
+    its caller is to time out, else 5 s."""
+    address = urlsplit(redis_url)
+    proxy = await ToxicProxy(address.hostname or "127.0.0.1", address.port or 6379).start()
+    proxied = redis_url.replace(f":{address.port}/", f":{proxy.port}/", 1)
+    timeout = "300ms" if how == "timed_out" else "5s"
+    try:
+        async with (
+            LayeredCache.from_config(make_config(proxied, prefix, NS, redis={"timeout": timeout}))
+            as a,
+            LayeredCache.from_config(make_config(redis_url, prefix, NS)) as b,
+        ):
+            await _connected(a, b)
+            yield proxy, a, b
+    finally:
+        proxy.release.set()
+        await proxy.stop()
+
+
+async def _leave_held_write(proxy: ToxicProxy, writing: Awaitable[None], how: str) -> None:
+    """``writing`` is sent, held by ``proxy`` before Redis, and its caller leaves:
+    cancelled (a request's deadline) or timed out (``L2Unavailable``)."""
+    writer = asyncio.ensure_future(writing)
+    await asyncio.wait_for(proxy.holding.wait(), 5)  # the write is on its way
+    if how == "cancelled":
+        await asyncio.sleep(0.05)
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+    else:
+        with pytest.raises(L2Unavailable):
+            await writer
+
+
+async def _landed(admin: Any, cache: LayeredCache, ids: Iterable[int], value: bytes) -> bool:
+    for i in ids:
+        raw = await admin.get(cache.key("book", {"id": i}))
+        if raw is None or value not in raw:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed_out"])
+@pytest.mark.parametrize("call", ["set", "set_many"])
+async def test_a_set_that_lands_after_its_caller_left_on_a_stream_refusing_appends_still_reaches_the_other_l1(
+    redis_url: str, prefix: str, call: str, how: str
+) -> None:
+    """README "Invalidation wins everywhere": "set() and invalidate() return only once
+    the backplane entry is appended or, if Redis refuses the append after the L2 write
+    ..., published on the pub/sub fallback channel", and "a write whose caller is
+    cancelled or times out mid-way still completes what its first command began".
+
+    Scenario: b holds "old" in L1; the stream's name holds a string (every XADD is
+    refused: WRONGTYPE); a's set() is held before Redis and its caller leaves; then the
+    write lands: the SETs land, the XADD is refused. Once, nobody announced it: with no
+    reply read, the write counted as appended (``_Write.unannounced``), and b served
+    "old" from L1 for its 60 s TTL. Now set()'s script publishes a refused append on
+    the fallback channel itself, in the same step, whenever it lands; a transaction
+    (``set_many``, a hot key), which can't, is announced in the background at once."""
+    held_at, write = WRITES[call]
+    ids = (1, 2) if call == "set_many" else (1,)
+    admin = aioredis.Redis.from_url(redis_url)
+    config = make_config(redis_url, prefix, NS)
+    stream = config.redis.prefix + config.backplane.stream
+    async with _proxied_writer(redis_url, prefix, how) as (proxy, a, b):
+        try:
+            await write(a, "old")
+            for i in ids:
+                assert await eventually(lambda i=i: _is(b, "old", fields={"id": i}), timeout=3)
+            await admin.delete(stream)
+            await admin.set(stream, "not a stream")  # every XADD now fails (WRONGTYPE)
+            proxy.hold_at = held_at
+            await _leave_held_write(proxy, write(a, "new"), how)
+            proxy.release.set()  # the write reaches Redis: the SETs land, XADD refused
+            assert await eventually(lambda: _landed(admin, a, ids, b"new"), timeout=3)
+            for i in ids:
+                assert await eventually(lambda i=i: _is(b, "new", fields={"id": i}), timeout=3)
+        finally:
+            await admin.delete(stream)
+            await admin.aclose()

@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError, TimeoutError
 from layered_cache import LayeredCache
 from layered_cache import _direct as direct
 from layered_cache._backplane import Announcement
-from layered_cache._write_commands import run_transaction
+from layered_cache._write_commands import Append, run_transaction
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import eventually, make_config
 from tests.servers import RedisServer, with_protocol
@@ -522,7 +522,7 @@ async def test_a_write_whose_set_fails_as_exec_runs_raises_even_when_its_append_
         return [b"OK", b"OK", 2, refused]
 
     monkeypatch.setattr(direct, "execute_transaction", append_refused)
-    assert await run_transaction(cast(Any, None), writes, announcement) is False
+    assert await run_transaction(cast(Any, None), writes, announcement) is Append.REFUSED
 
 
 @pytest.mark.parametrize("busy_poll", [0.0001, None], ids=["request-path", "listener"])

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import datetime
 import decimal
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -805,25 +806,31 @@ async def test_set_many_whose_backplane_append_fails_reaches_the_other_l1_over_p
     await admin.aclose()
 
 
-async def test_set_whose_announcement_no_channel_takes_raises(redis_url: str, prefix: str) -> None:
+@pytest.mark.parametrize("call", ["set", "set_many"])
+async def test_set_whose_announcement_no_channel_takes_raises(
+    redis_server: RedisServer, prefix: str, call: str
+) -> None:
     """Neither the stream nor pub/sub took the announcement: set() must not return as if
-    the write had reached every instance."""
-    config = make_config(redis_url, prefix)
-    admin = redis.Redis.from_url(redis_url)
+    the write had reached every instance. The user may not PUBLISH (an ACL): neither
+    set()'s script, which publishes a refused append itself, nor the caller can."""
+    admin = redis.Redis.from_url(redis_server.url)
+    await admin.execute_command(
+        "ACL", "SETUSER", "nopublish", "on", ">secret", "~*", "&*", "+@all", "-publish"
+    )
+    parts = urllib.parse.urlsplit(redis_server.url)
+    url = parts._replace(netloc=f"nopublish:secret@{parts.hostname}:{parts.port}").geturl()
+    config = make_config(url, prefix)
     async with LayeredCache.from_config(config) as a:
         stream = config.redis.prefix + config.backplane.stream
         await admin.delete(stream)
         await admin.set(stream, "not a stream")  # every XADD now fails (WRONGTYPE)
-        fallback = a._rt.invalidator.fallback
-        assert fallback is not None
-
-        async def refused(*args: object, **kwargs: object) -> None:
-            raise redis.ConnectionError("pub/sub down too")
-
-        fallback._client.publish = refused  # type: ignore[method-assign]
         with pytest.raises(L2Unavailable, match="could not announce"):
-            await a.set("book", {"id": 1}, "new")
+            if call == "set":
+                await a.set("book", {"id": 1}, "new")
+            else:
+                await a.set_many("book", [({"id": 1}, "new"), ({"id": 2}, "new")])
         # L2 holds the new value; A doesn't keep it in L1 as if the write were everywhere.
+        assert _l1_missing(a, f"{prefix}book:1")
         assert await a.get("book", {"id": 1}) == "new"
         await admin.delete(stream)
     await admin.aclose()
