@@ -39,6 +39,7 @@ from layered_cache._stream import (
 )
 from layered_cache._stream_count import EntryCount
 from layered_cache._stream_link import StreamLink
+from layered_cache._unsettled import UnsettledWrites
 
 __all__ = [
     "BackplaneListener",
@@ -143,11 +144,12 @@ class BackplaneListener:
         coalesce: float = 0.0,
         maxlen: int | None = None,
         timeout: float = 1.5,
+        unsettled: UnsettledWrites | None = None,
     ) -> None:
-        self._client = client
+        self._client, self._stream = client, stream
+        self._unsettled = UnsettledWrites() if unsettled is None else unsettled
         # Each command within block + ``timeout`` (a connect and the reply): ``StreamLink``.
         self._link = StreamLink(client, stream, block, batch, block + timeout)
-        self._stream = stream
         self._on_keys, self._on_gap, self._on_tags = on_keys, on_gap, on_tags
         self._coalesce = coalesce
         self._trim_visible = trim_visible(batch, maxlen)
@@ -174,9 +176,7 @@ class BackplaneListener:
             connected=self.connected.is_set(),
             last_id=self.last_id.decode() if self.last_id is not None else None,
             entries_applied=self.entries_applied, keys_applied=self.keys_applied,
-            gaps=self.gaps,
-            lag_seconds=max(self._lag, down),
-            errors=self.errors,
+            gaps=self.gaps, lag_seconds=max(self._lag, down), errors=self.errors,
         )
 
     def late(self) -> None:
@@ -359,6 +359,7 @@ class BackplaneListener:
             self.last_id = bytes(entry_id)
             self.entries_seen += 1
             if self._origin and fields.get(b"origin") == self._origin:
+                self._unsettled.heard(fields.get(b"keys"), self._on_keys)  # ``_unsettled``
                 continue  # our own invalidation: already applied locally
             self._apply_tags(fields.get(b"tags"))
             raw = fields.get(b"keys")

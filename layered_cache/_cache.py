@@ -89,7 +89,7 @@ class LayeredCache(HitPath):
     def _follow(self) -> None:
         """Listener, fallback subscriber and hot-key reporter (built again by ``start``)."""
         config, parts = self.config, self._parts
-        followers = startup.followers(parts, self._coherence, config, self._rt.versions)
+        followers = startup.followers(parts, self._coherence, config, self._rt)
         self._backplane, self._fallback = followers
         detecting = any(ns.policy.hot is not None and ns.policy.hot.threshold for ns in self)
         hot_keys = self.hot_keys if detecting else None

@@ -33,6 +33,7 @@ from layered_cache._backoff import Backoff
 from layered_cache._clients import RedisClient, is_redis_failure, stop_if_cancelled
 from layered_cache._codec import UNDECODABLE
 from layered_cache._logs import error_text
+from layered_cache._unsettled import UnsettledWrites
 
 __all__ = [
     "PING_EVERY",
@@ -154,9 +155,11 @@ class FallbackSubscriber:
         origin: str = "",
         on_subscribed: Callable[[], None] = lambda: None,
         timeout: float = 0.1,
+        unsettled: UnsettledWrites | None = None,
     ) -> None:
         self._client = client
         self._channel = channel
+        self._unsettled = UnsettledWrites() if unsettled is None else unsettled
         self._on_keys = on_keys
         self._on_tags = on_tags
         self._on_error = on_error  # clears L1 (``_apply`` says when)
@@ -273,7 +276,12 @@ class FallbackSubscriber:
             self._on_error()
             return
         if self._origin and message.origin == self._origin:
-            return  # our own: already applied locally
+            # Our own: already applied locally, but for the keys of a write of ours that
+            # may have landed after its caller left (``_unsettled``).
+            keys = self._unsettled.pick(message.keys) if self._unsettled else []
+            if not keys:
+                return
+            message = FallbackMessage(keys)
         try:
             if message.tags:
                 self._on_tags(message.tags)

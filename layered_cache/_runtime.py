@@ -24,6 +24,7 @@ from layered_cache._purges import Purges
 from layered_cache._singleflight import SingleFlight
 from layered_cache._stampede import LeaseWaiter
 from layered_cache._tags import TagVersions
+from layered_cache._unsettled import UnsettledWrites
 
 __all__ = ["BackgroundTasks", "Hooks", "Loader", "Runtime"]
 
@@ -164,6 +165,9 @@ class Runtime:
     hooks: Hooks = field(default_factory=Hooks)
     # HTTP caches told after every local invalidation and set (``_purges``); idle if none.
     purges: Purges = field(default_factory=lambda: Purges([]))
+    # Keys of our single-node set() calls whose caller left before the write's reply
+    # (``_unsettled``): our listener applies our own entries naming them.
+    unsettled: UnsettledWrites = field(default_factory=UnsettledWrites)
     # Admission of writes (set, set_many) and of the first L2 read of an L1 miss: taken
     # before the work, not only around its Redis call. ``asyncio.gather`` of 10,000
     # set() calls (or cold reads) otherwise runs every call's CPU work in one event-loop

@@ -291,7 +291,7 @@ def hot_key_reporter(
 
 
 def followers(
-    parts: CacheParts, coherence: Coherence, config: Config, versions: TagVersions
+    parts: CacheParts, coherence: Coherence, config: Config, rt: Runtime
 ) -> tuple[BackplaneListener | None, FallbackSubscriber | None]:
     """What keeps L1 coherent with the fleet: the backplane stream's reader and the
     fallback channel's subscriber (``_fallback``); both None with the backplane off.
@@ -299,6 +299,7 @@ def followers(
     its client's socket timeouts used to give (``_clients.listener_connection``). The
     listener vouches for the tag versions this instance holds (``_tags``)."""
     backplane, redis = config.backplane, config.redis
+    versions, unsettled = rt.versions, rt.unsettled
     if parts.listener_client is None or parts.stream is None or parts.fallback_client is None:
         versions.vouch_with(None)
         return None, None
@@ -313,6 +314,7 @@ def followers(
         maxlen=backplane.maxlen,
         origin=parts.instance_id,
         timeout=redis.connect_timeout + 1.0,
+        unsettled=unsettled,
     )
     fallback = FallbackSubscriber(
         parts.fallback_client,
@@ -323,6 +325,7 @@ def followers(
         origin=parts.instance_id,
         on_subscribed=versions.forget_all,
         timeout=redis.timeout,
+        unsettled=unsettled,
     )
     # Invalidations come by either way (a writer whose XADD Redis refused publishes
     # them), so the two vouch together: as of the older of their words.

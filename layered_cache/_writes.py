@@ -181,7 +181,7 @@ class Writes:
                 self._forget(keys)
                 self._rt.tasks.spawn_orphan(self._ends.drop(keys))  # as below, in the background
             elif write.done:  # it finished before the cancel reached us: ours to do
-                self._ends.abandoned(keys, announce=write.unannounced())
+                self._left(write)
             else:  # it ends on its own (``_written``); our L1 is dropped now already
                 self._forget(keys)
             raise
@@ -189,7 +189,7 @@ class Writes:
             if not refused_for_memory(exc):
                 # It may have landed (in a cluster in part): announced unless it rode in
                 # the atomic step, else instances that heard nothing keep their copies.
-                self._ends.abandoned(keys, announce=write.unannounced())
+                self._left(write)
                 raise
             # Redis is full (noeviction) and refuses the new values, but still deletes:
             # as for a value that can't be stored, the old one goes, everywhere.
@@ -228,6 +228,15 @@ class Writes:
                 if write.unannounced():
                     await self._ends.announce_quietly(write.keys)
                 self._rt.purges.submit(write.keys)  # a no-op without gateways
+
+    def _left(self, write: _Write) -> None:
+        """Our caller left once the write was done (cancelled, or it failed: a timeout).
+        With no reply read, a single node's step may land later still, and with it its
+        entry, which our listener skips as our own: noted (``_unsettled``), so that it
+        drops what a read here filled meanwhile. Then ``WriteEnds.abandoned``."""
+        if write.announcement is not None and write.appended is None:
+            self._rt.unsettled.add(write.keys)
+        self._ends.abandoned(write.keys, announce=write.unannounced())
 
     def _begin(self, keys: list[str]) -> int | None:
         """Detach in-flight loads and drop our L1 copies before writing. Like every other

@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from layered_cache import L2Unavailable, LayeredCache, _replicas, _tags, parse_config
 from layered_cache import _direct as direct
+from layered_cache._unsettled import UnsettledWrites
 from tests.faults.proxy import ToxicProxy
 from tests.helpers import CountingLoader, eventually, make_config
 
@@ -517,3 +519,72 @@ async def test_a_set_that_lands_after_its_caller_left_on_a_stream_refusing_appen
         finally:
             await admin.delete(stream)
             await admin.aclose()
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed_out"])
+@pytest.mark.parametrize(
+    ("call", "stream"),
+    [("set", "appending"), ("set_many", "appending"), ("set", "refusing")],
+)
+async def test_a_set_that_lands_after_its_caller_left_leaves_no_replaced_value_in_the_writer_l1(
+    redis_url: str, prefix: str, call: str, stream: str, how: str
+) -> None:
+    """README "Invalidation wins everywhere": a write whose caller is cancelled or times
+    out mid-way "... once its caller was cancelled, leaves its own L1 empty";
+    docs/operations.md ("Redis"): a set() that timed out "leaves its outcome unknown
+    ...: this instance's L1 is left empty either way, so its next read goes to L2".
+
+    Scenario: a (through a proxy) and b hold "old"; a's set("new") is held before Redis
+    and its caller leaves; a read on a then fills "old" from L2 into a's L1; the write
+    lands, with its backplane entry (or, the stream refusing it, its fallback message)
+    naming a as its origin. Once, a's listener skipped it as "already applied locally"
+    and a served "old" for its 60 s L1 TTL while L2 and b served "new". Now the keys of
+    a write left unread are noted (``_unsettled``), and a's own entries naming them
+    are applied as another instance's."""
+    held_at, write = WRITES[call]
+    ids = (1, 2) if call == "set_many" else (1,)
+    admin = aioredis.Redis.from_url(redis_url)
+    config = make_config(redis_url, prefix, NS)
+    name = config.redis.prefix + config.backplane.stream
+    async with _proxied_writer(redis_url, prefix, how) as (proxy, a, b):
+        try:
+            await write(a, "old")
+            for i in ids:
+                assert await eventually(lambda i=i: _is(b, "old", fields={"id": i}), timeout=3)
+            if stream == "refusing":
+                await admin.delete(name)
+                await admin.set(name, "not a stream")  # every XADD now fails (WRONGTYPE)
+            proxy.hold_at = held_at
+            await _leave_held_write(proxy, write(a, "new"), how)
+            for i in ids:  # read on a after its set() left: L2 still holds "old"
+                assert await a.get("book", {"id": i}) == "old"
+            proxy.release.set()  # the write reaches Redis now
+            assert await eventually(lambda: _landed(admin, a, ids, b"new"), timeout=3)
+            for i in ids:
+                assert await eventually(lambda i=i: _is(a, "new", fields={"id": i}), timeout=3)
+                assert await eventually(lambda i=i: _is(b, "new", fields={"id": i}), timeout=3)
+        finally:
+            await admin.delete(name)
+            await admin.aclose()
+
+
+def test_the_keys_of_writes_left_unread_are_awaited_for_a_window_and_at_most_so_many() -> None:
+    """``UnsettledWrites``: a key is applied from our own entries for ``WINDOW`` seconds
+    after its write's caller left (noted again, from then), and no more than ``MOST``
+    keys are held, the oldest forgotten first: the record stays bounded."""
+    now = [0.0]
+    unsettled = UnsettledWrites(clock=lambda: now[0])
+    assert not unsettled
+    unsettled.add(["a", "b"])
+    now[0] = UnsettledWrites.WINDOW / 2
+    unsettled.add(["a"])  # a second write of "a" left unread
+    now[0] = UnsettledWrites.WINDOW + 1
+    assert unsettled.pick(["a", "b", "c"]) == ["a"]
+    heard: list[list[str]] = []
+    unsettled.heard(msgspec.msgpack.encode(["a", "c"]), heard.append)
+    unsettled.heard(b"\xc1", heard.append)  # not msgpack: nothing of ours
+    assert heard == [["a"]]
+    now[0] = 2 * UnsettledWrites.WINDOW
+    assert unsettled.pick(["a"]) == [] and not unsettled
+    unsettled.add(str(i) for i in range(UnsettledWrites.MOST + 1))
+    assert unsettled.pick(["0", "1", str(UnsettledWrites.MOST)]) == ["1", str(UnsettledWrites.MOST)]
