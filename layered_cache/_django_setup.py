@@ -29,7 +29,7 @@ from layered_cache._loopthread import check_timeout
 from layered_cache._policy import Policy
 from layered_cache._sync_loaders import check_limits
 from layered_cache._templates import parse_template
-from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache
+from layered_cache.sync import DEFAULT_TIMEOUT, SyncLayeredCache, _refuse_running_loop
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -155,7 +155,10 @@ def shared(
     location: str, options: Mapping[str, Any], value_type: Any
 ) -> tuple[SyncLayeredCache, str]:
     """The process's ``SyncLayeredCache`` for this configuration (started on first use);
-    the namespace's reads decode into ``value_type``."""
+    the namespace's reads decode into ``value_type``. Refused inside a running event
+    loop before anything is built: starting connects to Redis, which from an async view
+    froze the loop (seconds, Redis hung) before the sync call's own refusal ran."""
+    _refuse_running_loop()
     identity = json.dumps([location, dict(options)], sort_keys=True, default=repr)
     with _shared_lock:
         found = _shared.get(identity)
