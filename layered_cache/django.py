@@ -27,7 +27,6 @@ from typing import Any
 import structlog
 
 try:
-    from asgiref.sync import sync_to_async
     from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
     from django.db import close_old_connections, connections
 except ImportError as error:  # pragma: no cover - exercised without the extra
@@ -36,6 +35,7 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
     raise missing_extra("layered_cache.django", "django", error) from error
 
 from layered_cache._cache import LayeredCache
+from layered_cache._django_async import AsyncMethods
 from layered_cache._django_clear import clear_namespace
 from layered_cache._django_keys import field_value
 from layered_cache._django_locked import alive as _alive
@@ -85,8 +85,9 @@ def _tidy_connections() -> None:
 Fields = dict[str, str]
 
 
-class LayeredCacheBackend(BaseCache):
-    """``django.core.cache`` API over one layered_cache namespace (docs/django.md)."""
+class LayeredCacheBackend(AsyncMethods, BaseCache):
+    """``django.core.cache`` API over one layered_cache namespace (docs/django.md); its
+    async methods are its sync ones on ``sync_to_async`` (``_django_async``)."""
 
     def __init__(self, location: str, params: dict[str, Any]) -> None:
         super().__init__(params)
@@ -313,18 +314,6 @@ class LayeredCacheBackend(BaseCache):
         self.add(key, fresh, timeout, version)
         found = self.get(key, _UNDECODABLE, version)
         return fresh if found is _UNDECODABLE else found
-
-    async def aget_or_set(
-        self,
-        key: Any,
-        default: Any,
-        timeout: Any = DEFAULT_TIMEOUT,  # noqa: ASYNC109 - Django's signature
-        version: int | None = None,
-    ) -> Any:
-        """``get_or_set`` from async code, with its stampede protection (Django's generic
-        ``aget_or_set`` is aget + aadd: every concurrent miss would call ``default``)."""
-        get_or_set = sync_to_async(self.get_or_set, thread_sensitive=True)
-        return await get_or_set(key, default, timeout, version)
 
     def clear(self) -> None:
         """Invalidate every key of the namespace: all KEY_PREFIXes and versions sharing
