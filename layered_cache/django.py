@@ -146,11 +146,15 @@ class LayeredCacheBackend(AsyncMethods, BaseCache):
     def get_backend_timeout(self, timeout: Any = DEFAULT_TIMEOUT) -> float | None:
         """Django's absolute expiry (``BaseCache.get_backend_timeout``), in Redis' time
         instead of this host's ``time.time()``."""
+        return self._expires_at(timeout, self._now())
+
+    def _expires_at(self, timeout: Any, now: float) -> float | None:
+        """``timeout`` as an absolute expiry, counted from ``now`` (Redis' time)."""
         if timeout is DEFAULT_TIMEOUT:
             timeout = self.default_timeout
         elif timeout == 0:
             timeout = -1  # Django's ticket 21147: expired, whatever the float rounding
-        return None if timeout is None else self._now() + timeout
+        return None if timeout is None else now + timeout
 
     # -- the django.core.cache API -----------------------------------------------------
 
@@ -170,14 +174,17 @@ class LayeredCacheBackend(AsyncMethods, BaseCache):
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
         """Set unless present: one of any number of concurrent adders, in any process,
-        gets True (under the key's lease, ``_django_locked``)."""
-        entry = Entry(dumps(value), self.get_backend_timeout(timeout))
+        gets True (under the key's lease, ``_django_locked``). The timeout counts from
+        when the lease is held: stamped before a wait for it (up to lease_ttl + 1 s), the
+        entry was past its expiry when written, so deleted, and add still said True."""
+        payload = dumps(value)  # UncacheableValue before anything is written
         fields = self._fields(key, version)
 
         async def add(cache: LayeredCache, namespace: str) -> bool:
             async def step(current: Entry | None) -> bool:
                 if current is not None and readable(current.payload):
                     return False  # an unreadable payload is a miss: replaced
+                entry = Entry(payload, self._expires_at(timeout, cache._rt.clock()))
                 # False for a value too large to store: nothing was added, and an add()
                 # used as a lock must not admit the next caller too.
                 return await write(cache, namespace, fields, entry)
@@ -187,13 +194,14 @@ class LayeredCacheBackend(AsyncMethods, BaseCache):
         return bool(self._call(add, "add"))
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
+        """A new expiry, ``timeout`` from when the key's lease is held (as ``add``)."""
         fields = self._fields(key, version)
-        expires_at = self.get_backend_timeout(timeout)
 
         async def touch(cache: LayeredCache, namespace: str) -> bool:
             async def step(current: Entry | None) -> bool:
                 if current is None or not readable(current.payload):
                     return False
+                expires_at = self._expires_at(timeout, cache._rt.clock())
                 await write(cache, namespace, fields, Entry(current.payload, expires_at))
                 return True
 

@@ -1,9 +1,10 @@
-"""``get_or_set`` and ``add`` held to Django's contract where an adversarial review
-(2026-12-05) found them off: a present value is returned whatever the timeout; the
-timeout counts from when the value is stored, after ``default`` ran; a value another
-process set while ``default`` ran is never deleted; ``add()`` of a value too large to
-store returns False; a default's database connection gets Django's upkeep on its
-loader thread. Each test failed on the code before the fix."""
+"""``get_or_set``, ``add`` and ``touch`` held to Django's contract where adversarial
+reviews found them off: a present value is returned whatever the timeout; the timeout
+counts from when the value is stored, after ``default`` ran (or, for ``add`` and
+``touch``, after the wait for the key's lease); a value another process set while
+``default`` ran is never deleted; ``add()`` of a value too large to store returns
+False; a default's database connection gets Django's upkeep on its loader thread. Each
+test failed on the code before the fix."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from tests import djangoconf
 
@@ -21,6 +23,7 @@ djangoconf.configure()
 from django.core.cache.backends.locmem import LocMemCache  # noqa: E402
 
 from layered_cache._django_setup import close_shared  # noqa: E402
+from layered_cache._keys import lease_name  # noqa: E402
 from layered_cache.django import LayeredCacheBackend  # noqa: E402
 
 
@@ -217,3 +220,80 @@ def test_a_set_from_another_process_during_a_slow_get_or_set_is_not_deleted(
     loading.join(10)
     time.sleep(0.2)
     assert (process_a.get("k"), process_b.get("k")) == ("newer", "newer")
+
+
+def _plant_lease(redis_url: str, cache: LayeredCacheBackend, key: str, ms: int) -> None:
+    """The key's lease as a process that crashed mid-``get_or_set`` leaves it (it
+    expires by itself after ``ms``)."""
+    name = lease_name(cache.layered.key("django", cache.key_fields(key)))
+    with redis.Redis.from_url(redis_url) as client:
+        assert client.set(name, "crashed-process-token", px=ms, nx=True)
+
+
+def test_an_add_that_waited_for_the_keys_lease_stores_its_value_and_admits_no_second_adder(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken: docs/django.md, ``add``: "under the key's lease: read L2; if absent
+    or expired, write ... of 20 concurrent adders ... exactly one gets True"; a caller
+    that can't get the lease at once waits for it (up to ``lease_ttl`` + 1 s).
+    Observed: with a crashed process's lease on the key (1.5 s left), ``add("job-lock",
+    "A", timeout=1)`` waited, returned True, and stored nothing; a second adder got True
+    too. Cause: django.py:LayeredCacheBackend.add stamped the expiry (now + 1 s) before
+    ``_django_locked.locked`` waited; written after the wait, the entry was already
+    expired, so ``_django_setup.write`` deleted the key ("gone at once") and said True.
+    Now the expiry is stamped in the locked step."""
+    first, second = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    _plant_lease(redis_url, first, "job-lock", 1500)
+    assert first.add("job-lock", "A", timeout=1) is True
+    assert (first.get("job-lock"), second.add("job-lock", "B", timeout=1)) == ("A", False)
+
+
+def test_a_touch_that_waited_for_the_keys_lease_keeps_the_value_for_its_timeout(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken: docs/django.md, ``touch``: "under the key's lease: read, rewrite
+    with the new expiry" (Django: a new expiration, True if touched). Observed: "page"
+    set for 60 s, a crashed process's lease on it (1.5 s left); ``touch("page", 1)``
+    waited, returned True, and the value was gone at once. Cause: as for ``add``, the
+    expiry stamped before the wait, so the rewrite was already expired and deleted the
+    key."""
+    cache = backend(redis_url, prefix)
+    cache.set("page", "v", timeout=60)
+    _plant_lease(redis_url, cache, "page", 1500)
+    assert cache.touch("page", timeout=1) is True
+    assert cache.get("page") == "v"
+
+
+def test_a_touch_behind_a_slow_get_or_set_of_another_process_keeps_its_value(
+    redis_url: str, prefix: str
+) -> None:
+    """Was broken: as above, with the lease holder the docs name ("a ``get_or_set``
+    loader holding it"). Observed: process A's ``get_or_set("report", default, 60)``
+    with a slow default holds the lease; process B's ``touch("report", 1)`` waits for
+    it, then returns True and deletes the 60 s value A just stored. Expected: touch
+    False (it read before the store) or True with the value alive for its second."""
+    a, b = backend(redis_url, prefix), backend(redis_url, prefix, timeout=19.0)
+    started, release = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def default() -> str:
+        started.set()
+        assert release.wait(10)
+        return "report"
+
+    def load() -> None:
+        results["a"] = a.get_or_set("report", default, timeout=60)
+
+    def touch() -> None:
+        results["touch"] = b.touch("report", timeout=1)
+
+    loader, toucher = threading.Thread(target=load), threading.Thread(target=touch)
+    loader.start()
+    assert started.wait(5)
+    toucher.start()
+    time.sleep(1.3)  # the touch is waiting for the lease the loader holds
+    release.set()
+    loader.join(10)
+    toucher.join(10)
+    assert results["a"] == "report"
+    assert results["touch"] is False or b.get("report") == "report", results
