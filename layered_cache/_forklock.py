@@ -11,14 +11,19 @@ alive (registrations can't be removed).
 
 What a lock guards was copied mid-update, at worst: a histogram row that misses one
 observation, which is what the parent's own scrape would have seen a moment earlier.
+
+One lock not ours is released too: structlog's per-file write lock
+(``_release_structlog_write_locks``), which every loop thread takes to log.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from types import TracebackType
+from typing import Any
 
 __all__ = ["ForkSafeLock"]
 
@@ -54,6 +59,29 @@ _locks: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
 def _renew_all_in_child() -> None:
     for lock in list(_locks):  # the only thread left in the child: nothing adds meanwhile
         lock.renew()
+    _release_structlog_write_locks()
+
+
+def _release_structlog_write_locks() -> None:
+    """structlog's default loggers (``PrintLogger``, ``WriteLogger``, ``BytesLogger``:
+    what the library logs through unless ``configure_logging`` or the app set up
+    another) serialize the lines written to a file with one lock per file,
+    ``structlog._output.WRITE_LOCKS``. A parent thread inside a write at the fork (its
+    loop thread logging to a slow pipe) left it held in the child, whose new loop thread
+    then blocked forever at its first log line: the child's cache never started. Held
+    ones are released, not replaced: a logger cached on first use keeps the lock object
+    itself. Private structlog API (as of structlog 26.1), so looked up and skipped if
+    it is gone; a lock of another kind is replaced in the table instead."""
+    output: Any = sys.modules.get("structlog._output")
+    locks = getattr(output, "WRITE_LOCKS", None)
+    if locks is None:
+        return  # structlog not imported (nothing was logged through it) or changed
+    plain = type(threading.Lock())
+    for file, lock in list(locks.items()):
+        if not isinstance(lock, plain):
+            locks[file] = threading.Lock()  # another kind: at least new loggers go on
+        elif lock.locked():
+            lock.release()  # a plain Lock has no owner: the child's thread may release it
 
 
 os.register_at_fork(after_in_child=_renew_all_in_child)

@@ -7,8 +7,11 @@ import asyncio
 import datetime
 import decimal
 import multiprocessing
+import os
 import pickle
+import select
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -506,6 +509,87 @@ def test_a_backend_used_before_a_fork_works_in_the_child(redis_url: str, prefix:
     assert child.exitcode == 0
     assert results.get(timeout=1) == ("from-parent", "from-child")
     assert cache.get("child") == "from-child"
+
+
+class _SlowTerminal:
+    """A stdout whose write blocks in the parent until released (a slow pipe, a full
+    terminal buffer, a lagging log shipper): the writer holds structlog's write lock."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, text: str) -> int:
+        if os.getpid() == self.parent:
+            self.entered.set()
+            self.release.wait(30)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _answer_of_forked_child(cache: LayeredCacheBackend, key: str) -> str:
+    """``repr(cache.get(key))`` in a forked child (or the error it raised), waited 20 s."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            answer = repr(cache.get(key))
+        except BaseException as exc:  # report whatever it is, don't hang the parent
+            answer = f"{type(exc).__name__}: {exc}"[:300]
+        os.write(write_end, answer.encode())
+        os._exit(0)
+    os.close(write_end)
+    return _read_then_reap(read_end, pid)
+
+
+def _read_then_reap(read_end: int, pid: int) -> str:
+    ready, _, _ = select.select([read_end], [], [], 20)
+    answer = os.read(read_end, 4096).decode() if ready else "no answer within 20 s"
+    os.close(read_end)
+    deadline = time.monotonic() + 15
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    return answer
+
+
+def test_a_worker_forked_while_the_loop_thread_writes_a_log_line_can_use_the_cache(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/django.md: "Pre-forking servers are fine: a backend used in the gunicorn
+    master (``--preload``) rebuilds its loop and connections in each worker on first
+    use"; README, *Fork-safe*: a fork "while another thread of the parent holds one
+    [lock] ... leaves the child able to load".
+
+    Scenario: the backend used in the parent; its loop thread logs ``value_too_large``
+    through structlog's default logger (an app that did not configure logging) to a
+    stdout whose write is slow at that moment; the parent forks a worker then. The
+    worker's every call failed ("starting the cache did not finish within 3.0 s"): its
+    new loop thread blocked at its first log line on structlog's per-file write lock
+    (``structlog._output.WRITE_LOCKS``), copied held. Now the at-fork hook of
+    ``_forklock`` releases it in the child."""
+    config = {"namespaces": {"django": {"key": "django:{key}", "max_value_bytes": 2000}}}
+    cache = backend(redis_url, prefix, config=config, timeout=3.0)
+    cache.set("parent", "from-parent")
+    terminal = _SlowTerminal(os.getpid())
+    monkeypatch.setattr(sys, "stdout", terminal)
+    writer = threading.Thread(target=cache.set, args=("big", "x" * 5000), daemon=True)
+    writer.start()  # the loop thread logs value_too_large and blocks in the write
+    assert terminal.entered.wait(5)
+    try:
+        answer = _answer_of_forked_child(cache, "parent")
+    finally:
+        terminal.release.set()
+        writer.join(10)
+        monkeypatch.undo()
+    assert answer == repr("from-parent")
 
 
 def test_close_after_each_request_leaves_the_shared_cache_working(

@@ -207,3 +207,34 @@ def test_a_child_forked_while_a_parent_thread_holds_a_lock_loads_and_is_scraped(
         assert b"layered_cache_load_seconds" in generate_latest(registry)
     finally:
         cache.close()
+
+
+def _log_a_line(logger: Any, out: Any) -> None:
+    logger.msg("from the child")  # blocked forever with the write lock copied held
+    _report(out, ("child", "logged", ""))
+
+
+def test_a_logger_cached_before_the_fork_writes_in_a_child_forked_mid_write(
+    tmp_path: Any,
+) -> None:
+    """README, "Fork-safe": structlog's per-file write lock (its default loggers take it
+    around each line) held by a parent thread at the fork is released in the child, for
+    a logger cached before the fork too (``cache_logger_on_first_use``: it keeps the
+    lock object itself, so a new lock in structlog's table would not reach it). Without
+    it the child's loop thread blocked at its first log line: its cache never started
+    (tests/test_django_backend.py has the whole scenario)."""
+    from structlog import PrintLogger, _output
+
+    with (tmp_path / "log").open("w") as file:
+        logger = PrintLogger(file)
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_log_a_line, args=(logger, out))
+        with _output.WRITE_LOCKS[file]:  # stands in for the parent's thread mid-write
+            child.start()
+        try:
+            assert out.get(timeout=20)[1] == "logged"
+        finally:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
