@@ -1,23 +1,29 @@
 """Django's read-modify-write calls (``add``, ``incr``/``decr``, ``touch``) made
-atomic across processes: each runs under the key's lease (``{key}:lease``, the lock the
-stampede protection already uses), so no other such call on the key, in any process,
-runs between its read and its write.
+atomic across processes: each runs holding the key's lock (``{key}:lock``), so no other
+such call on the key, in any process, runs between its read and its write; and the
+key's lease (``{key}:lease``, the stampede protection's), so none runs while a
+``get_or_set`` of the key loads, nor a load starts during it.
+
+Two names because a write revokes the lease (``set``: a fill in flight must not land an
+older value after it): as the only lock, a ``set`` racing an ``incr`` released it to the
+next ``incr``, which read the reset value while the first was still to write, and the
+first's write then lost the second's increment. Nothing revokes the lock but its expiry.
 
 Redis has ``SET NX`` and ``INCRBY`` for this, but the value at a cache key is an envelope
-every layer reads (and its expiry is inside it), so the step is: take the lease, read
-the key from L2 (never L1: another process's write may not have reached this L1 yet),
-decide, write through the namespace (L2, replicas, the backplane), release.
+every layer reads (and its expiry is inside it), so the step is: take the lock, then the
+lease, read the key from L2 (never L1: another process's write may not have reached
+this L1 yet), decide, write through the namespace (L2, replicas, the backplane),
+release both.
 
 What it does not exclude: a plain ``set``/``delete`` racing the step (last writer wins,
-as with any two writes; ``delete`` also revokes the lease). A lease held by a crashed
-process expires by itself after ``stampede.lease_ttl``; a caller that cannot get the
-lease within ``lease_ttl`` + 1 s goes ahead without it and logs ``django_lock_timeout``.
+as with any two writes). A lock or lease held by a crashed process expires by itself
+after ``stampede.lease_ttl``; a caller that cannot get both within ``lease_ttl`` + 1 s
+goes ahead without the one it lacks and logs ``django_lock_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import secrets
 import time
@@ -29,8 +35,9 @@ import structlog
 from layered_cache._cache import LayeredCache
 from layered_cache._codec import CodecError
 from layered_cache._django_values import Entry
-from layered_cache._keys import lease_name
-from layered_cache._l2 import L2Unavailable
+from layered_cache._keys import lease_name, lock_name
+from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._policy import Policy
 
 __all__ = ["locked"]
 
@@ -50,38 +57,62 @@ async def locked(
     fields: Mapping[str, str],
     step: Callable[[Entry | None], Awaitable[T]],
 ) -> T:
-    """``step(current)`` under the key's lease; ``current`` is the live entry in L2 or
-    None (absent, expired by its own timeout, or past the namespace's L2 freshness)."""
+    """``step(current)`` holding the key's lock and lease; ``current`` is the live entry
+    in L2 or None (absent, expired by its own timeout, or past the namespace's L2
+    freshness)."""
     policy = cache.namespace(namespace).policy
     store = cache._parts.store
     key = cache.key(namespace, fields)
-    lease, token = lease_name(key), secrets.token_hex(8)
-    held = await _acquire(store.acquire_lease, lease, token, policy.lease_ttl)
-    if not held:
-        _log.warning("django_lock_timeout", namespace=namespace, key=key)
+    token = secrets.token_hex(8)
+    # The lock first: callers queue on it, and only its holder competes with loads for
+    # the lease. One deadline for both: the documented wait is lease_ttl + 1 s.
+    deadline = time.monotonic() + policy.lease_ttl + 1.0
+    wanted, held = [lock_name(key), lease_name(key)], list[str]()
     try:
-        data = await store.get(key)
-        try:
-            envelope = policy.codec.decode(data) if data is not None else None
-        except CodecError:
-            envelope = None  # a foreign value at the key: absent, the write replaces it
-        now = cache._rt.clock()  # Redis' time, as envelopes are stamped (``_redisclock``)
-        fresh = envelope is not None and envelope.soft_expiry > now
-        current = envelope.value if envelope is not None and fresh else None
-        return await step(current if alive(current, now) else None)
-    finally:
-        if held:
-            with contextlib.suppress(L2Unavailable):
-                await store.release(lease, token)
+        for name in wanted:
+            if await _acquire(store, name, token, policy, deadline):
+                held.append(name)
+        if len(held) < len(wanted):
+            missing = [name.rsplit(":", 1)[1] for name in wanted if name not in held]
+            _log.warning("django_lock_timeout", namespace=namespace, key=key, missing=missing)
+        return await step(await _current(cache, namespace, key))
+    finally:  # also when taking the lease failed: the lock is not left to expire
+        await _release(store, held, token)
+
+
+async def _release(store: L2Store, names: list[str], token: str) -> None:
+    """Compare-and-delete each of ``names`` at once; one Redis could not release
+    expires by itself after ``lease_ttl``."""
+    released = await asyncio.gather(
+        *(store.release(name, token) for name in names), return_exceptions=True
+    )
+    for outcome in released:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, L2Unavailable):
+            raise outcome
+
+
+async def _current(cache: LayeredCache, namespace: str, key: str) -> Entry | None:
+    """The live entry at ``key`` in L2, or None."""
+    policy = cache.namespace(namespace).policy
+    data = await cache._parts.store.get(key)
+    try:
+        envelope = policy.codec.decode(data) if data is not None else None
+    except CodecError:
+        envelope = None  # a foreign value at the key: absent, the write replaces it
+    now = cache._rt.clock()  # Redis' time, as envelopes are stamped (``_redisclock``)
+    fresh = envelope is not None and envelope.soft_expiry > now
+    current = envelope.value if envelope is not None and fresh else None
+    return current if alive(current, now) else None
 
 
 async def _acquire(
-    acquire: Callable[[str, str, int], Awaitable[bool]], lease: str, token: str, ttl: float
+    store: L2Store, name: str, token: str, policy: Policy, deadline: float
 ) -> bool:
-    """Poll for the lease (steps hold it for a few round trips; a get_or_set load holds
-    it while its loader runs) with jittered pauses, for at most ``ttl`` + 1 s."""
-    deadline = time.monotonic() + ttl + 1.0
-    while not await acquire(lease, token, max(1, int(ttl * 1000))):
+    """Poll for ``name`` (steps hold it for a few round trips; a get_or_set load holds
+    the lease while its loader runs) with jittered pauses until ``deadline``; one try
+    even past it (the lease after a lock that took the whole wait)."""
+    ttl_ms = max(1, int(policy.lease_ttl * 1000))
+    while not await store.acquire_lease(name, token, ttl_ms):
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(random.uniform(0.002, 0.02))

@@ -132,7 +132,7 @@ def build_config(location: str, options: Mapping[str, Any]) -> tuple[Config, str
 
 def _check_namespace(config: Config, namespace: str, source: str) -> None:
     """Refuse what Django's API can't be honoured on. ``add``/``incr``/``touch`` are
-    atomic only as a step on the key in Redis under its lease (``_django_locked``): a
+    atomic only as a step on the key in Redis under its lock (``_django_locked``): a
     namespace without L2 (``l2 = false``, ``cache = false``) has nothing there to read,
     so every ``add`` returned True and overwrote, an ``add``-based lock admitting all."""
     declared = config.namespaces[namespace]

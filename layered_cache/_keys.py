@@ -7,6 +7,8 @@ place (docs/keys.md):
 - replica shard   ``{prefix}book:42#3``    (no hash tag: replicas spread over slots)
 - lease           ``{{prefix}book:42}:lease`` (hash tag = the base key: same slot, so one
                   Lua script may check the lease and write the base key atomically)
+- lock            ``{{prefix}django:/1/hits}:lock`` (Django's add/incr/decr/touch of
+                  the key, ``_django_locked``: unlike the lease, no write revokes it)
 - fill channel    ``{{prefix}book:42}:filled`` (pub/sub: a fill wakes the lease waiters;
                   ``...:filled:db3`` outside database 0)
 - backplane       ``{prefix}layered_cache:invalidations`` (``backplane.stream``)
@@ -40,7 +42,7 @@ from layered_cache._templates import (
 
 __all__ = [
     "MAX_KEY_LENGTH", "RESERVED_SEGMENT", "KeyTemplate", "backplane_stream_name",
-    "fill_channel", "hot_report_name", "is_tag", "lease_name", "loading_set_name",
+    "fill_channel", "hot_report_name", "is_tag", "lease_name", "loading_set_name", "lock_name",
     "replica_name", "replica_names", "replica_record_name", "tag_problem", "tag_version_name",
     "validate_prefix", "validate_tag",
 ]
@@ -292,6 +294,14 @@ def lease_name(key: str) -> str:
     return "{" + key + "}:lease"
 
 
+def lock_name(key: str) -> str:
+    """``{key}:lock``: the lock Django's read-modify-write calls (``add``, ``incr``,
+    ``touch``) take besides the lease. A write revokes the lease (a fill must not land
+    after it), which let a ``set`` release an ``incr`` in flight to the next one; no
+    write or invalidation touches this name. Same slot as the key (the hash tag)."""
+    return "{" + key + "}:lock"
+
+
 def fill_channel(key: str, db: int = 0) -> str:
     """``{key}:filled``: the pub/sub channel the fill script announces ``key``'s new value
     on. Braces never occur in a key, so no key is named like a channel.
@@ -320,8 +330,8 @@ def hot_report_name(prefix: str, instance_id: str) -> str:
 
 def replica_record_name(prefix: str) -> str:
     """The hash of recorded replica counts (``invalidation.check_replica_counts``).
-    Braces can't occur in a key, and it ends neither in ``:lease`` nor ``:filled``: no
-    key, lease or channel is named so."""
+    Braces can't occur in a key, and it ends in none of ``:lease``, ``:lock``,
+    ``:filled``: no key, lease, lock or channel is named so."""
     return "{" + prefix + RESERVED_SEGMENT[:-1] + "}:replicas"
 
 

@@ -174,8 +174,8 @@ class LayeredCacheBackend(AsyncMethods, BaseCache):
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
         """Set unless present: one of any number of concurrent adders, in any process,
-        gets True (under the key's lease, ``_django_locked``). The timeout counts from
-        when the lease is held: stamped before a wait for it (up to lease_ttl + 1 s), the
+        gets True (under the key's lock and lease, ``_django_locked``). The timeout counts
+        from when they are held: stamped before a wait for them (up to lease_ttl + 1 s), the
         entry was past its expiry when written, so deleted, and add still said True."""
         payload = dumps(value)  # UncacheableValue before anything is written
         fields = self._fields(key, version)
@@ -194,7 +194,7 @@ class LayeredCacheBackend(AsyncMethods, BaseCache):
         return bool(self._call(add, "add"))
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
-        """A new expiry, ``timeout`` from when the key's lease is held (as ``add``)."""
+        """A new expiry, ``timeout`` from when the key's lock is held (as ``add``)."""
         fields = self._fields(key, version)
 
         async def touch(cache: LayeredCache, namespace: str) -> bool:

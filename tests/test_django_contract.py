@@ -1,5 +1,6 @@
-"""``get_or_set``, ``add`` and ``touch`` held to Django's contract where adversarial
-reviews found them off: a present value is returned whatever the timeout; the timeout
+"""``get_or_set``, ``add``, ``incr`` and ``touch`` held to Django's contract where
+adversarial reviews found them off: an ``incr`` excludes every other, a ``set`` racing it
+or not; a present value is returned whatever the timeout; the timeout
 counts from when the value is stored, after ``default`` ran (or, for ``add`` and
 ``touch``, after the wait for the key's lease); a value another process set while
 ``default`` ran is never deleted; ``add()`` of a value too large to store returns
@@ -8,6 +9,7 @@ test failed on the code before the fix."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ djangoconf.configure()
 
 from django.core.cache.backends.locmem import LocMemCache  # noqa: E402
 
+import layered_cache.django as django_backend  # noqa: E402
 from layered_cache._django_setup import close_shared  # noqa: E402
 from layered_cache._keys import lease_name  # noqa: E402
 from layered_cache.django import LayeredCacheBackend  # noqa: E402
@@ -297,3 +300,49 @@ def test_a_touch_behind_a_slow_get_or_set_of_another_process_keeps_its_value(
     toucher.join(10)
     assert results["a"] == "report"
     assert results["touch"] is False or b.get("report") == "report", results
+
+
+def test_an_incr_after_a_counter_reset_waits_for_an_incr_that_straddled_the_reset(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was broken: docs/django.md, ``incr``: "atomic as ``add``", i.e. "atomic with
+    every other ``add``/``incr``/``decr``/``touch`` of the key, in any process ... A
+    plain ``set`` or ``delete`` racing it is ordered like any two writes (last wins)".
+    Observed: a counter at 0; process A's ``incr`` has read 0 and is about to write;
+    process B resets it (``set("hits", 100)``); process C's ``incr``, started after the
+    reset returned, did not wait for A: it read 100 and wrote 101, then A wrote 1: C's
+    increment, reported done, was lost. Expected: C waits for A (A and the reset race:
+    last wins, A's 1 here), then reads 1 and writes 2. Cause: ``set()`` revokes the
+    key's lease (``{key}:lease``, so a fill in flight can't land after it), and
+    ``_django_locked.locked`` used that lease as the incr/add/touch lock; now it holds
+    ``{key}:lock`` too, which no write revokes."""
+    a = backend(redis_url, prefix)
+    b = backend(redis_url, prefix, timeout=19.0)
+    c = backend(redis_url, prefix, timeout=18.0)
+    a.set("hits", 0, timeout=None)
+    real_write = django_backend.write
+    holding, release = threading.Event(), threading.Event()
+    gated = [True]
+
+    async def gated_write(*args: Any) -> bool:
+        if gated[0]:  # the first write from here on: A's incr, holding the lock
+            gated[0] = False
+            holding.set()
+            await asyncio.to_thread(release.wait, 10)
+        return await real_write(*args)
+
+    monkeypatch.setattr(django_backend, "write", gated_write)
+    answers: dict[str, Any] = {}
+    first = threading.Thread(target=lambda: answers.__setitem__("a", a.incr("hits")))
+    first.start()
+    assert holding.wait(5)  # A: lock held, 0 read, its write not yet sent
+    b.set("hits", 100, timeout=None)  # the reset
+    second = threading.Thread(target=lambda: answers.__setitem__("c", c.incr("hits")))
+    second.start()
+    second.join(0.5)  # C must be waiting for A's lock here
+    c_waited_for_a = second.is_alive()
+    release.set()
+    first.join(10)
+    second.join(10)
+    final = backend(redis_url, prefix, timeout=17.0).get("hits")
+    assert (c_waited_for_a, answers, final) == (True, {"a": 1, "c": 2}, 2)

@@ -20,6 +20,7 @@ from layered_cache._keys import (
     fill_channel,
     hot_report_name,
     lease_name,
+    lock_name,
     replica_name,
     replica_names,
     replica_record_name,
@@ -67,6 +68,7 @@ def test_a_name_build_could_not_have_made_parses_to_nothing() -> None:
 def test_replica_and_lease_names() -> None:
     assert replica_names("book:42", 3) == ["book:42#0", "book:42#1", "book:42#2"]
     assert lease_name("book:42") == "{book:42}:lease"
+    assert lock_name("django:/1/hits") == "{django:/1/hits}:lock"  # Django's add/incr/touch
 
 
 def test_missing_field_names_namespace_and_field() -> None:
@@ -286,11 +288,13 @@ _INSTANCES = ("i-1", "0123456789ab")  # cache.py's ids are 12 hex digits
 
 
 def _owned_names(prefix: str, key: str) -> list[str]:
-    """Every name the library builds besides keys: for ``key`` (its lease, fill channel,
-    replicas and their leases) and for the deployment (stream, reports, replica record)."""
+    """Every name the library builds besides keys: for ``key`` (its lease, lock, fill
+    channel, replicas and their leases) and for the deployment (stream, reports, replica
+    record)."""
     replicas = replica_names(key, 8)
     return [
         lease_name(key),
+        lock_name(key),
         fill_channel(key),
         *replicas,
         *(lease_name(replica) for replica in replicas),
@@ -341,7 +345,7 @@ def test_names_are_injective_and_never_reserved(
 def test_owned_names_are_distinct_from_each_other_and_between_prefixes(
     prefix_a: str, prefix_b: str, template: str, data: st.DataObject
 ) -> None:
-    """Lease, channel, replicas, stream, reports and replica record: no two kinds share a
+    """Lease, lock, channel, replicas, stream, reports and replica record: no two kinds share a
     name, and two different prefixes share none of them."""
     compiled = _compiled(prefix_a, template)
     key = compiled.build({name: data.draw(_values) for name in compiled.fields})
@@ -356,6 +360,7 @@ def test_owned_names_are_distinct_from_each_other_and_between_prefixes(
 def test_owned_names_keep_their_format() -> None:
     """Running fleets and operators' scripts know these names: they must not change."""
     assert fill_channel("shop:book:42") == "{shop:book:42}:filled"
+    assert lock_name("shop:django:/1/hits") == "{shop:django:/1/hits}:lock"
     assert replica_name("shop:book:42", 3) == "shop:book:42#3"
     assert backplane_stream_name("shop:", _STREAM) == "shop:layered_cache:invalidations"
     assert hot_report_name("shop:", "ab12") == "shop:layered_cache:hotkeys:ab12"
