@@ -134,7 +134,7 @@ class Writes:
             # for invalidate() (they kept the old value for their L1 TTL).
             await self._ends.announce_or_abandon([key for key, _ in keyed])
             for key, value in keyed:
-                fills.fill_l1(key, value, None, read_seq, versions)
+                fills.fill_l1(key, value, None, read_seq, versions, loaded=True)
             return
         writes: list[Write] = []
         settled: list[tuple[str, Any, float]] = []

@@ -399,3 +399,23 @@ def _l1_ttl_left(cache: LayeredCache, key: str) -> float:
     remaining = l1.remaining_ttl(key)
     assert remaining is not None
     return remaining
+
+
+async def test_a_tagged_set_into_an_l1_only_namespace_late_in_its_versions_trust_keeps_its_l1_ttl(
+    redis_url: str, prefix: str
+) -> None:
+    """With `l2 = false` L1 is all there is: a tagged `set()` whose versions were held
+    (fetched 0.8 of the L1 TTL ago, backplane off) stored its values for the fifth of
+    the L1 TTL left on them, as if they were dead entries judged late: written values
+    are not judged (``fill_l1(loaded=True)``, as a load's)."""
+    local = {"key": "page:{slug}", "tags": True, "l2": False,
+             "l1": {"ttl": f"{SLOW_L1_TTL}s", "jitter": 0}}
+    off = make_config(redis_url, prefix, {"page": local}, backplane={"enabled": False})
+    async with LayeredCache.from_config(off) as cache:
+        await cache.set("page", {"slug": "a"}, 1, tags=["book:42"])
+        fetched = cache._rt.versions._fetched_at["book:42"]
+        await _sleep_until(fetched + 0.8 * SLOW_L1_TTL)
+        await cache.set("page", {"slug": "b"}, 2, tags=["book:42"])
+        l1 = cache.namespace("page").policy.l1
+        assert l1 is not None
+        assert (l1.remaining_ttl(f"{prefix}page:b") or 0) > 0.9 * SLOW_L1_TTL
