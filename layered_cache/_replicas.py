@@ -20,12 +20,28 @@ when phase 2 runs: phase 2 deletes them and any replica already written, and a r
 write landing after phase 2 finds its reservation gone and fails. On a single node both
 phases are one atomic DEL.
 
-**set()** writes base and replicas unconditionally, deleting the base lease with the
-base write and then every replica lease (``set_plan``): a fill in flight, which may
-carry an older value, loses its check or its replica writes. Replicas it doesn't
-rewrite (the key is not hot here, maybe elsewhere) are deleted. In a cluster it runs in
-two phases, as an invalidation: the base key and its lease first (one atomic step per
-key), the replicas and their leases strictly afterwards (``write_many``).
+**set()** writes base and replicas unconditionally on a single node, in one atomic
+step that deletes the base lease and every replica lease (``set_plan``): a fill in
+flight, which may carry an older value, loses its check or its replica writes.
+Replicas it doesn't rewrite (the key is not hot here, maybe elsewhere) are deleted.
+
+**set() in a cluster** can't be one step; it runs in phases (``write_many``), each
+acknowledged by every node before the next is sent:
+
+0. **Reserve** (a hot key only): every replica lease SET to the set's own token
+   (``set:...``). A fill's or a copy's reservation is taken over (its replica writes
+   fail); a later fill or copy can't take this one back (``RESERVE_SCRIPT``).
+1. **Base**: each base key written with its lease deleted, one atomic step per key. A
+   fill whose check comes later fails; a copy reads the new base or nothing.
+2. **Replicas**: each written only while the set's reservation still holds its lease
+   (``SET_RESERVED_SCRIPT``), else deleted; replicas not rewritten are deleted with
+   their leases, as an invalidation's phase 2.
+
+An invalidation that runs between the phases deletes the reservations with the
+replicas, so phase 2 writes nothing: the result is the invalidation's (everything
+gone), or the new base with replicas missing until a read copies the base back, never
+replicas outliving their base. Written unconditionally, as they were, the replicas
+kept the set's value for the L2 TTL after the invalidation had deleted the base key.
 
 **Counts must agree** across the fleet (``invalidation.check_replica_counts``): an
 invalidator that knows fewer replicas than a writer leaves some behind.
@@ -38,10 +54,16 @@ import functools
 from collections.abc import Iterable, Sequence
 
 from layered_cache._backplane import Announcement
+from layered_cache._chunks import by_size
 from layered_cache._keys import fill_channel, lease_name, replica_names
 from layered_cache._l2 import L2Store, L2Unavailable, Write
-from layered_cache._scripts import WRITE_ONE_SCRIPT
-from layered_cache._stampede import LeaseWaiter
+from layered_cache._scripts import (
+    RESERVE_SCRIPT,
+    SET_RESERVATION,
+    SET_RESERVED_SCRIPT,
+    WRITE_ONE_SCRIPT,
+)
+from layered_cache._stampede import LeaseWaiter, new_token
 from layered_cache._write_commands import Append
 
 __all__ = [
@@ -148,21 +170,54 @@ def set_plan(key: str, count: int, hot: bool) -> tuple[list[str], list[str]]:
 
 
 async def write_many(
-    store: L2Store, writes: Sequence[Write], announcement: Announcement | None = None
+    store: L2Store,
+    writes: Sequence[Write],
+    announcement: Announcement | None,
+    lease_ttl: float,
 ) -> Append:
     """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``).
-    Returns what became of ``announcement`` (refused by the stream: the writes landed)."""
+    Returns what became of ``announcement`` (refused by the stream: the writes landed).
+    ``lease_ttl`` (seconds): how long a cluster set()'s reservations live, at least."""
     if store.cluster and any(len(outdated) > 1 for _, outdated, _, _ in writes):
-        # A cluster pipeline is not ordered across nodes, so in two phases, as an
-        # invalidation: each base key written with its lease deleted, in one step per
-        # key, before any replica or replica lease is touched. Only revoking the base
-        # leases first (the base SET in phase 2) let a copy take a fresh lease, read the
-        # *old* base while its node's SET was late, and write it to replicas whose
-        # leases phase 2 had already deleted: replicas older than the base, served
-        # after set() returned.
+        # A cluster pipeline is not ordered across nodes: in phases (the module doc).
+        # Only revoking the base leases first (the base SET with the replicas) let a
+        # copy take a fresh lease, read the *old* base while its node's SET was late,
+        # and write it to replicas whose leases were already deleted.
+        hot = [write for write in writes if len(write[0]) > 1]
+        token = SET_RESERVATION + new_token()  # no fill's or copy's: ``RESERVE_SCRIPT``
+        if hot:
+            leases = [lease for _, outdated, _, _ in hot for lease in outdated[1:]]
+            reservation = (leases, (), token.encode(), _set_reserve_ms(store, lease_ttl))
+            await store.write_many([reservation])  # plain SETs: a fill's are taken over
         await _write_bases(store, writes)
+        await _write_reserved(store, hot, token)
         writes = [(names[1:], outdated[1:], data, ttl) for names, outdated, data, ttl in writes]
+        writes = [write for write in writes if not write[0]]  # not hot here: deleted
     return await store.write_many(writes, announcement)
+
+
+def _set_reserve_ms(store: L2Store, lease_ttl: float) -> int:
+    """A set()'s reservations must outlive phases 1 and 2: one that expired first lets
+    a fill reserve again, and its replica write (under a check passed before phase 1,
+    maybe an older value) land where phase 2 then fails. The lease TTL, as a fill's,
+    and at least three ``redis.timeout`` (each phase bounded by one)."""
+    return max(reserve_ms(lease_ttl), 3 * reserve_ms(store.deadline or 0.0))
+
+
+async def _write_reserved(store: L2Store, writes: Sequence[Write], token: str) -> None:
+    """Phase 2 of a cluster set() of hot keys: each replica written only while ``token``
+    still holds its lease (``SET_RESERVED_SCRIPT``), in pipelines (EVAL: cluster
+    pipelines refuse EVALSHA) of about ``CHUNK_BYTES`` each."""
+    replicas = [
+        (name, lease, data, ttl_ms)
+        for names, outdated, data, ttl_ms in writes
+        for name, lease in zip(names[1:], outdated[1:], strict=True)
+    ]
+    for chunk in by_size(replicas, lambda replica: len(replica[2])):
+        pipe = store.client.pipeline(transaction=False)
+        for name, lease, data, ttl_ms in chunk:
+            pipe.eval(SET_RESERVED_SCRIPT, 2, name, lease, token, data, ttl_ms)
+        await store.guard(pipe.execute(), names=[name for name, _, _, _ in chunk])
 
 
 async def _write_bases(store: L2Store, writes: Sequence[Write]) -> None:
@@ -188,7 +243,7 @@ async def fill(
     the base key (releasing the lease, waking waiters), then write the replicas under
     their reservations. Returns whether the base write happened (False: revoked)."""
     if replicas:
-        await store.write_many([([lease for _, lease in replicas], (), token.encode(), reserve_ms)])
+        await _reserve(store, [lease for _, lease in replicas], token, reserve_ms)
     written = await store.fill(
         key, lease_name(key), token, data, ttl_ms, fill_channel(key, store.db), release=True
     )
@@ -208,8 +263,7 @@ async def copy_to_replicas(
         if await leases.try_acquire(lease_name(key), lease_ttl, token) is None:
             return  # a fill or another copy holds the lease; it writes the replicas
         replicas = replica_leases(key, count)
-        reserve = ([lease for _, lease in replicas], (), token.encode(), reserve_ms(lease_ttl))
-        await store.write_many([reserve])
+        await _reserve(store, [lease for _, lease in replicas], token, reserve_ms(lease_ttl))
         # Read value + PTTL and release the lease in one atomic step: if the lease is
         # still ours, no invalidation has run phase 1 yet.
         current = await store.read_under_lease(key, lease_name(key), token)
@@ -227,3 +281,16 @@ async def copy_to_replicas(
 def reserve_ms(lease_ttl: float) -> int:
     """Reservations live as long as the lease they stand beside."""
     return max(1, int(lease_ttl * 1000))
+
+
+async def _reserve(store: L2Store, leases: list[str], token: str, ttl_ms: int) -> None:
+    """A fill's or a copy's reservations (step 1). On a single node plain SETs in one
+    transaction: a set() there is one atomic step and reserves nothing. In a cluster
+    one ``RESERVE_SCRIPT`` per lease: a set()'s reservation is left to it."""
+    if not store.cluster:
+        await store.write_many([(leases, (), token.encode(), ttl_ms)])
+        return
+    pipe = store.client.pipeline(transaction=False)
+    for lease in leases:
+        pipe.eval(RESERVE_SCRIPT, 1, lease, token, ttl_ms)
+    await store.guard(pipe.execute(), names=leases)

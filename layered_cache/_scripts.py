@@ -21,6 +21,10 @@
   backplane append - as one step (``_write_commands`` says why one step, and why a
   write of more names is a MULTI/EXEC instead). Redis ran it in ~18 µs
   (``INFO commandstats``, bench VM).
+- ``RESERVE`` / ``SET_RESERVED`` (a cluster only): a hot key's replica leases, reserved
+  by a fill or a copy unless a ``set()`` holds them, and a ``set()``'s replica written
+  only under its own reservation (``_replicas`` says why). Each reads the lease and
+  writes in one step, or a reservation taken between the read and the write is lost.
 - ``FETCH`` / ``PEEK``: tags (``_tags`` says why each is one step). The loading set
   is taken in no script: ``_loading.take_loading`` says why.
 - ``RECORD_COUNTS``: the fleet's replica counts (``_invalidation.check_replica_counts``)
@@ -39,6 +43,9 @@ __all__ = [
     "READ_UNDER_LEASE_SCRIPT",
     "RECORD_COUNTS_SCRIPT",
     "RELEASE_SCRIPT",
+    "RESERVE_SCRIPT",
+    "SET_RESERVATION",
+    "SET_RESERVED_SCRIPT",
     "WRITE_ONE_SCRIPT",
     "fill_args",
 ]
@@ -90,6 +97,42 @@ if not data then
   return false
 end
 return {data, redis.call('PTTL', KEYS[1])}
+"""
+
+
+# What a cluster set()'s reservation tokens start with (``_replicas.write_many``); no
+# lease token of a fill or a copy does (hex digits: ``_stampede.new_token``).
+SET_RESERVATION = "set:"
+
+# A fill's or a copy's reservation of a replica lease in a cluster: SET unless a set()
+# holds it (its token starts with SET_RESERVATION). Taken over, the set's own replica
+# write (SET_RESERVED) fails, while the fill, whose check may have passed before the
+# set's base write, writes its older value there: base new, replica old. Refused, the
+# fill's guarded write of that replica fails instead, and the set's lands. A lease of
+# another type (another client's) is overwritten, as a plain SET would. Returns 1 if set.
+RESERVE_SCRIPT = """
+local held = redis.pcall('GET', KEYS[1])
+if type(held) == 'string' and string.sub(held, 1, 4) == 'set:' then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# Phase 2 of a cluster set() of a hot key: KEYS replica, its lease; ARGV the set's
+# token, data, TTL (ms). Writes the replica only while the set's reservation holds its
+# lease (releasing it), as a fill's guarded write: an invalidation that ran since the
+# reservation deleted it, so the write fails and leaves nothing. Else the replica is
+# deleted: a reservation that expired first would leave it older than the base, and a
+# missing replica is only a read of the base key (and a copy back).
+SET_RESERVED_SCRIPT = """
+if redis.pcall('GET', KEYS[2]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  redis.call('DEL', KEYS[2])
+  return 1
+end
+redis.call('DEL', KEYS[1])
+return 0
 """
 
 

@@ -8,10 +8,11 @@ same for many keys: one round trip (one atomic step on a single node:
 ``_write_commands``), one backplane append.
 
 In a cluster the L2 write runs to completion even if its caller is cancelled, as an
-invalidation does: it is two round trips there (the base keys, then the replicas:
-``replicas.write_many``), and a caller cancelled between them left every replica older
-than the base for the whole L2 TTL. On one node it is one atomic step (all or nothing),
-awaited in place: no task (a set()'s cost is a benchmark target, bench/sets.py).
+invalidation does: a hot key's write is three round trips there (the replica
+reservations, the base keys, then the replicas: ``replicas.write_many``), and a caller
+cancelled between them left every replica older than the base for the whole L2 TTL.
+On one node it is one atomic step (all or nothing), awaited in place: no task (a
+set()'s cost is a benchmark target, bench/sets.py).
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ class Writes:
         L1 from a replica not rewritten yet), drop our L1 again, purge HTTP caches again
         (``set_many``'s purge left before the write landed)."""
         try:
-            appended = await replicas.write_many(self._rt.store, writes, write.announcement)
+            store, lease_ttl = self._rt.store, self._policy.lease_ttl
+            appended = await replicas.write_many(store, writes, write.announcement, lease_ttl)
             if appended is Append.PUBLISHED:  # by the write's own script
                 self._rt.invalidator.published_by_write(write.keys)
             write.appended = appended is not Append.REFUSED

@@ -588,3 +588,24 @@ def test_the_keys_of_writes_left_unread_are_awaited_for_a_window_and_at_most_so_
     assert unsettled.pick(["a"]) == [] and not unsettled
     unsettled.add(str(i) for i in range(UnsettledWrites.MOST + 1))
     assert unsettled.pick(["0", "1", str(UnsettledWrites.MOST)]) == ["1", str(UnsettledWrites.MOST)]
+
+
+async def test_a_cluster_set_of_a_hot_key_whose_reservations_a_full_redis_refuses_drops_the_key(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster set() of a hot key first reserves the replica leases
+    (``_replicas.write_many``): with Redis full (noeviction) that first step is refused,
+    nothing is written, and the key is dropped everywhere, as a refused set() does: no
+    reader serves the old value."""
+    full = _FilledByTheReplicas(redis_cluster, prefix, monkeypatch)
+    try:
+        async with LayeredCache.from_config(full.config) as cache:
+            await cache.set("book", {"id": 1}, "old")  # base + 8 replicas
+            for master in full.masters:
+                await master.config_set("maxmemory-policy", "noeviction")
+                await master.config_set("maxmemory", 1)
+            await cache.set("book", {"id": 1}, "new")  # refused: returns, the key dropped
+            assert cache.stats()["book"]["refused_full"] == 1
+            assert await full.served(cache) == {None}
+    finally:
+        await full.close()

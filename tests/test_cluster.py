@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as redis
 from redis.crc import key_slot
 
-from layered_cache import Config, LayeredCache
+from layered_cache import Config, LayeredCache, _replicas
 from layered_cache._keys import lease_name, replica_names
 from layered_cache._placement import STICKY_READS
 from tests.helpers import CountingLoader, eventually, make_config
@@ -464,3 +464,135 @@ async def test_a_replica_copy_racing_a_cluster_set_never_leaves_replicas_older_t
         served = [await a.get("book", {"id": 1}) for _ in range(64)]
         stale = {n: v for n, v in stored.items() if v != "new"}
         assert not stale and "old" not in served, (stale, served)
+
+
+async def test_a_cluster_set_of_a_hot_key_racing_an_invalidate_leaves_no_replica_without_its_base(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review (2026-12-06). Promise (DESIGN §6, README "Invalidation wins
+    everywhere"): after invalidate() or set() returns, no older copy ("a replica"
+    included) is served beyond the bound; "invalidation always deletes the base key,
+    every replica and the lease"; docs/hotkeys.md recommends invalidate() against
+    concurrent writers of a hot key.
+
+    Scenario (3-master cluster): instance ``hot`` has book:1 as a static hot key,
+    ``cold`` the same replica count without it being hot. ``hot.set("new")`` writes
+    its base key (phase 1 of ``_replicas.write_many``); ``cold.invalidate()`` then runs
+    to completion; only then does the set's phase 2 (the replicas) run. Both return.
+    Observed: base gone, every replica "new": cold loads the database's value, hot
+    serves "new" from the replicas for the L2 TTL. No order of the two calls leaves
+    that state. Cause: phase 2 DELed each replica lease and SET each replica
+    unconditionally, so the invalidation between the phases could not make it fail,
+    as it makes a fill's guarded replica writes fail."""
+    key = f"{prefix}book:1"
+    static = {"replicas": 8, "keys": ["book:1"]}
+    common = {"redis": {"cluster": True, "timeout": "2s"}, "backplane": {"enabled": False}}
+    hot_cfg = make_config(
+        redis_cluster.url, prefix, {"book": {"key": "book:{id}", "l1": False, "hot": static}},
+        **common,
+    )
+    cold_ns = {"book": {"key": "book:{id}", "l1": False,
+                        "hot": {"replicas": 8, "threshold": "100000/s"}}}
+    cold_cfg = make_config(redis_cluster.url, prefix, cold_ns, **common)
+    based, release = asyncio.Event(), asyncio.Event()
+    original = _replicas._write_bases
+
+    async def write_bases_then_wait(store: Any, writes: Any) -> None:
+        await original(store, writes)
+        based.set()
+        await release.wait()  # phase 2 waits until the invalidation has returned
+
+    async with (
+        LayeredCache.from_config(hot_cfg) as hot,
+        LayeredCache.from_config(cold_cfg) as cold,
+    ):
+        await hot.set("book", {"id": 1}, "old")  # base + 8 replicas
+        monkeypatch.setattr(_replicas, "_write_bases", write_bases_then_wait)
+        writer = asyncio.ensure_future(hot.set("book", {"id": 1}, "new"))
+        await asyncio.wait_for(based.wait(), 5)
+        await cold.invalidate("book", {"id": 1})
+        release.set()
+        await asyncio.wait_for(writer, 5)
+        monkeypatch.setattr(_replicas, "_write_bases", original)
+        stored = await _stored_values(redis_cluster, hot, [key, *replica_names(key, 8)])
+        # The set's base write, then the invalidation: nothing of either may be left.
+        assert stored == {}, stored
+        assert await cold.get_or_load("book", {"id": 1}, CountingLoader("db")) == "db"
+        served = {await hot.get("book", {"id": 1}) for _ in range(64)}
+        assert served == {"db"}, served
+
+
+async def _stored_values(cluster: Any, cache: LayeredCache, names: list[str]) -> dict[str, Any]:
+    """The decoded value each of ``names`` holds, read from its own master."""
+    nodes = [redis.Redis(host=h, port=p) for h, p in cluster.nodes]
+    codec = cache.namespace("book").policy.codec
+    stored: dict[str, Any] = {}
+    try:
+        for node in nodes:
+            for name in names:
+                try:
+                    data = await node.get(name)
+                except redis.ResponseError:  # MOVED: not this node's
+                    continue
+                if data is not None:
+                    stored[name] = codec.decode(data).value
+    finally:
+        for node in nodes:
+            await node.aclose()
+    return stored
+
+
+async def test_a_hot_fill_reserving_during_a_cluster_set_leaves_no_replica_older_than_the_base(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The set()'s reservations of the test above must hold: a fill that loaded the old
+    value, reserved the replicas after the set() had (taking them over) and passed its
+    base check before the set()'s base write, wrote its replicas after the set()'s
+    guarded replica writes had failed on its reservations: base "new", replicas "old"
+    for the L2 TTL. A fill's or a copy's reservation now leaves a set()'s alone
+    (``RESERVE_SCRIPT``): the fill's replica writes fail, the set()'s land."""
+    key = f"{prefix}book:1"
+    static = {"replicas": 8, "keys": ["book:1"]}
+    config = make_config(
+        redis_cluster.url, prefix, {"book": {"key": "book:{id}", "l1": False, "hot": static}},
+        redis={"cluster": True, "timeout": "2s"}, backplane={"enabled": False},
+    )
+    reserved, release, loaded = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    checked, set_done = asyncio.Event(), asyncio.Event()
+    original = _replicas._write_bases
+
+    async def reserved_then_wait(store: Any, writes: Any) -> None:
+        reserved.set()
+        await release.wait()  # the fill runs between the set's reservation and base write
+        await original(store, writes)
+
+    async def old_load() -> str:
+        await loaded.wait()  # read from the database before the set() wrote it
+        return "old"
+
+    async with (
+        LayeredCache.from_config(config) as filler,
+        LayeredCache.from_config(config) as writer,
+    ):
+        fill_replicas = filler._store.fill_replicas
+
+        async def late_replicas(*args: Any) -> int:
+            checked.set()  # the fill passed its base check (and wrote the base)
+            await set_done.wait()  # its replica writes come after the set() returned
+            return await fill_replicas(*args)
+
+        filler._store.fill_replicas = late_replicas  # type: ignore[method-assign]
+        filling = asyncio.ensure_future(filler.get_or_load("book", {"id": 1}, old_load))
+        assert await eventually(lambda: filler.stats()["book"]["lease_won"] == 1)
+        monkeypatch.setattr(_replicas, "_write_bases", reserved_then_wait)
+        setting = asyncio.ensure_future(writer.set("book", {"id": 1}, "new"))
+        await asyncio.wait_for(reserved.wait(), 5)
+        loaded.set()
+        await asyncio.wait_for(checked.wait(), 5)
+        release.set()
+        await asyncio.wait_for(setting, 5)
+        set_done.set()
+        assert await asyncio.wait_for(filling, 5) == "old"  # its caller read before the set
+        stored = await _stored_values(redis_cluster, writer, [key, *replica_names(key, 8)])
+    assert stored.pop(key) == "new"
+    assert set(stored.values()) <= {"new"}, stored
