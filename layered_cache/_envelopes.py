@@ -74,12 +74,12 @@ def encode(
         data = policy.codec.encode(value, now, soft_expiry, delta, tags)
     # OverflowError: ints over 64 bits; RecursionError: nested deeper than msgspec goes.
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
-        _not_cached(policy, "value_not_encodable", key, error=f"{type(exc).__name__}: {exc}")
+        _not_cached(policy, "value_not_encodable", key, error=error_text(exc))
         return Encoded(None, value)
     try:
         decoded = policy.codec.decode(data).value
     except CodecError as exc:  # encodable, but not as the declared type: L2 readers
-        _not_cached(policy, "value_not_decodable", key, error=str(exc))  # couldn't read it
+        _not_cached(policy, "value_not_decodable", key, error=error_text(exc))
         return Encoded(None, value)
     if len(data) > policy.max_value_bytes:
         _not_cached(policy, "value_too_large", key, size=len(data), limit=policy.max_value_bytes)

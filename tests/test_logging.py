@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as redis
 import structlog
@@ -365,3 +366,43 @@ def test_with_redact_keys_an_exception_is_logged_by_its_types_only(
     assert f"L2Unavailable: ConnectionError: Command # 1 (DEL {{p:user:{EMAIL}" in (
         stream.getvalue()[len(text) :]
     )
+
+
+_EMAIL = "alice.customer@example.com"
+
+
+class _User(msgspec.Struct):
+    email: str
+    age: int
+
+    def __post_init__(self) -> None:
+        if self.age < 0:  # the application's own check, naming the record it refuses
+            raise ValueError(f"user {self.email}: age must be >= 0")
+
+
+async def test_with_redact_keys_a_value_that_does_not_decode_as_its_type_logs_no_raw_key(
+    redis_url: str, prefix: str
+) -> None:
+    """docs/metrics.md ("Logs", redact_keys): an exception "is logged by its types
+    only". A set() of a value that encodes but doesn't decode as its type (the app's
+    `__post_init__` refusing it, naming the user) logged `value_not_decodable` with the
+    message, the e-mail in clear: the write path logged its own f-string, not
+    ``error_text`` (the read path did)."""
+    out = io.StringIO()
+    config = make_config(
+        redis_url,
+        prefix,
+        {"user": {"key": "user:{email}"}},
+        logging={"format": "json", "redact_keys": True},
+    )
+    configure_logging(config.logging, stream=out, env={SALT_ENV: "pepper"}, force=True)
+    try:
+        async with LayeredCache.from_config(config, value_types={"user": _User}) as cache:
+            value: Any = {"email": _EMAIL, "age": -1}
+            await cache.set("user", {"email": _EMAIL}, value)
+    finally:
+        reset_logging()
+    text = out.getvalue()
+    assert "value_not_decodable" in text, text
+    leaked = [line for line in text.splitlines() if _EMAIL in line]
+    assert not leaked, leaked[0][:600]
