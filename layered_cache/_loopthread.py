@@ -93,7 +93,10 @@ class LoopThread:
             # the builtin TimeoutError both when time runs out and when the call itself
             # failed with one (a loader's socket or database read timeout), which would
             # be reported as this call's timeout, the loader's error lost.
-            if not concurrent.futures.wait([future], timeout).done:
+            # A timeout past what a lock wait takes (``threading.TIMEOUT_MAX``, ~292
+            # years) raised OverflowError at every call: it is waited for as no bound.
+            bound = None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout
+            if not concurrent.futures.wait([future], bound).done:
                 future.cancel()  # the task is cancelled on the loop: no orphan keeps running
                 raise SyncTimeoutError(
                     f"{what} did not finish within {timeout} s (SyncLayeredCache timeout=); "

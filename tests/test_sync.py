@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -367,3 +368,18 @@ def test_closing_while_a_load_runs_gives_its_lease_back_and_tells_the_caller(
         started_at = time.monotonic()
         assert other.get_or_load("book", {"id": 1}, lambda: "fresh") == "fresh"
         assert time.monotonic() - started_at < 1.0
+
+
+@pytest.mark.parametrize("timeout", [1e10, float(sys.maxsize)])
+def test_a_timeout_past_what_a_lock_wait_takes_is_no_bound_not_an_error_at_every_call(
+    redis_url: str, prefix: str, timeout: float
+) -> None:
+    """README: any number > 0 is a valid `timeout`. One past ``threading.TIMEOUT_MAX``
+    (~292 years: "practically never") passed construction, then start() and every call
+    raised OverflowError from deep in ``concurrent.futures.wait``."""
+    cache = SyncLayeredCache(make_config(redis_url, prefix), timeout=timeout)
+    try:
+        cache.start()
+        assert cache.get_or_load("book", {"id": 1}, lambda: "db") == "db"
+    finally:
+        cache.close()
