@@ -53,7 +53,7 @@ from layered_cache._write_commands import (
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
 
-__all__ = ["NOTIFY_INLINE_MAX", "L2Store", "L2Unavailable", "Write"]
+__all__ = ["NOTIFY_INLINE_MAX", "BreakerOpen", "L2Store", "L2Unavailable", "Write"]
 
 _log = structlog.get_logger("layered_cache.l2")
 
@@ -116,6 +116,11 @@ def _script(
 
 class L2Unavailable(Exception):
     """Redis could not be used for this operation (error, timeout or breaker open)."""
+
+
+class BreakerOpen(L2Unavailable):
+    """Refused by the circuit breaker before anything was sent: nothing of it can land
+    later (a write that timed out may: ``_unsettled``)."""
 
 
 def _direct_client(client: RedisClient, busy_poll: float) -> direct.DirectClient | None:
@@ -188,14 +193,14 @@ class L2Store:
         breaker = self.breakers.for_names(names) if names else self.breakers.for_name(name)
         if not breaker.allow():
             operation.close()
-            raise L2Unavailable("circuit breaker open")
+            raise BreakerOpen("circuit breaker open")
         task = asyncio.current_task()
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
                 if breaker.opened():  # opened while we queued: ``CircuitBreaker.opened``
                     operation.close()
-                    raise L2Unavailable("circuit breaker open")
+                    raise BreakerOpen("circuit breaker open")
                 result = await self.bounded(operation)
         except REDIS_FAILURES as exc:
             if is_key_error(exc):

@@ -24,7 +24,7 @@ from typing import Any
 from layered_cache import _replicas as replicas
 from layered_cache._backplane import Announcement
 from layered_cache._fills import Fills
-from layered_cache._l2 import L2Unavailable, Write
+from layered_cache._l2 import BreakerOpen, L2Unavailable, Write
 from layered_cache._memory_policy import refused_for_memory
 from layered_cache._policy import Policy
 from layered_cache._readyqueue import others_are_ready
@@ -40,7 +40,7 @@ class _Write:
     """One ``set()``'s L2 write, as its caller and the task writing it both see it: the
     caller may be cancelled while the write runs on (``Writes._write``)."""
 
-    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused", "writes")
+    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused", "unsent", "writes")
 
     def __init__(
         self, keys: list[str], writes: list[Write], announcement: Announcement | None
@@ -52,6 +52,7 @@ class _Write:
         self.done = False  # the write's task finished (landed or failed)
         self.left = False  # its caller was cancelled: whoever is last finishes the set()
         self.refused = False  # a full Redis refused part of it: the keys must be dropped
+        self.unsent = False  # an open breaker refused it before sending: it can't land
 
     def unannounced(self) -> bool:
         """Whether the keys still need announcing: no announcement rode in the write (a
@@ -216,6 +217,7 @@ class Writes:
             return write.appended
         except L2Unavailable as exc:
             write.refused = refused_for_memory(exc)
+            write.unsent = isinstance(exc, BreakerOpen)
             if write.left and write.refused:
                 # Full by the replicas, after the bases landed: drop the keys everywhere,
                 # as our caller does on this error (announcing alone left old replicas).
@@ -235,8 +237,10 @@ class Writes:
         """Our caller left once the write was done (cancelled, or it failed: a timeout).
         With no reply read, a single node's step may land later still, and with it its
         entry, which our listener skips as our own: noted (``_unsettled``), so that it
-        drops what a read here filled meanwhile. Then ``WriteEnds.abandoned``."""
-        if write.announcement is not None and write.appended is None:
+        drops what a read here filled meanwhile (not one an open breaker refused: it
+        sent nothing, and a timeout storm would fill the record). Then
+        ``WriteEnds.abandoned``."""
+        if write.announcement is not None and write.appended is None and not write.unsent:
             self._rt.unsettled.add(write.keys)
         self._ends.abandoned(write.keys, announce=write.unannounced())
 

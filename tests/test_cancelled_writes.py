@@ -568,10 +568,12 @@ async def test_a_set_that_lands_after_its_caller_left_leaves_no_replaced_value_i
             await admin.aclose()
 
 
-def test_the_keys_of_writes_left_unread_are_awaited_for_a_window_and_at_most_so_many() -> None:
+def test_the_keys_of_writes_left_unread_are_awaited_for_a_window_and_past_the_bound_all_are() -> None:
     """``UnsettledWrites``: a key is applied from our own entries for ``WINDOW`` seconds
-    after its write's caller left (noted again, from then), and no more than ``MOST``
-    keys are held, the oldest forgotten first: the record stays bounded."""
+    after its write's caller left (noted again, from then). No more than ``MOST`` keys
+    are held, and none is forgotten for it: a write that would note more switches to
+    applying every entry of ours until the newest window ends (bounded memory, only
+    extra L1 drops), then back to the noted keys."""
     now = [0.0]
     unsettled = UnsettledWrites(clock=lambda: now[0])
     assert not unsettled
@@ -586,8 +588,82 @@ def test_the_keys_of_writes_left_unread_are_awaited_for_a_window_and_at_most_so_
     assert heard == [["a"]]
     now[0] = 2 * UnsettledWrites.WINDOW
     assert unsettled.pick(["a"]) == [] and not unsettled
-    unsettled.add(str(i) for i in range(UnsettledWrites.MOST + 1))
-    assert unsettled.pick(["0", "1", str(UnsettledWrites.MOST)]) == ["1", str(UnsettledWrites.MOST)]
+    unsettled.add(["x"])
+    now[0] += 1
+    unsettled.add(str(i) for i in range(UnsettledWrites.MOST + 1))  # past the bound
+    assert len(unsettled._until) <= UnsettledWrites.MOST
+    assert unsettled.pick(["0", "x", "never noted"]) == ["0", "x", "never noted"]
+    now[0] += UnsettledWrites.WINDOW / 2
+    unsettled.add(["y"])  # while all are applied: until this write's window ends
+    now[0] += UnsettledWrites.WINDOW / 2 + 1
+    assert unsettled.pick(["0", "y"]) == ["0", "y"]
+    now[0] += UnsettledWrites.WINDOW / 2
+    assert unsettled.pick(["0", "y"]) == [] and not unsettled
+    unsettled.add(["z"])  # back to noting keys
+    assert unsettled.pick(["0", "z"]) == ["z"]
+
+
+async def test_a_large_set_many_that_lands_after_its_caller_left_leaves_no_replaced_value_in_the_writer_l1(
+    redis_url: str, prefix: str
+) -> None:
+    """README "Invalidation wins everywhere": "A single-node write whose caller left
+    before its reply may land later still, with its backplane entry: for 60 s this
+    instance applies its own entries naming those keys, as another instance's, so a
+    read here in between keeps no replaced copy"; docs/operations.md: "a write that
+    lands later (within 60 s) drops what such a read filled here".
+
+    Scenario: a's set_many of ``MOST`` + 1 keys ("new") is held before Redis (proxy at
+    its EXEC: a large transaction held at MULTI never landed whole) and its caller is
+    cancelled; a read on a of the first key fills "old" from L2; the transaction lands
+    with its backplane entry naming every key. Expected: a serves "new" for the first
+    key. Happened: "old" from L1 for its 60 s TTL: ``UnsettledWrites.add`` kept at most
+    ``MOST`` keys, dropping the oldest, so the first key of the set_many was forgotten
+    by the same call that noted it, and ``heard`` skipped it. Now past the bound every
+    entry of ours is applied for the window."""
+    count = UnsettledWrites.MOST + 1
+    admin = aioredis.Redis.from_url(redis_url)
+
+    def write(cache: Any, value: str) -> Any:
+        return cache.set_many("book", [({"id": i}, value) for i in range(count)])
+
+    async with _proxied_writer(redis_url, prefix, "cancelled") as (proxy, a, _):
+        try:
+            await write(a, "old")
+            assert a._backplane is not None
+            seen = a._backplane.entries_seen
+            proxy.hold_at = b"EXEC"  # everything before it reaches Redis (queued)
+            await _leave_held_write(proxy, write(a, "new"), "cancelled")
+            await asyncio.sleep(0.2)
+            assert await a.get("book", {"id": 0}) == "old"  # L2 still holds "old"
+            proxy.release.set()  # the transaction lands, with its entry
+            assert await eventually(lambda: _landed(admin, a, (0, count - 1), b"new"), timeout=5)
+            assert await eventually(lambda: _seen(a, seen + 1), timeout=5)
+            assert await eventually(
+                lambda: _is(a, "new", fields={"id": 0}), timeout=3
+            ), f"a still serves {await a.get('book', {'id': 0})!r}; L2 holds 'new'"
+        finally:
+            await admin.aclose()
+
+
+async def _seen(cache: LayeredCache, entries: int) -> bool:
+    assert cache._backplane is not None
+    return cache._backplane.entries_seen >= entries
+
+
+async def test_a_set_refused_by_an_open_breaker_is_not_awaited_as_a_write_that_may_land(
+    redis_url: str, prefix: str
+) -> None:
+    """``_unsettled``: only a write that was sent may land after its caller left. One an
+    open breaker refused sent nothing; noted, a storm of them filled the record (and
+    then every entry of ours is applied: needless L1 drops)."""
+    async with LayeredCache.from_config(make_config(redis_url, prefix, NS)) as cache:
+        for _ in range(cache._store.breaker._threshold):
+            cache._store.breaker.failure()
+        with pytest.raises(L2Unavailable, match="breaker"):
+            await cache.set("book", {"id": 1}, "new")
+        with pytest.raises(L2Unavailable, match="breaker"):
+            await cache.set_many("book", [({"id": i}, "new") for i in (1, 2)])
+        assert not cache._rt.unsettled
 
 
 async def test_a_cluster_set_of_a_hot_key_whose_reservations_a_full_redis_refuses_drops_the_key(
