@@ -20,7 +20,8 @@
   its SET, the DEL of its lease (a fill in flight must not land after it) and the
   backplane append - as one step (``_write_commands`` says why one step, and why a
   write of more names is a MULTI/EXEC instead). Redis ran it in ~18 µs
-  (``INFO commandstats``, bench VM).
+  (``INFO commandstats``, bench VM). ``APPEND`` is its append alone, the last command
+  of that MULTI/EXEC: the same Lua (``_append``), so both publish a refused append.
 - ``RESERVE`` / ``SET_RESERVED`` (a cluster only): a hot key's replica leases, reserved
   by a fill or a copy unless a ``set()`` holds them, and a ``set()``'s replica written
   only under its own reservation (``_replicas`` says why). Each reads the lease and
@@ -36,6 +37,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "APPEND_SCRIPT",
     "FETCH_SCRIPT",
     "FILL_SCRIPT",
     "NOTIFY_INLINE_MAX",
@@ -151,40 +153,55 @@ def fill_args(
     return [token, data, ttl_ms, channel, *flags]
 
 
-# KEYS: the name to SET, the lease to DEL, then the stream if the write is announced.
-# ARGV: the data and its TTL (ms), then, if announced, the stream's MAXLEN and the
-# entry's field/value pairs. Returns 1 when appended. The SET first and the append under
-# ``pcall``, for the reasons ``_write_commands`` gives. A stream that refuses the append
-# (a WRONGTYPE name, ...) after the SET: the entry goes over the stream's pub/sub
-# fallback channel instead (``_fallback.fallback_channel``, ``FallbackMessage``: the
-# entry's ``keys`` and ``origin``), here, in the same step. Only so does a write that
-# lands after its caller left (cancelled, timed out: nobody reads this reply) still reach
-# every instance. Returns the XADD's error in a one-element array when published so,
-# the error alone when the PUBLISH failed too (the caller announces another way).
-WRITE_ONE_SCRIPT = """
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('DEL', KEYS[2])
-if KEYS[3] == nil then
-  return 1
-end
-local reply = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+def _append(stream: str, maxlen: str, first: int) -> str:
+    """Lua that appends set()'s backplane entry (ARGV from ``first`` on: its field/value
+    pairs) to ``stream``, trimmed to about ``maxlen``, and returns 1. A stream that
+    refuses it (a WRONGTYPE name, ...) after the SETs: the entry goes over the stream's
+    pub/sub fallback channel instead (``_fallback.fallback_channel``,
+    ``FallbackMessage``: the entry's ``keys`` and ``origin``), in the same step. Only so
+    does a write that lands after its caller left (cancelled, timed out: nobody reads
+    its reply) still reach every instance. Returns the XADD's error in a one-element
+    array when published so, the error alone when the PUBLISH failed too (the caller
+    announces another way): ``_write_commands.script_append``. Text, not a Lua function
+    both scripts call: set()'s script then builds no closure per call."""
+    return f"""
+local reply = redis.pcall('XADD', {stream}, 'MAXLEN', '~', {maxlen}, '*', unpack(ARGV, {first}))
 if type(reply) ~= 'table' or not reply.err then
   return 1
 end
-local message = {}
-for i = 4, #ARGV, 2 do
+local message = {{}}
+for i = {first}, #ARGV, 2 do
   if ARGV[i] == 'keys' then
     message.keys = cmsgpack.unpack(ARGV[i + 1])
   else
     message[ARGV[i]] = ARGV[i + 1]
   end
 end
-local sent = redis.pcall('PUBLISH', KEYS[3] .. ':fallback', cmsgpack.pack(message))
+local sent = redis.pcall('PUBLISH', {stream} .. ':fallback', cmsgpack.pack(message))
 if type(sent) == 'table' and sent.err then
   return reply.err
 end
-return {reply.err}
+return {{reply.err}}
 """
+
+
+# KEYS: the name to SET, the lease to DEL, then the stream if the write is announced.
+# ARGV: the data and its TTL (ms), then, if announced, the stream's MAXLEN and the
+# entry's field/value pairs. The SET first and the append under ``pcall``, for the
+# reasons ``_write_commands`` gives; returns what ``_append`` does (1 if not announced).
+WRITE_ONE_SCRIPT = (
+    """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('DEL', KEYS[2])
+if KEYS[3] == nil then
+  return 1
+end"""
+    + _append("KEYS[3]", "ARGV[3]", 4)
+)
+
+# The append of a MULTI/EXEC write (``_write_commands``), its last command, as EVAL.
+# KEYS: the stream; ARGV: its MAXLEN, then the entry's field/value pairs.
+APPEND_SCRIPT = _append("KEYS[1]", "ARGV[1]", 2)
 
 
 # Tags (``_tags``).

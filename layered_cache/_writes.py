@@ -30,7 +30,7 @@ from layered_cache._policy import Policy
 from layered_cache._readyqueue import others_are_ready
 from layered_cache._runtime import Runtime
 from layered_cache._tags import entry_tags
-from layered_cache._write_commands import Append, is_one_write
+from layered_cache._write_commands import Append
 from layered_cache._write_ends import WriteEnds
 
 __all__ = ["Writes"]
@@ -40,13 +40,10 @@ class _Write:
     """One ``set()``'s L2 write, as its caller and the task writing it both see it: the
     caller may be cancelled while the write runs on (``Writes._write``)."""
 
-    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused", "unsent", "writes")
+    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused", "unsent")
 
-    def __init__(
-        self, keys: list[str], writes: list[Write], announcement: Announcement | None
-    ) -> None:
+    def __init__(self, keys: list[str], announcement: Announcement | None) -> None:
         self.keys = keys
-        self.writes = writes
         self.announcement = announcement  # rides in the write's atomic step (one node)
         self.appended: bool | None = None  # whether the write carried it (None: no reply)
         self.done = False  # the write's task finished (landed or failed)
@@ -57,14 +54,12 @@ class _Write:
     def unannounced(self) -> bool:
         """Whether the keys still need announcing: no announcement rode in the write (a
         cluster, no backplane), or the stream refused it and nothing else carried it.
-        With no reply read (its caller left, it timed out: it may land later), the
-        script needs nothing more: it appends, or publishes on the fallback channel,
-        with its SETs, or runs not at all (``WRITE_ONE_SCRIPT``). A transaction can't
-        publish a refused append itself, and nobody will read its reply: it is announced
-        at once, in the background (before it lands, if the network holds it back)."""
-        if self.announcement is None or self.appended is False:
-            return True
-        return self.appended is None and not is_one_write(self.writes)
+        With no reply read (its caller left, it timed out: it may land later), the write
+        needs nothing more: its append appends, or publishes on the fallback channel,
+        with its SETs, or runs not at all (``_write_commands``). Announced now, in the
+        background, it could come before the write lands, and a read here in between
+        would keep the replaced value (``_unsettled`` waits for the write's own)."""
+        return self.announcement is None or self.appended is False
 
 
 class Writes:
@@ -171,7 +166,7 @@ class Writes:
         Returns False when a Redis full under noeviction refused the values: then the
         keys are dropped everywhere instead."""
         announcement = self._rt.invalidator.announcement_with_writes(keys)
-        write = _Write(keys, writes, announcement)
+        write = _Write(keys, announcement)
         try:
             # In a cluster to completion; on one node in place (the module doc says why).
             writing = self._written(writes, write)

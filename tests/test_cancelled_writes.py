@@ -435,9 +435,9 @@ WRITES = {  # each call of a set(), and the command its write is held at
 
 
 @contextlib.asynccontextmanager
-async def _proxied_writer(redis_url: str, prefix: str, how: str) -> AsyncIterator[
-    tuple[ToxicProxy, LayeredCache, LayeredCache]
-]:
+async def _proxied_writer(
+    redis_url: str, prefix: str, how: str, ns: dict[str, Any] = NS
+) -> AsyncIterator[tuple[ToxicProxy, LayeredCache, LayeredCache]]:
     """Instances a (through a proxy that can hold a command before Redis: a slow
     network) and b, both connected to the backplane; a's ``redis.timeout`` is 300 ms if
     its caller is to time out, else 5 s."""
@@ -447,9 +447,9 @@ async def _proxied_writer(redis_url: str, prefix: str, how: str) -> AsyncIterato
     timeout = "300ms" if how == "timed_out" else "5s"
     try:
         async with (
-            LayeredCache.from_config(make_config(proxied, prefix, NS, redis={"timeout": timeout}))
+            LayeredCache.from_config(make_config(proxied, prefix, ns, redis={"timeout": timeout}))
             as a,
-            LayeredCache.from_config(make_config(redis_url, prefix, NS)) as b,
+            LayeredCache.from_config(make_config(redis_url, prefix, ns)) as b,
         ):
             await _connected(a, b)
             yield proxy, a, b
@@ -495,9 +495,9 @@ async def test_a_set_that_lands_after_its_caller_left_on_a_stream_refusing_appen
     refused: WRONGTYPE); a's set() is held before Redis and its caller leaves; then the
     write lands: the SETs land, the XADD is refused. Once, nobody announced it: with no
     reply read, the write counted as appended (``_Write.unannounced``), and b served
-    "old" from L1 for its 60 s TTL. Now set()'s script publishes a refused append on
-    the fallback channel itself, in the same step, whenever it lands; a transaction
-    (``set_many``, a hot key), which can't, is announced in the background at once."""
+    "old" from L1 for its 60 s TTL. Now the write's append (set()'s script, or a
+    transaction's EVAL of the same Lua) publishes a refused append on the fallback
+    channel itself, in the same step, whenever it lands."""
     held_at, write = WRITES[call]
     ids = (1, 2) if call == "set_many" else (1,)
     admin = aioredis.Redis.from_url(redis_url)
@@ -562,6 +562,64 @@ async def test_a_set_that_lands_after_its_caller_left_leaves_no_replaced_value_i
             assert await eventually(lambda: _landed(admin, a, ids, b"new"), timeout=3)
             for i in ids:
                 assert await eventually(lambda i=i: _is(a, "new", fields={"id": i}), timeout=3)
+                assert await eventually(lambda i=i: _is(b, "new", fields={"id": i}), timeout=3)
+        finally:
+            await admin.delete(name)
+            await admin.aclose()
+
+
+HOT_NS = {"book": {**NS["book"], "hot": {"replicas": 3, "keys": ["book:1"]}}}
+TRANSACTIONS = {  # the namespaces, the call (held at its MULTI), and the ids it writes
+    "set_many": (NS, WRITES["set_many"][1], (1, 2)),
+    "hot_set": (HOT_NS, WRITES["set"][1], (1,)),  # a hot key: its replicas, a transaction
+}
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed_out"])
+@pytest.mark.parametrize("call", list(TRANSACTIONS))
+async def test_a_transaction_write_that_lands_after_its_caller_left_on_a_refusing_stream_leaves_no_replaced_value_in_the_writer_l1(
+    redis_url: str, prefix: str, call: str, how: str
+) -> None:
+    """docs/operations.md ("Redis"): a set() that timed out "... this instance's L1 is
+    left empty either way, so its next read goes to L2, and a write that lands later
+    (within 60 s) drops what such a read filled here"; README "Invalidation wins
+    everywhere": "A single-node write whose caller left before its reply may land later
+    still ...: for 60 s this instance applies its own entries naming those keys ..., so
+    a read here in between keeps no replaced copy".
+
+    Scenario (a transaction on a refusing stream): a's set_many("new"), or set() of a
+    hot key (its replicas: a MULTI/EXEC too), is held before Redis (proxy at MULTI) and
+    its caller leaves; the stream's name holds a string (XADD refused). A read on a
+    then fills "old" from L2; the transaction lands: its SETs, and a refused append.
+    Expected: a serves "new" soon. Happened: "old" from L1 for its 60 s TTL while L2
+    held "new": a transaction whose reply nobody read was announced once, at once, in
+    the background (``_Write.unannounced``), before it landed, and its refused XADD
+    published nothing when it did land, so no entry naming the keys came after the
+    read. Now its append is an EVAL of the set() script's own append
+    (``APPEND_SCRIPT``), which publishes a refused entry on the fallback channel in the
+    same step, whenever that lands."""
+    ns, write, ids = TRANSACTIONS[call]
+    admin = aioredis.Redis.from_url(redis_url)
+    config = make_config(redis_url, prefix, NS)
+    name = config.redis.prefix + config.backplane.stream
+    async with _proxied_writer(redis_url, prefix, how, ns) as (proxy, a, b):
+        try:
+            await write(a, "old")
+            for i in ids:
+                assert await eventually(lambda i=i: _is(b, "old", fields={"id": i}), timeout=3)
+            await admin.delete(name)
+            await admin.set(name, "not a stream")  # every XADD now fails (WRONGTYPE)
+            proxy.hold_at = b"MULTI"
+            await _leave_held_write(proxy, write(a, "new"), how)
+            await asyncio.sleep(0.3)  # an announcement sent now has gone round by then
+            for i in ids:  # read on a after its write's caller left: L2 still holds "old"
+                assert await a.get("book", {"id": i}) == "old"
+            proxy.release.set()  # the write reaches Redis now: SETs land, XADD refused
+            assert await eventually(lambda: _landed(admin, a, ids, b"new"), timeout=3)
+            for i in ids:
+                assert await eventually(
+                    lambda i=i: _is(a, "new", fields={"id": i}), timeout=5
+                ), f"a still serves {await a.get('book', {'id': i})!r}; L2 holds 'new'"
                 assert await eventually(lambda i=i: _is(b, "new", fields={"id": i}), timeout=3)
         finally:
             await admin.delete(name)

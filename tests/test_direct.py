@@ -524,6 +524,12 @@ async def test_a_write_whose_set_fails_as_exec_runs_raises_even_when_its_append_
     monkeypatch.setattr(direct, "execute_transaction", append_refused)
     assert await run_transaction(cast(Any, None), writes, announcement) is Append.REFUSED
 
+    async def append_published(client: Any, commands: direct.Packed) -> list[Any]:
+        return [b"OK", b"OK", 2, [b"WRONGTYPE Operation against a key"]]  # APPEND_SCRIPT's
+
+    monkeypatch.setattr(direct, "execute_transaction", append_published)
+    assert await run_transaction(cast(Any, None), writes, announcement) is Append.PUBLISHED
+
 
 @pytest.mark.parametrize("busy_poll", [0.0001, None], ids=["request-path", "listener"])
 async def test_a_kept_connection_whose_redis_restarted_before_the_loop_noticed_is_replaced(
