@@ -20,7 +20,16 @@ last read above it (hysteresis: a key hovering around the threshold does not fla
 between replicas and the base key). Static keys from config are always hot, and
 counted like the others so that their rate is reported.
 
-Single-threaded by design (one asyncio loop per cache instance): no locks.
+Threads: only the cache's loop thread writes (``record``, ``is_hot``, the window
+rotation, demotion), lock-free on the read path. Other threads only read: a Prometheus
+scrape calls ``hot_keys()`` from its server thread (and any call of the sync API's
+``hot_keys()`` comes from another thread than the loop). So ``rate`` and ``hot_keys``
+never mutate anything: a window over is rotated virtually in the reader's own variables
+(a reader that rotated for real would rotate a second time after the loop, and throw a
+window of counts away), a cooled key is left out (the loop demotes it), and the hot set
+is copied in one C-level step before it is walked (the loop may add a key meanwhile).
+The one multi-field update, the rotation (once per window), is made under a lock that a
+reader takes to copy the three fields, so it never sees a half-rotated pair of windows.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable
+
+from layered_cache._forklock import ForkSafeLock
 
 __all__ = ["HotKeyDetector"]
 
@@ -46,6 +57,7 @@ class HotKeyDetector:
         "_current",
         "_hot",
         "_previous",
+        "_rotation",
         "_window_start",
         "cooldown",
         "static",
@@ -73,18 +85,40 @@ class HotKeyDetector:
         self._window_start = clock()
         # key -> (when it last read above the threshold, the rate measured then)
         self._hot: dict[str, tuple[float, float]] = {}
+        # Taken by the loop only to rotate (once per window), by readers to copy the
+        # window fields: never on a read that stays in its window.
+        self._rotation = ForkSafeLock()
 
     # -- counting ----------------------------------------------------------------------
 
     def _rotate(self, now: float) -> None:
-        """Start a new window; the finished one becomes ``previous``."""
+        """Start a new window; the finished one becomes ``previous`` (loop thread only).
+        Cooled keys are demoted here too, so a key hot once does not leave every later
+        read paying the hot-set look-up."""
         elapsed = now - self._window_start
-        if elapsed < 2 * self.window:
-            self._previous = self._current
-        else:  # idle for more than a window: the previous one is empty too
-            self._previous = [0] * _CELLS
-        self._current = [0] * _CELLS
-        self._window_start += self.window * int(elapsed // self.window)
+        fresh = [0] * _CELLS
+        previous = self._current if elapsed < 2 * self.window else [0] * _CELLS
+        with self._rotation:  # a reader copies these three together (``_windows``)
+            self._previous = previous
+            self._current = fresh
+            self._window_start += self.window * int(elapsed // self.window)
+        if self._hot:
+            self._expire(now)
+
+    def _windows(self) -> tuple[float, list[int], list[int], float]:
+        """A reader's copy of (window start, current, previous, now), rotated in these
+        variables only if the loop has not rotated yet: the detector is left as it is.
+        ``now`` is read after the copy, so it is never before the copied start."""
+        with self._rotation:
+            start, current, previous = self._window_start, self._current, self._previous
+        now = self._clock()
+        elapsed = now - start
+        if elapsed >= self.window:
+            empty = [0] * _CELLS
+            previous = current if elapsed < 2 * self.window else empty
+            current = empty
+            start += self.window * int(elapsed // self.window)
+        return start, current, previous, now
 
     def record(self, key: str) -> bool:
         """Count one L2 read of ``key``; returns whether the key is hot now.
@@ -131,10 +165,10 @@ class HotKeyDetector:
             return True
         return self.is_hot(key, now) if self._hot else key in self.static
 
-    def _blend(self, current: int, previous: int, now: float) -> float:
+    def _blend(self, current: int, previous: int, now: float, start: float) -> float:
         """Sliding window: all of this window plus the part of the previous one that
         still lies inside ``[now - window, now]``."""
-        overlap = 1.0 - (now - self._window_start) / self.window
+        overlap = 1.0 - (now - start) / self.window
         return (current + previous * max(0.0, overlap)) / self.window
 
     def _remember(self, key: str, now: float, rate: float) -> None:
@@ -149,15 +183,13 @@ class HotKeyDetector:
 
     def rate(self, key: str) -> float:
         """Estimated reads/s of ``key`` over the sliding window (never under-estimates
-        the key's own reads; collisions can only add)."""
-        now = self._clock()
-        if now - self._window_start >= self.window:
-            self._rotate(now)
+        the key's own reads; collisions can only add). Read-only: any thread."""
+        start, current_window, previous_window, now = self._windows()
         hashed = hash(key)
         rows = [row * _WIDTH + ((hashed >> (12 * row)) & _MASK) for row in range(_DEPTH)]
-        current = min(self._current[i] for i in rows)
-        previous = min(self._previous[i] for i in rows)
-        return self._blend(current, previous, now)
+        current = min(current_window[i] for i in rows)
+        previous = min(previous_window[i] for i in rows)
+        return self._blend(current, previous, now, start)
 
     # -- the hot set -------------------------------------------------------------------
 
@@ -169,27 +201,31 @@ class HotKeyDetector:
         if seen is None:
             return False
         if (self._clock() if now is None else now) - seen[0] > self.cooldown:
-            del self._hot[key]  # cooled down: demoted
+            self._hot.pop(key, None)  # cooled down: demoted
             return False
         return True
 
     def _expire(self, now: float) -> None:
+        """Demote the cooled keys (loop thread only)."""
         cooldown = self.cooldown
-        for key in [k for k, (seen, _) in self._hot.items() if now - seen > cooldown]:
-            del self._hot[key]
+        for key in [k for k, (seen, _) in list(self._hot.items()) if now - seen > cooldown]:
+            self._hot.pop(key, None)
 
     def hot_keys(self) -> dict[str, float]:
         """Current hot keys with their current estimated rate in reads/s.
 
         Static keys are included, with their rate counted as any key's (0.0 without
         detection: then nothing is counted); the ``layered-cache hotkeys`` CLI lists
-        them once, as static, not again as detected.
+        them once, as static, not again as detected. Read-only (module doc): a cooled
+        key is left out, not demoted, and the hot set is walked on a copy.
         """
-        self._expire(self._clock())
+        now = self._clock()
+        hot = list(self._hot.items())  # one C-level copy: the loop may add keys meanwhile
         measure = self.threshold is not None
         result = {key: self.rate(key) if measure else 0.0 for key in self.static}
-        for key, (_, peak) in self._hot.items():
-            result[key] = max(self.rate(key), 0.0) if measure else peak
+        for key, (seen, peak) in hot:
+            if now - seen <= self.cooldown:
+                result[key] = max(self.rate(key), 0.0) if measure else peak
         return result
 
     # -- memory ------------------------------------------------------------------------
@@ -206,5 +242,5 @@ class HotKeyDetector:
             sys.getsizeof(self._current)
             + sys.getsizeof(self._previous)
             + sys.getsizeof(self._hot)
-            + sum(sys.getsizeof(v) for v in self._hot.values())
+            + sum(sys.getsizeof(v) for v in list(self._hot.values()))
         )

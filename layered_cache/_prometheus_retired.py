@@ -136,7 +136,8 @@ class RetiredCounters:
             return
         for namespace, stats in source.stats.items():
             counts = {n: v for n, v in stats.as_dict().items() if isinstance(v, int)}
-            part = _Part(namespace, counts, {str(i): c for i, c in stats.replica_reads.items()})
+            reads = list(stats.replica_reads.items())  # one C-level copy: a loop may count on
+            part = _Part(namespace, counts, {str(i): c for i, c in reads})
             self._add(part, 1)
             self._retired_from[stats] = part
         source.stats = {}

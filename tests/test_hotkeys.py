@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import redis.asyncio as redis
+from prometheus_client import CollectorRegistry
 
 from layered_cache import LayeredCache
 from layered_cache._hotkeys import HotKeyDetector
 from layered_cache._keys import replica_names
 from layered_cache._replicas import delete_name_phases, delete_phases
+from layered_cache.prometheus import register_cache, render_metrics
 from tests.helpers import CountingLoader, eventually, make_config
 from tests.servers import RedisServer
 
@@ -422,3 +425,176 @@ async def test_get_of_an_absent_hot_key_reads_its_base_key_once(
         single = await _gets(admin) - before
     await admin.aclose()
     assert (single, batch) == (2, 2)
+
+
+# -- read by a Prometheus scrape, from another thread than the loop ----------------------
+
+SCRAPED = {"replicas": 2, "threshold": "100/s", "window": "1s", "cooldown": "10s",
+           "keys": ["book:1"]}  # fmt: skip
+
+
+def _scraped_cache(redis_url: str, prefix: str) -> LayeredCache:
+    """``book`` with detection (100/s, window 1 s), a static hot key (so a scrape measures
+    a rate), no L1 (every read counts) and no backplane."""
+    namespaces = {"book": {"key": "book:{id}", "l1": False, "hot": SCRAPED}}
+    config = make_config(redis_url, prefix, namespaces, backplane={"enabled": False})
+    return LayeredCache.from_config(config)
+
+
+def _detector(cache: LayeredCache, clock: Any) -> HotKeyDetector:
+    detector = cache.namespace("book").policy.hot
+    assert detector is not None
+    detector._clock = clock
+    detector._window_start = 0.0
+    return detector
+
+
+async def test_a_scrape_from_the_metrics_thread_keeps_every_window_of_hot_key_counts(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/hotkeys.md, "Detection": "A count-min estimate never under-counts a key's own
+    reads; collisions can only add", and a key read at or above the threshold is hot
+    within two windows; docs/metrics.md: the collector reads the caches "when Prometheus
+    scrapes" (``render_metrics`` in a server thread: with the sync API always another
+    thread than the cache's loop).
+
+    99 reads of book:2 in window 0 (not yet hot). Just after the window ends a scrape
+    runs in a thread; the loop's next read rotates the window. A scrape that rotates too
+    is held in ``_rotate`` until the loop has rotated (the race, forced), then 4 more
+    reads. A twin detector fed the same reads on the same clock gives the estimate.
+    It was ~5 reads/s and book:2 not hot: ``hot_keys()`` -> ``rate`` rotated from the
+    scrape thread, a second time, making the loop's fresh window the "previous" one
+    and throwing window 0's 99 reads away. A scrape now rotates nothing (read-only).
+    """
+    async with _scraped_cache(redis_url, prefix) as cache:
+        registry = CollectorRegistry()
+        register_cache(cache, registry)
+        clock = [0.0]
+        detector = _detector(cache, lambda: clock[0])
+        twin = HotKeyDetector(100.0, 1.0, 10.0, detector.static, clock=lambda: clock[0])
+        await cache.set("book", {"id": 2}, "v")
+        key = cache.key("book", {"id": 2})
+
+        async def read() -> None:
+            await cache.get("book", {"id": 2})
+            twin.record(key)
+
+        clock[0] = 0.5
+        for _ in range(99):
+            await read()
+        clock[0] = 1.02  # the next window
+
+        loop_thread = threading.get_ident()
+        scrape_held, loop_rotated = threading.Event(), threading.Event()  # held: or done
+        original = HotKeyDetector._rotate
+
+        def rotate(self: HotKeyDetector, now: float) -> None:
+            if self is detector and threading.get_ident() != loop_thread:
+                scrape_held.set()
+                loop_rotated.wait(5)
+            original(self, now)
+
+        def scrape_metrics() -> None:
+            render_metrics(registry)
+            scrape_held.set()
+
+        monkeypatch.setattr(HotKeyDetector, "_rotate", rotate)
+        scrape = asyncio.get_running_loop().run_in_executor(None, scrape_metrics)
+        assert await asyncio.to_thread(scrape_held.wait, 5)
+        await read()  # the loop's read: rotates the window
+        loop_rotated.set()
+        await scrape
+        for _ in range(4):
+            await read()
+        assert twin.rate(key) == pytest.approx(102.0, abs=0.5)
+        assert detector.rate(key) == pytest.approx(twin.rate(key), abs=0.5)
+        assert key in cache.hot_keys()["book"]
+
+
+async def test_a_scrape_while_a_key_turns_hot_still_reports_the_hot_keys_gauge(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/metrics.md: ``layered_cache_hot_keys`` (gauge, ``namespace``) is "keys this
+    process treats as hot now (detected + static)", read "when Prometheus scrapes" (a
+    server thread).
+
+    book:2 is hot beside the static book:1. While a scrape's ``hot_keys()`` walks the
+    hot set (held at book:2's ``rate``) the loop promotes book:3. The scrape's series
+    for ``book`` was missing: "dictionary changed size during iteration", swallowed by
+    ``prometheus._hot_keys``. The hot set is now copied before it is walked.
+    """
+    async with _scraped_cache(redis_url, prefix) as cache:
+        registry = CollectorRegistry()
+        register_cache(cache, registry)
+        detector = _detector(cache, lambda: 0.5)
+        for book in (2, 3):
+            await cache.set("book", {"id": book}, "v")
+        for _ in range(100):
+            await cache.get("book", {"id": 2})
+        hot2 = cache.key("book", {"id": 2})
+        assert hot2 in cache.hot_keys()["book"]
+
+        loop_thread = threading.get_ident()
+        scrape_iterating, promoted = threading.Event(), threading.Event()
+        original = HotKeyDetector.rate
+
+        def rate(self: HotKeyDetector, key: str) -> float:
+            if self is detector and key == hot2 and threading.get_ident() != loop_thread:
+                scrape_iterating.set()
+                promoted.wait(5)
+            return original(self, key)
+
+        monkeypatch.setattr(HotKeyDetector, "rate", rate)
+        scrape = asyncio.get_running_loop().run_in_executor(None, render_metrics, registry)
+        assert await asyncio.to_thread(scrape_iterating.wait, 5)
+        for _ in range(100):
+            await cache.get("book", {"id": 3})  # book:3 turns hot
+        promoted.set()
+        body, _ = await scrape
+    gauge = [
+        line
+        for line in body.decode().splitlines()
+        if line.startswith('layered_cache_hot_keys{namespace="book"}')
+    ]
+    assert gauge == ['layered_cache_hot_keys{namespace="book"} 2.0'], gauge
+
+
+async def test_a_scrape_that_sees_a_cooled_key_does_not_break_a_concurrent_set(
+    redis_url: str, prefix: str
+) -> None:
+    """README: ``set()`` "Raises ``L2Unavailable`` if Redis fails" (nothing else for a
+    healthy Redis); a scrape only reads (prometheus.py: "a scrape must never fail because
+    of one cache", nor make a request fail).
+
+    book:2 was hot, then cooled down (cooldown passed, not looked up since).
+    ``set(book:2)`` asks ``HotKeyDetector.is_hot``, which found the key in the hot set
+    and reads the clock; at that moment (forced by the clock) a whole scrape runs in
+    another thread. ``set()`` raised ``KeyError``: the scrape's ``hot_keys()`` had
+    demoted the key, and ``is_hot``'s ``del`` found it gone. A scrape now leaves a cooled
+    key out of its answer without demoting it; the loop demotes it with ``pop``.
+    """
+    async with _scraped_cache(redis_url, prefix) as cache:
+        registry = CollectorRegistry()
+        register_cache(cache, registry)
+        now, armed = [0.5], [False]
+        loop_thread = threading.get_ident()
+
+        def clock() -> float:
+            if armed[0] and threading.get_ident() == loop_thread:
+                armed[0] = False
+                scrape = threading.Thread(target=render_metrics, args=(registry,))
+                scrape.start()
+                scrape.join(5)
+            return now[0]
+
+        detector = _detector(cache, clock)
+        await cache.set("book", {"id": 2}, "v1")
+        for _ in range(100):
+            await cache.get("book", {"id": 2})
+        key = cache.key("book", {"id": 2})
+        assert key in detector._hot
+        now[0] = 20.0  # cooled down (cooldown 10 s), not looked up since
+        armed[0] = True
+        await cache.set("book", {"id": 2}, "v2")
+        assert await cache.get("book", {"id": 2}) == "v2"
+        assert cache.hot_keys()["book"].keys() == {cache.key("book", {"id": 1})}
