@@ -59,21 +59,16 @@ class BatchLoader:
         """The values of ``reads`` (begun together), which keep what ``Served`` says.
         ``on_hits`` hears the L2 hits before the misses load: their joiners need not wait
         for ``load_many``, which may itself read them (and would wait for itself)."""
-        policy, first = self._policy, next(iter(reads.values()))
-        seq, tags = first.seq, first.tags_of
+        policy, seq = self._policy, next(iter(reads.values())).seq
         if not policy.l2:
-            policy.stats.miss += len(reads)
-            generation = self._fills.versions.generation
-            values = await self.call(load_many, list(fields_of.values()))
-            loaded = [(key, seq, value) for key, value in zip(fields_of, values, strict=True)]
-            await self._fills.fill_l1_only(loaded, tags, generation)
-            return dict(zip(fields_of, values, strict=True))
+            return await self._load_l1_only(reads, fields_of, load_many)
         try:
             envelopes = await self._reader.read_many(list(fields_of))
         except L2Unavailable:
             envelopes = {}
         if len(envelopes) < len(reads):  # Redis, or a cluster master, failed
             policy.stats.redis_error += 1
+            policy.stats.miss += len(reads) - len(envelopes)  # unread: the loader answers
         if not envelopes:
             return await self._load_unleased(list(reads.values()), fields_of, load_many)
         found: dict[str, Any] = {}
@@ -99,6 +94,18 @@ class BatchLoader:
             loader = one_loader(policy.name, fields_of[read.key], load_many)
             self._refresher.maybe_refresh_early(read, envelope, loader, now)
         return found
+
+    async def _load_l1_only(
+        self, reads: dict[str, Read], fields_of: dict[str, Fields], load_many: LoadMany
+    ) -> dict[str, Any]:
+        """The misses of an ``l2 = false`` namespace: one load, then fill L1."""
+        first = next(iter(reads.values()))
+        self._policy.stats.miss += len(reads)
+        generation = self._fills.versions.generation
+        values = await self.call(load_many, list(fields_of.values()))
+        loaded = [(key, first.seq, value) for key, value in zip(fields_of, values, strict=True)]
+        await self._fills.fill_l1_only(loaded, first.tags_of, generation)
+        return dict(zip(fields_of, values, strict=True))
 
     async def _load_misses(
         self,

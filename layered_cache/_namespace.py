@@ -191,8 +191,9 @@ class Namespace:
             try:
                 async with self._rt.admission:  # see Runtime.admission
                     envelope, _ = await self._read_l2(key)
-            except L2Unavailable:
+            except L2Unavailable:  # the loader answers this read: a miss, as docs/metrics.md
                 policy.stats.redis_error += 1
+                policy.stats.miss += 1
                 return served_of(policy, read, await self._miss.load_unleased(read, loader))
         now = self._rt.clock()
         if envelope is not None and now < envelope.soft_expiry:

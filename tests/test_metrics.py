@@ -5,18 +5,24 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import pytest
+import redis.asyncio as redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from layered_cache import LayeredCache
+from layered_cache._batch_read import BatchReader
+from layered_cache._keys import lease_name
+from layered_cache._l2 import L2Unavailable
 from layered_cache._tracing import SPAN_NAME, instrument
 from layered_cache.prometheus import register_cache, render_metrics, unregister_cache
 from layered_cache.sync import SyncLayeredCache
 from tests.helpers import CountingLoader, make_config
+from tests.servers import free_port
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -157,8 +163,6 @@ def test_a_sync_cache_closed_and_started_again_never_decreases_a_counter(
 
 
 async def test_failed_loads_and_redis_errors(redis_url: str, prefix: str) -> None:
-    from tests.servers import free_port
-
     config = make_config(f"redis://127.0.0.1:{free_port()}/0", prefix, backplane={"enabled": False})
     registry = CollectorRegistry()
     async with LayeredCache.from_config(config) as cache:
@@ -244,3 +248,122 @@ async def test_a_cache_unregistered_and_registered_again_is_counted_once(
         assert registry.get_sample_value(*l1_hits) == 11
         unregister_cache(cache, registry)
         assert registry.get_sample_value(*l1_hits) == 11
+
+
+# -- requests_total{result="miss"}: every read the loader answered, once ------------------
+# docs/metrics.md: ``layered_cache_requests_total`` is "reads by the layer that answered;
+# ``miss`` went to the loader", and the hit ratio is
+# ``rate(requests_total{result=~"l1_hit|l2_hit"}) / rate(requests_total)``. The reads
+# the loader answered because Redis failed were not counted at all (``Namespace._fetch``
+# and ``BatchLoader.fetch_many`` counted ``redis_error`` and loaded): during an outage,
+# in which every read but the L1 hits goes to the database, the hit ratio read 100 %.
+
+
+def _requests(cache: LayeredCache) -> tuple[int, int, int, int]:
+    stats = cache.stats()["book"]
+    return stats["l1_hit"], stats["l2_hit"], stats["miss"], stats["load"]  # type: ignore[return-value]
+
+
+async def _load_many(fields_list: list[Mapping[str, object]]) -> list[str]:
+    return [f"v{fields['id']}" for fields in fields_list]
+
+
+async def test_reads_answered_by_the_loader_while_redis_is_down_count_as_misses(
+    prefix: str,
+) -> None:
+    """Redis unreachable: 5 ``get_or_load`` of 5 distinct keys (the first two fail on
+    Redis, the next ones find the breaker open), then one more of book 0, an L1 hit
+    (the loaded value is kept in L1). miss was 0 with loads_total 5."""
+    config = make_config(f"redis://127.0.0.1:{free_port()}/0", prefix, backplane={"enabled": False})
+    registry = CollectorRegistry()
+    async with LayeredCache.from_config(config) as cache:
+        register_cache(cache, registry)
+        loader = CountingLoader("v")
+        for book in range(5):
+            assert await cache.get_or_load("book", {"id": book}, loader) == "v"
+        assert await cache.get_or_load("book", {"id": 0}, loader) == "v"  # L1
+        data = samples(registry)
+    assert loader.calls == 5
+    assert value(data, "layered_cache_loads_total", namespace="book") == 5
+    assert value(data, "layered_cache_redis_errors_total", namespace="book") == 5
+    requests = {
+        result: value(data, "layered_cache_requests_total", namespace="book", result=result)
+        for result in ("l1_hit", "l2_hit", "miss")
+    }
+    assert requests == {"l1_hit": 1, "l2_hit": 0, "miss": 5}
+
+
+async def test_a_batch_read_while_redis_is_down_counts_each_loaded_key_once(
+    prefix: str,
+) -> None:
+    """``get_or_load_many`` of 3 keys with Redis unreachable: one ``load_many`` call, 3
+    misses (were 0); again: 3 L1 hits."""
+    config = make_config(f"redis://127.0.0.1:{free_port()}/0", prefix, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        books = [{"id": book} for book in range(3)]
+        assert await cache.get_or_load_many("book", books, _load_many) == ["v0", "v1", "v2"]
+        assert _requests(cache) == (0, 0, 3, 3)
+        assert await cache.get_or_load_many("book", books, _load_many) == ["v0", "v1", "v2"]
+        assert _requests(cache) == (3, 0, 3, 3)
+
+
+async def test_a_batch_key_left_unread_by_a_failed_master_counts_one_miss(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of book 1 (in Redis), 2 (absent) and 3, whose master failed (a cluster
+    master down: left out of the MGET's answer, forced here). 1 is an L2 hit, 2 and 3
+    load: 2 misses (3 was not counted)."""
+    read_many = BatchReader.read_many
+
+    async def master_down(self: BatchReader, keys: list[str], **kw: Any) -> dict[str, Any]:
+        return {k: v for k, v in (await read_many(self, keys, **kw)).items() if k != lost}
+
+    namespaces = {"book": {"key": "book:{id}", "l1": False}}  # book 1 is read from Redis
+    config = make_config(redis_url, prefix, namespaces, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v1")
+        lost = cache.key("book", {"id": 3})
+        monkeypatch.setattr(BatchReader, "read_many", master_down)
+        books = [{"id": book} for book in (1, 2, 3)]
+        assert await cache.get_or_load_many("book", books, _load_many) == ["v1", "v2", "v3"]
+        assert _requests(cache) == (0, 1, 2, 2)
+        assert cache.stats()["book"]["redis_error"] == 1
+
+
+async def test_a_read_whose_lease_wait_fails_counts_one_miss(redis_url: str, prefix: str) -> None:
+    """Book 1 and 2 absent, their leases held by another process; waiting for its fill,
+    Redis fails: each read loads without writing L2. One miss each (single and batch
+    path), not two: the miss was counted when L2 had nothing."""
+    config = make_config(redis_url, prefix, backplane={"enabled": False})
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as cache:
+        for book in (1, 2):
+            await admin.set(lease_name(cache.key("book", {"id": book})), "another", px=5000)
+
+        async def redis_fails(*args: Any, **kwargs: Any) -> Any:
+            raise L2Unavailable("down")
+
+        cache._rt.leases.wait_for_fill = redis_fails  # type: ignore[method-assign]
+        assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        assert await cache.get_or_load_many("book", [{"id": 2}], _load_many) == ["v2"]
+        stats = cache.stats()["book"]
+    await admin.aclose()
+    assert _requests(cache) == (0, 0, 2, 2)
+    assert stats["redis_error"] == 2
+
+
+async def test_a_read_whose_lease_request_fails_counts_one_miss(
+    redis_url: str, prefix: str
+) -> None:
+    """Book 1 absent; Redis fails on the lease's SET NX: the read loads without writing
+    L2. One miss (counted when L2 had nothing), one load."""
+    config = make_config(redis_url, prefix, backplane={"enabled": False})
+    async with LayeredCache.from_config(config) as cache:
+
+        async def redis_fails(*args: Any, **kwargs: Any) -> Any:
+            raise L2Unavailable("down")
+
+        cache._rt.leases.try_acquire = redis_fails  # type: ignore[method-assign]
+        assert await cache.get_or_load("book", {"id": 1}, CountingLoader("v1")) == "v1"
+        assert _requests(cache) == (0, 0, 1, 1)
+        assert cache.stats()["book"]["redis_error"] == 1
