@@ -335,13 +335,13 @@ class Relay:
             return encode_error(f"ERR {exc}")
         loop = asyncio.get_running_loop()
         deadline = None if block_ms is None else loop.time() + (block_ms or 1e9) / 1000
-        position: tuple[int, int] | None = None
+        if after == b"$":
+            self._forwarded += 1  # a question to Redis (``_newest``)
+        position = await _newest(self._upstream) if after == b"$" else parse_id(after)
         while True:
             tail = self._tail
             if tail is None:
                 raise _Unavailable
-            if position is None:
-                position = parse_id(tail.last) if after == b"$" else parse_id(after)
             reply = tail.replies.get((position, count))
             if reply is not None:
                 self._from_memory += 1
@@ -382,3 +382,15 @@ def _left(client: asyncio.StreamReader) -> bool:
 def _entries_reply(stream: bytes, entries: list[bytes]) -> bytes:
     header = b"*1\r\n*2\r\n" + encode(stream) + b"*%d\r\n" % len(entries)
     return header + b"".join(entries)
+
+
+async def _newest(upstream: Upstream) -> tuple[int, int]:
+    """``$``: the stream's newest ID in Redis, asked after the command arrived, as Redis
+    resolves it. Not the relay's newest (``_Tail.last``): a relay a read behind Redis
+    handed out entries appended before the call as if after it."""
+    try:
+        return parse_id(await upstream.newest_id(for_client=True))
+    except Exception as exc:
+        if is_redis_failure(exc):
+            raise _Unavailable from exc
+        raise

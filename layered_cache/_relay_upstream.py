@@ -55,10 +55,12 @@ class Upstream:
             self._client = await self._connect()
         return await self._client.execute_command(*args)  # type: ignore[no-untyped-call]
 
-    async def newest_id(self) -> bytes:
+    async def newest_id(self, *, for_client: bool = False) -> bytes:
         """Where a relay starts: after the newest entry, or before everything if there
-        is none yet (whatever is appended first is then read)."""
-        newest = await self.execute("XREVRANGE", self._stream, "+", "-", "COUNT", 1)
+        is none yet (whatever is appended first is then read). ``for_client``: a
+        client's ``XREAD ... $``, sent as a forwarded command (``FORWARDS_AT_ONCE``)."""
+        run = self.forward if for_client else self.execute
+        newest = await run("XREVRANGE", self._stream, "+", "-", "COUNT", 1)
         return bytes(newest[0][0]) if newest else b"0-0"
 
     async def missed_entries(self, last: bytes) -> bool:

@@ -256,3 +256,59 @@ async def test_an_instance_whose_first_count_through_a_relay_is_older_than_its_p
                 )
     finally:
         await relay.close()
+
+
+async def test_xread_dollar_through_a_lagging_relay_answers_only_entries_after_the_call(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """docs/operations.md, "Fan-out: the backplane relay": "the relay answers 'the
+    entries after ID X' exactly as Redis would, or closes the connection".
+
+    The relay's follower is held between two of its upstream XREADs (a relay a few ms
+    behind Redis, as any reader is). An entry E is appended to Redis; then a client asks,
+    through the relay and from Redis, ``XREAD BLOCK 1500 STREAMS <stream> $`` (what an
+    operator types in redis-cli to watch the stream). The follower goes on; nothing else
+    is appended. Redis answers nothing (E is older than the call); the relay answered
+    [E]: ``Relay._xread`` resolved ``$`` to the newest entry it had read itself, not the
+    stream's. It now asks Redis for the newest ID once the command is in. An entry
+    appended after such a call is served, as from Redis.
+    """
+    config = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = config.redis.prefix + config.backplane.stream
+    direct = redis.Redis.from_url(redis_server.url, protocol=2)
+    await direct.xadd(stream, {"origin": "-"})
+    relay, relay_url = await start_relay(config)
+    through = redis.Redis.from_url(relay_url, protocol=2)
+    gate, parked = asyncio.Event(), asyncio.Event()
+    upstream = relay._upstream
+    original = upstream.execute
+
+    async def gated(*args: Any) -> Any:
+        task = asyncio.current_task()
+        if args[0] == "XREAD" and task is not None and task.get_name() == "layered_cache._relay":
+            parked.set()
+            await gate.wait()
+        return await original(*args)
+
+    try:
+        upstream.execute = gated  # type: ignore[method-assign]
+        await asyncio.wait_for(parked.wait(), 5)  # the follower waits before its next read
+        entry = await direct.xadd(stream, {"keys": "k1"})
+        via_relay = asyncio.ensure_future(through.xread({stream: "$"}, block=1500))
+        via_redis = asyncio.ensure_future(direct.xread({stream: "$"}, block=1500))
+        await asyncio.sleep(0.2)  # both calls are in (the relay's resolved "$")
+        gate.set()
+        expected, got = await via_redis, await via_relay
+        assert expected == []  # Redis: nothing after the call
+        assert got == expected, f"relay answered {got!r}; E={entry!r} predates the call"
+
+        waiting = asyncio.ensure_future(through.xread({stream: "$"}, block=3000))
+        await asyncio.sleep(0.2)  # the call is in
+        later = await direct.xadd(stream, {"keys": "k2"})
+        ((name, entries),) = await waiting
+        assert (name, [entry_id for entry_id, _ in entries]) == (stream.encode(), [later])
+    finally:
+        gate.set()
+        await through.aclose()
+        await direct.aclose()
+        await relay.close()
