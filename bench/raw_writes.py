@@ -4,7 +4,8 @@ A blocking socket sends pre-packed bytes and reads until the reply is whole, so 
 figure is the network round trip plus the server's work, with next to no client work:
 a bare ``SET PX`` of the value, the one-key write script set() runs (``EVALSHA`` of
 ``WRITE_ONE_SCRIPT``: the SET, the lease's DEL and the backplane XADD), and the same
-three commands as ``MULTI``/.../``EXEC`` (what ``set_many`` sends). The difference
+three as ``MULTI``/.../``EXEC`` (what ``set_many`` sends: the append as an ``EVAL`` of
+``APPEND_SCRIPT``, which publishes it on the fallback channel if the stream refuses it). The difference
 between the first two is what the atomic write-and-announce costs on the server, which
 no client can win back; ``sets`` reports it beside set()'s ratio (docs/benchmarks.md).
 
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 from layered_cache._packing import pack_command
-from layered_cache._scripts import WRITE_ONE_SCRIPT
+from layered_cache._scripts import APPEND_SCRIPT, WRITE_ONE_SCRIPT
 
 __all__ = ["KINDS", "raw_round_trips"]
 
@@ -76,8 +77,8 @@ def _commands(conn: _Conn, prefix: str, value: bytes) -> dict[str, Callable[[int
         key = f"{prefix}raw:multi:{i}"
         data = (_packed("MULTI") + _packed("SET", key, value, "PX", _TTL_MS)
                 + _packed("DEL", f"{key}:lease")
-                + _packed("XADD", stream, "MAXLEN", "~", 10_000, "*", *entry) + _packed("EXEC"))
-        conn.call(data, 9)  # +OK, 3 x +QUEUED, *3, +OK, :n, $len, the ID
+                + _packed("EVAL", APPEND_SCRIPT, 1, stream, 10_000, *entry) + _packed("EXEC"))
+        conn.call(data, 8)  # +OK, 3 x +QUEUED, *3, +OK, :n, :1
 
     return dict(zip(KINDS, (set_px, script, transaction), strict=True))
 

@@ -159,7 +159,7 @@ async def run(env: BenchEnv) -> Section:
         "sequential awaits on one event loop; a fresh key per call; the cache has L1 and the "
         "backplane on (the backplane listener of the same process reads every entry). "
         "On a single node set() is one script (SET, DEL lease, XADD: one command, one reply) "
-        "and set_many one MULTI/EXEC (the SETs, one DEL of the leases, the XADD), both "
+        "and set_many one MULTI/EXEC (the SETs, one DEL of the leases, the append as an EVAL), both "
         "packed by layered_cache._direct; the listener pauses backplane.coalesce (1 ms) "
         "after a read that returned entries."
     )
