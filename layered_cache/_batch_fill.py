@@ -7,7 +7,6 @@ them after ``load_timeout`` and fills in the background (``load_and_fill``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -260,9 +259,11 @@ class BatchFill:
             self._rt.tasks.spawn(self.release([r.key for r in reads], token))
 
     async def release(self, keys: list[str], token: str) -> None:
-        # Redis down: the leases expire by themselves (lease_ttl).
-        with contextlib.suppress(L2Unavailable):
-            await self._batch.release_many([lease_name(key) for key in keys], token)
+        # Those an open breaker refused go past it (``_giveback``); a failed master's
+        # expire by themselves (lease_ttl).
+        refused = await self._batch.release_many([lease_name(key) for key in keys], token)
+        if refused:
+            self._rt.give_backs.past_breaker(refused, token)
 
 
 async def versions_of(

@@ -53,7 +53,9 @@ from layered_cache._write_commands import (
 if TYPE_CHECKING:
     from layered_cache._backplane import Announcement
 
-__all__ = ["NOTIFY_INLINE_MAX", "BreakerOpen", "L2Store", "L2Unavailable", "Write"]
+__all__ = [
+    "NOTIFY_INLINE_MAX", "BreakerOpen", "L2Store", "L2Unavailable", "LeaseRefused", "Write",
+]
 
 _log = structlog.get_logger("layered_cache.l2")
 
@@ -120,7 +122,12 @@ class L2Unavailable(Exception):
 
 class BreakerOpen(L2Unavailable):
     """Refused by the circuit breaker before anything was sent: nothing of it can land
-    later (a write that timed out may: ``_unsettled``)."""
+    later (a write that timed out may: ``_unsettled``), and no lease to give back
+    (``GiveBacks``)."""
+
+
+class LeaseRefused(BreakerOpen):
+    """A ``SET NX`` the open breaker refused: no lease was asked for, none to give back."""
 
 
 def _direct_client(client: RedisClient, busy_poll: float) -> direct.DirectClient | None:
@@ -227,13 +234,13 @@ class L2Store:
         # measurable share of a loopback GET.
         breaker = self.breakers.for_name(name)
         if not breaker.allow():
-            raise L2Unavailable("circuit breaker open")
+            raise BreakerOpen("circuit breaker open")
         task = asyncio.current_task()
         requested = task.cancelling() if task is not None else 0
         try:
             async with self.slots:
                 if breaker.opened():  # opened while we queued: ``CircuitBreaker.opened``
-                    raise L2Unavailable("circuit breaker open")
+                    raise BreakerOpen("circuit breaker open")
                 result = await self.bounded(_get(self, name))
         except (ResponseError, ClusterError, direct.ReplyTooLarge) as exc:
             if not is_key_error(exc):

@@ -25,6 +25,7 @@ same timeout (or meet the breaker it just opened).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -32,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from layered_cache import _direct as direct
 from layered_cache._chunks import by_count, by_size
 from layered_cache._keys import fill_channel
-from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._l2 import BreakerOpen, L2Store, L2Unavailable
 from layered_cache._replyerrors import moving_as_replies
 from layered_cache._scripts import FILL_SCRIPT, RELEASE_SCRIPT, fill_args
 
@@ -137,18 +138,26 @@ class L2Batch:
         keys = [fill[0] for fill in fills]  # a key and its lease share a slot
         return Replies(written, await self._per_master(keys, send, cut))
 
-    async def release_many(self, leases: Sequence[str], token: str) -> None:
-        """Compare-and-delete each lease still holding ``token`` (``L2Unavailable`` if a
-        master failed: its leases expire by themselves)."""
+    async def release_many(self, leases: Sequence[str], token: str) -> list[str]:
+        """Compare-and-delete each lease still holding ``token``. Returns those an open
+        breaker refused, unsent (``_giveback`` sends them past it); a failed master's
+        expire by themselves (``lease_ttl``)."""
+        refused: list[str] = []
 
         async def send(run: Sequence[int]) -> list[int]:
             pipe = self._store.client.pipeline(transaction=False)
             for i in run:
                 pipe.eval(RELEASE_SCRIPT, 1, leases[i], token)
-            return _moving(run, await self._replies(pipe, [leases[i] for i in run]))
+            try:
+                replies = await self._replies(pipe, [leases[i] for i in run])
+            except BreakerOpen:
+                refused.extend(leases[i] for i in run)
+                return []
+            return _moving(run, replies)
 
-        if await self._per_master(leases, send):
-            raise L2Unavailable("a master failed: its leases expire by themselves")
+        with contextlib.suppress(L2Unavailable):
+            await self._per_master(leases, send)
+        return refused
 
     async def _per_master(
         self, names: Sequence[str], send: Send, cut: Cut = by_count

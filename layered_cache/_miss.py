@@ -27,7 +27,7 @@ from layered_cache._clients import resurface_cancel
 from layered_cache._failsafe import FailSafe, Read
 from layered_cache._fills import Fills, FillWatch
 from layered_cache._keys import lease_name
-from layered_cache._l2 import L2Unavailable
+from layered_cache._l2 import L2Unavailable, LeaseRefused
 from layered_cache._loader_call import (
     LoaderCancelledError,
     awaited,
@@ -88,9 +88,10 @@ class MissPath:
             filled = await self._filled_meanwhile(read, token)
             if filled is not None:
                 return filled.value
-        except L2Unavailable:  # a late SET NX reply, a failed check: the lease may be ours
+        except L2Unavailable as exc:  # a late SET NX reply, a failed check: it may be ours
             policy.stats.redis_error += 1
-            self.give_back(key, mine)
+            if not isinstance(exc, LeaseRefused):  # refused unsent: none to give back
+                self.give_back(key, mine)
             return await self.load_unleased(read, loader)
         except asyncio.CancelledError:
             self.give_back(key, mine)
@@ -286,12 +287,11 @@ class MissPath:
         return value
 
     async def release(self, key: str, token: str, *, quietly: bool = True) -> None:
-        """Give our lease back. ``quietly``: only Redis failures are ignored. After a
-        failed fill (Redis refused the write, a bug) every error is: the lease must not
-        stay, or every other reader would wait ``max_wait`` for a fill that never lands."""
+        """Give our lease back, past an open breaker too (``_giveback``). ``quietly``: only
+        Redis failures are ignored; else any error (a failed fill's lease must not stay)."""
         caught: type[Exception] = L2Unavailable if quietly else Exception
         with contextlib.suppress(caught):
-            await self._rt.store.release(lease_name(key), token)
+            await self._rt.give_backs.release(lease_name(key), token)
 
 
 @dataclass(frozen=True, slots=True)

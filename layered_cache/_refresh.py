@@ -18,7 +18,7 @@ from layered_cache import _replicas as replicas
 from layered_cache._codec import Envelope
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
-from layered_cache._l2 import L2Unavailable
+from layered_cache._l2 import L2Unavailable, LeaseRefused
 from layered_cache._miss import MissPath, Read
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
@@ -91,9 +91,10 @@ class Refresher:
                 await self._miss.release(key, token)
                 return None
             return token
-        except L2Unavailable:  # the lease may be ours: see ``MissPath.load_under_lease``
+        except L2Unavailable as exc:  # the lease may be ours: ``MissPath.load_under_lease``
             self._policy.stats.redis_error += 1
-            self._miss.give_back(key, mine)
+            if not isinstance(exc, LeaseRefused):
+                self._miss.give_back(key, mine)
             return None
         except asyncio.CancelledError:
             # close() stopping us (nothing else cancels a refresh): kept, the lease made
@@ -150,8 +151,13 @@ class Refresher:
             await replicas.copy_to_replicas(
                 self._rt.store, self._rt.leases, key, policy.replicas, policy.lease_ttl, token
             )
-        except L2Unavailable:
+        except L2Unavailable as exc:
             policy.stats.redis_error += 1
+            if not isinstance(exc, LeaseRefused):
+                # The lease may be ours (a late reply, a failed step after it): given
+                # back, or every reader of the key would wait max_wait (the reservations
+                # expire with it). A no-op once the copy's read released it.
+                self._miss.give_back(key, token)
         except asyncio.CancelledError:
             # close() stopping us after the SET NX may have landed: the lease goes back,
             # as in ``_leased`` (a no-op once the copy's read released it).

@@ -49,14 +49,13 @@ invalidator that knows fewer replicas than a writer leaves some behind.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterable, Sequence
 
 from layered_cache._backplane import Announcement
 from layered_cache._chunks import by_size
 from layered_cache._keys import fill_channel, lease_name, replica_names
-from layered_cache._l2 import L2Store, L2Unavailable, Write
+from layered_cache._l2 import L2Store, Write
 from layered_cache._scripts import (
     RESERVE_SCRIPT,
     SET_RESERVATION,
@@ -257,22 +256,15 @@ async def copy_to_replicas(
 ) -> None:
     """A newly hot key has no replicas yet: copy the base value under the same protocol
     (reserve, check, write), so an invalidation racing the copy leaves no replica.
-    ``token`` is the lease's, known to the caller: a cancelled copy's caller gives the
-    lease back (``Refresher._copy``)."""
-    try:
-        if await leases.try_acquire(lease_name(key), lease_ttl, token) is None:
-            return  # a fill or another copy holds the lease; it writes the replicas
-        replicas = replica_leases(key, count)
-        await _reserve(store, [lease for _, lease in replicas], token, reserve_ms(lease_ttl))
-        # Read value + PTTL and release the lease in one atomic step: if the lease is
-        # still ours, no invalidation has run phase 1 yet.
-        current = await store.read_under_lease(key, lease_name(key), token)
-    except L2Unavailable:
-        # The lease may be ours (a late reply, a failed step after it): given back, or
-        # every reader of the key would wait max_wait (the reservations expire with it).
-        with contextlib.suppress(L2Unavailable):
-            await store.release(lease_name(key), token)
-        raise
+    ``token`` is the lease's, known to the caller: a copy cancelled or failed (its
+    lease may be ours) has its caller give the lease back (``Refresher._copy``)."""
+    if await leases.try_acquire(lease_name(key), lease_ttl, token) is None:
+        return  # a fill or another copy holds the lease; it writes the replicas
+    replicas = replica_leases(key, count)
+    await _reserve(store, [lease for _, lease in replicas], token, reserve_ms(lease_ttl))
+    # Read value + PTTL and release the lease in one atomic step: if the lease is
+    # still ours, no invalidation has run phase 1 yet.
+    current = await store.read_under_lease(key, lease_name(key), token)
     if current is not None and current[1] > 0:
         data, ttl_ms = current
         await store.fill_replicas(replicas, token, data, ttl_ms)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from layered_cache._giveback import GiveBacks
 from layered_cache._invalidation import Invalidator
 from layered_cache._l2 import L2Store
 from layered_cache._logs import error_text
@@ -188,6 +189,11 @@ class Runtime:
     # calls on two, closes the connections the other loop left (``LayeredCache._rebind``).
     loop: asyncio.AbstractEventLoop | None = None
     other_loop: bool = False
+    # Leases the open breaker refused to give back, sent past it (``_giveback``).
+    give_backs: GiveBacks = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.give_backs = GiveBacks(self.store, self.tasks.spawn_orphan)
 
     def check_open(self) -> None:
         """Before anything that would reach Redis or fill L1 (an L1 miss, a write, an

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from layered_cache._keys import fill_channel, lease_name
-from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._l2 import BreakerOpen, L2Store, L2Unavailable, LeaseRefused
 from layered_cache._notify import Notifier, Subscription
 
 __all__ = ["ANNOUNCED", "LeaseResult", "LeaseWaiter", "bound_lease", "new_token"]
@@ -78,9 +78,11 @@ class LeaseWaiter:
         may be cancelled passes its own: a cancel can land after the SET NX did, and
         only a token known beforehand lets it give that lease back."""
         token = token or new_token()
-        if await self._l2.acquire_lease(lease, token, max(1, int(lease_ttl * 1000))):
-            return token
-        return None
+        try:
+            won = await self._l2.acquire_lease(lease, token, max(1, int(lease_ttl * 1000)))
+        except BreakerOpen as exc:  # nothing sent: its callers have no lease to give back
+            raise LeaseRefused(str(exc)) from None
+        return token if won else None
 
     async def wait_for_fill(
         self,

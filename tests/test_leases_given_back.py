@@ -260,6 +260,105 @@ async def test_the_leases_a_timed_out_batch_may_hold_are_given_back(
     await admin.aclose()
 
 
+# A's Redis settings with the shipped breaker (3 failures, 1 s reset): three late SET NX
+# replies open it.
+SHIPPED_BREAKER_A = {"timeout": "200ms", "connect_timeout": "200ms", "breaker": {"failures": 3, "reset": "1s"}}
+
+
+async def test_leases_of_late_set_nx_replies_are_given_back_also_when_the_breaker_opened(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """README, "One load per key for the fleet": "a read ... whose Redis step timed out
+    after its ``SET NX`` may have landed ... gives its leases back".
+    Scenario: 3 concurrent reads of 3 cold keys on instance A (the shipped breaker);
+    Redis takes each SET NX at once, its reply comes 0.5 s late; the 3 timeouts open A's
+    breaker; A serves its loader's values. 1 s later B, on a healthy path, reads key 0.
+    Expected: A's leases were given back, B loads and fills at once.
+    Happened: all 3 leases still held (pttl ~3.5 s), B waited max_wait (1.5 s). Cause:
+    each give-back went through ``L2Store.guard``, which the breaker those very timeouts
+    opened refused at once; now a refused give-back goes past it (``_giveback``)."""
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SHIPPED_BREAKER_A)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(a_config) as a,
+        LayeredCache.from_config(make_config(redis_url, prefix, LONG_LEASE)) as b,
+    ):
+        late_replies.match, late_replies.delay = b"NX", 0.5
+        reads = [a.get_or_load("book", {"id": i}, CountingLoader("from A")) for i in range(3)]
+        assert await asyncio.gather(*reads) == ["from A"] * 3
+        late_replies.match = None
+        assert a.redis_status().breaker != "closed"  # opened by the late SET NX replies
+        await asyncio.sleep(1.0)
+        leases = [lease_name(a.key("book", {"id": i})) for i in range(3)]
+        held = await admin.exists(*leases)
+        value, took = await _timed(b.get_or_load("book", {"id": 0}, CountingLoader("from B")))
+        filled = await admin.exists(b.key("book", {"id": 0}))
+    await admin.aclose()
+    assert held == 0, f"{held} of A's 3 leases still held 1 s after A's reads returned"
+    assert value == "from B" and took < 0.5, f"B waited {took:.2f} s for a fill nobody runs"
+    assert filled == 1
+
+
+async def test_leases_of_late_batch_lease_replies_are_given_back_also_when_the_breaker_opened(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """README, "Batches keep every single-key guarantee": "Leases a failed or late lease
+    round trip may hold are given back." The batch form of the scenario above: 3
+    concurrent ``get_or_load_many`` of 3 keys each on A, their SET NX round trips late
+    (the breaker opens); then B reads the 9 keys in one batch.
+    Expected: none of A's 9 leases held, B fills them at once.
+    Happened: all 9 still held (``BatchFill.release`` refused by the breaker), B waited
+    max_wait."""
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SHIPPED_BREAKER_A)
+    admin = redis.Redis.from_url(redis_url)
+    groups = [[{"id": 3 * g + i} for i in range(3)] for g in range(3)]
+    async with (
+        LayeredCache.from_config(a_config) as a,
+        LayeredCache.from_config(make_config(redis_url, prefix, LONG_LEASE)) as b,
+    ):
+        late_replies.match, late_replies.delay = b"NX", 0.5
+        batches = [a.get_or_load_many("book", g, lambda m: _slow(["A"] * len(m), 0)) for g in groups]
+        assert await asyncio.gather(*batches) == [["A"] * 3] * 3
+        late_replies.match = None
+        assert a.redis_status().breaker != "closed"
+        await asyncio.sleep(1.0)
+        fields = [f for g in groups for f in g]
+        held = await admin.exists(*[lease_name(a.key("book", f)) for f in fields])
+        values, took = await _timed(b.get_or_load_many("book", fields, lambda m: _slow(["B"] * len(m), 0)))
+    await admin.aclose()
+    assert held == 0, f"{held} of A's 9 leases still held 1 s after A's batches returned"
+    assert values == ["B"] * 9 and took < 0.5, f"B waited {took:.2f} s"
+
+
+async def test_give_backs_past_an_open_breaker_go_one_round_trip_at_a_time() -> None:
+    """``_giveback``: during an outage each give-back the open breaker refused would
+    cost a timeout against a dead Redis. Bounded: one round trip at a time carries every
+    one pending, and one that fails drops the rest (they expire by themselves)."""
+    from layered_cache._giveback import GiveBacks
+
+    spawned: list[Any] = []
+    give_backs = GiveBacks(None, spawned.append)  # type: ignore[arg-type]  # not used
+    sent: list[list[tuple[str, str]]] = []
+    gate = asyncio.Event()
+
+    async def hung_release(pairs: list[tuple[str, str]]) -> None:
+        sent.append(pairs)
+        await gate.wait()
+        raise TimeoutError  # Redis down
+
+    give_backs._release = hung_release  # type: ignore[method-assign]
+    for token in ("t1", "t2", "t3"):
+        give_backs.past_breaker(["{k}:lease"], token)
+    await asyncio.sleep(0)
+    give_backs.past_breaker(["{k}:lease", "{j}:lease"], "t4")
+    await asyncio.sleep(0.01)
+    assert len(spawned) == 1 and sent == [[("{k}:lease", t) for t in ("t1", "t2", "t3")]]
+    assert give_backs.pending == 2  # the next round trip's, after this one
+    gate.set()
+    await asyncio.gather(*spawned)
+    assert len(sent) == 1 and give_backs.pending == 0  # dropped: Redis is failing
+
+
 async def _all_gone(admin: Any, names: list[str]) -> bool:
     return bool(await admin.exists(*names) == 0)
 
