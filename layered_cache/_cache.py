@@ -137,16 +137,13 @@ class LayeredCache(HitPath):
 
     async def _start_steps(self, start: int) -> None:
         await startup.learn_slots(self._parts.client)
-        await self._clock.start()  # before any read or write stamps an envelope
-        await startup.check_replicas(self._parts.client, self.config.redis.prefix, self)
         self._still_starting(start)  # no followers left running on a cache closed meanwhile
+        followers = (self._backplane, self._fallback)
+        # The clock, the replica check and the listener's position: one wait (``first_steps``).
+        await startup.first_steps(self._clock, self._parts.client, self, followers, self.config)
+        self._still_starting(start)
         for check in startup.background_checks(self._parts.client, self.config):
             self._rt.tasks.spawn(check)
-        if self._backplane is not None and self._fallback is not None:
-            self._backplane.start()
-            self._fallback.start()
-            await startup.listening(self._backplane, self._fallback, self.config.redis)
-            self._still_starting(start)
         if self._hot_reporter is not None:
             self._hot_reporter.start()
 

@@ -125,11 +125,18 @@ class RedisClock:
         best = self._best
         return None if best is None else max(self.offset - best.low, best.high - self.offset)
 
-    async def start(self) -> None:
-        """Sample now (a few round trips, bounded), then keep sampling in the background."""
-        for _ in range(START_SAMPLES):
-            if not await self.sample():
-                break
+    async def start(self, within: float | None = None) -> None:
+        """Sample now (a few round trips, each bounded, all within ``within`` seconds: the
+        start's one wait, ``_startup.first_steps``), then keep sampling in the background."""
+        try:
+            async with asyncio.timeout(within):
+                for _ in range(START_SAMPLES):
+                    if not await self.sample():
+                        break
+        except TimeoutError as exc:  # cut off: unsynced (or fewer samples) until the next
+            if not self.synced and not self._warned:
+                self._warned = True
+                _log.warning("redis_clock_unsynced", error=type(exc).__name__, offset=self.offset)
         self._log_synced()
         task = self._task
         # A task of a loop that ended without stop() (``LayeredCache.start`` on a new

@@ -24,6 +24,7 @@ from layered_cache._logs import error_text
 from layered_cache._memory_policy import log_memory_policies, tagged_namespaces
 from layered_cache._namespace import Namespace
 from layered_cache._purges import Purger, purges_for
+from layered_cache._redisclock import RedisClock
 from layered_cache._runtime import Runtime
 from layered_cache._stampede import LeaseWaiter
 from layered_cache._tags import TagVersions, version_ttl
@@ -36,6 +37,7 @@ __all__ = [
     "check_memory_policy",
     "check_replicas",
     "check_transactions",
+    "first_steps",
     "followers",
     "forked",
     "hot_key_reporter",
@@ -44,6 +46,7 @@ __all__ = [
     "positioned",
     "reopened",
     "runtime",
+    "start_wait",
     "started_elsewhere",
 ]
 
@@ -58,25 +61,63 @@ async def learn_slots(client: RedisClient) -> None:
             await client.initialize()
 
 
-async def check_replicas(client: RedisClient, prefix: str, namespaces: Iterable[Namespace]) -> None:
+def start_wait(redis: RedisConfig) -> float:
+    """How long a start waits for a Redis that is down (README): 1.2 s by default."""
+    return 2 * (redis.connect_timeout + redis.timeout)
+
+
+async def first_steps(
+    clock: RedisClock,
+    client: RedisClient,
+    namespaces: Iterable[Namespace],
+    followers: tuple[BackplaneListener | None, FallbackSubscriber | None],
+    config: Config,
+) -> None:
+    """Start the ``followers`` (the backplane off: none), then wait for the clock's first
+    samples (before any read or write stamps an envelope), the replica-count check
+    (before any serving) and the listener's position together, each within
+    ``start_wait``. One after the other, against a Redis that is down each paid its own
+    timeout (a hung one: one ``redis.timeout`` each; an unreachable one: one
+    ``connect_timeout`` each) on top of the listener's wait. A mismatch raises at once,
+    the other steps cancelled (``close()`` follows: it stops the followers)."""
+    seconds, prefix = start_wait(config.redis), config.redis.prefix
+    steps = [clock.start(seconds), check_replicas(client, prefix, namespaces, seconds)]
+    listener, fallback = followers
+    if listener is not None and fallback is not None:
+        listener.start()
+        fallback.start()
+        steps.append(listening(listener, fallback, seconds))
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)  # ended before close() stops what they start
+        raise
+
+
+async def check_replicas(
+    client: RedisClient, prefix: str, namespaces: Iterable[Namespace], within: float | None = None
+) -> None:
     """Refuse to start with a hot.replicas other than the fleet's (``_invalidation``):
-    raises ``ReplicaCountMismatch``. Redis unreachable: start anyway, unchecked."""
+    raises ``ReplicaCountMismatch``. Redis unreachable (or not done ``within`` seconds):
+    start anyway, unchecked."""
     counts = recorded_counts(ns.policy for ns in namespaces)
     try:
-        await check_replica_counts(client, prefix, counts)
+        async with asyncio.timeout(within):
+            await check_replica_counts(client, prefix, counts)
     except REDIS_FAILURES as exc:
         _log.warning("replica_counts_unchecked", error=type(exc).__name__)
 
 
-async def positioned(listener: BackplaneListener, redis: RedisConfig) -> None:
-    """Wait until the backplane listener knows its position in the stream: before that,
-    an invalidation announced right after a first L1 fill would be missed, and the fill
-    served for its L1 TTL (every forked worker, whose cache starts on its first request,
-    opened that window)."""
+async def positioned(listener: BackplaneListener, seconds: float) -> None:
+    """Wait (``seconds`` at most) until the backplane listener knows its position in the
+    stream: before that, an invalidation announced right after a first L1 fill would be
+    missed, and the fill served for its L1 TTL (every forked worker, whose cache starts
+    on its first request, opened that window)."""
     try:
-        await asyncio.wait_for(
-            listener.connected.wait(), 2 * (redis.connect_timeout + redis.timeout)
-        )
+        await asyncio.wait_for(listener.connected.wait(), seconds)
     except TimeoutError:
         listener.late()  # serving anyway: L1 is cleared once the position is known
 
@@ -97,7 +138,7 @@ async def check_memory_policy(
 ) -> None:
     """Log what a full Redis will do to the cache (``_memory_policy``), and to its
     ``tagged`` namespaces: once, bounded, never failing the start."""
-    await log_memory_policies(client, 2 * (redis.connect_timeout + redis.timeout), tagged)
+    await log_memory_policies(client, start_wait(redis), tagged)
 
 
 async def check_database(client: RedisClient, redis: RedisConfig) -> None:
@@ -106,7 +147,7 @@ async def check_database(client: RedisClient, redis: RedisConfig) -> None:
     the breaker stays closed: the server answers. Said once at start, as an error with
     the fix. Never fails the start."""
     try:
-        await asyncio.wait_for(client.ping(), 2 * (redis.connect_timeout + redis.timeout))
+        await asyncio.wait_for(client.ping(), start_wait(redis))
     except ResponseError as exc:
         if "DB index" in str(exc):
             _log.error(
@@ -131,7 +172,7 @@ async def check_transactions(client: RedisClient, redis: RedisConfig) -> bool:
     pipe = client.pipeline(transaction=True)
     pipe.ping()
     try:
-        await asyncio.wait_for(pipe.execute(), 2 * (redis.connect_timeout + redis.timeout))
+        await asyncio.wait_for(pipe.execute(), start_wait(redis))
     except ResponseError as exc:
         # redis-py reports a refused MULTI by what follows it (the PING ran on its own,
         # and EXEC found no transaction), a refused EXEC as an EXECABORT naming NOPERM.
@@ -153,14 +194,11 @@ async def check_transactions(client: RedisClient, redis: RedisConfig) -> bool:
 
 
 async def listening(
-    listener: BackplaneListener, fallback: FallbackSubscriber, redis: RedisConfig
+    listener: BackplaneListener, fallback: FallbackSubscriber, seconds: float
 ) -> None:
     """``positioned``, and the fallback channel subscribed (``_fallback``): both bounded,
     waited for together so that a Redis that is down delays the start only once."""
-    await asyncio.gather(
-        positioned(listener, redis),
-        subscribed(fallback, 2 * (redis.connect_timeout + redis.timeout)),
-    )
+    await asyncio.gather(positioned(listener, seconds), subscribed(fallback, seconds))
 
 
 class OneAtATime:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from layered_cache import LayeredCache
 from layered_cache._runtime import BackgroundTasks
+from tests.faults.proxy import ToxicProxy
 from tests.helpers import make_config
 from tests.servers import RedisServer
 from tests.test_fastapi import build_app
@@ -504,3 +508,61 @@ async def test_a_cache_whose_loop_ended_mid_load_closes_cleanly_on_the_next_loop
         assert await cache.get_or_load("book", {"id": 2}, load) == "v2"
     finally:
         await cache.close()
+
+
+# The shipped defaults: a start waits 2 x (0.5 + 0.1) = 1.2 s for a Redis that is down.
+DEFAULT_TIMEOUTS = {"timeout": "100ms", "connect_timeout": "500ms", "breaker": {"failures": 3, "reset": "1s"}}
+START_BOUND = 2 * (0.5 + 0.1)
+
+
+@pytest.fixture
+def unanswered_syn() -> Iterator[str]:
+    """A Redis address whose SYNs go unanswered (a host that is down, a dropped route):
+    a listening socket with a full accept queue, never accepting."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))  # fills the queue
+    yield f"redis://127.0.0.1:{port}/0"
+    filler.close()
+    server.close()
+
+
+async def _start_time(url: str, prefix: str) -> float:
+    cache = LayeredCache.from_config(make_config(url, prefix, redis=DEFAULT_TIMEOUTS))
+    started = time.monotonic()
+    await cache.start()
+    took = time.monotonic() - started
+    await cache.close()
+    return took
+
+
+async def test_a_cache_started_against_a_hung_redis_serves_within_the_documented_wait(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """README (fork safety): a new cache "starts serving only once its backplane listener
+    knows its place ...; with Redis down it waits at most 2 x (`redis.connect_timeout` +
+    `redis.timeout`), 1.2 s by default, then serves without L2".
+    Scenario: Redis accepts connections and never answers (a black-holing proxy).
+    Expected: start() returns within 1.2 s. Happened: 1.4 s: ``_start_steps`` ran the
+    clock sync (TIME) and the replica-count check one after the other before the
+    listener's bounded wait, each paying one redis.timeout; now they run together, each
+    within that wait (``_startup.first_steps``)."""
+    proxy = await ToxicProxy("127.0.0.1", redis_server.port).start()
+    proxy.mode = "blackhole"
+    try:
+        took = await _start_time(proxy.url, prefix)
+    finally:
+        await proxy.stop()
+    assert took <= START_BOUND + 0.1, f"start() took {took:.2f} s with a hung Redis"
+
+
+async def test_a_cache_started_against_an_unreachable_redis_serves_within_the_documented_wait(
+    unanswered_syn: str, prefix: str
+) -> None:
+    """The same promise. Scenario: Redis's host answers no SYN (each connect times out).
+    Expected: start() returns within 1.2 s. Happened: 2.2 s (the clock sync and the
+    replica check each paid a connect_timeout before the listener's wait)."""
+    took = await _start_time(unanswered_syn, prefix)
+    assert took <= START_BOUND + 0.1, f"start() took {took:.2f} s with Redis unreachable"
