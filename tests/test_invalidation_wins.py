@@ -940,6 +940,28 @@ async def test_a_set_whose_value_is_refused_cancelled_after_its_delete_still_tel
         assert await eventually(lambda: _l1_value(b, {"id": 1}) is MISSING, timeout=1.5)
 
 
+def _hold_deletes_and_refuse_announcements(
+    cache: LayeredCache,
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Every DEL of ``cache`` waits for ``go_on`` (``deleting`` set as it starts), and
+    every announcement fails as if the stream and pub/sub were both unreachable."""
+    store, invalidator = cache._rt.store, cache._rt.invalidator
+    deleting, go_on = asyncio.Event(), asyncio.Event()
+    real_delete = store.delete_in_order
+
+    async def paused_delete(groups: Any) -> int:
+        deleting.set()
+        await go_on.wait()
+        return await real_delete(groups)
+
+    async def announcement_refused(keys: Any) -> bool:
+        raise redis.ConnectionError("stream and pub/sub both unreachable")
+
+    store.delete_in_order = paused_delete  # type: ignore[method-assign]
+    invalidator.announce = announcement_refused  # type: ignore[method-assign]
+    return deleting, go_on
+
+
 async def test_a_failed_invalidate_still_drops_the_local_copy_read_while_it_ran(
     redis_url: str, prefix: str
 ) -> None:
@@ -952,20 +974,7 @@ async def test_a_failed_invalidate_still_drops_the_local_copy_read_while_it_ran(
         l1 = cache.namespace("book").policy.l1
         assert l1 is not None
         l1.clear()  # the value in L2 only
-        store, invalidator = cache._rt.store, cache._rt.invalidator
-        deleting, go_on = asyncio.Event(), asyncio.Event()
-        real_delete = store.delete_in_order
-
-        async def paused_delete(groups: Any) -> int:
-            deleting.set()
-            await go_on.wait()
-            return await real_delete(groups)
-
-        async def announcement_refused(keys: Any) -> bool:
-            raise redis.ConnectionError("stream and pub/sub both unreachable")
-
-        store.delete_in_order = paused_delete  # type: ignore[method-assign]
-        invalidator.announce = announcement_refused  # type: ignore[method-assign]
+        deleting, go_on = _hold_deletes_and_refuse_announcements(cache)
         invalidating = asyncio.ensure_future(cache.invalidate("book", {"id": 1}))
         await asyncio.wait_for(deleting.wait(), 5)
         assert await cache.get("book", {"id": 1}) == "old"  # read meanwhile, into L1
@@ -997,20 +1006,7 @@ async def test_a_failed_drop_of_a_refused_set_still_drops_the_local_copy_read_wh
         l1 = cache.namespace("book").policy.l1
         assert l1 is not None
         l1.clear()  # the value in L2 only
-        store, invalidator = cache._rt.store, cache._rt.invalidator
-        deleting, go_on = asyncio.Event(), asyncio.Event()
-        real_delete = store.delete_in_order
-
-        async def paused_delete(groups: Any) -> int:
-            deleting.set()
-            await go_on.wait()
-            return await real_delete(groups)
-
-        async def announcement_refused(keys: Any) -> bool:
-            raise redis.ConnectionError("stream and pub/sub both unreachable")
-
-        store.delete_in_order = paused_delete  # type: ignore[method-assign]
-        invalidator.announce = announcement_refused  # type: ignore[method-assign]
+        deleting, go_on = _hold_deletes_and_refuse_announcements(cache)
         new = "x" * 1000 if refused == "too large" else object()
         setting = asyncio.ensure_future(cache.set("book", {"id": 1}, new))
         await asyncio.wait_for(deleting.wait(), 5)
