@@ -8,7 +8,6 @@ import inspect
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -16,24 +15,8 @@ from tests import djangoconf
 
 djangoconf.configure()
 
-from layered_cache._django_setup import close_shared  # noqa: E402
 from layered_cache.django import LayeredCacheBackend, UncacheableValue  # noqa: E402
-
-
-def backend(redis_url: str, prefix: str, **options: Any) -> LayeredCacheBackend:
-    """As tests/test_django_backend.py builds one: distinct options, distinct process."""
-    config = options.pop("config", {})
-    section = config.setdefault("redis", {})
-    section.update({"url": redis_url, "prefix": prefix})
-    section.setdefault("timeout", "3s")
-    section.setdefault("connect_timeout", "3s")
-    return LayeredCacheBackend("", {"OPTIONS": {"config": config, **options}})
-
-
-@pytest.fixture(autouse=True)
-def _close_shared() -> Iterator[None]:
-    yield
-    close_shared()
+from tests.test_django_contract import _close_shared, backend  # noqa: E402, F401
 
 
 @pytest.fixture
