@@ -145,6 +145,10 @@ class ManagedProcess:
         """Environment of the process (None: inherit ours)."""
         return None
 
+    def move_other_ports(self) -> None:
+        """Before a first start is retried on another port: any other port the process
+        binds moves too (the one taken may have been that one)."""
+
     # -- lifecycle ---------------------------------------------------------------------
     @property
     def running(self) -> bool:
@@ -166,6 +170,7 @@ class ManagedProcess:
             if not (self._may_move and "in use" in str(e)):
                 raise
             self.port = free_port()
+            self.move_other_ports()
             self._launch(timeout)
         self._may_move = False
         return self
@@ -343,6 +348,14 @@ class RedisServer(ManagedProcess):
         if self.password:
             cmd += ["--requirepass", self.password]
         return cmd + self.extra_args
+
+    def move_other_ports(self) -> None:
+        """A cluster node's bus port (``--cluster-port``) too: "Could not create server
+        TCP listening socket ...:<bus port>: Address already in use" failed a CI run,
+        the retry moving only the main port."""
+        args = self.extra_args
+        if "--cluster-port" in args:
+            args[args.index("--cluster-port") + 1] = str(free_port())
 
     def client(self, **kwargs: Any) -> redis.Redis:
         """A sync client (for setup/inspection in tests)."""

@@ -126,6 +126,19 @@ def test_auto_port_moves_when_taken(cls: type[RedisServer | KafkaBroker]) -> Non
             assert server.port != taken and server.running
 
 
+def test_a_cluster_node_whose_bus_port_is_taken_starts_on_other_ports() -> None:
+    """A CI run failed setting up a cluster: a node's bus port (``--cluster-port``) was
+    taken, and the retry moved only the main port, so it failed the same way."""
+    servers = RedisClusterServers(3)
+    node = servers.servers[1]
+    bus = int(node.extra_args[node.extra_args.index("--cluster-port") + 1])
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", bus))
+        squatter.listen()
+        with servers:
+            assert all(server.running for server in servers.servers)
+
+
 def test_start_failure_shows_log() -> None:
     server = RedisServer(extra_args=["--no-such-option", "1"])
     with pytest.raises(ServerStartError, match="last lines of"):
