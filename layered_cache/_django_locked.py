@@ -35,8 +35,9 @@ import structlog
 from layered_cache._cache import LayeredCache
 from layered_cache._codec import CodecError
 from layered_cache._django_values import Entry
+from layered_cache._giveback import GiveBacks
 from layered_cache._keys import lease_name, lock_name
-from layered_cache._l2 import L2Store, L2Unavailable
+from layered_cache._l2 import BreakerOpen, L2Store, L2Unavailable
 from layered_cache._policy import Policy
 
 __all__ = ["locked"]
@@ -61,7 +62,6 @@ async def locked(
     in L2 or None (absent, expired by its own timeout, or past the namespace's L2
     freshness)."""
     policy = cache.namespace(namespace).policy
-    store = cache._parts.store
     key = cache.key(namespace, fields)
     token = secrets.token_hex(8)
     # The lock first: callers queue on it, and only its holder competes with loads for
@@ -69,22 +69,54 @@ async def locked(
     deadline = time.monotonic() + policy.lease_ttl + 1.0
     wanted, held = [lock_name(key), lease_name(key)], list[str]()
     try:
-        for name in wanted:
-            if await _acquire(store, name, token, policy, deadline):
-                held.append(name)
+        await _take(cache._parts.store, wanted, token, policy, deadline, held)
         if len(held) < len(wanted):
             missing = [name.rsplit(":", 1)[1] for name in wanted if name not in held]
             _log.warning("django_lock_timeout", namespace=namespace, key=key, missing=missing)
-        return await step(await _current(cache, namespace, key))
-    finally:  # also when taking the lease failed: the lock is not left to expire
-        await _release(store, held, token)
+        result = await step(await _current(cache, namespace, key))
+    except asyncio.CancelledError:
+        # A cancelled caller (the sync API's timeout) can't await the release: it goes
+        # in the background, and close() waits for it.
+        cache._rt.tasks.spawn_orphan(_release(cache._rt.give_backs, held, token))
+        raise
+    except BaseException:  # also when taking the lease failed: the lock is not left to expire
+        await _give_back(cache, held, token)
+        raise
+    await _give_back(cache, held, token)
+    return result
 
 
-async def _release(store: L2Store, names: list[str], token: str) -> None:
-    """Compare-and-delete each of ``names`` at once; one Redis could not release
-    expires by itself after ``lease_ttl``."""
+async def _give_back(cache: LayeredCache, names: list[str], token: str) -> None:
+    """``_release``, run on by itself if our caller is cancelled meanwhile."""
+    await cache._rt.tasks.to_completion(_release(cache._rt.give_backs, names, token))
+
+
+async def _take(
+    store: L2Store, wanted: list[str], token: str, policy: Policy, deadline: float,
+    held: list[str],
+) -> None:
+    """Take each of ``wanted`` in turn; ``held`` gets each we hold or may hold: one whose
+    ``SET NX`` reply never came (a timeout, a cancel) may have landed all the same, and
+    kept it blocks every ``incr`` and every load of the key, fleet-wide, for
+    ``lease_ttl``. One the open breaker refused was never sent."""
+    for name in wanted:
+        try:
+            taken = await _acquire(store, name, token, policy, deadline)
+        except BreakerOpen:
+            raise  # refused unsent: nothing of ours there
+        except BaseException:
+            held.append(name)  # our token or nobody's: the compare-and-delete is safe
+            raise
+        if taken:
+            held.append(name)
+
+
+async def _release(give_backs: GiveBacks, names: list[str], token: str) -> None:
+    """Compare-and-delete each of ``names`` at once, past an open breaker too (the
+    timeouts that make a step give its names back are the ones that open it:
+    ``_giveback``); one Redis could not release expires by itself after ``lease_ttl``."""
     released = await asyncio.gather(
-        *(store.release(name, token) for name in names), return_exceptions=True
+        *(give_backs.release(name, token) for name in names), return_exceptions=True
     )
     for outcome in released:
         if isinstance(outcome, BaseException) and not isinstance(outcome, L2Unavailable):

@@ -20,7 +20,9 @@ import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
-from layered_cache._keys import lease_name
+from layered_cache._django_locked import locked
+from layered_cache._keys import lease_name, lock_name
+from layered_cache._l2 import L2Unavailable
 from tests.faults.reply_delay import ReplyDelayProxy
 from tests.helpers import CountingLoader, eventually, make_config
 
@@ -434,3 +436,79 @@ async def test_close_gives_back_the_lease_of_an_early_refresh_it_stops(
     await admin.aclose()
     assert held is None, f"close() left the refresh's lease for {ttl} ms more"
 
+
+
+async def _nothing(current: object) -> None:
+    return None
+
+
+async def test_django_steps_that_timed_out_give_lock_and_lease_back_past_the_open_breaker(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """docs/operations.md (breaker): "One thing goes past an open breaker: a lease a
+    timed-out request may hold given back"; README, "One load per key for the fleet": "a
+    give-back the open breaker refuses goes past it"; docs/django.md: add / incr / touch
+    "releases both with a compare-and-delete".
+    Scenario: 3 concurrent Django read-modify-write steps (``_django_locked.locked``, as
+    ``incr``/``add``/``touch`` run) of 3 keys on instance A (the shipped breaker): each
+    takes the key's lock and lease, then its L2 read's reply comes 0.5 s late (>
+    redis.timeout): the 3 timeouts open A's breaker. 1 s later B get_or_load()s key 0.
+    Expected: A's locks and leases given back; B loads and fills at once.
+    Happened: all stayed for lease_ttl; B waited max_wait (1.5 s) and loaded without
+    filling L2. Cause: ``_django_locked._release`` gave back through ``L2Store.release``
+    (the breaker's guard) and swallowed its ``BreakerOpen``, where ``MissPath.release``
+    goes past it (``Runtime.give_backs``). Found by a review (fixes2); failed before."""
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SHIPPED_BREAKER_A)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(a_config) as a,
+        LayeredCache.from_config(make_config(redis_url, prefix, LONG_LEASE)) as b,
+    ):
+        late_replies.match, late_replies.delay = b"GET", 0.5
+        steps = [locked(a, "book", {"id": str(i)}, _nothing) for i in range(3)]
+        outcomes = await asyncio.gather(*steps, return_exceptions=True)
+        late_replies.match = None
+        assert all(isinstance(o, L2Unavailable) for o in outcomes), outcomes
+        assert a.redis_status().breaker != "closed"  # opened by the late GET replies
+        await asyncio.sleep(1.0)
+        keys = [a.key("book", {"id": str(i)}) for i in range(3)]
+        leases = await admin.exists(*[lease_name(k) for k in keys])
+        locks = await admin.exists(*[lock_name(k) for k in keys])
+        value, took = await _timed(b.get_or_load("book", {"id": "0"}, CountingLoader("from B")))
+    await admin.aclose()
+    assert leases == 0 and locks == 0, f"{leases} leases, {locks} locks still held 1 s later"
+    assert value == "from B" and took < 0.5, f"B waited {took:.2f} s for a fill nobody runs"
+
+
+async def test_a_django_step_whose_lease_set_nx_reply_was_late_gives_the_lease_back(
+    redis_url: str, prefix: str, late_replies: ReplyDelayProxy
+) -> None:
+    """README, "Batches keep every single-key guarantee": "Leases a failed or late lease
+    round trip may hold are given back"; docs/django.md: add / incr / touch "releases
+    both with a compare-and-delete".
+    Scenario: a Django read-modify-write step (``_django_locked.locked``) on instance A
+    takes the key's lock; the SET NX of the key's lease lands in Redis, its reply comes
+    0.5 s late (> redis.timeout; breaker left closed): the step raises L2Unavailable.
+    0.6 s later B get_or_load()s the key.
+    Expected: A gave the lease (and lock) back, as a timed-out read does; B loads at once.
+    Happened: the lease stayed for lease_ttl (5 s): B waited max_wait (1.5 s) and loaded
+    without filling L2. Cause: ``locked`` released only the names whose SET NX reply it
+    had read; a late or cancelled one was never given back. Found by a review (fixes2);
+    failed before its fix."""
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SLOW_A)
+    admin = redis.Redis.from_url(redis_url)
+    async with (
+        LayeredCache.from_config(a_config) as a,
+        LayeredCache.from_config(make_config(redis_url, prefix, LONG_LEASE)) as b,
+    ):
+        late_replies.match, late_replies.delay = b"}:lease", 0.5
+        with pytest.raises(L2Unavailable):
+            await locked(a, "book", {"id": "1"}, _nothing)
+        late_replies.match = None
+        await asyncio.sleep(0.6)  # the late reply has come; A has had time to give back
+        key = a.key("book", {"id": "1"})
+        held = await admin.exists(lease_name(key), lock_name(key))
+        value, took = await _timed(b.get_or_load("book", {"id": "1"}, CountingLoader("from B")))
+    await admin.aclose()
+    assert held == 0, "A's lease or lock still held after its step raised"
+    assert value == "from B" and took < 0.5, f"B waited {took:.2f} s for a fill nobody runs"
