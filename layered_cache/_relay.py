@@ -385,11 +385,12 @@ def _entries_reply(stream: bytes, entries: list[bytes]) -> bytes:
 
 
 async def _newest(upstream: Upstream) -> tuple[int, int]:
-    """``$``: the stream's newest ID in Redis, asked after the command arrived, as Redis
-    resolves it. Not the relay's newest (``_Tail.last``): a relay a read behind Redis
-    handed out entries appended before the call as if after it."""
+    """``$``: the stream's last generated ID in Redis, asked after the command arrived,
+    as Redis resolves it. Not the relay's newest (``_Tail.last``): a relay a read behind
+    Redis handed out entries appended before the call as if after it; nor the newest
+    entry still in the stream (an XDEL of the newest left an older one)."""
     try:
-        return parse_id(await upstream.newest_id(for_client=True))
+        return parse_id(await upstream.last_generated_id())
     except Exception as exc:
         if is_redis_failure(exc):
             raise _Unavailable from exc

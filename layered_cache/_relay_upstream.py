@@ -18,7 +18,7 @@ from layered_cache._clients import (
     with_timeout,
 )
 from layered_cache._config import RedisConfig
-from layered_cache._stream import missed_entries, parse_id, stream_info
+from layered_cache._stream import last_generated, missed_entries, parse_id, stream_info
 
 __all__ = ["Upstream"]
 
@@ -55,13 +55,26 @@ class Upstream:
             self._client = await self._connect()
         return await self._client.execute_command(*args)  # type: ignore[no-untyped-call]
 
-    async def newest_id(self, *, for_client: bool = False) -> bytes:
+    async def newest_id(self) -> bytes:
         """Where a relay starts: after the newest entry, or before everything if there
-        is none yet (whatever is appended first is then read). ``for_client``: a
-        client's ``XREAD ... $``, sent as a forwarded command (``FORWARDS_AT_ONCE``)."""
-        run = self.forward if for_client else self.execute
-        newest = await run("XREVRANGE", self._stream, "+", "-", "COUNT", 1)
+        is none yet (whatever is appended first is then read)."""
+        newest = await self.execute("XREVRANGE", self._stream, "+", "-", "COUNT", 1)
         return bytes(newest[0][0]) if newest else b"0-0"
+
+    async def last_generated_id(self) -> bytes:
+        """A client's ``XREAD ... $``, as Redis resolves it: the stream's
+        ``last-generated-id`` (``XINFO STREAM``), not its newest entry still there
+        (``XREVRANGE``): after an ``XDEL`` of the newest entry, that older entry made
+        the relay hand out the deleted one as "appended after the call". 0-0 when the
+        stream is absent: Redis's ``$`` then waits for the first entry. Sent as a
+        forwarded command (``FORWARDS_AT_ONCE``)."""
+        try:
+            info = stream_info(await self.forward("XINFO", "STREAM", self._stream))
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return b"0-0"
+            raise
+        return last_generated(info) or b"0-0"
 
     async def missed_entries(self, last: bytes) -> bool:
         """The listener's own test (``_stream.missed_entries``): were entries after

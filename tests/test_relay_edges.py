@@ -312,3 +312,52 @@ async def test_xread_dollar_through_a_lagging_relay_answers_only_entries_after_t
         await through.aclose()
         await direct.aclose()
         await relay.close()
+
+
+async def test_xread_dollar_through_the_relay_after_the_newest_entry_was_deleted(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """docs/operations.md, "Fan-out: the backplane relay": "the relay answers 'the
+    entries after ID X' exactly as Redis would, or closes the connection"; "`$` ... is
+    the stream's newest ID when the command arrived, as in Redis".
+    Scenario: entries E1, E2, E3 appended; the relay has followed them (caught up).
+    Then the newest entry is removed in Redis (an operator's ``XDEL`` of E3); nothing
+    else is appended. A client asks Redis and the relay
+    ``XREAD BLOCK 500 STREAMS <stream> $``.
+    Expected: as Redis, nothing (``$`` is the stream's last generated ID, E3: no entry
+    after it is appended).
+    Happened: the relay answered [E3], which predates the call and which Redis no
+    longer holds. Cause: ``_relay._newest`` resolved ``$`` by ``XREVRANGE + - COUNT 1``
+    - the newest entry *still in* the stream, not Redis's ``$`` (the stream's
+    last-generated-id, ``XINFO STREAM``) - and the relay then served from its own memory
+    the entries after that. It now asks Redis for the last-generated-id."""
+    config = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    stream = config.redis.prefix + config.backplane.stream
+    direct = redis.Redis.from_url(redis_server.url, protocol=2)
+    await direct.xadd(stream, {"origin": "-"})
+    relay, relay_url = await start_relay(config)
+    through = redis.Redis.from_url(relay_url, protocol=2)
+    try:
+        ids = [await direct.xadd(stream, {"keys": f"k{i}"}) for i in range(3)]
+        # The relay has read them all (it is caught up).
+        assert await eventually(
+            lambda: _relay_has(through, stream, ids[-1]), timeout=5
+        ), "relay never caught up"
+        await direct.xdel(stream, ids[-1])
+        via_redis = asyncio.ensure_future(direct.xread({stream: "$"}, block=500))
+        via_relay = asyncio.ensure_future(through.xread({stream: "$"}, block=500))
+        expected, got = await via_redis, await via_relay
+        assert expected == []
+        assert got == expected, f"relay answered {got!r} for $ (Redis: nothing)"
+    finally:
+        await through.aclose()
+        await direct.aclose()
+        await relay.close()
+
+
+async def _relay_has(client: redis.Redis, stream: str, entry: bytes) -> bool:
+    """Whether an XREAD from just before ``entry`` through the relay returns it."""
+    ms, seq = entry.decode().split("-")
+    before = f"{ms}-{int(seq) - 1}" if int(seq) > 0 else f"{int(ms) - 1}-18446744073709551615"
+    reply = await client.xread({stream: before}, count=1)
+    return bool(reply) and reply[0][1][0][0] == entry
