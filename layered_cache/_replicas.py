@@ -43,6 +43,10 @@ gone), or the new base with replicas missing until a read copies the base back, 
 replicas outliving their base. Written unconditionally, as they were, the replicas
 kept the set's value for the L2 TTL after the invalidation had deleted the base key.
 
+A step that fails once phase 0 was sent may leave bases new and replicas old (a master
+that stalled during phase 2): the caller drops the keys everywhere, as an invalidation
+(``_writes``, ``WriteEnds.drop_later``), not only announces them.
+
 **Counts must agree** across the fleet (``invalidation.check_replica_counts``): an
 invalidator that knows fewer replicas than a writer leaves some behind.
 """
@@ -50,7 +54,7 @@ invalidator that knows fewer replicas than a writer leaves some behind.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from layered_cache._backplane import Announcement
 from layered_cache._chunks import by_size
@@ -173,10 +177,13 @@ async def write_many(
     writes: Sequence[Write],
     announcement: Announcement | None,
     lease_ttl: float,
+    phased: Callable[[], object] | None = None,
 ) -> Append:
     """``set()``'s writes, each a ``set_plan`` with its value (``L2Store.write_many``).
     Returns what became of ``announcement`` (refused by the stream: the writes landed).
-    ``lease_ttl`` (seconds): how long a cluster set()'s reservations live, at least."""
+    ``lease_ttl`` (seconds): how long a cluster set()'s reservations live, at least.
+    ``phased``: called as the phases of a cluster set() of hot keys begin (from then
+    on a failure may leave replicas older than the base: the caller drops the keys)."""
     if store.cluster and any(len(outdated) > 1 for _, outdated, _, _ in writes):
         # A cluster pipeline is not ordered across nodes: in phases (the module doc).
         # Only revoking the base leases first (the base SET with the replicas) let a
@@ -185,6 +192,8 @@ async def write_many(
         hot = [write for write in writes if len(write[0]) > 1]
         token = SET_RESERVATION + new_token()  # no fill's or copy's: ``RESERVE_SCRIPT``
         if hot:
+            if phased is not None:
+                phased()
             leases = [lease for _, outdated, _, _ in hot for lease in outdated[1:]]
             reservation = (leases, (), token.encode(), _set_reserve_ms(store, lease_ttl))
             await store.write_many([reservation])  # plain SETs: a fill's are taken over

@@ -9,12 +9,20 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from layered_cache._backoff import Backoff
 from layered_cache._clients import REDIS_FAILURES
 from layered_cache._l2 import L2Unavailable
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 
-__all__ = ["WriteEnds"]
+__all__ = ["DROP_ATTEMPTS", "WriteEnds"]
+
+# ``WriteEnds.drop_later``: attempts, and the backoff between them (seconds): at most
+# about 4 s in all at the default ``redis.timeout`` (100 ms), within
+# ``Runtime.ORPHAN_GRACE`` (5 s), which ``close()`` waits for it.
+DROP_ATTEMPTS = 6
+DROP_BACKOFF = 0.1
+DROP_BACKOFF_CAP = 1.6
 
 
 class WriteEnds:
@@ -61,6 +69,27 @@ class WriteEnds:
         except REDIS_FAILURES as exc:
             self._policy.stats.redis_error += 1
             raise L2Unavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def drop_later(self, keys: list[str]) -> None:
+        """``drop``, in the background, retried: a failed cluster set() of hot keys
+        (``Writes._written``) raises at once, and the master that failed it (stalled,
+        failing over) refuses the DELs too for a while. Bounded as a caller's retries of
+        ``invalidate()`` are (``DROP_ATTEMPTS``, with backoff): then logged, as any
+        orphan's failure, and the keys' L2 TTL bounds what is left."""
+        self._forget(keys)
+        self._rt.tasks.spawn_orphan(self._drop_retried(keys))
+
+    async def _drop_retried(self, keys: list[str]) -> None:
+        backoff = Backoff(base=DROP_BACKOFF, cap=DROP_BACKOFF_CAP)
+        for attempt in range(DROP_ATTEMPTS):
+            try:
+                await self._drop_steps(keys)
+                return
+            except (*REDIS_FAILURES, L2Unavailable):
+                self._policy.stats.redis_error += 1
+                if attempt == DROP_ATTEMPTS - 1:
+                    raise
+            await asyncio.sleep(backoff.next_delay())
 
     async def _drop_steps(self, keys: list[str]) -> None:
         try:

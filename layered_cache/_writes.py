@@ -40,7 +40,16 @@ class _Write:
     """One ``set()``'s L2 write, as its caller and the task writing it both see it: the
     caller may be cancelled while the write runs on (``Writes._write``)."""
 
-    __slots__ = ("announcement", "appended", "done", "keys", "left", "refused", "unsent")
+    __slots__ = (
+        "announcement",
+        "appended",
+        "done",
+        "keys",
+        "left",
+        "phased",
+        "refused",
+        "unsent",
+    )
 
     def __init__(self, keys: list[str], announcement: Announcement | None) -> None:
         self.keys = keys
@@ -50,6 +59,10 @@ class _Write:
         self.left = False  # its caller was cancelled: whoever is last finishes the set()
         self.refused = False  # a full Redis refused part of it: the keys must be dropped
         self.unsent = False  # an open breaker refused it before sending: it can't land
+        self.phased = False  # a cluster set() of hot keys began its phases (``_replicas``)
+
+    def began_phases(self) -> None:
+        self.phased = True
 
     def unannounced(self) -> bool:
         """Whether the keys still need announcing: no announcement rode in the write (a
@@ -205,7 +218,9 @@ class Writes:
         (``set_many``'s purge left before the write landed)."""
         try:
             store, lease_ttl = self._rt.store, self._policy.lease_ttl
-            appended = await replicas.write_many(store, writes, write.announcement, lease_ttl)
+            appended = await replicas.write_many(
+                store, writes, write.announcement, lease_ttl, write.began_phases
+            )
             if appended is Append.PUBLISHED:  # by the write's own script
                 self._rt.invalidator.published_by_write(write.keys)
             write.appended = appended is not Append.REFUSED
@@ -213,6 +228,13 @@ class Writes:
         except L2Unavailable as exc:
             write.refused = refused_for_memory(exc)
             write.unsent = isinstance(exc, BreakerOpen)
+            if write.phased and not write.refused:
+                # Some bases may hold the new value while replicas on a master that
+                # failed keep the replaced one, their leases held by our reservation (no
+                # copy replaces them) for the L2 TTL: announcing alone left them. Dropped
+                # everywhere instead, retried in the background (a stalled master refuses
+                # the DELs too); a full Redis's refusal is dropped below or by our caller.
+                self._ends.drop_later(write.keys)
             if write.left and write.refused:
                 # Full by the replicas, after the bases landed: drop the keys everywhere,
                 # as our caller does on this error (announcing alone left old replicas).

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as redis
 from redis.crc import key_slot
 
-from layered_cache import Config, LayeredCache, _replicas
+from layered_cache import Config, L2Unavailable, LayeredCache, _replicas
 from layered_cache._keys import lease_name, replica_names
 from layered_cache._placement import STICKY_READS
 from tests.helpers import CountingLoader, eventually, make_config
@@ -596,3 +596,67 @@ async def test_a_hot_fill_reserving_during_a_cluster_set_leaves_no_replica_older
         stored = await _stored_values(redis_cluster, writer, [key, *replica_names(key, 8)])
     assert stored.pop(key) == "new"
     assert set(stored.values()) <= {"new"}, stored
+
+
+async def test_a_cluster_hot_set_whose_replica_phase_times_out_leaves_no_replica_older_than_its_base(
+    redis_cluster: Cluster, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/hotkeys.md (set()): the cluster set() runs reserve / base / replicas so that
+    it never leaves "replicas older than the base"; README ("Invalidation wins
+    everywhere"): "a cluster set()/set_many whose write fails after some masters'
+    writes landed ... announces its keys in the background before it raises" - so no
+    instance keeps serving the replaced value. ``Writes._written`` itself says why
+    announcing is not enough once the bases landed: "announcing alone left old
+    replicas" (it drops the keys everywhere, but only for a memory refusal).
+    Scenario (3-master cluster, redis.timeout 300 ms): book:1 static hot, 8 replicas,
+    l1 off. set("old"). Then set("new"): its base write lands (phase 1), and the masters
+    other than the base's stall writes (CLIENT PAUSE WRITE, 1.5 s: a stalled master)
+    before its guarded replica writes (phase 2), which time out: set() raises
+    L2Unavailable. After the stall, read what Redis holds and read the key 48 times.
+    Expected: no replica holds "old" while the base holds "new" (a missing replica is a
+    read of the base); the set() failed, so its keys are dropped everywhere, the base
+    too, as an invalidation of them.
+    Happened: the replicas on the stalled masters kept "old" for the L2 TTL (their leases
+    held by the set()'s reservation, so no copy replaced them) and reads of the hot key
+    served "old" while the base held "new". Cause: ``_replicas.write_many`` /
+    ``Writes._write``: a phase-2 failure other than a memory refusal only announced
+    (``WriteEnds.abandoned``), it did not drop the replicas the failed guarded writes
+    left with the replaced value. Now a failure once the phases began drops the keys
+    everywhere, retried in the background (``WriteEnds.drop_later``)."""
+    key = f"{prefix}book:1"
+    static = {"replicas": 8, "keys": ["book:1"]}
+    config = make_config(
+        redis_cluster.url, prefix, {"book": {"key": "book:{id}", "l1": False, "hot": static}},
+        redis={"cluster": True, "timeout": "300ms", "breaker": {"failures": 1000}},
+        backplane={"enabled": False},
+    )
+    seed = redis.Redis(host=redis_cluster.nodes[0][0], port=redis_cluster.nodes[0][1])
+    slots = await slot_owners(seed)
+    await seed.aclose()
+    base_port = owner(slots, key)
+    others = [(h, p) for h, p in redis_cluster.nodes if p != base_port]
+    replica_ports = {owner(slots, n) for n in replica_names(key, 8)}
+    assert replica_ports - {base_port}, "some replica lives on another master than the base"
+    original = _replicas._write_bases
+
+    async def bases_then_stall(store: Any, writes: Any) -> None:
+        await original(store, writes)
+        for host, port in others:  # a stalled master (writes held 1.5 s)
+            node = redis.Redis(host=host, port=port)
+            await node.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+            await node.aclose()
+
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "old")
+        monkeypatch.setattr(_replicas, "_write_bases", bases_then_stall)
+        with pytest.raises(L2Unavailable):
+            await cache.set("book", {"id": 1}, "new")
+        monkeypatch.setattr(_replicas, "_write_bases", original)
+        await asyncio.sleep(2.0)  # the stall is over
+        cache._store.placement.sticky_seconds = 0.0
+        stored = await _stored_values(redis_cluster, cache, [key, *replica_names(key, 8)])
+        served = [await cache.get("book", {"id": 1}) for _ in range(6 * STICKY_READS)]
+    # The set() failed: its keys were dropped everywhere (an invalidation), the base too.
+    assert stored.get(key) in ("new", None), stored
+    old = {name: v for name, v in stored.items() if v == "old"}
+    assert not old and "old" not in served, (old, sorted(set(map(str, served))))
