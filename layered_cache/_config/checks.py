@@ -202,8 +202,9 @@ def _query_problem(query: str) -> str | None:
     for name, value in pairs:
         if name not in _QUERY_VALUES:
             return (
-                f"the URL's query may set only {', '.join(_QUERY_VALUES)}, not {name!r}: "
-                "set timeouts, TLS files and the rest in the config's own options"
+                f"the URL's query may set only {', '.join(_QUERY_VALUES)}, not "
+                f"{_named(name)}: set timeouts, TLS files and the rest in the config's own "
+                "options"
             )
         allowed = _QUERY_VALUES[name]
         if allowed is not None and value not in allowed:
@@ -211,6 +212,23 @@ def _query_problem(query: str) -> str | None:
         if name == "db" and (not is_number(value) or int(value) > _MAX_DATABASE):
             return f"?db= must be a database number up to {_MAX_DATABASE}"
     return None
+
+
+# Connection options redis-py reads from a URL's query (``URL_QUERY_ARGUMENT_PARSERS``)
+# and a few more it passes on: named in the refusal. Any other name may be a piece of a
+# password holding an unencoded '&' (``?password=77&78=``): never echoed.
+_KNOWN_OPTIONS = frozenset({
+    "client_name", "decode_responses", "encoding", "health_check_interval", "lib_name",
+    "lib_version", "max_connections", "retry_on_error", "retry_on_timeout",
+    "socket_connect_timeout", "socket_keepalive", "socket_read_size", "socket_timeout",
+    "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_min_version", "timeout",
+})
+
+
+def _named(name: str) -> str:
+    if name in _KNOWN_OPTIONS:
+        return repr(name)
+    return "another parameter (not shown: a password holding '&' or '=' must be percent-encoded)"
 
 
 _TLS_QUERY = ("ssl_cert_reqs", "ssl_check_hostname")
