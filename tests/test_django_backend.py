@@ -34,6 +34,7 @@ from django.utils.safestring import SafeString, mark_safe  # noqa: E402
 
 from layered_cache import ConfigError, L2Unavailable  # noqa: E402
 from layered_cache._django_setup import close_shared  # noqa: E402
+from layered_cache._logs import reset_logging  # noqa: E402
 from layered_cache.django import LayeredCacheBackend, UncacheableValue  # noqa: E402
 from layered_cache.sync import SyncTimeoutError  # noqa: E402
 
@@ -575,6 +576,7 @@ def test_a_worker_forked_while_the_loop_thread_writes_a_log_line_can_use_the_cac
     new loop thread blocked at its first log line on structlog's per-file write lock
     (``structlog._output.WRITE_LOCKS``), copied held. Now the at-fork hook of
     ``_forklock`` releases it in the child."""
+    reset_logging()  # structlog's defaults, as in an app that did not configure logging
     config = {"namespaces": {"django": {"key": "django:{key}", "max_value_bytes": 2000}}}
     cache = backend(redis_url, prefix, config=config, timeout=3.0)
     cache.set("parent", "from-parent")
