@@ -264,7 +264,12 @@ async def test_the_leases_a_timed_out_batch_may_hold_are_given_back(
 
 # A's Redis settings with the shipped breaker (3 failures, 1 s reset): three late SET NX
 # replies open it.
-SHIPPED_BREAKER_A = {"timeout": "200ms", "connect_timeout": "200ms", "breaker": {"failures": 3, "reset": "1s"}}
+# The first timeout opens A's breaker: with the shipped 3 consecutive failures, a success
+# between the timeouts (another read's GET, the clock sampler's TIME, on a loaded CI
+# machine) kept it closed, and the scenario tested nothing.
+OPENING_BREAKER_A = {
+    "timeout": "200ms", "connect_timeout": "200ms", "breaker": {"failures": 1, "reset": "1s"}
+}
 
 
 async def test_leases_of_late_set_nx_replies_are_given_back_also_when_the_breaker_opened(
@@ -279,7 +284,7 @@ async def test_leases_of_late_set_nx_replies_are_given_back_also_when_the_breake
     Happened: all 3 leases still held (pttl ~3.5 s), B waited max_wait (1.5 s). Cause:
     each give-back went through ``L2Store.guard``, which the breaker those very timeouts
     opened refused at once; now a refused give-back goes past it (``_giveback``)."""
-    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SHIPPED_BREAKER_A)
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=OPENING_BREAKER_A)
     admin = redis.Redis.from_url(redis_url)
     async with (
         LayeredCache.from_config(a_config) as a,
@@ -311,7 +316,7 @@ async def test_leases_of_late_batch_lease_replies_are_given_back_also_when_the_b
     Expected: none of A's 9 leases held, B fills them at once.
     Happened: all 9 still held (``BatchFill.release`` refused by the breaker), B waited
     max_wait."""
-    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SHIPPED_BREAKER_A)
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=OPENING_BREAKER_A)
     admin = redis.Redis.from_url(redis_url)
     groups = [[{"id": 3 * g + i} for i in range(3)] for g in range(3)]
     async with (
@@ -458,7 +463,7 @@ async def test_django_steps_that_timed_out_give_lock_and_lease_back_past_the_ope
     filling L2. Cause: ``_django_locked._release`` gave back through ``L2Store.release``
     (the breaker's guard) and swallowed its ``BreakerOpen``, where ``MissPath.release``
     goes past it (``Runtime.give_backs``). Found by a review (fixes2); failed before."""
-    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=SHIPPED_BREAKER_A)
+    a_config = make_config(late_replies.url, prefix, LONG_LEASE, redis=OPENING_BREAKER_A)
     admin = redis.Redis.from_url(redis_url)
     async with (
         LayeredCache.from_config(a_config) as a,
