@@ -524,6 +524,22 @@ async def _assert_caches(cache: LayeredCache, admin: aioredis.Redis) -> None:
     assert (len(loads), stored is not None) == (1, True), (loads, stored, cache._rt.ended)
 
 
+def _pause_first_close(cache: LayeredCache) -> tuple[asyncio.Event, asyncio.Event]:
+    """The first close() of ``cache`` pauses at its purge-queue step: ``reached`` is set
+    there, and it goes on once ``gate`` is set; later closes don't pause."""
+    reached, gate = asyncio.Event(), asyncio.Event()
+    real_close = cache._rt.purges.close
+
+    async def held_purges_close() -> None:
+        if not reached.is_set():
+            reached.set()
+            await gate.wait()
+        await real_close()
+
+    cache._rt.purges.close = held_purges_close  # type: ignore[method-assign]
+    return reached, gate
+
+
 async def test_a_start_made_while_a_close_is_still_running_leaves_a_cache_that_caches(
     redis_url: str, prefix: str
 ) -> None:
@@ -535,15 +551,7 @@ async def test_a_start_made_while_a_close_is_still_running_leaves_a_cache_that_c
     admin = aioredis.Redis.from_url(redis_url)
     cache = LayeredCache.from_config(config)
     await cache.start()
-    gate, reached = asyncio.Event(), asyncio.Event()
-    real_close = cache._rt.purges.close
-
-    async def held_purges_close() -> None:  # close() pauses at its purge-queue step
-        reached.set()
-        await gate.wait()
-        await real_close()
-
-    cache._rt.purges.close = held_purges_close  # type: ignore[method-assign]
+    reached, gate = _pause_first_close(cache)
     try:
         closing = asyncio.ensure_future(cache.close())  # app A's shutdown
         await asyncio.wait_for(reached.wait(), 5)
@@ -568,22 +576,16 @@ async def test_a_start_waits_for_every_close_still_running_also_one_that_failed_
     config = make_config(redis_url, prefix, _COHERENT)
     admin = aioredis.Redis.from_url(redis_url)
     cache = LayeredCache.from_config(config)
-    real_steps, real_purges_close = cache._start_steps, cache._rt.purges.close
-    a_held, a_gate, c_reached, c_gate = (asyncio.Event() for _ in range(4))
+    real_steps = cache._start_steps
+    a_held, a_gate = asyncio.Event(), asyncio.Event()
 
     async def held_steps(start: int) -> None:  # start A waits on Redis
         a_held.set()
         await a_gate.wait()
         await real_steps(start)
 
-    async def held_purges_close() -> None:  # the first close() pauses here
-        if not c_reached.is_set():
-            c_reached.set()
-            await c_gate.wait()
-        await real_purges_close()
-
     cache._start_steps = held_steps  # type: ignore[method-assign]
-    cache._rt.purges.close = held_purges_close  # type: ignore[method-assign]
+    c_reached, c_gate = _pause_first_close(cache)
     try:
         starting_a = asyncio.ensure_future(cache.start())
         await asyncio.wait_for(a_held.wait(), 5)
