@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as redis
@@ -68,24 +69,23 @@ class Upstream:
         the relay hand out the deleted one as "appended after the call". 0-0 when the
         stream is absent: Redis's ``$`` then waits for the first entry. Sent as a
         forwarded command (``FORWARDS_AT_ONCE``)."""
-        try:
-            info = stream_info(await self.forward("XINFO", "STREAM", self._stream))
-        except ResponseError as exc:
-            if "no such key" in str(exc).lower():
-                return b"0-0"
-            raise
-        return last_generated(info) or b"0-0"
+        info = await self._info(self.forward)
+        return (last_generated(info) if info is not None else None) or b"0-0"
 
     async def missed_entries(self, last: bytes) -> bool:
         """The listener's own test (``_stream.missed_entries``): were entries after
         ``last`` trimmed or deleted before the relay read them?"""
+        info = await self._info(self.execute)
+        return True if info is None else missed_entries(info, parse_id(last))
+
+    async def _info(self, send: Callable[..., Awaitable[Any]]) -> dict[Any, Any] | None:
+        """``XINFO STREAM`` of the stream through ``send``; None if it doesn't exist."""
         try:
-            info = stream_info(await self.execute("XINFO", "STREAM", self._stream))
+            return stream_info(await send("XINFO", "STREAM", self._stream))
         except ResponseError as exc:
             if "no such key" in str(exc).lower():
-                return True
+                return None
             raise
-        return missed_entries(info, parse_id(last))
 
     async def reset(self) -> None:
         """Drop the connection; the next command finds the stream's master anew (it may
