@@ -138,7 +138,8 @@ class BatchLoader:
             self._fill.give_back(failed, token)  # as above, for their master's round trip
         won = [read for read, ours in zip(reads, held.values, strict=True) if ours]
         lost = [r for i, r in enumerate(reads) if not held.values[i] and i not in held.failed]
-        policy.stats.lease_lost += len(lost)
+        # Not counted here: each lost key's ``load_under_lease`` asks again and counts
+        # what it gets (lost, or won once the holder gave up), once per key.
         waits = [self._get_or_load_lost(r, fields_of[r.key], load_many) for r in lost]
         ours = [
             self._load_won(won, fields_of, load_many, token),

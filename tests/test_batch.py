@@ -164,7 +164,7 @@ async def test_overlapping_concurrent_batches_and_single_calls_load_each_key_onc
     assert all(loader.loads(i) == 1 for i in range(1, 21)), loader.calls
 
 
-async def test_a_key_whose_lease_another_process_holds_is_waited_for_not_loaded(
+async def test_a_key_whose_lease_another_process_holds_is_waited_for_not_loaded_counted_once(
     redis_url: str, prefix: str
 ) -> None:
     config = make_config(redis_url, prefix, {"book": {"key": "book:{id}", "l1": False}})
@@ -183,8 +183,12 @@ async def test_a_key_whose_lease_another_process_holds_is_waited_for_not_loaded(
         gate.set()
         values = await batch
         await their_load
+        stats = ours.stats()["book"]
     assert values[1] == {"id": 2, "title": "theirs"}  # their fill, not a second load
     assert loader.loads(2) == 0 and loader.loads(1) == 1 and loader.loads(3) == 1
+    # Each key counted once: the batch's lost lease and the single-key wait that
+    # follows it are one key's one miss.
+    assert (stats["lease_lost"], stats["lease_won"], stats["miss"]) == (1, 2, 3)
 
 
 def _gated(value: Any, gate: asyncio.Event) -> Any:
