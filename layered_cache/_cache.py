@@ -136,11 +136,14 @@ class LayeredCache(HitPath):
                 raise
 
     async def _start_steps(self, start: int) -> None:
-        await startup.learn_slots(self._parts.client)
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + startup.start_wait(self.config.redis)  # the README's bound
+        await startup.learn_slots(self._parts.client, ends - loop.time())
         self._still_starting(start)  # no followers left running on a cache closed meanwhile
         followers = (self._backplane, self._fallback)
         # The clock, the replica check and the listener's position: one wait (``first_steps``).
-        await startup.first_steps(self._clock, self._parts.client, self, followers, self.config)
+        client, left = self._parts.client, ends - loop.time()
+        await startup.first_steps(self._clock, client, self, followers, self.config, left)
         self._still_starting(start)
         for check in startup.background_checks(self._parts.client, self.config):
             self._rt.tasks.spawn(check)

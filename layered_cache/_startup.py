@@ -53,12 +53,14 @@ __all__ = [
 _log = structlog.get_logger("layered_cache")
 
 
-async def learn_slots(client: RedisClient) -> None:
+async def learn_slots(client: RedisClient, within: float) -> None:
     """A cluster client learns the slot map now rather than under the first burst of
-    requests (if the cluster is unreachable it retries on first use)."""
+    requests (if the cluster is unreachable it retries on first use). Within the
+    start's one wait, whose rest ``first_steps`` gets: unbounded, a hung or unreachable
+    seed cost redis-py's own timeouts and retries on top of that wait."""
     if isinstance(client, RedisCluster):
-        with contextlib.suppress(*REDIS_FAILURES):
-            await client.initialize()
+        with contextlib.suppress(*REDIS_FAILURES, TimeoutError):
+            await asyncio.wait_for(client.initialize(), within)
 
 
 def start_wait(redis: RedisConfig) -> float:
@@ -72,15 +74,17 @@ async def first_steps(
     namespaces: Iterable[Namespace],
     followers: tuple[BackplaneListener | None, FallbackSubscriber | None],
     config: Config,
+    within: float,
 ) -> None:
     """Start the ``followers`` (the backplane off: none), then wait for the clock's first
     samples (before any read or write stamps an envelope), the replica-count check
-    (before any serving) and the listener's position together, each within
-    ``start_wait``. One after the other, against a Redis that is down each paid its own
-    timeout (a hung one: one ``redis.timeout`` each; an unreachable one: one
-    ``connect_timeout`` each) on top of the listener's wait. A mismatch raises at once,
+    (before any serving) and the listener's position together, each ``within`` seconds
+    (what ``learn_slots`` left of ``start_wait``). One after the other, against a
+    Redis that is down each paid its own timeout (a hung one: one ``redis.timeout``
+    each; an unreachable one: one ``connect_timeout`` each) on top of the listener's
+    wait. A mismatch raises at once,
     the other steps cancelled (``close()`` follows: it stops the followers)."""
-    seconds, prefix = start_wait(config.redis), config.redis.prefix
+    seconds, prefix = max(0.0, within), config.redis.prefix
     steps = [clock.start(seconds), check_replicas(client, prefix, namespaces, seconds)]
     listener, fallback = followers
     if listener is not None and fallback is not None:

@@ -566,3 +566,43 @@ async def test_a_cache_started_against_an_unreachable_redis_serves_within_the_do
     replica check each paid a connect_timeout before the listener's wait)."""
     took = await _start_time(unanswered_syn, prefix)
     assert took <= START_BOUND + 0.1, f"start() took {took:.2f} s with Redis unreachable"
+
+
+# A longer redis.timeout than the default's, so that the slot discovery's own (one
+# timeout against a hung seed) stands out from the scheduling slack: 2 x (0.5 + 0.3).
+CLUSTER_START_BOUND = 2 * (0.5 + 0.3)
+
+
+async def _cluster_start_time(url: str, prefix: str) -> float:
+    redis_config = {**DEFAULT_TIMEOUTS, "timeout": "300ms", "cluster": True}
+    cache = LayeredCache.from_config(make_config(url, prefix, redis=redis_config))
+    started = time.monotonic()
+    await cache.start()
+    took = time.monotonic() - started
+    await cache.close()
+    return took
+
+
+async def test_a_cluster_cache_started_against_a_hung_seed_serves_within_the_documented_wait(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The same promise, for ``redis.cluster = true``. Scenario: the seed node accepts
+    connections and never answers. Expected: start() returns within 2 x
+    (connect_timeout + timeout). Happened:
+    the slot discovery (``learn_slots``: CLUSTER SLOTS through redis-py) ran before the
+    bounded wait and paid its own timeouts on top of it."""
+    proxy = await ToxicProxy("127.0.0.1", redis_server.port).start()
+    proxy.mode = "blackhole"
+    try:
+        took = await _cluster_start_time(proxy.url, prefix)
+    finally:
+        await proxy.stop()
+    assert took <= CLUSTER_START_BOUND + 0.1, f"start() took {took:.2f} s with a hung seed"
+
+
+async def test_a_cluster_cache_started_against_an_unreachable_seed_serves_within_the_documented_wait(
+    unanswered_syn: str, prefix: str
+) -> None:
+    """The same, the seed's host answering no SYN."""
+    took = await _cluster_start_time(unanswered_syn, prefix)
+    assert took <= CLUSTER_START_BOUND + 0.1, f"start() took {took:.2f} s, seed unreachable"
