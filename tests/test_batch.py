@@ -93,6 +93,28 @@ async def test_get_many_answers_l1_hits_without_redis(
     await admin.aclose()
 
 
+async def test_a_set_many_into_a_full_l1_keeps_the_entries_reads_put_there(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Writes don't allocate in a full L1 (docs/operations.md, "The L1 bound"): a bulk
+    write of 50 new keys into an L1 of 10 that reads filled evicted all 10 (each read
+    then went to Redis again); now they stay, a key L1 holds takes its new value, and
+    the new keys are read from L2, with their new values."""
+    admin = redis.Redis.from_url(redis_server.url)
+    namespaces = {"book": {"key": "book:{id}", "l1": {"max_entries": 10}}}
+    async with LayeredCache.from_config(make_config(redis_server.url, prefix, namespaces)) as cache:
+        loader = BatchLoader()
+        await cache.get_or_load_many("book", _ids(10), loader)  # reads fill L1
+        await cache.set_many("book", [({"id": 3}, "new 3"), *(({"id": i}, i) for i in range(100, 150))])
+        gets, mgets = await _commands(admin, "get"), await _commands(admin, "mget")
+        hot = await cache.get_many("book", _ids(10))
+        assert (await _commands(admin, "get"), await _commands(admin, "mget")) == (gets, mgets)
+        assert hot[2] == "new 3" and hot[0] == {"id": 1, "title": "book 1"}
+        assert await cache.get_many("book", _ids(5, start=100)) == [100, 101, 102, 103, 104]
+        assert await _commands(admin, "mget") == mgets + 1
+    await admin.aclose()
+
+
 async def test_get_or_load_many_loads_the_misses_in_one_call_in_order(
     redis_url: str, prefix: str
 ) -> None:

@@ -51,8 +51,9 @@ def test_an_invalidation_counts_only_the_entries_it_found_alive() -> None:
 def test_a_write_replaces_each_entry_in_one_pass_and_refuses_fills_begun_before_it() -> None:
     """``replace_many`` (a write's L1 step): each entry its own TTL, read on one clock
     reading; a key invalidated since the write began and a TTL already spent are
-    dropped, not stored; a full cache evicts as single puts would; and a fill that
-    began before it (it may carry the value the write replaced) is refused."""
+    dropped, not stored; a full cache stores new keys only as far as it has room (a
+    write evicts nothing that reads put there); and a fill that began before it (it may
+    carry the value the write replaced) is refused, also of a key it didn't store."""
     clock = SteppingClock()
     l1 = L1Cache(max_entries=3, timer=clock)
     l1.put("book:0", "kept?", ttl=100.0)
@@ -67,12 +68,40 @@ def test_a_write_replaces_each_entry_in_one_pass_and_refuses_fills_begun_before_
              ("book:4", "four", 50.0), ("book:5", "five", 50.0)]
     assert l1.replace_many(items, read_seq) == 1  # book:2 was overtaken
     clock.step = 0.0
-    assert [l1.get(f"book:{i}") for i in range(6)] == [MISSING, "one", MISSING, MISSING,
-                                                       "four", "five"]
-    expiries = [l1.remaining_ttl(f"book:{i}") for i in (1, 4, 5)]
-    assert expiries[1] == expiries[2] and expiries[1] - expiries[0] == 45.0  # type: ignore[operator]
+    # book:2 and book:3 dropped left room for two: book:1 and book:4; book:0 stays.
+    assert [l1.get(f"book:{i}") for i in range(6)] == ["kept?", "one", MISSING, MISSING,
+                                                       "four", MISSING]
+    expiries = [l1.remaining_ttl(f"book:{i}") for i in (1, 4)]
+    assert expiries[1] - expiries[0] == 45.0  # type: ignore[operator]
     assert not l1.put("book:4", "what the load read", ttl=50.0, read_seq=fill_seq)
-    assert l1.get("book:4") == "four"
+    assert not l1.put("book:5", "what the load read", ttl=50.0, read_seq=fill_seq)
+    assert l1.get("book:4") == "four" and l1.get("book:5") is MISSING
+
+
+def test_a_write_into_a_full_l1_replaces_what_it_holds_and_evicts_nothing() -> None:
+    """Writes don't allocate in a full L1: a key it holds takes its new value, a new key
+    is not stored (the value is in L2; the first read brings it back), and nothing that
+    reads put there is evicted for a write (a bulk write of 100 new keys flushed 100 of
+    them, at ~3.5 us each in cachetools' eviction)."""
+    l1 = L1Cache(max_entries=3)
+    for i in range(3):
+        l1.put(f"hot:{i}", f"read {i}", ttl=100.0)
+    items = [("hot:1", "new 1", 100.0)] + [(f"new:{i}", i, 100.0) for i in range(100)]
+    assert l1.replace_many(items, l1.begin_read()) == 0
+    assert [l1.get(f"hot:{i}") for i in range(3)] == ["read 0", "new 1", "read 2"]
+    assert all(l1.get(f"new:{i}") is MISSING for i in range(100))
+    assert l1.put("new:7", 7, ttl=100.0)  # a read of it allocates (evicting the LRU)
+    assert l1.get("new:7") == 7 and len(l1) == 3
+
+
+def test_a_write_stores_new_keys_once_expired_entries_made_room() -> None:
+    clock = SteppingClock()
+    l1 = L1Cache(max_entries=2, timer=clock)
+    l1.put("old:1", "x", ttl=1.0)
+    l1.put("old:2", "y", ttl=1.0)
+    clock.now = 5.0  # both expired, not yet removed
+    assert l1.replace_many([("a", "A", 10.0), ("b", "B", 10.0)], l1.begin_read()) == 0
+    assert (l1.get("a"), l1.get("b")) == ("A", "B")
 
 
 def test_a_write_into_a_full_l1_drops_its_overtaken_keys_before_storing_the_others() -> None:
