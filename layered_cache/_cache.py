@@ -136,13 +136,11 @@ class LayeredCache(HitPath):
                 raise
 
     async def _start_steps(self, start: int) -> None:
-        loop = asyncio.get_running_loop()
-        ends = loop.time() + startup.start_wait(self.config.redis)  # the README's bound
-        await startup.learn_slots(self._parts.client, ends - loop.time())
+        client = self._parts.client
+        left = await startup.learn_slots(client, startup.start_wait(self.config.redis))
         self._still_starting(start)  # no followers left running on a cache closed meanwhile
         followers = (self._backplane, self._fallback)
         # The clock, the replica check and the listener's position: one wait (``first_steps``).
-        client, left = self._parts.client, ends - loop.time()
         await startup.first_steps(self._clock, client, self, followers, self.config, left)
         self._still_starting(start)
         for check in startup.background_checks(self._parts.client, self.config):
@@ -163,6 +161,7 @@ class LayeredCache(HitPath):
         async with self._one_start.closing():  # a start() meanwhile waits for our end
             self._rt.refusal, self._closed = _CLOSED, True
             self._rt.leases.end_waits()  # reads waiting on a lease raise the closed error
+            self._coherence.forget_all()  # now: L1 hits take no check (``_ended`` says why)
             try:
                 if self._backplane is not None:
                     await self._backplane.stop()
@@ -345,7 +344,9 @@ async def _rebind(cache: LayeredCache) -> None:
 def _ended(cache: LayeredCache) -> None:
     """What ``close`` does whatever cut it short, before the clients close."""
     cache._started_in = 0  # nothing left to a fork; start reopens (``_closed``)
-    cache._coherence.forget_all()  # no listener keeps it coherent any more
+    # No listener keeps L1 coherent any more. Also as close() begins, not only after its
+    # grace (seconds), as an L1 hit takes no check; fills begun before are refused then.
+    cache._coherence.forget_all()
     cache._rt.ended = True  # a call in flight stores nothing from here on (``_miss``)
 
 

@@ -53,14 +53,18 @@ __all__ = [
 _log = structlog.get_logger("layered_cache")
 
 
-async def learn_slots(client: RedisClient, within: float) -> None:
+async def learn_slots(client: RedisClient, within: float) -> float:
     """A cluster client learns the slot map now rather than under the first burst of
     requests (if the cluster is unreachable it retries on first use). Within the
-    start's one wait, whose rest ``first_steps`` gets: unbounded, a hung or unreachable
-    seed cost redis-py's own timeouts and retries on top of that wait."""
+    start's one wait: returns what is left of ``within``, for ``first_steps``
+    (unbounded, a hung or unreachable seed cost redis-py's own timeouts and retries on
+    top of that wait)."""
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + within
     if isinstance(client, RedisCluster):
         with contextlib.suppress(*REDIS_FAILURES, TimeoutError):
             await asyncio.wait_for(client.initialize(), within)
+    return ends - loop.time()
 
 
 def start_wait(redis: RedisConfig) -> float:

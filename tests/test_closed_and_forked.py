@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from layered_cache import LayeredCache
 from layered_cache._keys import lease_name
 from tests.faults.proxy import ToxicProxy
-from tests.helpers import make_config
+from tests.helpers import eventually, make_config, open_cache
 from tests.test_purge import Recording
 
 _COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
@@ -642,3 +642,69 @@ async def test_a_batch_load_that_ends_after_close_returns_its_values_and_writes_
         gate.set()
         await cache.close()
         await admin.aclose()
+
+
+class HangingPurger:
+    """A gateway that never answers (until released)."""
+
+    def __init__(self) -> None:
+        self.called = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.called.set()
+        await self.release.wait()
+
+
+def _loader_of(value: str) -> Any:
+    async def load() -> str:
+        return value
+
+    return load
+
+
+async def test_an_instance_closing_serves_no_l1_copy_another_instance_replaced(
+    redis_url: str, prefix: str
+) -> None:
+    """Found by a review (2026-12-06). ``close()``: "Calls are refused from here on, L1
+    dropped". Scenario: A holds book:1 in L1; a purge to a gateway that hangs keeps A's
+    close() in its grace (1 s) after its listener stopped; meanwhile B set()s book:1.
+    Happened: A's get() served the replaced value from L1 (dropped only at close()'s
+    end; an L1 hit takes no check). Now L1 is dropped as close() begins."""
+    config = make_config(
+        redis_url, prefix, {"book": {"key": "book:{id}", "l1": {"ttl": "60s", "jitter": 0}}}
+    )
+    purger = HangingPurger()
+    a = open_cache(config, purger=purger)
+    b = open_cache(config)
+    await a.start()
+    await b.start()
+    try:
+        assert await a.get_or_load("book", {"id": 1}, _loader_of("v1")) == "v1"
+        await a.invalidate("book", {"id": 2})  # queues a purge the gateway never answers
+        await asyncio.wait_for(purger.called.wait(), 5)
+
+        closing = asyncio.create_task(a.close())
+        listener = a._backplane
+        assert listener is not None
+        # close() has stopped the listener and now waits for the purge queue (1 s grace).
+        assert await eventually(lambda: listener._task is None or listener._task.done(), 2)
+        assert not closing.done()
+
+        await b.set("book", {"id": 1}, "v2")  # returned: every instance was told
+        try:
+            seen = await a.get("book", {"id": 1})
+        except RuntimeError:
+            seen = "refused"
+        closed_before = closing.done()
+        purger.release.set()
+        await closing
+        assert closed_before is False, "the window closed before the read: test inconclusive"
+        assert seen != "v1", (
+            "a get() on the closing instance, after another instance's set() returned, "
+            "served the replaced value from L1"
+        )
+    finally:
+        purger.release.set()
+        await a.close()
+        await b.close()
