@@ -12,6 +12,7 @@ with an exception nobody retrieves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -224,6 +225,8 @@ class Warmer:
         self.report = WarmReport()
         self._entries = iter(reader)
         self._pending: set[int] = set()  # lines taken whose write has not succeeded
+        # Each key's latest write still running: a later line of the key waits for it.
+        self._writing: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._interrupts = 0
 
@@ -266,7 +269,37 @@ class Warmer:
             entries = self._take(CHUNK)
             if not entries:
                 return
-            await self._write(entries)
+            done = asyncio.Event()
+            earlier = self._claim(entries, done)  # no await since the take: file order
+            try:
+                for write in earlier:
+                    await write.wait()
+                await self._write(entries)
+            finally:
+                done.set()
+                for key in self._keys(entries):
+                    if self._writing.get(key) is done:
+                        del self._writing[key]
+
+    def _claim(self, entries: list[Entry], done: asyncio.Event) -> set[asyncio.Event]:
+        """The writes of earlier chunks holding one of these keys, which ours must follow:
+        a key given twice keeps its last line. Chunks go to concurrent writers, and a
+        later line's write could land first (the earlier chunk's writer still busy with
+        its own tagged entries, one round trip each), leaving the earlier line's value."""
+        earlier = set()
+        for key in self._keys(entries):
+            write = self._writing.get(key)
+            if write is not None and write is not done:
+                earlier.add(write)
+            self._writing[key] = done
+        return earlier
+
+    def _keys(self, entries: list[Entry]) -> set[str]:
+        keys = set()
+        for entry in entries:
+            with contextlib.suppress(KeyError, TypeError, ValueError):  # refused on write
+                keys.add(self.policy.template.build(entry.fields))
+        return keys
 
     def _take(self, count: int) -> list[Entry]:
         """Up to ``count`` valid entries; bad lines are counted on the way."""

@@ -1026,3 +1026,34 @@ def test_config_check_shows_durations_as_loaded_not_rounded(seconds: float, show
     from layered_cache.cli.common import format_duration
 
     assert format_duration(seconds) == shown
+
+
+async def test_a_key_given_twice_in_chunks_written_concurrently_keeps_its_last_line(
+    redis_url: str, prefix: str
+) -> None:
+    """Found by a review (2026-12-06). README (warm): "a key given twice keeps its last
+    value". Two writers: the first takes lines 1-100 (99 tagged entries, one set() each,
+    then target = "old"), the second line 101 (target = "new") and wrote it at once.
+    Happened: the first writer's "old" landed last. Now a later line of a key waits for
+    the earlier chunk's write of it."""
+    config = make_config(
+        redis_url,
+        prefix,
+        {"page": {"key": "page:{slug}", "tags": True, "l1": False}},
+    )
+    lines = []
+    # Chunk 1 (lines 1..100): 99 tagged entries (each its own set(), one after another),
+    # then "target" = "old" on line 100. Chunk 2 (line 101): "target" = "new".
+    for n in range(1, 100):
+        lines.append({"key": {"slug": f"p{n}"}, "value": n, "tags": [f"t:{n}"]})
+    lines.append({"key": {"slug": "target"}, "value": "old"})
+    lines.append({"key": {"slug": "target"}, "value": "new"})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    async with open_cache(config) as cache:
+        policy = cache.namespace("page").policy
+        reader = JsonlReader(io.BytesIO(data), policy)
+        warmer = Warmer(cache, policy, reader, 2, Progress(0, "warm", io.StringIO()))
+        report = await warmer.run()
+        assert report.failed == 0 and report.warmed == 101, report
+        value = await cache.get("page", {"slug": "target"})
+    assert value == "new", f"line 101 gave 'new', the last line of the key; L2 holds {value!r}"
