@@ -113,6 +113,12 @@ class Codec(Generic[T]):
             return self._decoder.decode(data)
         except UNDECODABLE as exc:
             raise CodecError(str(exc)) from None
+        except Exception as exc:
+            # The declared type's own code refused the value: a ``__post_init__`` added
+            # since an older deploy wrote it, raising an error of its own (msgspec wraps
+            # only TypeError and ValueError). As undecodable as any: a miss, reloaded
+            # and overwritten, not an exception out of every read for the L2 TTL.
+            raise CodecError(f"{type(exc).__name__}: {exc}") from None
 
 
 _META_DECODER = msgspec.msgpack.Decoder(EnvelopeMeta)

@@ -256,3 +256,51 @@ async def test_a_foreign_100_mb_value_is_a_miss_overwritten_not_a_redis_failure(
         admin.close()
     stopped = [e for e in logs if e["event"] == "l2_key_error"]
     assert any("a reply of more than" in e["error"] for e in stopped), logs
+
+
+class PriceBelowZero(Exception):
+    """The new deploy's domain error for an invalid book."""
+
+
+class CheckedBook(msgspec.Struct, frozen=True):
+    id: int
+    price: int
+
+    def __post_init__(self) -> None:  # added in the new deploy
+        if self.price < 0:
+            raise PriceBelowZero(f"book {self.id} has price {self.price}")
+
+
+def old_envelope(value: Any) -> bytes:
+    """What the previous deploy wrote: the library's envelope, before the invariant."""
+    now = time.time()
+    return msgspec.msgpack.encode((1, value, now, now + 300, 0.01))
+
+
+@pytest.mark.parametrize("read", ["get_or_load", "get", "get_many"])
+async def test_a_value_the_new_types_invariant_refuses_is_a_miss_then_overwritten(
+    redis_url: str, prefix: str, read: str
+) -> None:
+    """Found by a review (2026-12-06). README, "Changing a declared type across a
+    deploy": a value that no longer fits is "undecodable: a miss, counted as
+    `decode_error`, reloaded and overwritten". Scenario: the new deploy's Struct gained a
+    ``__post_init__`` raising an error of its own; L2 holds a value the old code wrote
+    that it refuses. Happened: that error came out of every read until the L2 TTL ended
+    (msgspec wraps only TypeError/ValueError as ValidationError)."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.set(f"{prefix}book:1", old_envelope({"id": 1, "price": -5}))
+    types = {"book": CheckedBook}
+    async with LayeredCache.from_config(make_config(redis_url, prefix), value_types=types) as cache:
+        loader = CountingLoader(CheckedBook(1, 990))
+        if read == "get_or_load":
+            assert await cache.get_or_load("book", {"id": 1}, loader) == CheckedBook(1, 990)
+            assert loader.calls == 1
+        elif read == "get":
+            assert await cache.get("book", {"id": 1}) is None  # a miss, not an exception
+        else:
+            assert await cache.get_many("book", [{"id": 1}]) == [None]
+        assert cache.stats()["book"]["decode_error"] == 1
+        await cache.get_or_load("book", {"id": 1}, loader)  # the fill overwrites it
+    async with LayeredCache.from_config(make_config(redis_url, prefix), value_types=types) as cache:
+        assert await cache.get("book", {"id": 1}) == CheckedBook(1, 990)
+    admin.close()
