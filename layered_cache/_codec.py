@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
+import msgspec.inspect
 
 __all__ = [
     "ENVELOPE_FORMAT", "MAX_TAGS", "UNDECODABLE", "Codec", "CodecError", "Envelope", "EnvelopeMeta",
+    "same_type",
 ]
 
 T = TypeVar("T")
@@ -119,6 +121,18 @@ class Codec(Generic[T]):
             # only TypeError and ValueError). As undecodable as any: a miss, reloaded
             # and overwritten, not an exception out of every read for the L2 TTL.
             raise CodecError(f"{type(exc).__name__}: {exc}") from None
+
+
+def same_type(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` decode alike: ``list[Book]`` and ``typing.List[Book]``,
+    ``int | None`` and ``Optional[int]`` are one type spelled two ways (a code base half
+    through pyupgrade has both), which ``==`` tells apart. Compared as msgspec sees them."""
+    if a == b:
+        return True
+    try:
+        return bool(msgspec.inspect.type_info(a) == msgspec.inspect.type_info(b))
+    except (TypeError, ValueError):  # not a type msgspec knows: only equal is the same
+        return False
 
 
 _META_DECODER = msgspec.msgpack.Decoder(EnvelopeMeta)

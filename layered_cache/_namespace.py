@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from typing import Any, TypeVar, cast
 
 from layered_cache._batch import BatchPath, LoadMany
-from layered_cache._codec import Codec, Envelope
+from layered_cache._codec import Codec, Envelope, same_type
 from layered_cache._fills import Fills
 from layered_cache._keys import validate_tag
 from layered_cache._l1 import MISSING
@@ -75,7 +75,7 @@ class Namespace:
             self._type_declared_by = by
             if self.policy.l1 is not None:  # declared after reads: L1 holds (and fills
                 self.policy.l1.clear()  # in flight carry) values of another type
-        elif current != value_type:
+        elif not same_type(current, value_type):
             raise TypeError(
                 f"namespace {self.name!r} already decodes into {current!r} (declared by "
                 f"{self._type_declared_by}); {by} declares {value_type!r}"

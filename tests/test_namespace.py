@@ -6,6 +6,7 @@ and the constructor takes injected parts."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -62,6 +63,25 @@ async def test_a_namespace_decodes_into_one_type_and_a_second_declaration_is_an_
             @cache.cached("book")
             async def other(id: int) -> Author:
                 return Author(id, "Austen")
+
+
+async def test_one_type_spelled_two_ways_is_one_declaration(redis_url: str, prefix: str) -> None:
+    """Found by a review (2026-12-06). README: "a second, *different* declaration raises
+    TypeError". ``list[Book]`` and ``typing.List[Book]`` are one type to msgspec (a code
+    base half through pyupgrade has both): it raised. A different type still does."""
+    config = make_config(redis_url, prefix)
+    async with LayeredCache.from_config(config, value_types={"book": list[Book]}) as cache:
+
+        @cache.cached("book")
+        async def shelf(id: int) -> typing.List[Book]:  # noqa: UP006 (the old spelling)
+            return [Book(id, "Emma")]
+
+        assert await shelf(1) == [Book(1, "Emma")]
+        with pytest.raises(TypeError, match="already decodes into"):
+
+            @cache.cached("book")
+            async def other(id: int) -> typing.List[Author]:  # noqa: UP006
+                return [Author(id, "Austen")]
 
 
 async def test_value_types_for_an_unknown_namespace_fail_at_construction(
