@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import time
 from collections import Counter
 from typing import Any
@@ -76,6 +77,31 @@ async def test_declared_value_type_decodes_from_l2(redis_url: str, prefix: str) 
     async with LayeredCache.from_config(config, value_types={"book": BookDetail}) as cache:
         await cache.set("book", {"id": 1}, book)
         assert await cache.get("book", {"id": 1}) == book
+
+
+class Event(msgspec.Struct, frozen=True):
+    starts: datetime.datetime
+
+
+async def test_an_aware_datetime_comes_back_as_the_same_instant_in_utc_from_every_layer(
+    redis_url: str, prefix: str
+) -> None:
+    """README ("A call returns the same type ..."): msgpack's timestamp carries no zone,
+    so a zoned datetime is the same instant in UTC, on the loader's call, from L1 and
+    from L2 alike (documented, found by a review 2026-12-06)."""
+    paris = datetime.timezone(datetime.timedelta(hours=2))
+    starts = datetime.datetime(2026, 6, 1, 10, 0, tzinfo=paris)
+    config = make_config(redis_url, prefix)
+    async with (
+        LayeredCache.from_config(config, value_types={"book": Event}) as a,
+        LayeredCache.from_config(config, value_types={"book": Event}) as b,
+    ):
+        loaded = await a.get_or_load("book", {"id": 1}, CountingLoader(Event(starts)))
+        from_l1 = await a.get("book", {"id": 1})
+        from_l2 = await b.get("book", {"id": 1})
+    for got in (loaded, from_l1, from_l2):
+        assert got.starts == starts and got.starts.utcoffset() == datetime.timedelta(0)
+        assert got.starts.hour == 8
 
 
 async def test_decorator_takes_key_fields_from_arguments(redis_url: str, prefix: str) -> None:
