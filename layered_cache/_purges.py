@@ -197,24 +197,27 @@ class PurgeQueue:
         """Deliver what is queued for up to ``grace`` seconds, then stop. A purge
         submitted during the grace is queued (a write that landed meanwhile); after it,
         dropped (counted)."""
-        if self._worker is None:
+        worker = self._worker
+        if worker is None:
             self._closed = True
             return
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queue.join(), grace)
         finally:  # also when our caller's deadline cuts the grace short
-            self._closed = True
+            self._closed, self._worker = True, None
             for timer in self._timers:  # a repeat queued after close would wait for ever
                 timer.cancel()
-            self._worker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._worker
-        self._worker = None
-        self._count_abandoned()
-        aclose = getattr(self.purger, "aclose", None)
-        if self._owned and aclose is not None:
-            await aclose()
+            worker.cancel()
+            # Counted now, before any await: a deadline that cut the grace short ends
+            # this call at its next one, and what was left went uncounted, unlogged.
+            self._count_abandoned()
+        try:
+            await asyncio.wait([worker])  # its end, not its exception: ours propagates
+        finally:
+            aclose = getattr(self.purger, "aclose", None)
+            if self._owned and aclose is not None:
+                await aclose()
 
     def abandon(self) -> None:
         """Without awaiting (its worker's loop has ended: a warm-up under ``asyncio.run``
@@ -324,6 +327,12 @@ class PurgeQueue:
             if task is not None and task.cancelling():
                 raise
             raise RuntimeError("the purger raised CancelledError") from exc
+        except (Exception, KeyboardInterrupt, SystemExit):
+            raise  # a failure (``_deliver``), or the process ending
+        except BaseException as exc:
+            # Any other non-Exception (gevent's GreenletExit, an app's own abort) ended
+            # the worker as a stray CancelledError did: this purge's failure instead.
+            raise RuntimeError(f"the purger raised {type(exc).__name__}") from exc
 
 
 def _elided(text: str, unshown: list[str]) -> str:

@@ -288,3 +288,92 @@ async def test_a_repeat_a_full_queue_refuses_is_not_counted_as_a_dropped_purge()
     await queue.close(grace=0.1)
     stats = queue.stats
     assert (stats.delivered, stats.dropped) == (1, 1) and _outcomes(queue) == 2, stats
+
+
+class NeverAnswers:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls += 1
+        await asyncio.Event().wait()  # a gateway that never answers
+
+
+async def test_purges_a_close_cut_short_leaves_are_counted_as_dropped(
+    redis_url: str, prefix: str
+) -> None:
+    """Found by a review (2026-12-06). docs/http.md: purges still queued or in flight
+    when the cache closes are dropped, "logged and counted in cache.purge_stats()".
+    Happened: a close() cut short by its caller's deadline (a lifespan's shutdown
+    timeout) left both uncounted: the cancel ended close() before it counted them."""
+    purger = NeverAnswers()
+    config = parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "purge": {"repeat_after": "0s", "timeout": "10s"},
+            "namespaces": {"book": {"key": "book:{id}"}},
+        },
+        env={},
+    )
+    cache = LayeredCache.from_config(config, purger=purger)
+    await cache.start()
+    await cache.invalidate("book", {"id": 1})
+    await cache.invalidate("book", {"id": 2})  # queued behind the first, in flight
+    assert await eventually(lambda: purger.calls == 1, timeout=5)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(cache.close(), 0.3)  # the lifespan's shutdown deadline
+    stats = cache.purge_stats()
+    assert stats.submitted == 2
+    assert stats.delivered + stats.failed + stats.dropped == stats.submitted, stats
+
+
+class Aborted(BaseException):
+    """Like gevent's GreenletExit: a BaseException, not an Exception."""
+
+
+class AbortsOnce:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], list[str]]] = []
+
+    async def purge(self, keys: Sequence[str], tags: Sequence[str]) -> None:
+        self.calls.append((list(keys), list(tags)))
+        if len(self.calls) == 1:
+            raise Aborted("the CDN client's greenlet was killed")
+
+
+async def test_a_purger_raising_a_base_exception_fails_that_purge_and_later_ones_go_out(
+    redis_url: str, prefix: str
+) -> None:
+    """Found by a review (2026-12-06). docs/http.md: a purger's error fails that purge.
+    A purger raising a BaseException that is not an Exception (gevent's GreenletExit)
+    ended the queue's only worker: every later purge waited for ever, counted nowhere,
+    and close() raised it."""
+    purger = AbortsOnce()
+    config = parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "purge": {"repeat_after": "0s", "retries": 0},
+            "namespaces": {"book": {"key": "book:{id}"}},
+        },
+        env={},
+    )
+    cache = LayeredCache.from_config(config, purger=purger)
+    await cache.start()
+    try:
+        await cache.invalidate("book", {"id": 1})  # its purge: the purger aborts
+        await asyncio.sleep(0.2)
+        await cache.invalidate("book", {"id": 2})  # a later change: must still go out
+        delivered = await eventually(
+            lambda: any(keys == [cache.key("book", {"id": 2})] for keys, _ in purger.calls),
+            timeout=5,
+        )
+        stats = cache.purge_stats()
+    finally:
+        try:
+            await cache.close()
+            closed: BaseException | None = None
+        except BaseException as exc:  # what close() raised is checked below
+            closed = exc
+    assert delivered, f"the second purge never reached the purger: {purger.calls}, {stats}"
+    assert stats.delivered + stats.failed + stats.dropped == stats.submitted, stats
+    assert closed is None, f"close() raised the dead worker's {closed!r}"
