@@ -52,8 +52,10 @@ def cache_control(ns: NamespaceConfig) -> str:
 
 
 def strong_etag(value: Any) -> str:
-    """A strong ETag (quoted, no ``W/``) for ``value``: equal values, equal tags. Strong
-    is right because the body is a deterministic rendering of the value."""
+    """A strong ETag (quoted, no ``W/``) for ``value``: values that encode alike, equal
+    tags. Strong is right because the body is a deterministic rendering of the value.
+    Two equal dicts in another key order get different tags, on purpose: their JSON
+    bodies differ too, and a strong tag must change with the bytes (RFC 9110 8.8.1)."""
     digest = hashlib.blake2b(_ENCODER.encode(value), digest_size=16).hexdigest()
     return f'"{digest}"'
 
