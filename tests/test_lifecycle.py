@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from layered_cache import LayeredCache
 from layered_cache._runtime import BackgroundTasks
 from tests.faults.proxy import ToxicProxy
-from tests.helpers import make_config
+from tests.helpers import eventually, in_l1, make_config
 from tests.servers import RedisServer
 from tests.test_fastapi import build_app
 
@@ -606,3 +606,41 @@ async def test_a_cluster_cache_started_against_an_unreachable_seed_serves_within
     """The same, the seed's host answering no SYN."""
     took = await _cluster_start_time(unanswered_syn, prefix)
     assert took <= CLUSTER_START_BOUND + 0.1, f"start() took {took:.2f} s, seed unreachable"
+
+
+LONG_L1 = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+
+
+async def _version(value: str) -> str:
+    return value
+
+
+async def test_an_l1_copy_filled_before_start_is_dropped_by_a_set_announced_before_start(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Found by a review (2026-12-06). README: a new cache "starts serving only once its
+    backplane listener knows its place in the stream, so no invalidation slips between
+    its first L1 fill and the listener". Scenario: a warm-up before start() on the
+    cache's own loop fills L1 with v1; a writer's set(v2) returns; start() places the
+    listener after that announcement. Happened: the reader served v1 for its L1 TTL.
+    Now start() drops what calls before it put in L1."""
+    config = make_config(redis_server.url, prefix, LONG_L1, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as writer:
+        await writer.set("book", {"id": 1}, "v1")
+        reader = LayeredCache.from_config(config)
+        try:
+            # a warm-up on this loop, before start()
+            assert await reader.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v1"
+            assert in_l1(reader, 1)
+            await writer.set("book", {"id": 1}, "v2")  # returned: announced to the fleet
+            await reader.start()
+
+            async def reads_v2() -> bool:
+                return await reader.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v2"
+
+            assert await eventually(reads_v2, timeout=5), (
+                "the reader still serves v1 from the L1 its warm-up filled, 5 s after the "
+                "writer's set() returned and after its own start()"
+            )
+        finally:
+            await reader.close()
