@@ -15,6 +15,7 @@ import msgspec
 from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
 from layered_cache._redact import redact
+from layered_cache._tags import new_version
 
 __all__ = ["BOM", "LINE_FACTOR", "LINE_SLACK", "MEMBERS", "Entry", "Failure", "JsonlReader"]
 
@@ -118,8 +119,8 @@ class JsonlReader:
             return Failure(number, "key must be an object of key fields")
         problem = (
             self._key_problem(fields)
-            or self._value_problem(record["value"])
             or self._tags_problem(tags)
+            or self._value_problem(record["value"], tags or [])
         )
         if problem is not None:
             return Failure(number, redact(problem))
@@ -147,14 +148,22 @@ class JsonlReader:
             return f"tags: {exc}"
         return None
 
-    def _value_problem(self, value: Any) -> str | None:
-        try:  # the envelope's size does not depend on the timestamps (fixed-width floats)
-            size = len(self._policy.codec.encode(value, 0.0, 0.0, 0.0))
+    def _value_problem(self, value: Any, tags: list[str]) -> str | None:
+        """The envelope as ``set()`` writes it: its size does not depend on the
+        timestamps (fixed-width floats), and a tag's version is always 16 characters
+        (``_tags.new_version``); without its tags a line that fits only untagged was
+        counted as warmed, then dropped by set()."""
+        versions = {tag: _VERSION for tag in tags} if tags else None
+        try:
+            size = len(self._policy.codec.encode(value, 0.0, 0.0, 0.0, versions))
         except (TypeError, ValueError, OverflowError) as exc:
             return f"value not encodable: {exc}"
         if size > self._policy.max_value_bytes:
             return f"value too large: {size} bytes > max_value_bytes {self._policy.max_value_bytes}"
         return None
+
+
+_VERSION = new_version()  # any version: they are all 16 characters
 
 
 def _refuse(constant: str) -> Any:

@@ -1057,3 +1057,38 @@ async def test_a_key_given_twice_in_chunks_written_concurrently_keeps_its_last_l
         assert report.failed == 0 and report.warmed == 101, report
         value = await cache.get("page", {"slug": "target"})
     assert value == "new", f"line 101 gave 'new', the last line of the key; L2 holds {value!r}"
+
+
+TAGGED_LIMIT = 200
+
+
+def value_of_envelope_size(size: int) -> str:
+    """A string whose untagged envelope is exactly ``size`` bytes."""
+    codec = Codec()
+    for n in range(size):
+        if len(codec.encode("x" * n, 0.0, 0.0, 0.0)) == size:
+            return "x" * n
+    raise AssertionError(size)
+
+
+def test_a_tagged_line_too_large_with_its_tags_is_reported_by_line_not_warmed(
+    tmp_path: Path, redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review (2026-12-06). docs/cli.md: a line whose value is larger than
+    max_value_bytes is reported as FILE:LINE, and the limit is on the envelope as
+    written, tags included. A line that fit only without its 5 tags was counted as
+    warmed, then dropped by set() ("1 not cached by set()", no line named)."""
+    admin = redis.Redis.from_url(redis_url)
+    pages = f'[namespaces.page]\nkey = "page:{{id}}"\ntags = true\nmax_value_bytes = {TAGGED_LIMIT}\n'
+    config = str(write_config(tmp_path, redis_url, prefix, extra=pages))
+    source = tmp_path / "pages.jsonl"
+    value = value_of_envelope_size(TAGGED_LIMIT)  # fits exactly: only its tags push it over
+    tags = [f"book:{i}" for i in range(5)]
+    source.write_text(json.dumps({"key": {"id": 1}, "value": value, "tags": tags}) + "\n")
+    code = main(["warm", "page", "--from", str(source), "--config", config])
+    captured = capsys.readouterr()
+    assert admin.exists(f"{prefix}page:1") == 0  # not stored, as the limit says
+    assert f"{source}:1:" in captured.err and "too large" in captured.err, captured
+    assert "warmed 0 of 1 page entries; 1 failed" in captured.out, captured
+    assert code == 1
+    admin.close()
