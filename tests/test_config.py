@@ -266,6 +266,10 @@ ROUTE = (
             BOOK + 'http = { no_store = true, max_age = "5s" }\n',
             "namespaces.book.http.no_store: no_store sends only 'no-store'",
         ),
+        (  # it was accepted and ignored (found by a review, 2026-12-06)
+            BOOK + 'http = { no_store = true, stale_while_revalidate = "10s" }\n',
+            "namespaces.book.http.no_store: no_store sends only 'no-store'",
+        ),
         (BOOK + "http = { maxage = 5 }\n", "namespaces.book.http.maxage: unknown key"),
         ('[purge]\nurls = ["varnish:6081"]\n', "purge.urls: must start with http:// or https://"),
         ('[purge]\ntimeout = "0s"\n', "purge.timeout: must be > 0"),

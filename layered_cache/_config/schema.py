@@ -344,7 +344,8 @@ class HttpConfig(_Section, frozen=True):
                 raise bad(name, f"must be whole seconds (Cache-Control counts them): {value:g}s")
         if self.private and self.s_maxage is not None:
             raise bad("s_maxage", "private responses are never stored by shared caches; drop one")
-        if self.no_store and (self.s_maxage is not None or self.max_age or self.private):
+        ages = (self.s_maxage, self.stale_while_revalidate)
+        if self.no_store and (any(a is not None for a in ages) or self.max_age or self.private):
             raise bad("no_store", "no_store sends only 'no-store': drop the ages and private")
 
 
