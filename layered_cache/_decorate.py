@@ -18,6 +18,11 @@ body only its first call tells it from a method: a first argument that is no rec
 (``Prices.of("premium", 1)`` of a static ``of(cls, id)``) is refused then
 (``KeyArguments``).
 
+A function with ``ignore=`` is not refreshed early (XFetch): the refresh would run in
+the background after the request that made the call returned, with that request's
+session, closed by then or in use again (``_refresh.RequestBound``); its value is
+reloaded at expiry instead, by a reader with a session of its own.
+
 Of the annotations, only the return annotation is read (the value type); the parameters'
 are not evaluated at all: with postponed annotations (``from __future__ import
 annotations``) a session's type imported under ``if TYPE_CHECKING:`` names nothing at run
@@ -35,6 +40,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 from layered_cache._namespace import Namespace, check_tags
+from layered_cache._refresh import RequestBound
 from layered_cache._tags import TagsOf
 
 __all__ = ["KeyArguments", "bind_key_fields", "cached"]
@@ -60,7 +66,11 @@ class KeyArguments:
         receiver: bool,
         fields: tuple[str, ...],
         declare_later: Callable[[], None] | None = None,
+        *,
+        request_bound: bool = False,
     ):
+        # Arguments in ``ignore=``: its calls' loaders are ``RequestBound``.
+        self.request_bound = request_bound
         self._signature = signature
         self._fn = fn
         self._receiver = receiver
@@ -160,17 +170,18 @@ def bind_key_fields(
         )
     ignored = _ignored(namespace, fn, signature, ignore)
     receiver = _refuse_unkeyed_parameters(namespace, fn, signature, ignored)
+    bound = bool(ignored)
     if declare is None:
         declare = functools.partial(_declare_on, namespace)
     if value_type is not None:
         declare(value_type, _name(fn))
-        return KeyArguments(signature, fn, receiver, template.fields)
+        return KeyArguments(signature, fn, receiver, template.fields, request_bound=bound)
     try:
         _declare_returned(namespace, fn, declare, later=False)
     except NameError:  # a name defined after fn (its own class): at the first call
         later = functools.partial(_declare_returned, namespace, fn, declare, later=True)
-        return KeyArguments(signature, fn, receiver, template.fields, later)
-    return KeyArguments(signature, fn, receiver, template.fields)
+        return KeyArguments(signature, fn, receiver, template.fields, later, request_bound=bound)
+    return KeyArguments(signature, fn, receiver, template.fields, request_bound=bound)
 
 
 def _declare_on(namespace: Namespace, value_type: Any, by: str) -> None:
@@ -306,7 +317,8 @@ def cached(
     tags: TagsOf | None = None,
 ) -> Callable[P, Awaitable[T]]:
     """``fn`` cached in ``namespace``; ``tags``, as ``get_or_load``'s, checked now: every
-    writer of a tagged entry must give its tags (docs/tags.md), a decorated function too."""
+    writer of a tagged entry must give its tags (docs/tags.md), a decorated function too.
+    With ``ignore=``, not refreshed early (the module doc)."""
     check_tags(namespace.policy, tags)
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(
@@ -314,10 +326,13 @@ def cached(
             "`async def` functions (for a plain `def`, use SyncLayeredCache.cached)"
         )
     arguments = bind_key_fields(namespace, fn, value_type, ignore)
+    bound = arguments.request_bound
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         fields = arguments.of(args, kwargs)
+        if bound:  # its ignored arguments are the request's: no early refresh with them
+            return await namespace.get_or_load(fields, RequestBound(fn, args, kwargs), tags)
         return await namespace.get_or_load(fields, lambda: fn(*args, **kwargs), tags)
 
     return wrapper
@@ -338,10 +353,13 @@ def cached_sync(
     if inspect.iscoroutinefunction(fn):
         raise TypeError(f"{_name(fn)} is async: use LayeredCache.cached, not the sync API")
     arguments = bind_key_fields(namespace, fn, value_type, ignore, declare)
+    bound = arguments.request_bound
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         fields = arguments.of(args, kwargs)
+        if bound:  # as in ``cached``; ``SyncLayeredCache.get_or_load`` keeps the mark
+            return get_or_load(namespace.name, fields, RequestBound(fn, args, kwargs), tags)
         return get_or_load(namespace.name, fields, lambda: fn(*args, **kwargs), tags)
 
     return wrapper

@@ -5,6 +5,8 @@ this process already has one running. They are separate sets: a refresh and a co
 unrelated jobs (the lease serialises them anyway). Also here: the read of the base key
 that a hot ``get()`` falls back to when the replica gave no fresh value, since it is
 what starts such a copy.
+
+A ``cached`` function with ``ignore=`` is never refreshed early (``RequestBound``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from layered_cache import _replicas as replicas
 from layered_cache._codec import Envelope
@@ -25,7 +27,33 @@ from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
 from layered_cache._xfetch import should_refresh_early
 
-__all__ = ["Refresher"]
+__all__ = ["Refresher", "RequestBound"]
+
+T = TypeVar("T")
+
+
+class RequestBound(Generic[T]):
+    """The loader of a ``cached`` function with ``ignore=``: ``fn(*args, **kwargs)``
+    with arguments that belong to the request that made the call (a database session,
+    an HTTP client). Not refreshed early: the refresh runs in the background after that
+    request returned, when they may be closed (every refresh failing, counted as a
+    ``load_error``) or still in use by the request (an ``AsyncSession`` used by two
+    tasks at once). Such a value is reloaded at its expiry, by a reader with arguments
+    of its own, under the lease: still one load per expiry fleet-wide.
+
+    A class of its own, not a flag beside the loader: the mark travels with the loader
+    through ``get_or_load`` (and the sync API's wrapping, ``SyncLayeredCache``) to the
+    one place that reads it, ``Refresher.maybe_refresh_early``."""
+
+    __slots__ = ("_args", "_fn", "_kwargs")
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self._fn = fn
+        self._args = args
+        self._kwargs = kwargs
+
+    def __call__(self) -> T:
+        return self._fn(*self._args, **self._kwargs)
 
 
 class Refresher:
@@ -49,6 +77,10 @@ class Refresher:
             # Values with an expiry of their own (a Django entry's timeout) end there:
             # refreshing one early would call its loader (``get_or_set``'s default)
             # again while the value is present, which Django never does.
+            return
+        if isinstance(loader, RequestBound):
+            # Its arguments are a finished request's (``RequestBound``): reloaded at
+            # expiry instead, by a request with arguments of its own.
             return
         if envelope.tags and read.tags_of is None:
             # A reader that gives no tags (a ``cached`` function) can't compute the

@@ -62,6 +62,7 @@ from layered_cache._loopthread import LoopThread, SyncTimeoutError, check_timeou
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
+from layered_cache._refresh import RequestBound
 from layered_cache._runtime import Hooks
 from layered_cache._sync_inner import InnerCaches
 from layered_cache._sync_loaders import LoaderThreads, LoaderThreadsExhausted
@@ -243,6 +244,8 @@ class SyncLayeredCache:
         key = ns.policy.template.build(fields)
         self._loaders.check_not_own_key(key)
         load = self._loaders.wrap(key, loader, self._pool())
+        if isinstance(loader, RequestBound):  # the mark survives the wrapping (no refresh)
+            load = RequestBound(load, (), {})
         return self._run(
             self.cache.get_or_load(namespace, fields, load, tags), f"get_or_load({namespace!r})"
         )

@@ -7,8 +7,10 @@ refused when the function is decorated, by both the async and the sync decorator
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 
 from layered_cache import LayeredCache
 from layered_cache.sync import SyncLayeredCache
-from tests.helpers import make_config
+from tests.helpers import eventually, make_config
 
 _UNUSED_REDIS = "redis://127.0.0.1:1/0"  # decoration needs no server: nothing connects
 
@@ -511,3 +513,149 @@ def test_two_threads_making_the_first_call_of_a_lazily_typed_function_both_succe
         sys.modules.pop("lazy_return_race", None)
     assert not errors, f"a concurrent first call raised {errors[0]!r}"
     assert cache.namespace("book").policy.codec.value_type is module.Later
+
+
+# -- early refresh and ignore= (README, "Early refresh") ------------------------------
+
+
+class Session:
+    """A request-scoped database session: usable only inside its ``with``; counts the
+    queries made on it once closed (a finished request's session, used by a refresh)."""
+
+    def __init__(self, db: dict[int, str]) -> None:
+        self.db = db
+        self.open = False
+        self.used_closed = 0
+
+    def __enter__(self) -> Session:
+        self.open = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.open = False
+
+    def price(self, id: int) -> str:
+        if not self.open:
+            self.used_closed += 1
+            raise RuntimeError("session is closed")
+        return self.db[id]
+
+
+def _refreshing_config(redis_url: str, prefix: str) -> Any:
+    """L2 only, 5 s, XFetch on: with the draw near 1 (``_NEAR_1``), -ln(1 - rand) ~ 34,
+    so a 0.2 s load is refreshed ~7 s before expiry: at the first L2 hit."""
+    book = {"key": "book:{id}", "l1": False, "l2": {"ttl": "5s", "jitter": 0},
+            "stampede": {"early_refresh_beta": 1.0}}  # fmt: skip
+    return make_config(redis_url, prefix, {"book": book})
+
+
+def _near_1() -> float:
+    return 1.0 - 1e-15
+
+
+async def test_a_cached_function_with_an_ignored_session_is_reloaded_at_expiry_not_early(
+    redis_url: str, prefix: str
+) -> None:
+    """Request 2's L2 hit would start an XFetch refresh calling the function with request
+    2's session, closed once request 2 returned: the refresh always failed (a load_error)
+    and never refreshed. No early refresh then: the value is reloaded at expiry, by a
+    request with a session of its own."""
+    db = {1: "v1"}
+    shift = [0.0]  # added to the cache's clock: past the soft expiry without waiting 5 s
+    sessions: list[Session] = []
+    clock = lambda: time.time() + shift[0]  # noqa: E731
+    config = _refreshing_config(redis_url, prefix)
+    async with LayeredCache.from_config(config, rand=_near_1, clock=clock) as cache:
+
+        @cache.cached("book", ignore=["session"])
+        async def price(session: Session, id: int) -> str:
+            await asyncio.sleep(0.2)  # a slow query: delta 0.2 s for XFetch
+            return session.price(id)
+
+        async def request() -> str:
+            with Session(db) as session:
+                sessions.append(session)
+                return await price(session, 1)
+
+        assert await request() == "v1"  # a miss, loaded
+        db[1] = "v2"
+        assert await request() == "v1"  # an L2 hit inside the XFetch window
+        await asyncio.sleep(0.5)  # a refresh started by it would have run its query
+        stats = cache.stats()["book"]
+        shift[0] = 6.0  # expired
+        after_expiry = await request()
+    assert [s.used_closed for s in sessions] == [0, 0, 0]
+    assert stats["early_refresh"] == 0 and stats["load_error"] == 0, stats
+    assert after_expiry == "v2"
+
+
+async def test_a_cached_function_without_ignore_is_still_refreshed_early(
+    redis_url: str, prefix: str
+) -> None:
+    db = {1: "v1"}
+    async with LayeredCache.from_config(_refreshing_config(redis_url, prefix), rand=_near_1) as cache:
+
+        @cache.cached("book")
+        async def price(id: int) -> str:
+            await asyncio.sleep(0.2)
+            return db[id]
+
+        assert await price(1) == "v1"
+        db[1] = "v2"
+        assert await price(1) == "v1"  # an L2 hit: starts the refresh, served the current
+
+        async def refreshed() -> bool:
+            return await cache.get("book", {"id": 1}) == "v2"
+
+        assert await eventually(refreshed, 5)
+        assert cache.stats()["book"]["early_refresh"] == 1
+
+
+def test_a_sync_cached_function_with_an_ignored_session_is_not_refreshed_early(
+    redis_url: str, prefix: str
+) -> None:
+    """The sync API wraps the loader for its thread pool (``SyncLayeredCache
+    .get_or_load``): what tells the refresh the arguments are the request's survives it."""
+    db = {1: "v1"}
+    sessions: list[Session] = []
+    config = _refreshing_config(redis_url, prefix)
+    with SyncLayeredCache.from_config(config, rand=_near_1) as cache:
+
+        @cache.cached("book", ignore=["session"])
+        def price(session: Session, id: int) -> str:
+            time.sleep(0.2)
+            return session.price(id)
+
+        def request() -> str:
+            with Session(db) as session:
+                sessions.append(session)
+                return price(session, 1)
+
+        assert request() == "v1"
+        db[1] = "v2"
+        assert request() == "v1"  # an L2 hit inside the XFetch window
+        time.sleep(0.5)  # a refresh started by it would have run its query
+        stats = cache.stats()["book"]
+    assert [s.used_closed for s in sessions] == [0, 0]
+    assert stats["early_refresh"] == 0 and stats["load_error"] == 0, stats
+
+
+def test_a_sync_cached_function_without_ignore_is_still_refreshed_early(
+    redis_url: str, prefix: str
+) -> None:
+    db = {1: "v1"}
+    with SyncLayeredCache.from_config(_refreshing_config(redis_url, prefix), rand=_near_1) as cache:
+
+        @cache.cached("book")
+        def price(id: int) -> str:
+            time.sleep(0.2)
+            return db[id]
+
+        assert price(1) == "v1"
+        db[1] = "v2"
+        assert price(1) == "v1"  # an L2 hit: starts the refresh, served the current
+        deadline = time.monotonic() + 5
+        while cache.get("book", {"id": 1}) != "v2" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cache.get("book", {"id": 1}) == "v2"
+        assert cache.stats()["book"]["early_refresh"] == 1
