@@ -15,7 +15,7 @@ from layered_cache._codec import Envelope
 from layered_cache._failsafe import Misshapen
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
-from layered_cache._l2 import L2Unavailable
+from layered_cache._l2 import L2Unavailable, LeaseRefused
 from layered_cache._l2batch import L2Batch
 from layered_cache._miss import MissPath, Read, awaited, call_loader
 from layered_cache._policy import Policy
@@ -125,9 +125,10 @@ class BatchLoader:
             held = await self._batch.acquire_leases(
                 [lease_name(r.key) for r in reads], token, ttl_ms
             )
-        except L2Unavailable:
+        except L2Unavailable as exc:
             policy.stats.redis_error += 1
-            self._fill.give_back(reads, token)  # some SET NXs may have landed: see _l2batch
+            if not isinstance(exc, LeaseRefused):  # refused unsent: none to give back
+                self._fill.give_back(reads, token)  # some SET NXs may have landed: _l2batch
             return await self._load_unleased(reads + unread, fields_of, load_many)
         except asyncio.CancelledError:
             self._fill.give_back(reads, token)  # the SET NXs may have landed before the cancel

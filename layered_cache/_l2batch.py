@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from layered_cache import _direct as direct
 from layered_cache._chunks import by_count, by_size
 from layered_cache._keys import fill_channel
-from layered_cache._l2 import BreakerOpen, L2Store, L2Unavailable
+from layered_cache._l2 import BreakerOpen, L2Store, L2Unavailable, LeaseRefused
 from layered_cache._replyerrors import moving_as_replies
 from layered_cache._scripts import FILL_SCRIPT, RELEASE_SCRIPT, fill_args
 
@@ -101,19 +101,35 @@ class L2Batch:
         """SET NX PX every lease with one token: which ones we hold now. A failure may
         come after some round trips (or some commands of one) took theirs: the caller
         gives back every lease it asked for and doesn't hold for sure, the failed ones
-        (a compare-and-delete by ``token``)."""
+        (a compare-and-delete by ``token``). Raises ``LeaseRefused`` when an open breaker
+        refused every round trip: nothing was sent, nothing to give back (during an
+        outage every batch sent its give-backs past the breaker for nothing)."""
         held = [False] * len(leases)
+        sent = False
 
         async def send(run: Sequence[int]) -> list[int]:
+            nonlocal sent
             pipe = self._store.client.pipeline(transaction=False)
             for i in run:
                 pipe.set(leases[i], token, nx=True, px=ttl_ms)
-            replies = await self._replies(pipe, [leases[i] for i in run])
+            try:
+                replies = await self._replies(pipe, [leases[i] for i in run])
+            except BreakerOpen:
+                raise  # refused before anything went out
+            except BaseException:
+                sent = True  # maybe sent: some SET NX may have landed
+                raise
+            sent = True
             for i, won in zip(run, replies, strict=True):
                 held[i] = not isinstance(won, Exception) and bool(won)
             return _moving(run, replies)
 
-        return Replies(held, await self._per_master(leases, send))
+        try:
+            return Replies(held, await self._per_master(leases, send))
+        except L2Unavailable as exc:
+            if not sent:  # every round trip refused by an open breaker: none to give back
+                raise LeaseRefused(str(exc)) from exc
+            raise
 
     async def fill_many(self, fills: Sequence[Fill], token: str) -> Replies[bool]:
         """Each key written only while ``token`` holds its lease (the FILL script, which

@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as redis
 
 from layered_cache import LayeredCache
+from layered_cache._batch_read import BatchReader
 from layered_cache._django_locked import locked
 from layered_cache._keys import lease_name, lock_name
 from layered_cache._l2 import L2Unavailable
@@ -335,6 +336,43 @@ async def test_leases_of_late_batch_lease_replies_are_given_back_also_when_the_b
     await admin.aclose()
     assert held == 0, f"{held} of A's 9 leases still held 1 s after A's batches returned"
     assert values == ["B"] * 9 and took < 0.5, f"B waited {took:.2f} s"
+
+
+async def _scripts_run(admin: redis.Redis) -> int:
+    stats = await admin.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("eval", "evalsha"))
+
+
+async def test_a_batch_whose_lease_request_the_open_breaker_refused_sends_no_give_backs(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/operations.md (breaker): a lease the open breaker refused was never asked
+    for: nothing to give back. Scenario: A reads 20 cold keys in one batch; its MGET
+    answers, and right then another call's timeout opens A's breaker (forced here), so
+    the breaker refuses the batch's lease round trip and the loader answers. Happened:
+    the batch still sent 20 compare-and-deletes past the breaker (``_giveback``) for
+    leases it never asked for. Noted in session 25, fixed 2026-12-06."""
+    opening = {**OPENING_BREAKER_A, "breaker": {"failures": 1, "reset": "5s"}}
+    a_config = make_config(redis_url, prefix, LONG_LEASE, redis=opening)
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(a_config) as a:
+        read_many = BatchReader.read_many
+
+        async def read_then_breaker_opens(self: BatchReader, *args: Any, **kwargs: Any) -> Any:
+            found = await read_many(self, *args, **kwargs)
+            a._store.breaker.failure(TimeoutError("another call's"))
+            return found
+
+        monkeypatch.setattr(BatchReader, "read_many", read_then_breaker_opens)
+        before = await _scripts_run(admin)
+        fields = [{"id": i} for i in range(1, 21)]
+        values = await a.get_or_load_many("book", fields, lambda m: _slow(["A"] * len(m), 0))
+        await asyncio.sleep(0.5)  # give-backs run in the background
+        sent = await _scripts_run(admin) - before
+        assert a.redis_status().breaker == "open"
+    await admin.aclose()
+    assert values == ["A"] * 20
+    assert sent == 0, f"{sent} scripts (give-backs) sent for leases never asked for"
 
 
 async def test_give_backs_past_an_open_breaker_go_one_round_trip_at_a_time() -> None:
