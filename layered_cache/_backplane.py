@@ -29,8 +29,8 @@ from layered_cache._clients import (
 )
 from layered_cache._codec import UNDECODABLE
 from layered_cache._stream import (
-    FUTURE_SLACK,
     Entry,
+    ahead_of_clock,
     last_generated,
     missed_entries,
     oldest_entry,
@@ -137,6 +137,8 @@ class BackplaneListener:
         stream: str,
         on_keys: Callable[[list[str]], None],
         on_gap: Callable[[], None],
+        *,
+        clock: Callable[[], float],
         block: float = 1.0,
         batch: int = 1000,
         origin: str = "",
@@ -152,6 +154,7 @@ class BackplaneListener:
         self._link = StreamLink(client, stream, block, batch, block + timeout)
         self._on_keys, self._on_gap, self._on_tags = on_keys, on_gap, on_tags
         self._coalesce = coalesce
+        self._clock = clock  # Redis's time as measured here: stream IDs are its clock's
         self._trim_visible = trim_visible(batch, maxlen)
         self._cleared_through = (0, 0)  # entries up to this one are covered by an L1 clear
         self._counted = EntryCount(self._link)  # entries lost unread while connected
@@ -349,10 +352,7 @@ class BackplaneListener:
         entries = await self._xread(self.last_id)
         if not entries:
             self._lag = 0.0  # blocked and nothing came: caught up
-            if parse_id(self.last_id)[0] > (time.time() + FUTURE_SLACK) * 1000:
-                # Our position is ahead of the clock: the stream's IDs went back (it was
-                # deleted and created anew after Redis's clock stepped back, or an ID
-                # was forged), and an XREAD after it may wait for ever. Check.
+            if ahead_of_clock(self.last_id, self._clock()):  # the IDs went back: check
                 await self._check_gap(self.last_id)
             return 0
         for entry_id, fields in entries:

@@ -30,8 +30,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -47,7 +46,7 @@ from layered_cache._relay_outage import Outage
 from layered_cache._relay_send import send
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import NIL_ARRAY, CommandReader, ProtocolError, encode, encode_error
-from layered_cache._stream import FUTURE_SLACK, parse_id, trim_visible
+from layered_cache._stream import ahead_of_clock, parse_id, trim_visible
 
 __all__ = ["Relay", "RelayStatus"]
 
@@ -129,13 +128,15 @@ class Relay:
     """Follows ``stream`` upstream and serves XREAD on it to many clients.
 
     ``keep``: entries held in memory. An instance behind by more catches up from Redis
-    through the relay (forwarded reads) instead of from memory."""
+    through the relay (forwarded reads) instead of from memory. ``clock``: Redis's time
+    as the relay estimates it (``cli/relay.py`` runs a ``_redisclock.RedisClock``)."""
 
     def __init__(
         self,
         upstream: Upstream,
         stream: str,
         *,
+        clock: Callable[[], float],
         block: float = 1.0,
         batch: int = 1000,
         keep: int = 10_000,
@@ -143,7 +144,7 @@ class Relay:
         send_timeout: float = 30.0,
     ) -> None:
         self._upstream = upstream
-        self._stream = stream.encode()
+        self._stream, self._clock = stream.encode(), clock
         self._block_ms = max(1, int(block * 1000))
         self._batch = batch
         # A read this long may follow a trim past our position: ``maxlen`` is the
@@ -236,9 +237,8 @@ class Relay:
             before,
         )
         if not reply:
-            # Idle, at a position ahead of the clock: the stream's IDs went back (see
-            # ``BackplaneListener._read_once``); reading after it may wait for ever.
-            if parse_id(before)[0] > (time.time() + FUTURE_SLACK) * 1000:
+            # Idle, at a position ahead of Redis's clock: the stream's IDs went back.
+            if ahead_of_clock(before, self._clock()):
                 return not await self._upstream.missed_entries(before)
             return True
         entries = reply[0][1]
@@ -299,6 +299,8 @@ class Relay:
             return await self._xread(command[1:], client)
         if name == b"PING":
             return b"+PONG\r\n"
+        if name == b"TIME":  # the clock of a relay below (``Upstream.time``): Redis's
+            return await self._forward(command)
         if name == b"HELLO":
             # redis-py 8 asks for RESP3 unless told protocol=2; NOPROTO says why not.
             if len(command) > 1 and command[1] != b"2":
@@ -314,7 +316,7 @@ class Relay:
             return await self._forward(command)
         return encode_error(
             f"ERR the backplane relay serves XREAD on {self._stream.decode()!r} "
-            f"(and the listener's XINFO STREAM, XREVRANGE, XADD), not {name!r}"
+            f"(and the listener's XINFO STREAM, XREVRANGE, XADD; TIME), not {name!r}"
         )
 
     async def _forward(self, command: Sequence[bytes]) -> bytes:

@@ -72,6 +72,13 @@ class Upstream:
         info = await self._info(self.forward)
         return (last_generated(info) if info is not None else None) or b"0-0"
 
+    async def time(self) -> float:
+        """Redis's clock in seconds (``TIME``), for the relay's ``_redisclock.RedisClock``:
+        stream IDs are stamped by it. From the stream's master, or through the relays
+        above (each forwards ``TIME``): the round trip bounds the error, as for a cache."""
+        seconds, micros = await self.forward("TIME")
+        return int(seconds) + int(micros) / 1e6
+
     async def missed_entries(self, last: bytes) -> bool:
         """The listener's own test (``_stream.missed_entries``): were entries after
         ``last`` trimmed or deleted before the relay read them?"""

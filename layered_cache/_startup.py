@@ -355,6 +355,7 @@ def followers(
         on_keys=coherence.apply_remote,
         on_gap=coherence.lost_track,
         on_tags=coherence.apply_tags,
+        clock=rt.clock,  # Redis's time: stream IDs are its clock's, not this host's
         block=backplane.block,
         coalesce=backplane.coalesce,
         maxlen=backplane.maxlen,

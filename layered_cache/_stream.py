@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "FUTURE_SLACK",
     "Entry",
+    "ahead_of_clock",
     "last_generated",
     "missed_entries",
     "oldest_entry",
@@ -23,8 +24,9 @@ __all__ = [
     "xread_entries",
 ]
 
-# How far ahead of this host's clock a reader's position may be before an idle read
-# counts it as "the IDs went back" and checks the stream: beyond any NTP-level skew.
+# How far ahead of Redis's clock (as the reader measures it: ``_redisclock``) a reader's
+# position may be before an idle read counts it as "the IDs went back" and checks the
+# stream: beyond the measurement's error and any NTP-level step of Redis's own clock.
 FUTURE_SLACK = 10.0
 
 # A stream entry as the listener reads it: its ID and its field -> value pairs.
@@ -35,6 +37,18 @@ def parse_id(entry_id: bytes | str) -> tuple[int, int]:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     millis, _, seq = text.partition("-")
     return int(millis), int(seq or 0)
+
+
+def ahead_of_clock(position: bytes, redis_now: float) -> bool:
+    """Whether an idle reader's ``position`` is more than ``FUTURE_SLACK`` ahead of
+    ``redis_now`` (Redis's time as the reader measures it, ``_redisclock``): the stream's
+    IDs went back (it was deleted and created anew after Redis's clock stepped back, or an
+    ID was forged), and an XREAD after it may wait for ever. The reader checks the stream.
+
+    Redis's time, not the host's: stream IDs are Redis's clock, and a host 30 s ahead of
+    it took a position up to 40 s ahead of Redis for current (deaf for that long)."""
+    return parse_id(position)[0] > (redis_now + FUTURE_SLACK) * 1000
+
 
 def xread_entries(reply: Any) -> list[Entry]:
     """The entries of a raw XREAD reply of one stream: RESP3 (a map, stream -> entries),

@@ -147,15 +147,22 @@ class Starvation:
 
 
 async def start_relay(
-    config: Config, port: int = 0, *, upstream: str | None = None, keep: int = 10_000
+    config: Config,
+    port: int = 0,
+    *,
+    upstream: str | None = None,
+    keep: int = 10_000,
+    clock: Callable[[], float] = time.time,
 ) -> tuple[Relay, str]:
     """A backplane relay for ``config``'s stream, in this process, following (it knows its
-    place in the stream); returns it and the ``backplane.relay`` URL to give instances."""
+    place in the stream); returns it and the ``backplane.relay`` URL to give instances.
+    ``clock``: Redis's time (this host's: the test Redis runs here)."""
     stream = config.redis.prefix + config.backplane.stream
     block = config.backplane.block
     relay = Relay(
         Upstream(config.redis, stream, block, url=upstream),
         stream,
+        clock=clock,
         block=block,
         keep=keep,
         maxlen=config.backplane.maxlen,

@@ -9,6 +9,7 @@ turns the cancellation into a lost connection, as that race does; the server is 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import redis.asyncio as redis
@@ -38,7 +39,8 @@ async def test_a_backplane_listener_whose_cancellation_is_lost_still_stops(
 ) -> None:
     client = CancelLosingRedis.from_url(redis_url, socket_timeout=2.0)
     listener = BackplaneListener(
-        client, f"{prefix}layered_cache:invalidations", lambda keys: None, lambda: None, block=0.5
+        client, f"{prefix}layered_cache:invalidations", lambda keys: None, lambda: None,
+        clock=time.time, block=0.5,
     )
     listener.start()
     assert await asyncio.wait_for(listener.connected.wait(), 10)
@@ -61,7 +63,7 @@ async def test_a_relay_whose_cancellation_is_lost_still_closes(redis_url: str, p
             raise redis.ConnectionError("the cancellation was lost with the read") from None
 
     upstream.execute = losing  # type: ignore[method-assign]
-    relay = Relay(upstream, stream, block=0.5)
+    relay = Relay(upstream, stream, clock=time.time, block=0.5)
     await relay.start()
     assert await eventually(lambda: relay.status().following)
     await asyncio.sleep(0.1)  # inside its blocking XREAD

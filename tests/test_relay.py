@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -375,7 +376,7 @@ async def test_a_relay_is_ready_only_while_it_follows_its_stream(
         assert await _healthcheck(url) == 0
     dead = make_config(f"redis://127.0.0.1:{free_port()}/0", prefix)
     stream = stream_of(dead)
-    relay = Relay(Upstream(dead.redis, stream, 0.2), stream, block=0.2)
+    relay = Relay(Upstream(dead.redis, stream, 0.2), stream, clock=time.time, block=0.2)
     host, port = await relay.start("127.0.0.1", 0)
     try:
         await asyncio.sleep(0.5)
@@ -427,7 +428,7 @@ async def test_a_relay_that_fell_behind_the_trimming_makes_its_instances_clear_l
         return reply
 
     upstream.execute = slow_reads  # type: ignore[method-assign]
-    relay = Relay(upstream, stream, block=0.2, batch=2)
+    relay = Relay(upstream, stream, clock=time.time, block=0.2, batch=2)
     host, port = await relay.start()
     try:
         assert await eventually(lambda: relay.status().following)
@@ -467,7 +468,7 @@ async def test_a_relay_that_stalled_while_the_stream_was_trimmed_past_it_resets(
         return await execute(*args)
 
     upstream.execute = stalling  # type: ignore[method-assign]
-    relay = Relay(upstream, stream, block=0.2, maxlen=base.backplane.maxlen)
+    relay = Relay(upstream, stream, clock=time.time, block=0.2, maxlen=base.backplane.maxlen)
     host, port = await relay.start()
     try:
         assert await eventually(lambda: relay.status().following)
@@ -573,7 +574,9 @@ async def test_odd_reads_get_bounded_answers_and_the_relay_serves_on(
     stream = stream_of(config)
     direct = redis.Redis.from_url(redis_server.url, protocol=2)
     await direct.xadd(stream, {"origin": "-"})
-    relay = Relay(Upstream(config.redis, stream, 0.2), stream, block=0.2, batch=5)
+    relay = Relay(
+        Upstream(config.redis, stream, 0.2), stream, clock=time.time, block=0.2, batch=5
+    )
     host, port = await relay.start("127.0.0.1", 0)
     through = redis.Redis.from_url(f"redis://{host}:{port}/0", protocol=2)
     try:
@@ -627,7 +630,8 @@ async def test_a_client_that_never_reads_its_replies_is_dropped_and_the_relay_se
     direct = redis.Redis.from_url(redis_server.url, protocol=2)
     await direct.xadd(stream, {"origin": "-"})
     relay = Relay(
-        Upstream(config.redis, stream, 0.2), stream, block=0.2, batch=1000, send_timeout=0.5
+        Upstream(config.redis, stream, 0.2), stream, clock=time.time, block=0.2, batch=1000,
+        send_timeout=0.5,
     )
     host, port = await relay.start("127.0.0.1", 0)
     through = redis.Redis.from_url(f"redis://{host}:{port}/0", protocol=2)
@@ -673,6 +677,7 @@ async def _relay_with_entries(
     relay = Relay(
         Upstream(config.redis, stream, 0.2),
         stream,
+        clock=time.time,
         block=0.2,
         batch=1000,
         send_timeout=send_timeout,
@@ -857,7 +862,7 @@ async def test_an_instance_that_served_before_its_position_clears_l1_even_if_its
         backplane={"block": BLOCK, "relay": f"redis://127.0.0.1:{port}"},
     )
     stream = stream_of(a_config)
-    relay = Relay(Upstream(a_config.redis, stream, 0.2), stream, block=0.2)
+    relay = Relay(Upstream(a_config.redis, stream, 0.2), stream, clock=time.time, block=0.2)
     forward, failed = relay._forward, []
 
     async def blip_at_first_xinfo(command: Any) -> bytes:

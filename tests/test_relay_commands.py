@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -85,7 +86,7 @@ async def test_a_client_that_sent_another_command_and_left_during_a_blocking_rea
     direct = redis.Redis.from_url(redis_url, protocol=2)
     await direct.xadd(stream, {"origin": "-"})
     await direct.aclose()
-    relay = Relay(Upstream(config.redis, stream, 0.2), stream, block=0.2)
+    relay = Relay(Upstream(config.redis, stream, 0.2), stream, clock=time.time, block=0.2)
     host, port = await relay.start("127.0.0.1", 0)
     try:
         assert await eventually(lambda: relay.status().following)
@@ -222,3 +223,21 @@ async def test_the_relay_reads_xread_arguments_as_redis_does(
     which takes "+3"; the relay's ``_STREAM_ID`` refuses it. (Low severity: no library
     client sends these; the documented parity is what fails.)"""
     await _compare(redis_url, prefix, head, position)
+
+
+async def test_a_relay_answers_time_with_redis_clock(redis_server: RedisServer, prefix: str) -> None:
+    """A relay below another measures Redis's time through it (``Upstream.time``): its
+    position in the stream is judged against Redis's clock, not its host's."""
+    config = make_config(redis_server.url, prefix, backplane={"block": BLOCK})
+    relay, relay_url = await start_relay(config)
+    below = Upstream(config.redis, _stream(config), 0.2, url=relay_url)
+    direct = redis.Redis.from_url(redis_server.url)
+    try:
+        before = time.time()
+        through = await below.time()
+        seconds, micros = await direct.time()
+        assert before - 1 < through <= seconds + micros / 1e6
+    finally:
+        await below.reset()
+        await direct.aclose()
+        await relay.close()

@@ -4,6 +4,7 @@ own failures around a relay reset (found by a review; each failed before its fix
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -95,7 +96,9 @@ async def test_a_relay_port_hands_out_at_most_its_batch_and_only_the_listeners_c
     stream = config.redis.prefix + config.backplane.stream
     direct = redis.Redis.from_url(redis_server.url, protocol=2)
     await direct.xadd(stream, {"origin": "-"})
-    relay = Relay(Upstream(config.redis, stream, 0.2), stream, block=0.2, batch=5, keep=5)
+    relay = Relay(
+        Upstream(config.redis, stream, 0.2), stream, clock=time.time, block=0.2, batch=5, keep=5
+    )
     host, port = await relay.start("127.0.0.1", 0)
     through = redis.Redis.from_url(f"redis://{host}:{port}/0", protocol=2)
     try:

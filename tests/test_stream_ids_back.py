@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,11 +18,16 @@ import msgspec
 import pytest
 import redis.asyncio as redis
 
+import layered_cache._backplane as backplane_module
 from layered_cache import LayeredCache
+from layered_cache._redisclock import RedisClock
+from layered_cache._relay import Relay
+from layered_cache._relay_upstream import Upstream
 from tests.helpers import eventually, in_l1, make_config, start_relay
 from tests.servers import RedisServer
 
 NAMESPACES = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
+AHEAD = 30.0  # a host's clock against Redis's (Redis runs on another host)
 
 
 async def version(value: str) -> str:
@@ -91,6 +97,81 @@ async def test_a_reader_that_reconnects_to_a_stream_whose_ids_went_back_follows_
         assert await reader.get_or_load("book", {"id": 1}, lambda: version("v2")) == "v2"
         await writer.set("book", {"id": 1}, "v3")  # the clear was not the end of it
         assert await eventually(lambda: _reads(reader, "v3"), timeout=5)
+
+
+def host_ahead() -> float:
+    """The wall clock of a host AHEAD of Redis's, within what docs/operations.md,
+    "Clocks", says instances correct for."""
+    return time.time() + AHEAD
+
+
+async def _entry_ahead_of_redis(admin: redis.Redis, stream: str) -> str:
+    """An entry 20 s ahead: Redis's clock was, and stepped back. On a host 30 s ahead it
+    is behind the host's clock, so only Redis's time shows the position is ahead."""
+    ahead = f"{int(time.time() * 1000) + 20_000}-0"
+    await admin.xadd(stream, {"origin": "-"}, id=ahead)
+    return ahead
+
+
+async def test_a_reader_on_a_host_ahead_of_redis_hears_a_stream_whose_ids_went_back(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listener judged its position against the host's raw clock: on a host 30 s
+    ahead, a position up to 40 s ahead of Redis passed for current, and the reader stayed
+    deaf (connected, no gap) while it served the old value from L1 for ~20 s."""
+    # The host's clock, for the cache (``clock=``) and for the listener module.
+    skewed = types.SimpleNamespace(time=host_ahead, monotonic=time.monotonic)
+    monkeypatch.setattr(backplane_module, "time", skewed)
+    config = make_config(redis_server.url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    stream = prefix + config.backplane.stream
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        async with (
+            LayeredCache.from_config(config, clock=host_ahead) as writer,
+            LayeredCache.from_config(config, clock=host_ahead) as reader,
+        ):
+            assert reader._backplane is not None
+            assert await eventually(reader._backplane.connected.is_set)
+            await writer.set("book", {"id": 1}, "v1")
+            assert await reader.get_or_load("book", {"id": 1}, lambda: version("x")) == "v1"
+            assert in_l1(reader, 1)
+            ahead = await _entry_ahead_of_redis(admin, stream)
+            assert await eventually(lambda: reader.backplane_status().last_id == ahead)  # type: ignore[union-attr]
+            await admin.delete(stream)  # evicted; appends create it anew, IDs below the old
+            await writer.set("book", {"id": 1}, "v2")
+            assert await eventually(lambda: _reads(reader, "v2"), timeout=8)
+    finally:
+        await admin.aclose()
+
+
+async def test_a_relay_on_a_host_ahead_of_redis_follows_a_stream_whose_ids_went_back(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The relay too judged its position against the host's raw clock, and its readers
+    then waited on it. It runs as a process of its own, so it measures Redis's time over
+    its upstream (``cli/relay.py``; behind another relay, through it: relays forward
+    ``TIME``) and judges its position against that."""
+    config = make_config(redis_server.url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    stream = prefix + config.backplane.stream
+    admin = redis.Redis.from_url(redis_server.url)
+    await admin.xadd(stream, {"origin": "-"})
+    upstream = Upstream(config.redis, stream, 0.2)
+    clock = RedisClock(host_ahead, upstream.time)
+    relay = Relay(upstream, stream, clock=clock.now, block=0.2)
+    try:
+        await clock.start()
+        assert clock.synced and abs(clock.offset + AHEAD) < 1
+        await relay.start()
+        assert await eventually(lambda: relay.status().following)
+        ahead = await _entry_ahead_of_redis(admin, stream)
+        assert await eventually(lambda: relay.status().last_id == ahead)
+        await admin.delete(stream)  # evicted; appends create it anew, IDs below the old
+        new = (await admin.xadd(stream, {"origin": "-"})).decode()
+        assert await eventually(lambda: relay.status().last_id == new, timeout=8), relay.status()
+    finally:
+        await clock.stop()
+        await relay.close()
+        await admin.aclose()
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import math
 import signal
+import time
 from typing import TextIO
 
 import msgspec
@@ -21,6 +22,7 @@ import structlog
 from layered_cache._config import Config
 from layered_cache._config.checks import host_and_port, is_number, relay_url_problem
 from layered_cache._keys import backplane_stream_name
+from layered_cache._redisclock import RedisClock
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
 from layered_cache.cli.common import CliError, load
@@ -53,23 +55,43 @@ async def _run(config: Config, host: str, port: int, args: argparse.Namespace, o
     stream = backplane_stream_name(config.redis.prefix, config.backplane.stream)
     block = config.backplane.block
     upstream = Upstream(config.redis, stream, block, url=args.upstream)
-    relay = Relay(upstream, stream, block=block, keep=args.keep, maxlen=config.backplane.maxlen)
+    # Stream IDs are Redis's clock: the relay judges its position against Redis's time as
+    # measured over its upstream, as an instance does (docs/operations.md, "Clocks").
+    wait = config.redis.connect_timeout + config.redis.timeout
+    clock = RedisClock(time.time, upstream.time, timeout=wait)
+    relay = Relay(
+        upstream, stream, clock=clock.now, block=block, keep=args.keep,
+        maxlen=config.backplane.maxlen,
+    )
     try:
-        bound_host, bound_port = await relay.start(host, port)
+        bound_host, bound_port = await _listen(relay, host, port)
+        await clock.start(wait)  # unsynced after ``wait``: this host's clock, as a cache's
+        # One line on stdout for whoever started us (a test, a supervisor's log).
+        address = f"{bound_host}:{bound_port}"
+        print(f"relay listening on {address}, following {stream}", file=out, flush=True)
+        await _until_stopped(relay, args.status_every)
+    finally:
+        await clock.stop()  # first: a sample after relay.close() would connect again
+        await relay.close()
+    return 0
+
+
+async def _listen(relay: Relay, host: str, port: int) -> tuple[str, int]:
+    """The port first: a taken one is the one line on stderr, before anything is logged."""
+    try:
+        return await relay.start(host, port)
     except OSError as exc:
         raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    # One line on stdout for whoever started us (a test, a supervisor's log).
-    print(f"relay listening on {bound_host}:{bound_port}, following {stream}", file=out, flush=True)
+
+
+async def _until_stopped(relay: Relay, status_every: float) -> None:
+    """Log the relay's counters every ``status_every`` seconds until SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), args.status_every)
-            except TimeoutError:
-                _log.info("relay_status", **msgspec.structs.asdict(relay.status()))
-    finally:
-        await relay.close()
-    return 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), status_every)
+        except TimeoutError:
+            _log.info("relay_status", **msgspec.structs.asdict(relay.status()))
