@@ -22,12 +22,32 @@ on the node that runs the fill:
 Why "subscribe, then re-read" stays race-free with the NUMSUB check: the subscription
 is confirmed before the waiter's re-read; a fill that runs after the confirmation sees
 the subscriber and publishes, a fill that ran before it is found by the re-read.
+
+A waiter is confirmed by the PONG of a PING sent on the connection after it registered
+(and after the SUBSCRIBE it sent, if it was the channel's first), and is handed only the
+messages the reader reads after that PONG. Redis writes to a connection in order: a
+message read before the PONG was published before Redis ran the PING, maybe before
+the waiter's read began - the fill of a value an invalidation since killed, read off
+the socket while an older waiter held the subscription and handed out only later (a
+slow reader). Handed to the new waiter, its read (begun after the tombstone) kept
+that value in L1 for the L1 TTL. A message after the PONG was published after the
+waiter began.
+The subscription's own reply can't confirm: a waiter joining a channel already
+subscribed gets none, and after an UNSUBSCRIBE and a SUBSCRIBE the reply read may be
+the one of an earlier SUBSCRIBE, with older messages behind it. Nor can the envelope's
+``written_at``: hosts' clocks differ. Cost: one PING per waiter that subscribes or
+joins, sent right after its SUBSCRIBE (pipelined: the first waiter's confirmation takes
+the one round trip it took before); a waiter joining a subscribed channel, confirmed at
+once before, now waits that round trip before its re-read. On a cluster master's
+connection (SSUBSCRIBE) the same holds: the PING goes to that master, in order with its
+SPUBLISHed messages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -42,13 +62,20 @@ __all__ = ["ClusterFillNotifier", "FillNotifier", "Notifier", "Subscription"]
 
 _log = structlog.get_logger("layered_cache.notify")
 
+# The PINGs that confirm waiters carry this and their number (redis-py's own health
+# check PINGs carry another message).
+_PING = "layered_cache-fill:"
+
 
 class Subscription:
-    __slots__ = ("channel", "confirmed", "queue")
+    __slots__ = ("channel", "confirmed", "ping", "queue")
 
     def __init__(self, channel: str) -> None:
         self.channel = channel
+        # Set by the notifier's reader at the PONG of PING number ``ping``; only the
+        # messages read after it are queued (see the module's docstring).
         self.confirmed = asyncio.Event()
+        self.ping = 0
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def wait(self, seconds: float) -> bytes | None:
@@ -88,6 +115,9 @@ class FillNotifier:
         # waiters stayed: the next waiter on one subscribes again, for them all.
         self._lost: set[str] = set()
         self._chores: set[asyncio.Task[None]] = set()  # UNSUBSCRIBEs owed (``_remove``)
+        # PINGs sent (numbered), and the waiters their PONGs are to confirm, in that order.
+        self._pings = 0
+        self._unconfirmed: deque[Subscription] = deque()
         self._closed = False  # no connection is opened again once closing began
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -131,15 +161,14 @@ class FillNotifier:
         async with self._lock:
             waiters = self._waiters.setdefault(sub.channel, [])
             waiters.append(sub)
-            if len(waiters) > 1 and sub.channel not in self._lost:
-                sub.confirmed.set()
-                return
+            # Another waiter subscribed the channel already: it needs only its PING.
+            subscribed = len(waiters) > 1 and sub.channel not in self._lost
             self._lost.discard(sub.channel)
             try:
-                if self._sharded:
-                    await self._pubsub.ssubscribe(sub.channel)
-                else:
-                    await self._pubsub.subscribe(sub.channel)
+                if not subscribed:
+                    pubsub = self._pubsub
+                    await (pubsub.ssubscribe if self._sharded else pubsub.subscribe)(sub.channel)
+                await self._ping(sub)  # sent after the SUBSCRIBE: its PONG comes after its reply
             except asyncio.CancelledError:
                 # Timed out mid-connect or mid-command: the connection's state is
                 # unknown (a half-read handshake), so it is not reused. The channel
@@ -154,6 +183,25 @@ class FillNotifier:
                 raise
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="layered_cache._notify")
+
+    async def _ping(self, sub: Subscription) -> None:
+        """Send the PING whose PONG confirms ``sub`` (the lock is held). It is queued for
+        confirmation first: the reader may read the PONG before the send returns."""
+        self._pings += 1
+        sub.ping = self._pings
+        self._unconfirmed.append(sub)
+        await self._pubsub.ping(f"{_PING}{self._pings}")
+
+    def _confirm(self, data: bytes | str) -> None:
+        """A PONG read: every waiter registered before its PING is confirmed. PONGs come
+        in the order of their PINGs; a PING lost with a connection confirms nobody, a
+        later one's PONG confirms its waiters too."""
+        text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+        number = text.removeprefix(_PING)
+        if number == text or not number.isdigit():
+            return  # not ours (redis-py's health check)
+        while self._unconfirmed and self._unconfirmed[0].ping <= int(number):
+            self._unconfirmed.popleft().confirmed.set()
 
     def _unregister(self, sub: Subscription) -> bool:
         """Drop ``sub`` from ``_waiters``; whether it was its channel's last waiter."""
@@ -243,14 +291,18 @@ class FillNotifier:
                 continue
             if message is None:
                 continue
+            if message["type"] == "pong":
+                self._confirm(message["data"])
+                continue
+            # Subscribe replies confirm nobody (the PONGs do). A server-sent
+            # "sunsubscribe" (the slot moved away in a failover or a resharding) needs
+            # nothing: the waiter's re-reads carry on without messages.
+            if message["type"] not in ("message", "smessage"):
+                continue
             channel = message["channel"]
             name = channel.decode() if isinstance(channel, bytes) else str(channel)
-            # A server-sent "sunsubscribe" (the slot moved away in a failover or a
-            # resharding) needs nothing: the waiter's re-reads carry on without messages.
             for sub in self._waiters.get(name, ()):
-                if message["type"] in ("subscribe", "ssubscribe"):
-                    sub.confirmed.set()
-                elif message["type"] in ("message", "smessage"):
+                if sub.confirmed.is_set():  # else read before its PONG: maybe older than it
                     sub.queue.put_nowait(message["data"])
 
     def reopen(self) -> None:
@@ -260,6 +312,7 @@ class FillNotifier:
         self._pubsub = self._client.pubsub()
         self._waiters.clear()
         self._lost.clear()
+        self._unconfirmed.clear()
         self._lock = asyncio.Lock()
 
     async def close(self) -> None:

@@ -97,6 +97,24 @@ def stall_listener(cache: LayeredCache) -> asyncio.Event:
     return gate
 
 
+def hold_fill_messages(pubsub: Any) -> tuple[asyncio.Event, asyncio.Event]:
+    """A slow fill-notification reader (``FillNotifier._pubsub``): it reads a message off
+    its socket, then holds it until ``release`` (a busy loop; nothing orders it with the
+    backplane listener, which reads on another connection). Returns (held, release). Its
+    ``get_message`` in progress (1 s timeout) still reads unheld."""
+    real, held, release = pubsub.get_message, asyncio.Event(), asyncio.Event()
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        message = await real(*args, **kwargs)
+        if message is not None and message["type"] == "message":
+            held.set()
+            await release.wait()
+        return message
+
+    pubsub.get_message = slow
+    return held, release
+
+
 def open_cache(config: Config, **kwargs: Any) -> LayeredCache:
     return LayeredCache.from_config(config, **kwargs)
 

@@ -24,7 +24,7 @@ from layered_cache import Config, LayeredCache
 from layered_cache._keys import lease_name
 from layered_cache._l2 import NOTIFY_INLINE_MAX, L2Unavailable
 from layered_cache._notify import FillNotifier
-from tests.helpers import CountingLoader, eventually, make_config
+from tests.helpers import CountingLoader, eventually, hold_fill_messages, make_config
 from tests.servers import RedisClusterServers, RedisServer
 
 SMALL = "s" * 100
@@ -516,6 +516,49 @@ async def test_channels_a_notifier_could_not_unsubscribe_while_redis_was_down_ar
         await asyncio.sleep(2.5)  # the reader (1 s reads) would have reconnected
         listed = admin.pubsub_shardchannels if sharded else admin.pubsub_channels
         assert await listed(f"{prefix}*") == []
+    finally:
+        await notifier.close()
+        await admin.aclose()
+
+
+async def _held_message(notifier: FillNotifier, admin: redis.Redis, channel: str) -> asyncio.Event:
+    """``channel`` subscribed: publish b"old", which the reader reads and holds; returns
+    the release."""
+    held, release = hold_fill_messages(notifier._pubsub)
+    await asyncio.sleep(1.2)  # the reader's get_message in progress (1 s timeout) ends
+    await admin.publish(channel, b"old")
+    await asyncio.wait_for(held.wait(), 5)
+    return release
+
+
+@pytest.mark.parametrize("leaves", [False, True], ids=["joins", "subscribes-again"])
+async def test_a_waiter_is_not_handed_a_message_read_before_it_subscribed(
+    redis_url: str, prefix: str, leaves: bool
+) -> None:
+    """The reader has read a message but not handed it out (a busy loop) when a waiter
+    joins the channel's subscription (``joins``), or subscribes it again after its last
+    waiter left (``subscribes-again``: UNSUBSCRIBE, then SUBSCRIBE): handed the message,
+    published maybe before its read began, the waiter took a fill an invalidation had
+    since killed (``test_invalidation_wins.py``). Only the messages read after the PONG
+    of its PING reach it."""
+    notifier = FillNotifier(redis.Redis.from_url(redis_url))
+    admin = redis.Redis.from_url(redis_url)
+    channel = f"{prefix}k:filled"
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            first = await stack.enter_async_context(notifier.subscribe(channel, 5.0))
+            assert first.confirmed.is_set()
+            release = await _held_message(notifier, admin, channel)
+            if leaves:
+                await stack.aclose()  # its UNSUBSCRIBE is sent; the reply is unread
+            asyncio.get_running_loop().call_later(0.3, release.set)
+            async with notifier.subscribe(channel, 5.0) as later:
+                assert later.confirmed.is_set()  # by the PONG, after the held message
+                assert later.queue.empty()
+                await admin.publish(channel, b"new")
+                assert await later.wait(5) == b"new"
+            if not leaves:
+                assert await first.wait(1) == b"old"  # the older waiter still gets it
     finally:
         await notifier.close()
         await admin.aclose()

@@ -22,7 +22,7 @@ from layered_cache import L2Unavailable, LayeredCache, ReplicaCountMismatch
 from layered_cache._keys import replica_record_name
 from layered_cache._l1 import MISSING
 from tests.faults.proxy import ToxicProxy
-from tests.helpers import CountingLoader, eventually, make_config
+from tests.helpers import CountingLoader, eventually, hold_fill_messages, make_config
 from tests.servers import RedisServer
 
 
@@ -1017,3 +1017,67 @@ async def test_a_failed_drop_of_a_refused_set_still_drops_the_local_copy_read_wh
         assert await admin.get(cache.key("book", {"id": 1})) is None  # deleted in L2
         assert await cache.get("book", {"id": 1}) is None  # and dropped here again
     await admin.aclose()
+
+
+def _gated(value: str, gate: asyncio.Event, started: asyncio.Event) -> Any:
+    async def load() -> str:
+        started.set()
+        await gate.wait()
+        return value
+
+    return load
+
+
+async def test_a_lease_waiter_that_began_after_an_invalidation_is_not_handed_the_invalidated_fill(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A read of B joins the fill subscription an older waiter of B holds (its channel
+    subscribed already) while B's reader still holds the fill message of the value an
+    invalidation since killed: handed that message, the read (begun after B applied the
+    invalidation) returned it and kept it in B's L1 for the L1 TTL, L2 holding the newer
+    value. A waiter takes only messages read after the PONG of a PING it sent (``_notify``)."""
+    namespaces = {
+        "book": {
+            "key": "book:{id}",
+            "l1": {"ttl": "60s"},
+            # long re-read pauses: waiters are woken by the notification alone here
+            "stampede": {"max_wait": "20s", "reread_pause": ["8s", "8s"]},
+        }
+    }
+    config = make_config(redis_server.url, prefix, namespaces, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+        assert b._backplane is not None
+        assert await eventually(b._backplane.connected.is_set)
+        key, never = {"id": 1}, asyncio.Event()
+        # A wins the lease and loads v1; an earlier read of B waits for that fill.
+        g1, s1 = asyncio.Event(), asyncio.Event()
+        fill_v1 = asyncio.create_task(a.get_or_load("book", key, _gated("v1", g1, s1)))
+        await asyncio.wait_for(s1.wait(), 5)
+        older = asyncio.create_task(b.get_or_load("book", key, _gated("b", never, asyncio.Event())))
+        notifier = b._parts.notifier
+        channel = "{" + b.key("book", key) + "}:filled"
+        assert await eventually(lambda: channel in notifier._waiters)  # type: ignore[attr-defined]
+        await asyncio.sleep(0.3)  # its subscription confirmed
+        held, release = hold_fill_messages(notifier._pubsub)  # type: ignore[attr-defined]
+        await asyncio.sleep(1.5)  # the reader's current get_message (1 s timeout) ends
+        g1.set()
+        assert await fill_v1 == "v1"
+        await asyncio.wait_for(held.wait(), 5)
+        # v1 is invalidated, and B hears it.
+        before = b.backplane_status().entries_applied
+        await a.invalidate("book", key)
+        assert await eventually(lambda: b.backplane_status().entries_applied > before)
+        # A new load begins on A; then a new read of B, which waits on that load's lease.
+        g2, s2 = asyncio.Event(), asyncio.Event()
+        fill_v2 = asyncio.create_task(a.get_or_load("book", key, _gated("v2", g2, s2)))
+        await asyncio.wait_for(s2.wait(), 5)
+        newer = asyncio.create_task(b.get_or_load("book", key, _gated("b2", never, asyncio.Event())))
+        await asyncio.sleep(0.5)
+        release.set()  # the reader catches up: v1's message reaches the older waiter only
+        await asyncio.sleep(0.5)
+        assert not newer.done(), f"the newer read of B returned {newer.result()!r}"
+        g2.set()
+        assert await fill_v2 == "v2"
+        assert await asyncio.wait_for(newer, 5) == "v2"  # woken by v2's fill
+        older.cancel()
+        assert await b.get_or_load("book", key, _gated("b3", never, asyncio.Event())) == "v2"
