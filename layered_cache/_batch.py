@@ -114,7 +114,7 @@ class BatchPath:
         ours, theirs = flight.claim(missing)
         found: dict[str, Any] = {}
         if ours:
-            seq = policy.l1.begin_read() if policy.l1 is not None else None
+            seq = policy.marks.begin_read()
             reads = {key: Read(key, seq, None, tags) for key in ours}
 
             def settle(values: dict[str, Any]) -> None:

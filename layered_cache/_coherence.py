@@ -104,8 +104,7 @@ class Coherence:
         self._rt.flight.forget_all()
         self._rt.versions.forget_all()
         for ns in self._namespaces:
-            if ns.policy.l1 is not None:
-                ns.policy.l1.clear()
+            ns.policy.marks.clear()  # L1, or without it the tombstones
 
     def lost_track(self) -> None:
         """The backplane listener found a gap (``on_gap``): ``forget_all``; and since a

@@ -29,8 +29,9 @@ _log = structlog.get_logger("layered_cache")
 @dataclass(slots=True)
 class Read:
     """One request's view of a key: threaded through the miss path instead of loose
-    arguments. ``seq``: the L1 invalidation sequence when the L2 read began (None
-    without L1); ``stale``: the expired value the fail-safe may serve."""
+    arguments. ``seq``: the namespace's invalidation sequence when the L2 read began
+    (``Policy.marks``: its L1's, or without L1 tombstones of its own, which only
+    ``Served`` reads); ``stale``: the expired value the fail-safe may serve."""
 
     key: str
     seq: int | None

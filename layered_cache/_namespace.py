@@ -185,7 +185,7 @@ class Namespace:
         self, key: str, loader: Callable[[], Awaitable[Any]], tags: TagsOf | None
     ) -> Served:
         policy = self.policy
-        read = Read(key, policy.l1.begin_read() if policy.l1 is not None else None, None, tags)
+        read = Read(key, policy.marks.begin_read(), None, tags)
         envelope: Envelope[Any] | None = None
         if policy.l2:
             try:
@@ -276,13 +276,14 @@ class Namespace:
         return self._forget(self._fills.forget_tag(tag))
 
     def _forget(self, keys: list[str]) -> int:
-        """Drop ``keys`` from L1 and detach their in-flight loads: a load that began
-        before an invalidation may return the old value; callers arriving after it start
-        a fresh load instead of joining it. The old load's own fills are refused anyway
-        (its lease is gone, its L1 read_seq is older than the tombstone)."""
+        """Drop ``keys`` from L1 (tombstones alone without it: ``Policy.marks``) and
+        detach their in-flight loads: a load that began before an invalidation may return
+        the old value; callers arriving after it start a fresh load instead of joining it.
+        Its fills are refused (no lease, a read_seq older than the tombstone), what it
+        serves is marked superseded (``_served``)."""
         for key in keys:
             self._rt.flight.forget(key)
-        return self.policy.l1.discard(keys) if self.policy.l1 is not None else 0
+        return self.policy.marks.discard(keys)
 
 
 def check_tags(policy: Policy, tags: object) -> list[str]:

@@ -17,6 +17,7 @@ from layered_cache._config.validate import check_namespaces
 from layered_cache._hotkeys import HotKeyDetector
 from layered_cache._keys import KeyTemplate
 from layered_cache._l1 import L1Cache
+from layered_cache._served import KeyTombstones
 from layered_cache._stats import NamespaceStats
 
 __all__ = ["Policy", "compile_policies", "compile_policy", "jittered"]
@@ -53,6 +54,12 @@ class Policy:
     stats: NamespaceStats = field(default_factory=NamespaceStats)
     # A value's own expiry (Redis time; None: the namespace's): a Django entry's timeout.
     expiry_of: Callable[[Any], float | None] | None = None
+    # Where a read learns that the key was invalidated or written here since it began
+    # (``_served``): the L1's tombstones, or without L1 tombstones of their own.
+    marks: L1Cache | KeyTombstones = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.marks = self.l1 if self.l1 is not None else KeyTombstones()
 
     def l1_ttl_draw(self) -> float:
         return jittered(self.l1_ttl, self.l1_jitter, random.random())

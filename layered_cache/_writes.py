@@ -269,7 +269,8 @@ class Writes:
         for key in keys:
             self._rt.flight.forget(key)
         l1 = self._policy.l1
-        if l1 is None:
+        if l1 is None:  # a read here that this write overtook is told all the same
+            self._policy.marks.discard(keys)  # (tombstones alone: ``_served``)
             return None
         l1.discard(keys)
         return l1.begin_read()
@@ -298,3 +299,5 @@ class Writes:
             flight.forget(key)
         if read_seq is not None:  # None: no L1
             self._fills.settle_l1(settled, read_seq, versions)
+        else:  # no L1: tombstones alone, as in ``_begin``
+            self._policy.marks.discard([key for key, _, _ in settled])

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -260,3 +261,119 @@ async def test_a_response_joining_a_batch_load_an_invalidation_overtook_is_not_k
         assert stats.fill_revoked == 1  # the cache itself knows the load was overtaken
     assert reply.json()["price"] == "9.90"
     assert reply.headers["cache-control"] == "no-store"
+
+
+def _l1_less_config(redis_url: str, prefix: str, l1: bool = False) -> Any:
+    """``book`` without L1 (``l1 = false``), a lease wait of 200 ms, purges repeated."""
+    return parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "purge": {"repeat_after": "200ms"},
+            "namespaces": {
+                "book": {
+                    "key": "book:{id}",
+                    "l1": l1,
+                    "stampede": {"max_wait": "200ms", "lease_ttl": "10s"},
+                    "http": {"s_maxage": "30s"},
+                }
+            },
+        },
+        env={},
+    )
+
+
+async def _hold_lease(redis_url: str, key: str) -> None:
+    """A load of ``key`` in another process holds its lease (a slow load of its own)."""
+    other = aioredis.from_url(redis_url)
+    try:
+        await other.set("{" + key + "}:lease", "another-process", px=10_000)
+    finally:
+        await other.aclose()
+
+
+async def _unleased_load_overtaken(
+    redis_url: str, prefix: str, write: Callable[[LayeredCache], Awaitable[None]], l1: bool
+) -> httpx.Response:
+    """Our request waits ``max_wait`` on the other process's lease, then loads without
+    one (nothing revokes such a load) and reads the old row; the writer commits and
+    writes on this instance (its purge and the repeat go out); then the load returns."""
+    read_old_row, release = asyncio.Event(), asyncio.Event()
+    config = _l1_less_config(redis_url, prefix, l1)
+    async with LayeredCache.from_config(config, purger=Recording()) as cache:
+        responses = CachedResponses(cache)
+        await _hold_lease(redis_url, cache.key("book", {"id": 1}))
+
+        async def book(request: Request) -> Response:
+            async def load() -> Any:
+                row = {"id": 1, "price": "9.90"}  # the SELECT ran: the old price
+                read_old_row.set()
+                await release.wait()
+                return row
+
+            return await responses.respond(request, "book", {"id": 1}, load)
+
+        app = Starlette(routes=[Route("/books/1", book)])
+        async with _client(app) as client:
+            gateway_fetch = asyncio.create_task(client.get("/books/1"))
+            await asyncio.wait_for(read_old_row.wait(), 10)
+            await write(cache)
+            assert await eventually(lambda: cache.purge_stats().repeated == 1, timeout=5)
+            release.set()
+            return await gateway_fetch
+
+
+async def _invalidate(cache: LayeredCache) -> None:
+    await cache.invalidate("book", {"id": 1})
+
+
+async def _set(cache: LayeredCache) -> None:
+    await cache.set("book", {"id": 1}, {"id": 1, "price": "1.00"})
+
+
+@pytest.mark.parametrize("l1", [False, True], ids=["without_l1", "with_l1"])
+@pytest.mark.parametrize("write", [_invalidate, _set], ids=["invalidate", "set"])
+async def test_an_unleased_load_a_write_of_this_instance_overtook_is_no_store_without_l1_too(
+    redis_url: str, prefix: str, write: Callable[[LayeredCache], Awaitable[None]], l1: bool
+) -> None:
+    """With ``l1 = false`` nothing recorded "this instance saw the key invalidated" (only
+    L1 tombstones did): the old price went out ``public, max-age=0, s-maxage=30`` with
+    an ETag after the purge and its repeat, and a gateway kept it 30 s. With L1 it was
+    no-store already (the control)."""
+    reply = await _unleased_load_overtaken(redis_url, prefix, write, l1)
+    assert reply.json()["price"] == "9.90"  # the caller may have it: its read began first
+    assert reply.headers["cache-control"] == "no-store"
+    assert "etag" not in reply.headers
+
+
+async def test_without_l1_an_l2_hit_an_invalidate_of_this_instance_overtook_is_no_store(
+    redis_url: str, prefix: str, late_replies: Any
+) -> None:
+    """The common path of an ``l1 = false`` namespace, an L2 hit: Redis answered the GET
+    with the old price, the reply is late on the wire; meanwhile this instance's
+    invalidate() deletes the key and its purge and repeat go out; then the reply
+    arrives. It went out with ``s-maxage=30``: with L1 the tombstone marks the same
+    race, without it nothing did."""
+    config = _l1_less_config(late_replies.url, prefix)
+    async with LayeredCache.from_config(config, purger=Recording()) as cache:
+        responses = CachedResponses(cache)
+        await cache.set("book", {"id": 1}, {"id": 1, "price": "9.90"})
+        key = cache.key("book", {"id": 1}).encode()
+
+        async def book(request: Request) -> Response:
+            return await responses.respond(request, "book", {"id": 1}, _never)
+
+        app = Starlette(routes=[Route("/books/1", book)])
+        late_replies.match = b"GET\r\n$%d\r\n%s\r\n" % (len(key), key)
+        late_replies.delay = 1.2
+        async with _client(app) as client:
+            gateway_fetch = asyncio.create_task(client.get("/books/1"))
+            assert await eventually(lambda: late_replies.matched == 1, timeout=5)
+            late_replies.match = None
+            await asyncio.sleep(0.1)  # Redis has answered the GET (old price) by now
+            await cache.invalidate("book", {"id": 1})  # price changed: purge sent
+            assert await eventually(lambda: cache.purge_stats().repeated == 1, timeout=5)
+            assert not gateway_fetch.done()
+            reply = await gateway_fetch
+    assert reply.json()["price"] == "9.90"
+    assert reply.headers["cache-control"] == "no-store"
+    assert "etag" not in reply.headers
