@@ -114,14 +114,15 @@ class BatchPath:
         ours, theirs = flight.claim(missing)
         found: dict[str, Any] = {}
         if ours:
-            seq = policy.marks.begin_read()
-            reads = {key: Read(key, seq, None, tags) for key in ours}
+            seq, generation = policy.marks.begin_read(), self._fills.versions.generation
+            reads = {key: Read(key, seq, None, tags, generation) for key in ours}
 
             def settle(values: dict[str, Any]) -> None:
                 for key, value in values.items():
                     # A single read joining this flight takes what ``Namespace._serve``
                     # does. Settled twice (hits first, see ``fetch_many``): the first wins.
-                    flight.settle(key, ours[key], served_of(policy, reads[key], value))
+                    served = served_of(policy, self._fills.versions, reads[key], value)
+                    flight.settle(key, ours[key], served)
 
             try:
                 loaded = await self._loader.fetch_many(

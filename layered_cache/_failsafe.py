@@ -37,6 +37,7 @@ class Read:
     seq: int | None
     stale: Envelope[Any] | None = None
     tags_of: TagsOf | None = None  # the tags of a loaded value (tagged namespaces)
+    generation: int | None = None  # the tag versions' when it began (``_served``)
     revoked: bool = False  # its fill was refused: a write or an invalidation overtook it
     owned: bool = False  # the loader's own object, stored nowhere (it can't be encoded)
     handed_over: bool = False  # its lease went to a background fill (``BatchFill._finish``)

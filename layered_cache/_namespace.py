@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from layered_cache._batch import BatchPath, LoadMany
@@ -50,6 +51,7 @@ class Namespace:
             policy, self._fills, self._miss, self._refresher, runtime, self.get_or_load
         )
         self._type_declared_by = "value_types"
+        self._served = partial(served_of, policy, self._fills.versions)  # what ``_fetch`` served
         # The L1-hit path of ``get``/``get_or_load``, resolved once (the policy's layers
         # don't change after startup): it is most requests' whole path, and each
         # attribute hop or call on it is a measurable share (bench/l1_hit.py).
@@ -185,7 +187,7 @@ class Namespace:
         self, key: str, loader: Callable[[], Awaitable[Any]], tags: TagsOf | None
     ) -> Served:
         policy = self.policy
-        read = Read(key, policy.marks.begin_read(), None, tags)
+        read = Read(key, policy.marks.begin_read(), None, tags, self._fills.versions.generation)
         envelope: Envelope[Any] | None = None
         if policy.l2:
             try:
@@ -194,18 +196,18 @@ class Namespace:
             except L2Unavailable:  # the loader answers this read: a miss, as docs/metrics.md
                 policy.stats.redis_error += 1
                 policy.stats.miss += 1
-                return served_of(policy, read, await self._miss.load_unleased(read, loader))
+                return self._served(read, await self._miss.load_unleased(read, loader))
         now = self._rt.clock()
         if envelope is not None and now < envelope.soft_expiry:
             policy.stats.l2_hit += 1
             self._refresher.maybe_refresh_early(read, envelope, loader, now)
             self._fills.fill_l1(key, envelope.value, envelope.soft_expiry, read.seq, envelope.tags)
-            return served_of(policy, read, envelope.value)
+            return self._served(read, envelope.value)
         policy.stats.miss += 1
         if not policy.l2:
-            return served_of(policy, read, await self._miss.load_l1_only(read, loader))
+            return self._served(read, await self._miss.load_l1_only(read, loader))
         read.stale = envelope if self._fills.within_stale(envelope, now) else None
-        return served_of(policy, read, await self._miss.load_under_lease(read, loader))
+        return self._served(read, await self._miss.load_under_lease(read, loader))
 
     async def _read_l2(self, key: str) -> tuple[Envelope[Any] | None, bool]:
         """The envelope (None: absent, undecodable, or dead), and whether a hot key's
@@ -276,11 +278,10 @@ class Namespace:
         return self._forget(self._fills.forget_tag(tag))
 
     def _forget(self, keys: list[str]) -> int:
-        """Drop ``keys`` from L1 (tombstones alone without it: ``Policy.marks``) and
-        detach their in-flight loads: a load that began before an invalidation may return
-        the old value; callers arriving after it start a fresh load instead of joining it.
-        Its fills are refused (no lease, a read_seq older than the tombstone), what it
-        serves is marked superseded (``_served``)."""
+        """Drop ``keys`` from L1 (without L1, tombstone them: ``Policy.marks``) and detach
+        their loads in flight: one that began before an invalidation may return the old
+        value, and callers arriving after it load afresh. Its own fills are refused (no
+        lease, a read_seq older than the tombstone), what it serves is superseded."""
         for key in keys:
             self._rt.flight.forget(key)
         return self.policy.marks.discard(keys)

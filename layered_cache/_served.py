@@ -10,9 +10,11 @@ owner may change it in place, so nothing may be keyed on its identity (``http.ET
 
 How a read learns that a write overtook it: its fill was refused (``Read.revoked``),
 or this instance saw the key invalidated or written since the read began (the
-namespace's ``Policy.marks``: its L1's tombstones, or ``KeyTombstones`` without L1).
-Both are recorded before the write's purge is submitted (``_coherence``, ``_writes``),
-so a response built after that purge went out knows.
+namespace's ``Policy.marks``: its L1's tombstones, or ``KeyTombstones`` without L1), or
+saw a tag of the loaded value invalidated since (``TagVersions``' generation). A write
+here records it before it submits its purge (``_coherence``, ``_writes``), so a
+response built after that purge went out knows; another instance's, once the
+backplane brings it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from layered_cache._tag_args import tag_names
+
 if TYPE_CHECKING:
     from layered_cache._failsafe import Read
+    from layered_cache._namespace_versions import NamespaceVersions
     from layered_cache._policy import Policy
 
 __all__ = ["KeyTombstones", "Served", "served_of"]
@@ -32,8 +37,8 @@ _MAX_TOMBSTONES = 10_000  # as L1's (``_l1``)
 
 
 class Served(msgspec.Struct):
-    """``value``; ``superseded``: a write or an invalidation of the key overtook its
-    load (the fill was refused, or this instance saw the key invalidated meanwhile);
+    """``value``; ``superseded``: a write or an invalidation of the key (or of a tag of
+    the value) overtook its load (the fill was refused, or this instance saw it);
     ``owned``: the loader's own object, stored nowhere."""
 
     value: Any
@@ -81,9 +86,29 @@ class KeyTombstones:
         self._floor = self._seq
 
 
-def served_of(policy: Policy, read: Read, value: Any) -> Served:
-    """``value`` as ``Served``: superseded if its fill was refused or this instance saw
-    the key invalidated since the read began (``Policy.marks``)."""
+def served_of(policy: Policy, versions: NamespaceVersions, read: Read, value: Any) -> Served:
+    """``value`` as ``Served``: superseded if its fill was refused, or this instance saw
+    the key (``Policy.marks``), or a tag of the value, invalidated since the read began."""
     seq = read.seq
-    overtaken = read.revoked or (seq is not None and policy.marks.invalidated_since(read.key, seq))
+    overtaken = (
+        read.revoked
+        or (seq is not None and policy.marks.invalidated_since(read.key, seq))
+        or _tag_overtaken(versions, read, value)
+    )
     return Served(value, overtaken, read.owned)
+
+
+def _tag_overtaken(versions: NamespaceVersions, read: Read, value: Any) -> bool:
+    """Whether a tag of ``value`` was invalidated here since ``read`` began. A load that
+    held no lease (``max_wait`` passed, Redis failed, ``l2 = false``) is revoked by
+    nothing, and ``invalidate_tag`` drops from L1 only the keys L1 holds, not one being
+    loaded. One comparison unless some tag was invalidated meanwhile; only then are the
+    value's tags read (a tags function failing then: they can't be vouched for)."""
+    generation, tags_of = read.generation, read.tags_of
+    if generation is None or tags_of is None or versions.generation == generation:
+        return False
+    try:
+        names = tag_names(tags_of, value)
+    except Exception:  # its caller hears of it from its own call (``CachedResponses``)
+        return True
+    return versions.invalidated_since(names, generation)

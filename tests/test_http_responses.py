@@ -377,3 +377,104 @@ async def test_without_l1_an_l2_hit_an_invalidate_of_this_instance_overtook_is_n
     assert reply.json()["price"] == "9.90"
     assert reply.headers["cache-control"] == "no-store"
     assert "etag" not in reply.headers
+
+
+def _tagged_config(redis_url: str, prefix: str, l1: bool) -> Any:
+    """``category`` pages tagged with their books, a lease wait of 200 ms."""
+    return parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "purge": {"repeat_after": "200ms"},
+            "namespaces": {
+                "category": {
+                    "key": "category:{slug}",
+                    "tags": True,
+                    "l1": l1,
+                    "stampede": {"max_wait": "200ms", "lease_ttl": "10s"},
+                    "http": {"s_maxage": "30s"},
+                }
+            },
+        },
+        env={},
+    )
+
+
+async def _invalidate_tag_here(cache: LayeredCache, others: LayeredCache, tag: str) -> None:
+    await cache.invalidate_tag(tag)  # its BAN goes out, and the repeat
+    assert await eventually(lambda: cache.purge_stats().repeated == 1, timeout=5)
+
+
+async def _invalidate_tag_elsewhere(cache: LayeredCache, others: LayeredCache, tag: str) -> None:
+    heard = cache._rt.versions.generation
+    await others.invalidate_tag(tag)  # its BAN goes out from there
+    # This instance hears of it through the backplane (``Coherence.apply_tags``).
+    assert await eventually(lambda: cache._rt.versions.generation > heard, timeout=10)
+
+
+InvalidateTag = Callable[[LayeredCache, LayeredCache, str], Awaitable[None]]
+
+
+async def _page_load_overtaken(
+    redis_url: str, prefix: str, invalidate_tag: InvalidateTag, tag: str, l1: bool = True
+) -> httpx.Response:
+    """Another process holds the page's lease; our request loads without one after
+    ``max_wait`` and reads book 1's old price; ``tag`` is invalidated (here, or on
+    another instance); then the load returns."""
+    read_old_rows, release = asyncio.Event(), asyncio.Event()
+    config = _tagged_config(redis_url, prefix, l1)
+    async with (
+        LayeredCache.from_config(config, purger=Recording()) as cache,
+        LayeredCache.from_config(config) as others,
+    ):
+        for each in (cache, others):
+            assert each._backplane is not None
+            await asyncio.wait_for(each._backplane.connected.wait(), 5)
+        responses = CachedResponses(cache)
+        await _hold_lease(redis_url, cache.key("category", {"slug": "scifi"}))
+
+        async def category(request: Request) -> Response:
+            async def load() -> Any:
+                page = {"slug": "scifi", "books": [{"id": 1, "price": "9.90"}]}  # old price
+                read_old_rows.set()
+                await release.wait()
+                return page
+
+            return await responses.respond(
+                request, "category", {"slug": "scifi"}, load,
+                tags=lambda page: [f"book:{b['id']}" for b in page["books"]],
+            )  # fmt: skip
+
+        app = Starlette(routes=[Route("/categories/scifi", category)])
+        async with _client(app) as client:
+            gateway_fetch = asyncio.create_task(client.get("/categories/scifi"))
+            await asyncio.wait_for(read_old_rows.wait(), 10)
+            await invalidate_tag(cache, others, tag)  # book 1's price changed
+            release.set()
+            return await gateway_fetch
+
+
+@pytest.mark.parametrize("l1", [True, False], ids=["with_l1", "without_l1"])
+@pytest.mark.parametrize(
+    "invalidate_tag", [_invalidate_tag_here, _invalidate_tag_elsewhere], ids=["here", "elsewhere"]
+)
+async def test_a_page_load_an_invalidate_tag_overtook_is_no_store(
+    redis_url: str, prefix: str, invalidate_tag: InvalidateTag, l1: bool
+) -> None:
+    """A page load holding no lease (nothing revokes it) that an ``invalidate_tag()``
+    of one of its tags overtook, on this instance or heard of through the backplane,
+    went out with ``s-maxage=30`` and an ``X-Cache-Tags`` naming the tag, after the
+    tag's BAN: ``invalidate_tag`` tombstoned only the keys L1 held, not one loading."""
+    reply = await _page_load_overtaken(redis_url, prefix, invalidate_tag, "book:1", l1)
+    assert reply.json()["books"][0]["price"] == "9.90"  # the caller may have it
+    assert reply.headers["cache-control"] == "no-store", reply.headers.get("x-cache-tags")
+    assert "etag" not in reply.headers
+
+
+async def test_a_page_load_another_tags_invalidation_overtook_may_be_kept(
+    redis_url: str, prefix: str
+) -> None:
+    """The control: a tag the page doesn't carry invalidated meanwhile leaves it as it
+    was, cacheable (only the tags of what was loaded are judged)."""
+    reply = await _page_load_overtaken(redis_url, prefix, _invalidate_tag_here, "book:2")
+    assert reply.headers["cache-control"] == "public, max-age=0, s-maxage=30"
+    assert reply.headers["x-cache-tags"] == ",book:1,"
