@@ -105,9 +105,11 @@ class Fills:
         entries: Sequence[tuple[str, Any, float]],
         read_seq: int,
         tags: Mapping[str, str] | None = None,
+        held: frozenset[str] = frozenset(),
     ) -> None:
         """After a write landed (``set``, ``set_many``): L1 takes each (key, value,
-        soft_expiry) in place of what it held (``L1Cache.replace_many``), the tags
+        soft_expiry) in place of what it held (``L1Cache.replace_many``; ``held``: the
+        keys it held as the write began), the tags
         checked once; a key the write was overtaken on, or all of them when a tag was
         invalidated since, is dropped instead (and counted as a discarded fill)."""
         l1 = self._policy.l1
@@ -119,7 +121,7 @@ class Fills:
             return
         now, draw = self._clock(), self._policy.l1_ttl_draw
         items = [(key, value, min(draw(), soft - now)) for key, value, soft in entries]
-        self._policy.stats.l1_fill_discarded += l1.replace_many(items, read_seq)
+        self._policy.stats.l1_fill_discarded += l1.replace_many(items, read_seq, held)
         if tags:
             for key, _, _ in entries:
                 if key in l1:

@@ -103,22 +103,25 @@ class L1Cache:
             self._entries[key] = value
         return True
 
-    def replace_many(self, items: Sequence[tuple[str, Any, float]], read_seq: int) -> int:
+    def replace_many(
+        self,
+        items: Sequence[tuple[str, Any, float]],
+        read_seq: int,
+        held: frozenset[str] = frozenset(),
+    ) -> int:
         """A write's last step in L1 (``set``, ``set_many``), under one lock and one clock
         reading: each (key, value, ttl) takes the key's place and tombstones it, so a
         fill that began while the write was in flight (it may carry the value the write
         replaced) is refused. A key invalidated since ``read_seq`` (another write or an
         invalidation overtook this one: whose L2 write landed last is unknown) or whose
         TTL is spent is dropped and tombstoned instead, before anything is stored (a
-        full L1 then has their room, rather than evicting an unrelated entry). Under one
-        lock and one clock, where a ``discard`` and then a fill each took both. Returns
+        full L1 then has their room, rather than evicting an unrelated entry). Returns
         how many were overtaken. ``items`` holds each key once.
 
-        Writes don't allocate: a key L1 doesn't hold is stored only while L1 has room.
-        Into a full L1 each new key evicted an entry that reads put there (a bulk
-        ``set_many`` of a re-priced catalogue flushed the writer's hot set) and cost
-        ~3.5 us in cachetools' eviction, more than the rest of its write to Redis; the
-        value is in L2, and the first read here brings it back (reads allocate)."""
+        Writes don't allocate: a key L1 doesn't hold, nor held as the write began
+        (``held``), is stored only while L1 has room. Into a full L1 each new key evicted
+        an entry reads put there (a bulk ``set_many`` flushed the writer's hot set), at
+        ~3.5 us in cachetools' eviction, more than the rest of its write to Redis."""
         with self._lock:
             self._seq += 1
             seq, entries, tombstones = self._seq, self._entries, self._tombstones
@@ -137,10 +140,12 @@ class L1Cache:
                         del entries[key]
                     tombstones[key] = seq
                 entries.expire(now)  # expired entries make room first
-                room = entries.maxsize - entries.currsize
+                # Room for new keys: what held keys, back in their place, leave free.
+                back = sum(1 for key, _, _ in kept if key in held and key not in entries)
+                room = entries.maxsize - entries.currsize - back
                 for key, value, ttl in kept:
                     tombstones[key] = seq
-                    if key not in entries:
+                    if key not in entries and key not in held:
                         if room <= 0:
                             continue  # full: no eviction for a write (see above)
                         room -= 1
@@ -154,9 +159,9 @@ class L1Cache:
         ``read_seq``."""
         return read_seq < self._floor or self._tombstones.get(key, -1) > read_seq
 
-    def discard(self, keys: Iterable[str]) -> int:
+    def discard(self, keys: Iterable[str], dropped_keys: list[str] | None = None) -> int:
         """Drop keys and tombstone them so in-flight fills of them are discarded.
-        Returns how many live entries were dropped."""
+        Returns how many live entries were dropped; ``dropped_keys`` gets them."""
         dropped = 0
         with self._lock:
             self._seq += 1
@@ -174,6 +179,8 @@ class L1Cache:
                     if key in entries:
                         del entries[key]
                         dropped += 1
+                        if dropped_keys is not None:
+                            dropped_keys.append(key)
                     self._tombstones[key] = seq
             self._bound_tombstones(seq)
         return dropped

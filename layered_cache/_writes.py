@@ -138,7 +138,7 @@ class Writes:
         if not policy.cache or not keyed:
             return
         policy.stats.set += len(keyed)
-        read_seq = self._begin([key for key, _ in keyed])
+        read_seq, held = self._begin([key for key, _ in keyed])
         if not policy.l2:
             # Each instance's L1 is all there is: the others must drop their copies, as
             # for invalidate() (they kept the old value for their L1 TTL).
@@ -169,7 +169,7 @@ class Writes:
         keys = [key for key, _, _ in settled]
         if not await self._write(writes, keys):
             return
-        self._settle(settled, read_seq, versions)
+        self._settle(settled, read_seq, versions, held)
 
     async def _write(self, writes: list[Write], keys: list[str]) -> bool:
         """Write L2, then announce ``keys``. On a single node the backplane append rides
@@ -261,25 +261,29 @@ class Writes:
             self._rt.unsettled.add(write.keys)
         self._ends.abandoned(write.keys, announce=write.unannounced())
 
-    def _begin(self, keys: list[str]) -> int | None:
+    def _begin(self, keys: list[str]) -> tuple[int | None, frozenset[str]]:
         """Detach in-flight loads and drop our L1 copies before writing. Like every other
         L1 fill: a remote set()/invalidate() of a key that reaches us (backplane) while
         our write is in flight tombstones it, and then our value is superseded and must
-        not sit in L1 for its TTL - hence the read sequence taken here."""
+        not sit in L1 for its TTL - hence the read sequence taken here. Also the keys L1
+        held: they take their place again when the write lands, even in an L1 filled
+        meanwhile (writes don't allocate, but one of a key L1 held is no allocation)."""
         for key in keys:
             self._rt.flight.forget(key)
         l1 = self._policy.l1
         if l1 is None:  # a read here that this write overtook is told all the same
             self._policy.marks.discard(keys)  # (tombstones alone: ``_served``)
-            return None
-        l1.discard(keys)
-        return l1.begin_read()
+            return None, frozenset()
+        held: list[str] = []
+        l1.discard(keys, held)
+        return l1.begin_read(), frozenset(held)
 
     def _settle(
         self,
         settled: list[tuple[str, Any, float]],
         read_seq: int | None,
         versions: dict[str, str] | None,
+        held: frozenset[str] = frozenset(),
     ) -> None:
         """After our write landed: a load of these keys that began while it was in
         flight may have read the values we replaced. Detach it (later callers must not
@@ -298,6 +302,6 @@ class Writes:
         for key, _, _ in settled:
             flight.forget(key)
         if read_seq is not None:  # None: no L1
-            self._fills.settle_l1(settled, read_seq, versions)
+            self._fills.settle_l1(settled, read_seq, versions, held)
         else:  # no L1: tombstones alone, as in ``_begin``
             self._policy.marks.discard([key for key, _, _ in settled])

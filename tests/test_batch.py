@@ -13,7 +13,8 @@ import redis.asyncio as redis
 
 from layered_cache import LayeredCache
 from layered_cache._keys import lease_name, replica_names
-from tests.helpers import make_config
+from tests.faults.reply_delay import ReplyDelayProxy
+from tests.helpers import in_l1, make_config
 from tests.servers import RedisServer
 
 
@@ -520,3 +521,76 @@ async def test_set_many_of_an_iterator_writes_and_purges_its_keys(
                 break
             await asyncio.sleep(0.02)
         assert purger.calls == [(keys, [])]
+
+
+FULL = {"book": {"key": "book:{id}", "l1": {"max_entries": 2, "ttl": "60s"}}}
+
+
+async def _version(value: str) -> str:
+    return value
+
+
+async def test_a_set_of_a_key_a_full_l1_holds_keeps_it_when_a_read_fills_l1_meanwhile(
+    late_replies: ReplyDelayProxy, prefix: str
+) -> None:
+    """Found by a review of this fix (2026-12-06). README, "Concurrent writers agree":
+    "Writes don't allocate: into a full L1, set()/set_many replace the keys it holds".
+
+    Scenario: L1 (max 2) is full with books 1 and 2, both put there by reads. set(book 1)
+    is in flight (its reply takes 0.5 s); meanwhile a read of book 3 fills L1. Promised:
+    the write replaces book 1, the key L1 held, and evicts nothing reads put there.
+    Happens: ``Writes._begin`` drops book 1 from L1 before writing, the read takes that
+    room, and ``L1Cache.replace_many`` then finds L1 full and book 1 "new": it stores
+    nothing. The write evicted book 1, which a read put there, and the next read of the
+    key just written goes to Redis (under read traffic, every write of a hot key into
+    a full L1 evicts that key)."""
+    config = make_config(late_replies.url, prefix, FULL, redis={"timeout": "3s"})
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v1")
+        await cache.set("book", {"id": 2}, "b2")
+        await cache.set("book", {"id": 3}, "b3")
+        cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        for i in (1, 2):  # reads fill L1
+            assert await cache.get_or_load("book", {"id": i}, lambda: _version("x")) != "x"
+        assert in_l1(cache, 1) and in_l1(cache, 2)
+        late_replies.match, late_replies.delay = cache.key("book", {"id": 1}).encode(), 0.5
+        writing = asyncio.create_task(cache.set("book", {"id": 1}, "v2"))
+        await asyncio.sleep(0.1)  # the write is in flight
+        assert await cache.get_or_load("book", {"id": 3}, lambda: _version("x")) == "b3"
+        await writing
+        late_replies.match = None
+        hits = cache.stats()["book"]["l1_hit"]
+        assert await cache.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v2"
+        assert cache.stats()["book"]["l1_hit"] == hits + 1, (
+            "the set() of book 1, which the full L1 held (a read put it there), left it "
+            "out of L1: its next read went to Redis"
+        )
+
+
+async def test_a_set_many_into_a_full_l1_replaces_a_held_key_listed_after_a_new_one(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Found by a review of this fix (2026-12-06). README, "Concurrent writers agree":
+    "Writes don't allocate: into a full L1, set()/set_many replace the keys it holds and
+    store no new ones (reads do)"
+    (``test_batch.py::test_a_set_many_into_a_full_l1_keeps_the_entries_reads_put_there``
+    lists the held key first).
+
+    Scenario: L1 (max 3) full with books 1, 2, 3 (reads put them there);
+    ``set_many([(book 100, ...), (book 1, "new 1")])``, the new key first. Promised:
+    book 1 (held) takes its new value in L1, book 100 (new) is not stored. Happens:
+    ``Writes._begin`` drops book 1 first, so ``L1Cache.replace_many`` sees one free
+    slot and gives it to book 100, the first "new" key in the list; book 1, now "new"
+    too, finds L1 full and is left out: the write allocated a new key and evicted one
+    reads put there."""
+    namespaces = {"book": {"key": "book:{id}", "l1": {"max_entries": 3, "ttl": "60s"}}}
+    async with LayeredCache.from_config(make_config(redis_server.url, prefix, namespaces)) as cache:
+        await cache.set_many("book", [({"id": i}, f"b{i}") for i in (1, 2, 3)])
+        cache.namespace("book").policy.l1.clear()  # type: ignore[union-attr]
+        for i in (1, 2, 3):  # reads fill L1
+            assert await cache.get_or_load("book", {"id": i}, lambda: _version("x")) == f"b{i}"
+        await cache.set_many("book", [({"id": 100}, "b100"), ({"id": 1}, "new 1")])
+        held = {i: in_l1(cache, i) for i in (1, 2, 3, 100)}
+        assert held == {1: True, 2: True, 3: True, 100: False}, (
+            f"after a set_many of a new key then a held one into a full L1, L1 holds {held}"
+        )
