@@ -139,10 +139,11 @@ class LayeredCache(HitPath):
         client = self._parts.client
         left = await startup.learn_slots(client, startup.start_wait(self.config.redis))
         self._still_starting(start)  # no followers left running on a cache closed meanwhile
-        followers = (self._backplane, self._fallback)
+        followers, unplaced = (self._backplane, self._fallback), startup.unplaced(self._backplane)
         # The clock, the replica check and the listener's position: one wait (``first_steps``).
         await startup.first_steps(self._clock, client, self, followers, self.config, left)
         self._still_starting(start)
+        startup.positioned_now(unplaced, self._backplane, self._coherence)
         for check in startup.background_checks(self._parts.client, self.config):
             self._rt.tasks.spawn(check)
         if self._hot_reporter is not None:
@@ -327,9 +328,7 @@ async def _rebind(cache: LayeredCache) -> None:
     ("Event loop is closed"), or talked on the parent's sockets. Then a closed cache is
     reopened (``startup.reopened``): a second lifespan, a new loop, a new ``TestClient``.
     Calls before a start on their own loop (a lifespan's) keep their connections, not
-    their L1: no listener followed the stream then, and what was announced meanwhile
-    falls before the position the listener takes now (an L1 warmed before a writer's
-    set() returned served the replaced value for its TTL)."""
+    their L1 (``startup.positioned_now``)."""
     forked = os.getpid() != cache._built_in
     if forked:
         startup.forked(cache._parts, cache._started_in)
@@ -342,7 +341,6 @@ async def _rebind(cache: LayeredCache) -> None:
         startup.reopened(cache._parts, cache._rt, cache._coherence, cache.config, cache._purger)
         cache._follow()
     cache._rt.loop, cache._rt.other_loop = loop, False
-    cache._coherence.forget_all()
 
 
 def _ended(cache: LayeredCache) -> None:

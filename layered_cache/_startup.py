@@ -44,10 +44,12 @@ __all__ = [
     "learn_slots",
     "listening",
     "positioned",
+    "positioned_now",
     "reopened",
     "runtime",
     "start_wait",
     "started_elsewhere",
+    "unplaced",
 ]
 
 _log = structlog.get_logger("layered_cache")
@@ -128,6 +130,24 @@ async def positioned(listener: BackplaneListener, seconds: float) -> None:
         await asyncio.wait_for(listener.connected.wait(), seconds)
     except TimeoutError:
         listener.late()  # serving anyway: L1 is cleared once the position is known
+
+
+def unplaced(listener: BackplaneListener | None) -> bool:
+    """Whether the backplane listener has yet to take its place in the stream (a
+    first start, or one after close()); a second start of a running cache: no."""
+    return listener is not None and not listener.connected.is_set()
+
+
+def positioned_now(
+    unplaced: bool, listener: BackplaneListener | None, coherence: Coherence
+) -> None:
+    """Once this start placed the listener (``unplaced`` before it): drop L1. What
+    calls before the start (a warm-up on its loop) or beside it (a read while it waited
+    for the position) put there had no listener following the stream: what was
+    announced meanwhile falls before the position (a warm-up's copy outlived a writer's
+    set() for its L1 TTL). A position too late for the start's wait: ``late``."""
+    if unplaced and listener is not None and listener.connected.is_set():
+        coherence.forget_all()
 
 
 def background_checks(client: RedisClient, config: Config) -> list[Coroutine[Any, Any, Any]]:

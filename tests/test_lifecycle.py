@@ -644,3 +644,84 @@ async def test_an_l1_copy_filled_before_start_is_dropped_by_a_set_announced_befo
             )
         finally:
             await reader.close()
+
+
+async def test_a_read_filled_while_start_waits_for_its_position_is_dropped_by_a_set_announced_meanwhile(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Found by a review of this session's fix (2026-12-06). README (Lifecycle): a new
+    cache "starts serving only once its backplane listener
+    knows its place in the stream, so no invalidation slips between its first L1 fill and
+    the listener", and "start() drops what calls before it (a warm-up on its loop) put in
+    L1, which no listener followed".
+
+    Scenario: a warm-up task runs beside start() on the cache's loop (``create_task(warm())``
+    then ``await cache.start()``). start() drops L1 as it begins (``_rebind``), then waits
+    for the listener's position, which comes late (a slow first XREVRANGE, here held).
+    Meanwhile the warm-up reads v1 into L1, and a writer's set(v2) returns (announced).
+    The listener then takes its position after that announcement and never hears it.
+    Promised: the reader serves v2 (its L1 copy was filled before the listener had a
+    position). Happens: v1 for its whole L1 TTL (60 s)."""
+    config = make_config(redis_server.url, prefix, LONG_L1, backplane={"block": "200ms"})
+    async with LayeredCache.from_config(config) as writer:
+        await writer.set("book", {"id": 1}, "v1")
+        reader = LayeredCache.from_config(config)
+        listener = reader._backplane
+        assert listener is not None
+        link = listener._link
+        real_newest = link.newest_id
+        release = asyncio.Event()
+        asked = asyncio.Event()
+
+        async def slow_newest_id() -> bytes | None:  # the listener's first round trip is slow
+            asked.set()
+            await release.wait()
+            return await real_newest()
+
+        link.newest_id = slow_newest_id  # type: ignore[method-assign]
+        try:
+            starting = asyncio.create_task(reader.start())
+            await asyncio.wait_for(asked.wait(), 5)  # start() is waiting for the position
+            # the warm-up, beside start(): fills L1 from L2
+            assert await reader.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v1"
+            assert in_l1(reader, 1)
+            await writer.set("book", {"id": 1}, "v2")  # returned: announced to the fleet
+            release.set()
+            await asyncio.wait_for(starting, 10)
+            assert reader.backplane_status().connected  # type: ignore[union-attr]
+
+            async def reads_v2() -> bool:
+                return await reader.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v2"
+
+            assert await eventually(reads_v2, timeout=5), (
+                "the reader still serves v1 from the L1 a read beside its start() filled, "
+                "5 s after the writer's set() returned and after its start() returned"
+            )
+        finally:
+            release.set()
+            await reader.close()
+
+
+async def test_a_second_start_of_a_running_cache_keeps_its_l1(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Found by a review of this session's fix (2026-12-06). README (Lifecycle): "a
+    second start() overlapping the first (two lifespans sharing
+    the module's cache, a lazy start hit by two requests at once) waits for it, then does
+    what a second start does, nothing".
+
+    Scenario: a started cache serves book 1 from L1; a second lifespan sharing the
+    module's cache calls start() again. Promised: nothing changes. Happens: since
+    a31b0be, ``_rebind`` drops the running cache's whole L1 (and its tag versions and
+    in-flight loads) on every start(), so the next read of every key goes to Redis."""
+    config = make_config(redis_server.url, prefix, LONG_L1)
+    async with LayeredCache.from_config(config) as cache:
+        await cache.set("book", {"id": 1}, "v1")
+        assert await cache.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v1"
+        assert in_l1(cache, 1)
+        hits = cache.stats()["book"]["l1_hit"]
+        await cache.start()  # the second lifespan
+        assert await cache.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v1"
+        assert cache.stats()["book"]["l1_hit"] == hits + 1, (
+            "a second start() of a running cache dropped its L1: the read went to Redis"
+        )
