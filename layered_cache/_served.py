@@ -103,12 +103,14 @@ def _tag_overtaken(versions: NamespaceVersions, read: Read, value: Any) -> bool:
     held no lease (``max_wait`` passed, Redis failed, ``l2 = false``) is revoked by
     nothing, and ``invalidate_tag`` drops from L1 only the keys L1 holds, not one being
     loaded. One comparison unless some tag was invalidated meanwhile; only then are the
-    value's tags read (a tags function failing then: they can't be vouched for)."""
+    value's tags read."""
     generation, tags_of = read.generation, read.tags_of
     if generation is None or tags_of is None or versions.generation == generation:
         return False
     try:
         names = tag_names(tags_of, value)
-    except Exception:  # its caller hears of it from its own call (``CachedResponses``)
-        return True
+    except Exception:
+        # Not judged here: ``CachedResponses.respond`` raises it from its own call, as
+        # on any hit (taken as overtaken, the no-store answer went out and it was lost).
+        return False
     return versions.invalidated_since(names, generation)

@@ -478,3 +478,72 @@ async def test_a_page_load_another_tags_invalidation_overtook_may_be_kept(
     reply = await _page_load_overtaken(redis_url, prefix, _invalidate_tag_here, "book:2")
     assert reply.headers["cache-control"] == "public, max-age=0, s-maxage=30"
     assert reply.headers["x-cache-tags"] == ",book:1,"
+
+
+TAGGED_PAGE = {"slug": "scifi", "books": [{"id": 1, "price": "9.90"}]}
+
+
+def _untagged_l1_config(redis_url: str, prefix: str) -> Any:
+    return parse_config(
+        {
+            "redis": {"url": redis_url, "prefix": prefix, "timeout": "2s"},
+            "namespaces": {
+                "category": {
+                    "key": "category:{slug}",
+                    "tags": True,
+                    "l1": False,
+                    "http": {"s_maxage": "30s"},
+                }
+            },
+        },
+        env={},
+    )
+
+
+async def _no_loader() -> Any:
+    raise AssertionError("an L2 hit runs no loader")
+
+
+def _no_list(page: Any) -> Any:
+    return None  # a bug in the tags function: no list
+
+
+async def test_a_tags_function_error_on_an_l2_hit_is_raised_even_if_a_tag_was_invalidated_meanwhile(
+    prefix: str, late_replies: Any
+) -> None:
+    """Found by a review of this session's fix (2026-12-06). docs/tags.md: a tags
+    function that returns no list is a TypeError, also on a hit (docs/http.md). The
+    same L2 hit answered 200 no-store instead, only because an unrelated tag was
+    invalidated while its GET was on the wire (``_served._tag_overtaken`` swallowed it)."""
+    config = _untagged_l1_config(late_replies.url, prefix)
+    async with LayeredCache.from_config(config) as cache:
+        responses = CachedResponses(cache)
+        await cache.set("category", {"slug": "scifi"}, TAGGED_PAGE, tags=["book:1"])
+        key = cache.key("category", {"slug": "scifi"}).encode()
+
+        async def category(request: Request) -> Response:
+            return await responses.respond(
+                request, "category", {"slug": "scifi"}, _no_loader, tags=_no_list
+            )
+
+        app = Starlette(routes=[Route("/categories/scifi", category)])
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            # The control: a plain L2 hit raises the tags function's error.
+            with pytest.raises(TypeError, match="tags function must return a list"):
+                await client.get("/categories/scifi")
+            # The same hit, while an unrelated tag is invalidated during its GET.
+            late_replies.match = b"GET\r\n$%d\r\n%s\r\n" % (len(key), key)
+            late_replies.delay = 1.0
+            fetch = asyncio.create_task(client.get("/categories/scifi"))
+            assert await eventually(lambda: late_replies.matched == 1, timeout=5)
+            late_replies.match = None
+            await cache.invalidate_tag("book:999")  # a tag this page doesn't carry
+            try:
+                reply = await fetch
+            except TypeError:
+                return  # raised, as on the plain hit: the promise holds
+            pytest.fail(
+                f"the tags function's TypeError was swallowed: {reply.status_code} "
+                f"Cache-Control: {reply.headers.get('cache-control')}"
+            )
