@@ -352,7 +352,7 @@ class BackplaneListener:
         entries = await self._xread(self.last_id)
         if not entries:
             self._lag = 0.0  # blocked and nothing came: caught up
-            if ahead_of_clock(self.last_id, self._clock()):  # the IDs went back: check
+            if ahead_of_clock(self.last_id, self._clock(), time.time()):  # IDs went back
                 await self._check_gap(self.last_id)
             return 0
         for entry_id, fields in entries:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,7 +239,7 @@ class Relay:
         )
         if not reply:
             # Idle, at a position ahead of Redis's clock: the stream's IDs went back.
-            if ahead_of_clock(before, self._clock()):
+            if ahead_of_clock(before, self._clock(), time.time()):
                 return not await self._upstream.missed_entries(before)
             return True
         entries = reply[0][1]

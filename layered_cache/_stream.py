@@ -39,15 +39,20 @@ def parse_id(entry_id: bytes | str) -> tuple[int, int]:
     return int(millis), int(seq or 0)
 
 
-def ahead_of_clock(position: bytes, redis_now: float) -> bool:
-    """Whether an idle reader's ``position`` is more than ``FUTURE_SLACK`` ahead of
-    ``redis_now`` (Redis's time as the reader measures it, ``_redisclock``): the stream's
-    IDs went back (it was deleted and created anew after Redis's clock stepped back, or an
-    ID was forged), and an XREAD after it may wait for ever. The reader checks the stream.
+def ahead_of_clock(position: bytes, redis_now: float, host_now: float) -> bool:
+    """Whether an idle reader's ``position`` is more than ``FUTURE_SLACK`` ahead of the
+    earlier of ``redis_now`` (Redis's time as the reader measures it, ``_redisclock``)
+    and ``host_now``: the stream's IDs went back (it was deleted and created anew after
+    Redis's clock stepped back, or an ID was forged), and an XREAD after it may wait for
+    ever. The reader checks the stream.
 
-    Redis's time, not the host's: stream IDs are Redis's clock, and a host 30 s ahead of
-    it took a position up to 40 s ahead of Redis for current (deaf for that long)."""
-    return parse_id(position)[0] > (redis_now + FUTURE_SLACK) * 1000
+    Redis's time: stream IDs are its clock's, and a host 30 s ahead of it took a
+    position up to 40 s ahead of Redis for current (deaf for that long). But the
+    earlier of the two: right after Redis's clock stepped back, the measured offset is
+    the one from before the step until the next sample (``REFRESH``, 30 s), and against
+    it alone a host with the right time took the new, lower IDs' stream for current. A
+    host behind Redis checks more often than it needs (an XINFO per idle read)."""
+    return parse_id(position)[0] > (min(redis_now, host_now) + FUTURE_SLACK) * 1000
 
 
 def xread_entries(reply: Any) -> list[Entry]:

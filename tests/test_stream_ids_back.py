@@ -9,6 +9,7 @@ the clock caught up. Each scenario here failed before the fix (adversarial revie
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import types
 from collections.abc import AsyncIterator
@@ -19,10 +20,12 @@ import pytest
 import redis.asyncio as redis
 
 import layered_cache._backplane as backplane_module
+import layered_cache._relay as relay_module
 from layered_cache import LayeredCache
 from layered_cache._redisclock import RedisClock
 from layered_cache._relay import Relay
 from layered_cache._relay_upstream import Upstream
+from tests.faults.proxy import ToxicProxy
 from tests.helpers import eventually, in_l1, make_config, start_relay
 from tests.servers import RedisServer
 
@@ -145,12 +148,14 @@ async def test_a_reader_on_a_host_ahead_of_redis_hears_a_stream_whose_ids_went_b
 
 
 async def test_a_relay_on_a_host_ahead_of_redis_follows_a_stream_whose_ids_went_back(
-    redis_server: RedisServer, prefix: str
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The relay too judged its position against the host's raw clock, and its readers
     then waited on it. It runs as a process of its own, so it measures Redis's time over
     its upstream (``cli/relay.py``; behind another relay, through it: relays forward
     ``TIME``) and judges its position against that."""
+    skewed = types.SimpleNamespace(time=host_ahead, monotonic=time.monotonic)
+    monkeypatch.setattr(relay_module, "time", skewed)  # the host's clock, as the relay reads it
     config = make_config(redis_server.url, prefix, NAMESPACES, backplane={"block": "200ms"})
     stream = prefix + config.backplane.stream
     admin = redis.Redis.from_url(redis_server.url)
@@ -221,3 +226,109 @@ async def test_the_relay_forwards_no_xadd_but_the_listeners_start_marker(
 
 async def _reads(cache: LayeredCache, expected: str) -> bool:
     return bool(await cache.get("book", {"id": 1}) == expected)
+
+
+STEPPED = 20  # seconds Redis's clock was ahead of true time before it stepped back
+
+_TIME_REPLY = re.compile(rb"\*2\r\n\$10\r\n(\d{10})\r\n\$(\d)\r\n(\d+)\r\n")
+
+
+def _redis_clock_ahead(state: dict[str, bool]) -> Any:
+    """A proxy rewrite: TIME replies read STEPPED s later while ``state['ahead']``."""
+
+    def rewrite(data: bytes) -> bytes:
+        if not state["ahead"]:
+            return data
+        return _TIME_REPLY.sub(
+            lambda m: b"*2\r\n$10\r\n%d\r\n$%s\r\n%s\r\n"
+            % (int(m.group(1)) + STEPPED, m.group(2), m.group(3)),
+            data,
+        )
+
+    return rewrite
+
+
+async def _reads_now(cache: LayeredCache, value: str) -> bool:
+    async def other() -> str:
+        return "loaded"
+
+    return await cache.get_or_load("book", {"id": 1}, other) == value
+
+
+async def test_a_reader_on_a_right_host_hears_a_stream_created_anew_after_redis_clock_stepped_back(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Found by a review of this session's fix (2026-12-06): judged against its Redis
+    clock alone, a reader on a host with the right time, whose clock sampled Redis 20 s
+    ahead just before Redis's clock stepped back, took the stream created anew (lower
+    IDs) for current until its next sample (30 s), serving v1 from L1. Now it judges
+    against the earlier of the two clocks."""
+    state = {"ahead": True}
+    proxy = await ToxicProxy("127.0.0.1", redis_server.port).start()
+    proxy.rewrite = _redis_clock_ahead(state)
+    base = make_config(redis_server.url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    via_proxy = make_config(proxy.url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    stream = prefix + base.backplane.stream
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        async with (
+            LayeredCache.from_config(base) as writer,
+            LayeredCache.from_config(via_proxy) as reader,
+        ):
+            assert reader._backplane is not None
+            assert await eventually(reader._backplane.connected.is_set)
+            await writer.set("book", {"id": 1}, "v1")
+            assert await eventually(lambda: reader.backplane_status().entries_applied >= 1)  # type: ignore[union-attr]
+            assert await _reads_now(reader, "v1")
+            assert in_l1(reader, 1)
+            # Redis's clock, STEPPED s ahead, stamped the stream's newest entry.
+            ahead = f"{int(time.time() * 1000) + STEPPED * 1000}-0"
+            await admin.xadd(stream, {"origin": "-"}, id=ahead)
+            assert await eventually(lambda: reader.backplane_status().last_id == ahead)  # type: ignore[union-attr]
+            # Redis's clock steps back to true time; the stream is evicted and created anew.
+            state["ahead"] = False
+            await admin.delete(stream)
+            started = time.monotonic()
+            await writer.set("book", {"id": 1}, "v2")
+            heard = await eventually(lambda: _reads_now(reader, "v2"), timeout=8)
+            assert heard, (
+                f"the reader still served v1 from L1 {time.monotonic() - started:.1f} s after "
+                f"the stream was created anew (its position {STEPPED} s ahead of true time)"
+            )
+    finally:
+        await admin.aclose()
+        await proxy.stop()
+
+
+async def test_a_relay_on_a_right_host_follows_a_stream_created_anew_after_redis_clock_stepped_back(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The relay CLI's wiring: RedisClock(time.time, upstream.time), over a Redis whose
+    clock was STEPPED s ahead when sampled, then stepped back."""
+    state = {"ahead": True}
+    proxy = await ToxicProxy("127.0.0.1", redis_server.port).start()
+    proxy.rewrite = _redis_clock_ahead(state)
+    config = make_config(proxy.url, prefix, NAMESPACES, backplane={"block": "200ms"})
+    stream = prefix + config.backplane.stream
+    admin = redis.Redis.from_url(redis_server.url)
+    await admin.xadd(stream, {"origin": "-"})
+    upstream = Upstream(config.redis, stream, 0.2)
+    clock = RedisClock(time.time, upstream.time)
+    relay = Relay(upstream, stream, clock=clock.now, block=0.2)
+    try:
+        await clock.start()
+        assert clock.synced and abs(clock.offset - STEPPED) < 1  # measured Redis ahead
+        await relay.start()
+        assert await eventually(lambda: relay.status().following)
+        ahead = f"{int(time.time() * 1000) + STEPPED * 1000}-0"
+        await admin.xadd(stream, {"origin": "-"}, id=ahead)
+        assert await eventually(lambda: relay.status().last_id == ahead)
+        state["ahead"] = False  # Redis's clock steps back
+        await admin.delete(stream)  # evicted; appends create it anew, IDs below the old
+        new = (await admin.xadd(stream, {"origin": "-"})).decode()
+        assert await eventually(lambda: relay.status().last_id == new, timeout=8), relay.status()
+    finally:
+        await clock.stop()
+        await relay.close()
+        await admin.aclose()
+        await proxy.stop()
