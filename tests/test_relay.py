@@ -24,6 +24,7 @@ from layered_cache._config import Config
 from layered_cache._relay import Relay, _Unavailable
 from layered_cache._relay_upstream import Upstream
 from layered_cache._resp import parse_command
+from tests.faults.proxy import ToxicProxy
 from tests.helpers import CountingLoader, eventually, in_l1, make_config, start_relay
 from tests.servers import RedisServer, free_port
 
@@ -892,3 +893,47 @@ async def test_an_instance_that_served_before_its_position_clears_l1_even_if_its
                 )
             finally:
                 await relay.close()
+
+
+async def _accepts_on(port: int) -> bool:
+    with contextlib.suppress(OSError):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        return True
+    return False
+
+
+async def test_a_relay_stopped_while_it_measures_redis_clock_exits_0(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """Found by a review of this session's fix (2026-12-06). docs/cli.md: the relay runs
+    "until SIGTERM/SIGINT (exit 0)". Its signal handlers came only after its first
+    samples of Redis's clock: a SIGTERM while an upstream that hangs kept it measuring
+    killed it by the signal (-15), with no clean close."""
+    proxy = await ToxicProxy("127.0.0.1", redis_server.port).start()
+    proxy.mode = "blackhole"  # the upstream accepts and never answers (a hung Redis)
+    path = tmp_path / "app.toml"
+    path.write_text(
+        f'[redis]\nurl = "{proxy.url}"\nprefix = "{prefix}"\n'
+        'timeout = "10s"\nconnect_timeout = "10s"\n\n'
+        '[backplane]\nblock = "200ms"\n\n[namespaces.book]\nkey = "book:{id}"\n'
+    )
+    port = free_port()
+    command = [sys.executable, "-m", "layered_cache", "relay", "--config", str(path),
+               "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        # Listening: now measuring Redis's clock.
+        assert await eventually(lambda: _accepts_on(port), timeout=30)
+        await asyncio.sleep(0.5)
+        assert process.returncode is None
+        process.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(process.wait(), 15)
+        assert code == 0, f"the relay ended with {code} (killed by the signal), not exit 0"
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await proxy.stop()

@@ -14,7 +14,8 @@ import asyncio
 import math
 import signal
 import time
-from typing import TextIO
+from collections.abc import Coroutine
+from typing import Any, TextIO
 
 import msgspec
 import structlog
@@ -63,17 +64,41 @@ async def _run(config: Config, host: str, port: int, args: argparse.Namespace, o
         upstream, stream, clock=clock.now, block=block, keep=args.keep,
         maxlen=config.backplane.maxlen,
     )
+    # SIGTERM/SIGINT from the start: one during the clock's first samples (an upstream
+    # that hangs) killed the process by the signal, with no clean close.
+    stop = _stop_on_signals()
     try:
         bound_host, bound_port = await _listen(relay, host, port)
-        await clock.start(wait)  # unsynced after ``wait``: this host's clock, as a cache's
-        # One line on stdout for whoever started us (a test, a supervisor's log).
-        address = f"{bound_host}:{bound_port}"
-        print(f"relay listening on {address}, following {stream}", file=out, flush=True)
-        await _until_stopped(relay, args.status_every)
+        # Unsynced after ``wait``: this host's clock, as a cache's. Or stopped meanwhile.
+        await _first_of(clock.start(wait), stop.wait())
+        if not stop.is_set():
+            # One line on stdout for whoever started us (a test, a supervisor's log).
+            address = f"{bound_host}:{bound_port}"
+            print(f"relay listening on {address}, following {stream}", file=out, flush=True)
+            await _until_stopped(relay, stop, args.status_every)
     finally:
         await clock.stop()  # first: a sample after relay.close() would connect again
         await relay.close()
     return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _first_of(*steps: Coroutine[Any, Any, Any]) -> None:
+    """Run ``steps`` until one ends; the others are cancelled."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
 
 
 async def _listen(relay: Relay, host: str, port: int) -> tuple[str, int]:
@@ -84,12 +109,8 @@ async def _listen(relay: Relay, host: str, port: int) -> tuple[str, int]:
         raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 
 
-async def _until_stopped(relay: Relay, status_every: float) -> None:
+async def _until_stopped(relay: Relay, stop: asyncio.Event, status_every: float) -> None:
     """Log the relay's counters every ``status_every`` seconds until SIGTERM or SIGINT."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), status_every)
