@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from layered_cache import LayeredCache
 from layered_cache._keys import lease_name
 from tests.faults.proxy import ToxicProxy
-from tests.helpers import eventually, make_config, open_cache
+from tests.helpers import eventually, in_l1, make_config, open_cache
 from tests.test_purge import Recording
 
 _COHERENT = {"book": {"key": "book:{id}", "l1": {"ttl": "60s"}}}
@@ -708,3 +708,45 @@ async def test_an_instance_closing_serves_no_l1_copy_another_instance_replaced(
         purger.release.set()
         await a.close()
         await b.close()
+
+
+async def test_a_load_that_ends_during_the_close_grace_fills_l2_for_the_others_not_l1(
+    redis_server: Any, prefix: str
+) -> None:
+    """README (Lifecycle), found by a review of this session's fix (2026-12-06): close()
+    drops L1 as it begins; a get_or_load whose load ends during close()'s grace (a slow
+    gateway's purges), while the client is still open, fills L2 under its lease for the
+    other instances (its waiters would else wait max_wait), never the dropped L1."""
+    config = make_config(
+        redis_server.url, prefix, _COHERENT, backplane={"block": "200ms"},
+        purge={"repeat_after": "0s", "retries": 0},
+    )  # fmt: skip
+    admin = aioredis.Redis.from_url(redis_server.url)
+    gateway = _GatedGateway()
+    cache = LayeredCache.from_config(config, purger=gateway)
+    gate, loading = asyncio.Event(), asyncio.Event()
+
+    async def load() -> str:
+        loading.set()
+        await gate.wait()
+        return "v"
+
+    try:
+        await cache.start()
+        await cache.set("book", {"id": 0}, "v0")  # its purge waits at the gateway
+        call = asyncio.ensure_future(cache.get_or_load("book", {"id": 1}, load))
+        await asyncio.wait_for(loading.wait(), 5)
+        closing = asyncio.ensure_future(cache.close())
+        await asyncio.sleep(0.4)  # close() began (L1 dropped) and is in its purge grace
+        assert not closing.done()
+        gate.set()
+        served = await asyncio.wait_for(call, 5)
+        await asyncio.wait_for(closing, 5)
+        written = await admin.get(cache.key("book", {"id": 1}))
+        assert served == "v" and written is not None  # L2: filled under its lease
+        assert not in_l1(cache, 1)
+    finally:
+        gate.set()
+        gateway.gate.set()
+        await cache.close()
+        await admin.aclose()
