@@ -20,7 +20,7 @@ body only its first call tells it from a method: a first argument that is no rec
 
 A function with ``ignore=`` is not refreshed early (XFetch): the refresh would run in
 the background after the request that made the call returned, with that request's
-session, closed by then or in use again (``_refresh.RequestBound``); its value is
+session, closed by then or in use again (``_loader_call.RequestBound``); its value is
 reloaded at expiry instead, by a reader with a session of its own.
 
 Of the annotations, only the return annotation is read (the value type); the parameters'
@@ -39,8 +39,8 @@ import typing
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
+from layered_cache._loader_call import RequestBound
 from layered_cache._namespace import Namespace, check_tags
-from layered_cache._refresh import RequestBound
 from layered_cache._tags import TagsOf
 
 __all__ = ["KeyArguments", "bind_key_fields", "cached"]

@@ -8,14 +8,44 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from layered_cache._policy import Policy
 from layered_cache._runtime import Hooks
 
-__all__ = ["LoaderCancelledError", "awaited", "call_loader", "retrieve_outcome"]
+__all__ = ["LoaderCancelledError", "RequestBound", "awaited", "call_loader", "retrieve_outcome"]
 
 Loader = Callable[[], Awaitable[Any]]
+
+
+T = TypeVar("T")
+
+
+class RequestBound(Generic[T]):
+    """The loader of a ``cached`` function with ``ignore=``: ``fn(*args, **kwargs)``
+    with arguments that belong to the request that made the call (a database session,
+    an HTTP client). Not refreshed early: the refresh runs in the background after that
+    request returned, when they may be closed (every refresh failing, counted as a
+    ``load_error``) or still in use by the request (an ``AsyncSession`` used by two
+    tasks at once). Such a value is reloaded at its expiry, by a reader with arguments
+    of its own, under the lease: still one load per expiry fleet-wide. For the same
+    reason its load never runs on without its caller (``_miss``): no stale answer after
+    ``load_timeout`` (the caller waits for the load), and a cancelled caller's load ends
+    with it, its lease given back.
+
+    A class of its own, not a flag beside the loader: the mark travels with the loader
+    through ``get_or_load`` (and the sync API's wrapping, ``SyncLayeredCache``) to the
+    one place that reads it, ``Refresher.maybe_refresh_early``."""
+
+    __slots__ = ("_args", "_fn", "_kwargs")
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self._fn = fn
+        self._args = args
+        self._kwargs = kwargs
+
+    def __call__(self) -> T:
+        return self._fn(*self._args, **self._kwargs)
 
 
 def retrieve_outcome(task: asyncio.Task[Any]) -> None:

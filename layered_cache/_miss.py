@@ -30,6 +30,7 @@ from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable, LeaseRefused
 from layered_cache._loader_call import (
     LoaderCancelledError,
+    RequestBound,
     awaited,
     call_loader,
     retrieve_outcome,
@@ -163,12 +164,12 @@ class MissPath:
         task: asyncio.Task[Any] = asyncio.ensure_future(
             call_loader(self._policy, self._rt.hooks, loader)
         )
-        # The load runs on if our caller is cancelled (it holds the lease; shield below):
-        # then nobody awaits it, and its failure must not surface as "Task exception was
-        # never retrieved" (it is counted in load_error already).
+        # Runs on if our caller is cancelled (it holds the lease; shield below): nobody
+        # awaits it then, and its failure (counted) must not surface as never retrieved.
         task.add_done_callback(retrieve_outcome)
         try:
-            if read.stale is not None and policy.load_timeout is not None:
+            bound = isinstance(loader, RequestBound)  # never runs on without its caller
+            if read.stale is not None and policy.load_timeout is not None and not bound:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
                 if not done and await self.failsafe.usable(read):
                     policy.stats.stale_served += 1
@@ -177,7 +178,7 @@ class MissPath:
                     return read.stale.value
             value = await asyncio.shield(task)
         except asyncio.CancelledError:
-            _load_cancelled(self, read, token, task, started, refresh)
+            _load_cancelled(self, read, token, task, started, refresh or bound)
             raise
         except BaseException as exc:  # nobody will fill: the lease goes back
             # Released before our caller hears of it; a cancel now leaves the release going.
@@ -341,19 +342,17 @@ def _load_cancelled(
     single-flight joiners start over and wait on the lease) and in other processes, get
     its value instead of loading again after ``max_wait``.
 
-    A refresh has no caller: only ``close()`` cancels it, and its load ends with it.
-    Running on, it called the user's loader after close() returned and filled L2
-    through the closed cache, on a connection nobody closed (the fill's task came after
-    close() had cancelled its tasks). No reader loses a value by it: none joins a
+    A refresh has no caller: only ``close()`` cancels it, and its load ends with it, as
+    a ``RequestBound`` one does (its arguments are its caller's request's). Running on,
+    it filled L2 after close() returned, on a connection nobody closed. No reader
+    loses a value by it: none joins a
     refresh's load (it runs outside the single-flight), readers that miss the key wait
     on its lease, which goes back once the load has ended (a waiter then takes it
     over). That end, and the release, are an orphan: close() waits for it."""
     finishing = _finish_fill(miss, read, token, task, started)
     if refresh:
         task.cancel()
-        miss._rt.tasks.spawn_orphan(finishing)
-    else:
-        miss._rt.tasks.spawn(finishing)
+    (miss._rt.tasks.spawn_orphan if refresh else miss._rt.tasks.spawn)(finishing)
 
 
 async def _finish_fill(

@@ -14,47 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from layered_cache import _replicas as replicas
 from layered_cache._codec import Envelope
 from layered_cache._fills import Fills
 from layered_cache._keys import lease_name
 from layered_cache._l2 import L2Unavailable, LeaseRefused
+from layered_cache._loader_call import RequestBound
 from layered_cache._miss import MissPath, Read
 from layered_cache._policy import Policy
 from layered_cache._runtime import Runtime
 from layered_cache._stampede import new_token
 from layered_cache._xfetch import should_refresh_early
 
-__all__ = ["Refresher", "RequestBound"]
-
-T = TypeVar("T")
-
-
-class RequestBound(Generic[T]):
-    """The loader of a ``cached`` function with ``ignore=``: ``fn(*args, **kwargs)``
-    with arguments that belong to the request that made the call (a database session,
-    an HTTP client). Not refreshed early: the refresh runs in the background after that
-    request returned, when they may be closed (every refresh failing, counted as a
-    ``load_error``) or still in use by the request (an ``AsyncSession`` used by two
-    tasks at once). Such a value is reloaded at its expiry, by a reader with arguments
-    of its own, under the lease: still one load per expiry fleet-wide.
-
-    A class of its own, not a flag beside the loader: the mark travels with the loader
-    through ``get_or_load`` (and the sync API's wrapping, ``SyncLayeredCache``) to the
-    one place that reads it, ``Refresher.maybe_refresh_early``."""
-
-    __slots__ = ("_args", "_fn", "_kwargs")
-
-    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]):
-        self._fn = fn
-        self._args = args
-        self._kwargs = kwargs
-
-    def __call__(self) -> T:
-        return self._fn(*self._args, **self._kwargs)
-
+__all__ = ["Refresher"]
 
 class Refresher:
     def __init__(self, policy: Policy, fills: Fills, miss: MissPath, runtime: Runtime) -> None:

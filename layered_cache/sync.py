@@ -58,11 +58,11 @@ from layered_cache._cache import LayeredCache, RedisStatus
 from layered_cache._config import Config
 from layered_cache._decorate import cached_sync
 from layered_cache._l1 import MISSING
+from layered_cache._loader_call import RequestBound
 from layered_cache._loopthread import LoopThread, SyncTimeoutError, check_timeout
 from layered_cache._miss import TagsOf
 from layered_cache._namespace import check_tags
 from layered_cache._policy import Policy
-from layered_cache._refresh import RequestBound
 from layered_cache._runtime import Hooks
 from layered_cache._sync_inner import InnerCaches
 from layered_cache._sync_loaders import LoaderThreads, LoaderThreadsExhausted

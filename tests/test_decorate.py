@@ -659,3 +659,98 @@ def test_a_sync_cached_function_without_ignore_is_still_refreshed_early(
             time.sleep(0.05)
         assert cache.get("book", {"id": 1}) == "v2"
         assert cache.stats()["book"]["early_refresh"] == 1
+
+
+def _stale_after_load_timeout(redis_url: str, prefix: str) -> object:
+    """L2 only, 200 ms TTL, stale values served for a minute past it when a load takes
+    longer than load_timeout (100 ms); no XFetch at all (beta 0)."""
+    return make_config(redis_url, prefix, {"book": {
+        "key": "book:{id}", "l1": False, "l2": {"ttl": "200ms", "jitter": 0},
+        "stale": {"max_age": "1m"},
+        "stampede": {"load_timeout": "100ms", "early_refresh_beta": 0,
+                     "lease_ttl": "5s", "max_wait": "3s"},
+    }})  # fmt: skip
+
+
+async def test_a_cached_function_with_an_ignored_session_reloads_at_expiry_with_a_live_session(
+    redis_url: str, prefix: str
+) -> None:
+    """Found by a review of this session's fix (2026-12-06). README (decorator, `ignore=`):
+    a cached function with an ignored session "is not
+    refreshed early: a refresh runs in the background after the request that made the
+    call returned, and would call the function with that request's session, closed by
+    then or in use by the request again; its value is reloaded at expiry, by a request
+    with a session of its own" (also README, XFetch guarantee; ``_refresh.RequestBound``).
+
+    Scenario: the namespace serves stale after ``load_timeout`` (100 ms). At expiry a
+    request reloads (its query takes 300 ms); after 100 ms it is served the stale value
+    and returns, closing its session, while its load runs on in the background
+    (``MissPath.load_and_fill``: ``_finish_fill``) and then queries that closed session.
+    Promised: no call with a finished request's session; the value reloaded at expiry.
+    Happens: every reload at expiry uses a closed session and fails (a load_error), so
+    every request serves the stale value, for all of ``stale.max_age`` (1 minute)."""
+    db = {1: "v1"}
+    sessions: list[Session] = []
+    async with LayeredCache.from_config(_stale_after_load_timeout(redis_url, prefix)) as cache:
+
+        @cache.cached("book", ignore=["session"])
+        async def price(session: Session, id: int) -> str:
+            await asyncio.sleep(0.3)  # a slow query
+            return session.price(id)
+
+        async def request() -> str:
+            with Session(db) as session:
+                sessions.append(session)
+                return await price(session, 1)
+
+        assert await request() == "v1"  # a miss: loaded in full (no stale value yet)
+        db[1] = "v2"
+        await asyncio.sleep(0.3)  # expired (soft), within stale.max_age
+        served = [await request()]  # the reload at expiry: stale after 100 ms
+        await asyncio.sleep(0.5)  # its load ran on, past the request
+        served.append(await request())
+        await asyncio.sleep(0.5)
+        served.append(await request())
+        stats = cache.stats()["book"]
+    assert [s.used_closed for s in sessions] == [0] * len(sessions), (
+        f"a reload at expiry called the function with a finished request's (closed) "
+        f"session: {[s.used_closed for s in sessions]}; served {served}; stats {stats}"
+    )
+    assert served[-1] == "v2", f"the value was never reloaded: served {served}"
+
+
+async def test_a_cancelled_call_of_a_cached_function_with_an_ignored_session_ends_its_load(
+    redis_url: str, prefix: str
+) -> None:
+    """``_loader_call.RequestBound``: a load whose arguments are its request's never runs
+    on without its caller. Cancelled (a client's deadline), the call's load ends with it
+    (before, it ran on, shielded, and queried the session the request then closed) and
+    its lease goes back: the next request loads at once rather than after max_wait."""
+    config = make_config(redis_url, prefix, {"book": {
+        "key": "book:{id}", "stampede": {"lease_ttl": "5s", "max_wait": "3s"},
+    }})  # fmt: skip
+    db, started, ended = {1: "v1"}, asyncio.Event(), []
+    async with LayeredCache.from_config(config) as cache:
+
+        @cache.cached("book", ignore=["session"])
+        async def price(session: Session, id: int) -> str:
+            started.set()
+            try:
+                await asyncio.sleep(1.0)  # a slow query
+            except asyncio.CancelledError:
+                ended.append("cancelled")
+                raise
+            return session.price(id)
+
+        with Session(db) as first:
+            call = asyncio.ensure_future(price(first, 1))
+            await asyncio.wait_for(started.wait(), 5)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        with Session(db) as second:
+            began = time.monotonic()
+            assert await price(second, 1) == "v1"
+            took = time.monotonic() - began
+    assert ended == ["cancelled"] and first.used_closed == 0
+    assert took < 2.5, f"the next request waited {took:.1f} s on a lease nobody would fill"
