@@ -10,6 +10,7 @@ still running.
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -193,15 +194,26 @@ def _unreadable_batches(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
         monkeypatch.setattr(module, "DefaultRecordBatchBuilder", builder)
     if how == "crc":
         monkeypatch.setattr(default_records, "calc_crc32c", lambda data: 0xDEADBEEF)
-    elif how in ("gzip", "zstd"):  # the attributes name a codec the body is not in
-        bits = {"gzip": 1, "zstd": 4}[how]
+    elif how in ("gzip", "zstd", "snappy-cut"):  # the attributes name a codec...
+        bits = {"gzip": 1, "zstd": 4, "snappy-cut": 2}[how]
         original = builder._get_attributes
         monkeypatch.setattr(
             builder, "_get_attributes", lambda self, include=True: original(self, include) | bits
         )
+    if how == "snappy-cut":  # ...and the body is snappy in xerial framing, cut short
+        monkeypatch.setattr(builder, "_maybe_compress", _xerial_header_alone)
 
 
-@pytest.mark.parametrize("how", ["crc", "gzip", "zstd"])
+def _xerial_header_alone(self: Any) -> bool:
+    """The batch's records replaced by a xerial snappy header and 2 bytes of the first
+    block's length: aiokafka's ``snappy_decode`` raised ``struct.error``, which no list
+    of the daemon's named: the daemon crashed, and every restart with it."""
+    del self._buffer[self.HEADER_STRUCT.size :]
+    self._buffer += b"\x82SNAPPY\x00" + struct.pack("!ii", 1, 1) + b"\x00\x00"
+    return True  # compressed: the attributes name the codec
+
+
+@pytest.mark.parametrize("how", ["crc", "gzip", "zstd", "snappy-cut"])
 async def test_a_record_aiokafka_cannot_unpack_is_dead_lettered_and_the_partition_moves_on(
     scenario: Scenario, redis_client: aioredis.Redis, how: str
 ) -> None:
@@ -218,6 +230,8 @@ async def test_a_record_aiokafka_cannot_unpack_is_dead_lettered_and_the_partitio
         await scenario.settled(daemon, redis_client, 3)  # book:1 and book:2 applied
     (record,) = await scenario.dead(1)
     assert "unreadable record (" in reason(record)
+    if how == "snappy-cut":  # any error of decoding a batch is its record's
+        assert "CorruptRecordException: struct.error while decoding" in reason(record)
     assert dict(record.headers)["dlq.original.offset"] == b"1"
     assert record.value == b""  # aiokafka handed over nothing to keep
     assert daemon.stats.events == 2

@@ -18,20 +18,22 @@ and sets ``_LENIENT`` around the daemon's ``consumer.start()``: the consumer's f
 is created there and copies that context, so only its fetches are wrapped; any other
 consumer in the process gets aiokafka's own records. In the daemon's, batches decode in C
 as before; only a batch whose C decoding fails on a header name is decoded again, in
-Python, from the record after the last one it handed out.
+Python, from the record after the last one it handed out. And whatever else decoding a
+batch raises there, whichever decoder of aiokafka's broke on it, is raised as the corrupt
+record it is (``_decoding``): the daemon sets it aside (``unreadable``) and goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 import aiokafka
 import structlog
 from aiokafka.consumer import fetcher
-from aiokafka.errors import CorruptRecordException
+from aiokafka.errors import CorruptRecordException, KafkaError
 from aiokafka.record.util import decode_varint
 
 try:  # aiokafka's pure-Python batch and record: private, so maybe gone in a later one
@@ -44,6 +46,7 @@ __all__ = ["lenient_fetches"]
 
 _log = structlog.get_logger("layered_cache.daemon")
 
+_T = TypeVar("_T")
 _LENIENT: ContextVar[bool] = ContextVar("layered_cache_lenient_header_names", default=False)
 _MEMORY_RECORDS: Any = getattr(fetcher, "MemoryRecords", None)  # aiokafka's own
 _LOG_OVERHEAD = 12  # every batch, v0 to v2: base offset (8 bytes), length (4), then length
@@ -91,7 +94,7 @@ class _Records:
         return bool(self._records.has_next())
 
     def next_batch(self) -> Any:
-        batch = self._records.next_batch()
+        batch = _decoding(self._records.next_batch)
         if batch is None:
             return None
         start = self._start
@@ -107,7 +110,8 @@ class _Records:
 class _Batch:
     """One batch as aiokafka hands it out, until its C decoding fails on a header name:
     then the records after the last one handed out are decoded again (``_LenientBatch``).
-    Anything else it raises (a bad CRC, codec, record) is raised as before."""
+    Anything else its decoding raises (a bad codec, record) is a ``CorruptRecordException``
+    (``_decoding``)."""
 
     def __init__(self, batch: Any, data: bytes, start: int, end: int) -> None:
         self._batch = batch
@@ -120,19 +124,21 @@ class _Batch:
         return getattr(self._batch, name)  # base_offset, validate_crc, is_control_batch...
 
     def __iter__(self) -> _Batch:
-        iter(self._batch)  # aiokafka's batch is its own iterator: this readies it
+        # aiokafka's batch is its own iterator: this readies it (decompresses its records)
+        _decoding(lambda: iter(self._batch))
         return self
 
     def __next__(self) -> Any:
         if self._rest is None:
             try:
-                record = next(self._batch)
+                record = _decoding(lambda: next(self._batch))
             except UnicodeDecodeError as error:
                 self._rest = self._reread(error)
             else:
                 self._last = record.offset
                 return record
-        return next(self._rest)
+        rest = self._rest
+        return _decoding(lambda: next(rest))
 
     def _reread(self, error: UnicodeDecodeError) -> Iterator[Any]:
         """The records after the last one handed out, names read leniently. Should the
@@ -146,6 +152,25 @@ class _Batch:
                     yield record
         except (AttributeError, TypeError, IndexError, KeyError, NameError) as exc:
             raise error from exc
+
+
+def _decoding(step: Callable[[], _T]) -> _T:
+    """``step`` (decoding part of a fetched batch, all in memory), any exception it raises
+    but a Kafka error, ``MemoryError`` or a header name's ``UnicodeDecodeError`` turned
+    into ``CorruptRecordException``, which the daemon sets aside as an unreadable record
+    (``unreadable``). A batch the broker stored as it came may break aiokafka's decoders
+    in ways nobody listed (a snappy block cut short raised ``struct.error`` from
+    ``snappy_decode``), and such an error left ``Daemon.run``: the daemon crashed, and
+    crashed again on the same record at every restart. No I/O happens here, so nothing
+    raised is a broker's or a connection's; ``CancelledError`` is no ``Exception``."""
+    try:
+        return step()
+    except (StopIteration, KafkaError, MemoryError, UnicodeDecodeError):
+        raise
+    except Exception as exc:
+        kind, module = type(exc).__qualname__, type(exc).__module__
+        name = kind if module == "builtins" else f"{module}.{kind}"  # struct.error
+        raise CorruptRecordException(f"{name} while decoding: {exc}") from exc
 
 
 class _LenientBatch(_BatchPy):  # type: ignore[misc]

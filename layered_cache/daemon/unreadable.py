@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gzip
+import struct
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from aiokafka.errors import (
     IllegalStateError,
     InvalidMessageError,
     RecordTooLargeError,
+    UnsupportedCodecError,
 )
 from aiokafka.structs import TopicPartition
 
@@ -54,18 +56,24 @@ _log = structlog.get_logger("layered_cache.daemon")
 #: What aiokafka raises for one record or batch it cannot unpack: a header name that is
 #: not UTF-8 (only if ``header_names`` could not hook aiokafka), a bad CRC or record, a
 #: body that does not decompress with its declared codec (gzip: ``BadGzipFile``,
-#: ``zlib.error``, ``EOFError`` when cut short; snappy, lz4, zstd: cramjam), a batch cut
-#: short at ``max_partition_fetch_bytes`` (``RecordTooLargeError``: only brokers before
-#: Kafka 0.10.1 cut one, newer ones answer it whole, KIP-74; no fetch size gets it whole
-#: from them). Not ``OSError`` at large: a network error is no record's.
+#: ``zlib.error``, ``EOFError`` when cut short; snappy in xerial framing cut short:
+#: ``struct.error``; snappy, lz4, zstd: cramjam; a codec it has no decoder for:
+#: ``UnsupportedCodecError``), a batch cut short at ``max_partition_fetch_bytes``
+#: (``RecordTooLargeError``: only brokers before Kafka 0.10.1 cut one, newer ones answer
+#: it whole, KIP-74; no fetch size gets it whole from them). Not ``OSError`` at large: a
+#: network error is no record's. The daemon's consumer raises any other error of decoding
+#: a batch as ``CorruptRecordException`` (``header_names._decoding``): this list is what
+#: gets past without that hook.
 UNREADABLE: tuple[type[BaseException], ...] = (
     RecordTooLargeError,
     UnicodeError,
     CorruptRecordException,
     InvalidMessageError,
+    UnsupportedCodecError,
     gzip.BadGzipFile,
     zlib.error,
     EOFError,
+    struct.error,
     cramjam.DecompressionError,
 )
 
