@@ -34,7 +34,6 @@ import aiokafka
 import structlog
 from aiokafka.consumer import fetcher
 from aiokafka.errors import CorruptRecordException, KafkaError
-from aiokafka.record.util import decode_varint
 
 try:  # aiokafka's pure-Python batch and record: private, so maybe gone in a later one
     from aiokafka.record.default_records import _DefaultRecordBatchPy, _DefaultRecordPy
@@ -49,6 +48,9 @@ _log = structlog.get_logger("layered_cache.daemon")
 _T = TypeVar("_T")
 _LENIENT: ContextVar[bool] = ContextVar("layered_cache_lenient_header_names", default=False)
 _MEMORY_RECORDS: Any = getattr(fetcher, "MemoryRecords", None)  # aiokafka's own
+# What the pure-Python re-read raising means aiokafka's batch changed inside, not a bad
+# record (that is ``CorruptRecordException``): the original error is raised then.
+_CHANGED = (AttributeError, TypeError, IndexError, KeyError, NameError, ValueError, OverflowError)
 _LOG_OVERHEAD = 12  # every batch, v0 to v2: base offset (8 bytes), length (4), then length
 _MAGIC_AT = 16  # after the offset, length and partition leader epoch (4): the format
 
@@ -150,7 +152,7 @@ class _Batch:
             for record in _LenientBatch(memoryview(self._data)[start:end]):
                 if record.offset > self._last:
                     yield record
-        except (AttributeError, TypeError, IndexError, KeyError, NameError) as exc:
+        except _CHANGED as exc:
             raise error from exc
 
 
@@ -175,29 +177,33 @@ def _decoding(step: Callable[[], _T]) -> _T:
 
 class _LenientBatch(_BatchPy):  # type: ignore[misc]
     """aiokafka's pure-Python batch (its header, decompression, iteration), its records
-    read as aiokafka reads them but for the header names."""
+    read as aiokafka reads them but for the header names, and within their bounds:
+    every length is checked against where the record ends (``_varint``, ``_read_bytes``)
+    before anything is read past it."""
 
-    def _read_msg(self, decode_varint: Any = decode_varint) -> _DefaultRecordPy:
+    def _read_msg(self) -> _DefaultRecordPy:
         buffer: bytearray = self._buffer
         pos: int = self._pos  # type: ignore[has-type]  # aiokafka's, set in __init__
-        length, pos = decode_varint(buffer, pos)
-        start = pos
-        _, pos = decode_varint(buffer, pos)  # attributes: none defined for records
-        ts_delta, pos = decode_varint(buffer, pos)
-        offset_delta, pos = decode_varint(buffer, pos)
-        key, pos = _read_bytes(buffer, pos)
-        value, pos = _read_bytes(buffer, pos)
-        count, pos = decode_varint(buffer, pos)
-        headers: list[tuple[str, bytes | None]] = []
-        for _ in range(count):
-            size, pos = decode_varint(buffer, pos)
-            if size < 0:
-                raise CorruptRecordException(f"Invalid negative header key size {size}")
-            name = bytes(buffer[pos : pos + size]).decode("utf-8", "surrogateescape")
-            header_value, pos = _read_bytes(buffer, pos + size)
-            headers.append((name, header_value))
-        if count < 0 or pos - start != length:
+        length, pos = _varint(buffer, pos, len(buffer))
+        start, end = pos, pos + length
+        if length < 0 or end > len(buffer):
             raise CorruptRecordException(f"Invalid record of {length} bytes")
+        _, pos = _varint(buffer, pos, end)  # attributes: none defined for records
+        ts_delta, pos = _varint(buffer, pos, end)
+        offset_delta, pos = _varint(buffer, pos, end)
+        key, pos = _read_bytes(buffer, pos, end)
+        value, pos = _read_bytes(buffer, pos, end)
+        count, pos = _varint(buffer, pos, end)
+        headers: list[tuple[str, bytes | None]] = []
+        for _ in range(count):  # each header takes 2 bytes at least: ``end`` stops it
+            size, pos = _varint(buffer, pos, end)
+            if size < 0 or pos + size > end:
+                raise CorruptRecordException(f"Invalid header key size {size}")
+            name = bytes(buffer[pos : pos + size]).decode("utf-8", "surrogateescape")
+            header_value, pos = _read_bytes(buffer, pos + size, end)
+            headers.append((name, header_value))
+        if count < 0 or pos != end:
+            raise CorruptRecordException(f"Invalid record of {length} bytes at {start}")
         self._pos = pos
         appended = self.timestamp_type == self.LOG_APPEND_TIME
         timestamp = self.max_timestamp if appended else self.first_timestamp + ts_delta
@@ -206,9 +212,28 @@ class _LenientBatch(_BatchPy):  # type: ignore[misc]
         )
 
 
-def _read_bytes(buffer: bytearray, pos: int) -> tuple[bytes | None, int]:
-    """A varint length, then that many bytes (a negative length: null)."""
-    size, pos = decode_varint(buffer, pos)
+def _varint(buffer: bytearray, pos: int, end: int) -> tuple[int, int]:
+    """A zigzag varint (at most 10 bytes) from ``pos``, none of it at or past ``end``.
+    Not aiokafka's ``decode_varint``: its Cython one reads without a bounds check, and a
+    header value's length of 2**40 put the position there, the next read a segmentation
+    fault of the daemon, again at every restart."""
+    result = shift = 0
+    while pos < end and shift < 64:
+        byte = buffer[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return (result >> 1) ^ -(result & 1), pos
+        shift += 7
+    raise CorruptRecordException(f"Invalid varint before byte {pos}")
+
+
+def _read_bytes(buffer: bytearray, pos: int, end: int) -> tuple[bytes | None, int]:
+    """A varint length, then that many bytes, none past ``end`` (a negative length:
+    null)."""
+    size, pos = _varint(buffer, pos, end)
     if size < 0:
         return None, pos
+    if pos + size > end:
+        raise CorruptRecordException(f"Invalid length {size}: {end - pos} bytes left")
     return bytes(buffer[pos : pos + size]), pos + size
