@@ -19,9 +19,9 @@ from aiokafka.structs import TopicPartition
 from layered_cache.daemon import Daemon
 from layered_cache.daemon.deletes import Deleter
 from layered_cache.daemon.watch import INTERVAL
-from tests.helpers import eventually
-from tests.servers import KafkaBroker, RedisServer, create_topic
-from tests.test_daemon import daemon_config, http_get, price_changed, producer, running
+from tests.helpers import eventually, make_config
+from tests.servers import KafkaBroker, RedisClusterServers, RedisServer, create_topic
+from tests.test_daemon import ROUTES, daemon_config, http_get, price_changed, producer, running
 
 pytestmark = pytest.mark.kafka
 
@@ -149,11 +149,38 @@ async def test_readyz_turns_503_within_seconds_of_redis_dying_even_when_idle(
             assert await eventually(lambda: not_ready(daemon), timeout=10, interval=0.5)
             assert (await readyz(daemon))[1]["retrying"] == "redis"
             server.start()
+            assert await eventually(lambda: ready(daemon), timeout=15, interval=0.5)
 
-            async def ready() -> bool:
-                return (await readyz(daemon))[0] == 200
 
-            assert await eventually(ready, timeout=15, interval=0.5)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dead", [1, 2])  # not servers[0], the client's default node
+async def test_an_idle_daemon_is_not_ready_within_seconds_of_a_cluster_master_dying(
+    prefix: str, kafka_bootstrap: str, unique_topic: str, dead: int
+) -> None:
+    """On a cluster, redis-py sends PING to its default node only: with another master
+    dead (a third of the slots, every delete there failing) the idle daemon said 200
+    "ok" for good. Every master is asked now; ready again once the master is back."""
+    with RedisClusterServers(3) as cluster:
+        await create_topic(kafka_bootstrap, unique_topic, 1)
+        kafka = msgspec.structs.asdict(
+            daemon_config(cluster.url, prefix, kafka_bootstrap, unique_topic).kafka
+        )
+        redis = {"cluster": True, "timeout": "1s"}
+        book = {"book": {"key": "book:{id}"}}
+        config = make_config(cluster.url, prefix, book, redis=redis, kafka=kafka, events=ROUTES)
+        daemon = Daemon(config, health_port=0)
+        async with running(daemon):
+            assert await eventually(lambda: ready(daemon), timeout=15)
+            cluster.servers[dead].kill()  # a master: a third of the slots
+            assert await eventually(lambda: not_ready(daemon), timeout=20, interval=0.5)
+            assert (await readyz(daemon))[1]["retrying"] == "redis"
+            cluster.servers[dead].start()
+            cluster.wait_ok()
+            assert await eventually(lambda: ready(daemon), timeout=20, interval=0.5)
+
+
+async def ready(daemon: Daemon) -> bool:
+    return (await readyz(daemon))[0] == 200
 
 
 def lag_total(metrics: bytes) -> float:

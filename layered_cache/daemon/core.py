@@ -319,7 +319,7 @@ class Daemon:
 
     async def _probe_redis(self) -> None:
         if self._deleter is not None:
-            await self._deleter.client.ping()
+            await self._deleter.ping()  # every master of a cluster, not only one
 
     def _status(self) -> tuple[bool, dict[str, object]]:
         retrying = self._retrier.retrying or self.watch.failing()

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ClusterDownError
 
 from layered_cache._backplane import BackplanePublisher
 from layered_cache._breaker import CircuitBreaker
-from layered_cache._clients import REDIS_FAILURES, RedisClient, make_client, with_timeout
+from layered_cache._clients import (
+    REDIS_FAILURES,
+    RedisClient,
+    is_cluster,
+    make_client,
+    with_timeout,
+)
 from layered_cache._config import Config
 from layered_cache._invalidation import Invalidator, check_replica_counts, replica_counts
 from layered_cache._keys import backplane_stream_name
@@ -107,6 +116,32 @@ class Deleter:
                 stats.backplane_fallbacks += 1
             stats.tags_invalidated += len(versions)
 
+    async def ping(self) -> None:
+        """Raise unless every master can take a delete (the watch's Redis probe).
+
+        A cluster client's PING goes to one node, its default: with another master
+        dead (its slots' deletes all failing) an idle daemon said ready for good. So
+        every master of the slot map is asked CLUSTER INFO, at once: one that does not
+        answer, or says ``cluster_state:fail`` (it refuses every key), fails the probe.
+        A failed node also makes the client refresh its slot map (in the background,
+        ``_topology``), so after a failover the promoted replica is asked instead."""
+        client = self.client
+        if not is_cluster(client):
+            await client.ping()
+            return
+        replies = await client.execute_command("CLUSTER INFO", target_nodes=RedisCluster.PRIMARIES)
+        if failed := _failed_nodes(replies):
+            raise ClusterDownError(f"cluster_state is not ok on {', '.join(failed)}")
+
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.client.aclose()
+
+
+def _failed_nodes(replies: Any) -> list[str]:
+    """The masters whose CLUSTER INFO (node name -> parsed reply) is not ``ok``."""
+    return sorted(
+        name
+        for name, info in dict(replies).items()
+        if not isinstance(info, dict) or info.get("cluster_state") != "ok"
+    )

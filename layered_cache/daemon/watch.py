@@ -7,8 +7,9 @@ an idle daemon has no delete to fail; and the lag gauge was only written after a
 committed, so during a Redis outage (the batch retried, never finishing) it froze at its
 pre-outage value while events piled up. Every ``interval`` seconds the watch asks the
 broker for the owned partitions' end offsets (a metadata request when it owns none) and
-PINGs Redis, each under ``timeout``; ``/readyz`` reports ``"retrying": "kafka"`` /
-``"redis"`` after ``FAILURES_TO_REPORT`` failures in a row (one slow answer is no outage).
+PINGs Redis (asks every master of a cluster: ``Deleter.ping``), each under ``timeout``;
+``/readyz`` reports ``"retrying": "kafka"`` / ``"redis"`` after ``FAILURES_TO_REPORT``
+failures in a row (one slow answer is no outage).
 """
 
 from __future__ import annotations
