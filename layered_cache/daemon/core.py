@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -41,9 +41,9 @@ from aiokafka.structs import TopicPartition
 from layered_cache._config import Config
 from layered_cache._config.validate import daemon_start_problem
 from layered_cache._events import EventDecoder
-from layered_cache._logs import error_text
 from layered_cache._purges import purges_for
 from layered_cache.daemon.batch import account, decode_batch
+from layered_cache.daemon.closing import Step, close_in_order
 from layered_cache.daemon.commits import Commits
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import DeadLetters, Poison, dead_letter
@@ -206,24 +206,19 @@ class Daemon:
             ) from None
 
     async def _shutdown(self) -> None:
-        """Close every part even if one fails: a failing Kafka close must not leave the
-        health server listening, the purges queued and Redis connected, nor skip
-        ``daemon_stopped`` (the line operators look for after a SIGTERM)."""
-        steps: list[tuple[str, Callable[[], Awaitable[None]] | None]] = [
+        """Close every part even if one fails or the task is cancelled (``closing``),
+        and log ``daemon_stopped`` (the line operators look for after a SIGTERM)."""
+        steps: list[Step] = [
             ("watch", self.watch.close),
             ("kafka", self._kafka.disconnect),
             ("purges", self.purges.close),
             ("health", self.health.close if self.health is not None else None),
             ("redis", self._deleter.close if self._deleter is not None else None),
         ]
-        for name, close in steps:
-            if close is None:
-                continue
-            try:
-                await close()
-            except Exception as exc:
-                _log.warning("shutdown_step_failed", step=name, error=error_text(exc))
-        _log.info("daemon_stopped", **self.stats.totals())
+        try:
+            await close_in_order(steps)
+        finally:
+            _log.info("daemon_stopped", **self.stats.totals())
 
     # -- one batch -------------------------------------------------------------------------
 

@@ -153,13 +153,16 @@ async def _stop(client: AIOKafkaConsumer | AIOKafkaProducer, name: str) -> None:
     aiokafka's ``stop()`` re-raises the CancelledError of a background task it cancels
     (a fetch task sleeping in its retry backoff while the broker is down): that is not a
     cancellation of *this* task, and letting it out turned a SIGTERM during a Kafka
-    incident into a traceback and exit 1 with nothing else closed. Our own
-    cancellation (``cancelling()``) is passed on, as it must be."""
+    incident into a traceback and exit 1 with nothing else closed. A cancellation of
+    this task that arrives meanwhile (``cancelling()`` grew) is passed on, as it must
+    be; one asked before (``run()`` cancelled, its ``finally`` closing) is not new: taken
+    for one, the client's own CancelledError skipped the rest of the shutdown."""
     task = asyncio.current_task()
+    requested = task.cancelling() if task is not None else 0
     try:
         await asyncio.wait_for(client.stop(), STOP_TIMEOUT)
     except asyncio.CancelledError:
-        if task is not None and task.cancelling():
+        if task is not None and task.cancelling() > requested:
             raise
         _log.warning("kafka_stop_interrupted", client=name)
     except Exception as exc:  # TimeoutError included: closing goes on without it
