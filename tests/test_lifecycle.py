@@ -529,8 +529,8 @@ def unanswered_syn() -> Iterator[str]:
     server.close()
 
 
-async def _start_time(url: str, prefix: str) -> float:
-    cache = LayeredCache.from_config(make_config(url, prefix, redis=DEFAULT_TIMEOUTS))
+async def _start_time(url: str, prefix: str, **redis: Any) -> float:
+    cache = LayeredCache.from_config(make_config(url, prefix, redis={**DEFAULT_TIMEOUTS, **redis}))
     started = time.monotonic()
     await cache.start()
     took = time.monotonic() - started
@@ -574,13 +574,7 @@ CLUSTER_START_BOUND = 2 * (0.5 + 0.3)
 
 
 async def _cluster_start_time(url: str, prefix: str) -> float:
-    redis_config = {**DEFAULT_TIMEOUTS, "timeout": "300ms", "cluster": True}
-    cache = LayeredCache.from_config(make_config(url, prefix, redis=redis_config))
-    started = time.monotonic()
-    await cache.start()
-    took = time.monotonic() - started
-    await cache.close()
-    return took
+    return await _start_time(url, prefix, timeout="300ms", cluster=True)
 
 
 async def test_a_cluster_cache_started_against_a_hung_seed_serves_within_the_documented_wait(
