@@ -133,21 +133,20 @@ async def positioned(listener: BackplaneListener, seconds: float) -> None:
 
 
 def unplaced(listener: BackplaneListener | None) -> bool:
-    """Whether the backplane listener has yet to take its place in the stream (a
-    first start, or one after close()); a second start of a running cache: no."""
-    return listener is not None and not listener.connected.is_set()
+    """Whether the listener has yet to take its place (a first start, or one after
+    close()): a place taken, not a live connection (one may drop a moment later)."""
+    return listener is not None and listener.last_id is None
 
 
-def positioned_now(
-    unplaced: bool, listener: BackplaneListener | None, coherence: Coherence
-) -> None:
-    """Once this start placed the listener (``unplaced`` before it): drop L1. What
-    calls before the start (a warm-up on its loop) or beside it (a read while it waited
-    for the position) put there had no listener following the stream: what was
-    announced meanwhile falls before the position (a warm-up's copy outlived a writer's
-    set() for its L1 TTL). A position too late for the start's wait: ``late``."""
-    if unplaced and listener is not None and listener.connected.is_set():
-        coherence.forget_all()
+def positioned_now(unplaced: bool, listener: BackplaneListener | None, l1s: Coherence) -> None:
+    """Once this start placed the listener (``unplaced`` before it): drop L1. What calls
+    before the start (a warm-up on its loop) or beside it put there had no listener
+    following the stream: what was announced meanwhile falls before the position."""
+    if unplaced and listener is not None:
+        if listener.last_id is None:  # no place yet (a dropped connection): when it has one
+            listener.late()
+        else:
+            l1s.forget_all()
 
 
 def background_checks(client: RedisClient, config: Config) -> list[Coroutine[Any, Any, Any]]:

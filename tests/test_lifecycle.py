@@ -719,3 +719,81 @@ async def test_a_second_start_of_a_running_cache_keeps_its_l1(
         assert cache.stats()["book"]["l1_hit"] == hits + 1, (
             "a second start() of a running cache dropped its L1: the read went to Redis"
         )
+
+
+async def test_a_warm_up_copy_is_dropped_by_start_even_if_the_listener_blips_after_taking_its_place(
+    redis_url: str, prefix: str
+) -> None:
+    """Found by a review of this session's fix (2026-12-06). README (Lifecycle): "once
+    the listener has its place `start()` drops what
+    calls before or beside it (a warm-up on its loop) put in L1, which no listener
+    followed".
+
+    Scenario: a warm-up before start() fills L1 with v1; a writer's set(v2) returns
+    (announced). start(): the listener takes its place in the stream (after that
+    announcement) while the clock's first samples still run (``first_steps`` waits for
+    them together); then the listener's connection drops (a Redis blip, CLIENT KILL)
+    before the start's wait ends, and its reconnect is still under way when start()
+    resumes. ``startup.positioned_now`` reads "has a place" as ``connected.is_set()``:
+    not set at that moment, so L1 was not dropped; the listener later reconnected at its
+    old place (after the set's announcement), so nothing dropped v1: served from L1 for
+    its whole TTL (60 s). Now a place taken counts, not a live connection."""
+    config = make_config(redis_url, prefix, LONG_L1, backplane={"block": "200ms"})
+    admin = redis.Redis.from_url(redis_url)
+    async with LayeredCache.from_config(config) as writer:
+        await writer.set("book", {"id": 1}, "v1")
+        reader = LayeredCache.from_config(config)
+        clock_gate, reconnect_gate = asyncio.Event(), asyncio.Event()
+        try:
+            assert await reader.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v1"
+            assert in_l1(reader, 1)
+            await writer.set("book", {"id": 1}, "v2")  # returned: announced to the fleet
+
+            clock = reader._clock
+            original_start = clock.start
+
+            async def slow_clock_start(within: float | None = None) -> None:
+                await clock_gate.wait()  # the clock's first samples take a while
+                await original_start(within)
+
+            clock.start = slow_clock_start  # type: ignore[method-assign]
+            starting = asyncio.ensure_future(reader.start())
+            # reader._backplane is built anew by start() (``_rebind``): wait for it.
+            async def placed() -> bool:
+                listener = reader._backplane
+                return listener is not None and listener.connected.is_set()
+
+            assert await eventually(placed, timeout=5)
+            listener: Any = reader._backplane
+            original_check = listener._check_gap
+
+            async def slow_reconnect(position: bytes) -> None:
+                await reconnect_gate.wait()  # Redis still unreachable for the listener
+                await original_check(position)
+
+            listener._check_gap = slow_reconnect
+            # The blip: the listener's connection (the one blocked in XREAD) is dropped.
+            for client in await admin.client_list():
+                if client.get("cmd") in ("xread", "xreadgroup"):
+                    await admin.client_kill_filter(_id=client["id"])
+
+            async def dropped() -> bool:
+                return not listener.connected.is_set()
+
+            assert await eventually(dropped, timeout=5)
+            clock_gate.set()
+            await asyncio.wait_for(starting, 10)
+            reconnect_gate.set()  # the listener is back, at its place
+
+            async def reads_v2() -> bool:
+                return await reader.get_or_load("book", {"id": 1}, lambda: _version("x")) == "v2"
+
+            assert await eventually(reads_v2, timeout=5), (
+                "the reader serves v1 from the L1 its warm-up filled, after its own start() "
+                "and 5 s after the writer's set() returned"
+            )
+        finally:
+            clock_gate.set()
+            reconnect_gate.set()
+            await reader.close()
+            await admin.aclose()
