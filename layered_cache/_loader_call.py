@@ -29,9 +29,10 @@ class RequestBound(Generic[T]):
     ``load_error``) or still in use by the request (an ``AsyncSession`` used by two
     tasks at once). Such a value is reloaded at its expiry, by a reader with arguments
     of its own, under the lease: still one load per expiry fleet-wide. For the same
-    reason its load never runs on without its caller (``_miss``): no stale answer after
-    ``load_timeout`` (the caller waits for the load), and a cancelled caller's load ends
-    with it, its lease given back.
+    reason no stale answer after ``load_timeout`` for it (``_miss``): its load would run
+    on in the background with the closed session; the caller waits for it. A cancelled
+    caller's load runs on as any does (it holds the lease; cancelled, a loader running
+    in a thread went on anyway while its lease went back: two loads of the key).
 
     A class of its own, not a flag beside the loader: the mark travels with the loader
     through ``get_or_load`` (and the sync API's wrapping, ``SyncLayeredCache``) to the

@@ -168,7 +168,7 @@ class MissPath:
         # awaits it then, and its failure (counted) must not surface as never retrieved.
         task.add_done_callback(retrieve_outcome)
         try:
-            bound = isinstance(loader, RequestBound)  # never runs on without its caller
+            bound = isinstance(loader, RequestBound)  # no stale answer: see RequestBound
             if read.stale is not None and policy.load_timeout is not None and not bound:
                 done, _ = await asyncio.wait({task}, timeout=policy.load_timeout)
                 if not done and await self.failsafe.usable(read):
@@ -178,7 +178,7 @@ class MissPath:
                     return read.stale.value
             value = await asyncio.shield(task)
         except asyncio.CancelledError:
-            _load_cancelled(self, read, token, task, started, refresh or bound)
+            _load_cancelled(self, read, token, task, started, refresh)
             raise
         except BaseException as exc:  # nobody will fill: the lease goes back
             # Released before our caller hears of it; a cancel now leaves the release going.
@@ -342,10 +342,9 @@ def _load_cancelled(
     single-flight joiners start over and wait on the lease) and in other processes, get
     its value instead of loading again after ``max_wait``.
 
-    A refresh has no caller: only ``close()`` cancels it, and its load ends with it, as
-    a ``RequestBound`` one does (its arguments are its caller's request's). Running on,
-    it filled L2 after close() returned, on a connection nobody closed. No reader
-    loses a value by it: none joins a
+    A refresh has no caller: only ``close()`` cancels it, and its load ends with it.
+    Running on, it filled L2 after close() returned, on a connection nobody closed. No
+    reader loses a value by it: none joins a
     refresh's load (it runs outside the single-flight), readers that miss the key wait
     on its lease, which goes back once the load has ended (a waiter then takes it
     over). That end, and the release, are an orphan: close() waits for it."""

@@ -719,38 +719,113 @@ async def test_a_cached_function_with_an_ignored_session_reloads_at_expiry_with_
     assert served[-1] == "v2", f"the value was never reloaded: served {served}"
 
 
-async def test_a_cancelled_call_of_a_cached_function_with_an_ignored_session_ends_its_load(
+def _long_lease_config(redis_url: str, prefix: str) -> Any:
+    return make_config(redis_url, prefix, {"book": {
+        "key": "book:{id}", "l1": False,
+        "stampede": {"lease_ttl": "30s", "max_wait": "20s", "early_refresh_beta": 0},
+    }})  # fmt: skip
+
+
+def test_a_sync_cached_call_that_timed_out_keeps_its_lease_while_its_loader_thread_runs(
     redis_url: str, prefix: str
 ) -> None:
-    """``_loader_call.RequestBound``: a load whose arguments are its request's never runs
-    on without its caller. Cancelled (a client's deadline), the call's load ends with it
-    (before, it ran on, shielded, and queried the session the request then closed) and
-    its lease goes back: the next request loads at once rather than after max_wait."""
-    config = make_config(redis_url, prefix, {"book": {
-        "key": "book:{id}", "stampede": {"lease_ttl": "5s", "max_wait": "3s"},
-    }})  # fmt: skip
-    db, started, ended = {1: "v1"}, asyncio.Event(), []
-    async with LayeredCache.from_config(config) as cache:
+    """README (stampede): one load per key (per expiry) fleet-wide, under the lease;
+    ``_sync_loaders`` doc: "A caller that gives up (SyncTimeoutError ...) leaves its load
+    running (it fills for the others)". Found by a review of this session's fix
+    (2026-12-06), which had a cancelled ignore= call's load end with it.
 
-        @cache.cached("book", ignore=["session"])
-        async def price(session: Session, id: int) -> str:
-            started.set()
-            try:
-                await asyncio.sleep(1.0)  # a slow query
-            except asyncio.CancelledError:
-                ended.append("cancelled")
-                raise
-            return session.price(id)
+    Scenario: a sync ``@cached(ignore=["session"])`` function whose query is slow; the
+    call times out (SyncTimeoutError, timeout=0.5 s). Its loader is a thread: it can't be
+    stopped and runs on (with the request's session). Since 37bd0dd the lease is given
+    back at once (the asyncio task was cancelled), so a second caller (another instance
+    of the cache, as another worker) takes the lease and runs the same slow query again
+    while the first still runs: two loads of one key at once fleet-wide.
+    Promised: while a load of the key is running, others wait on its lease."""
+    first_running, release_first = threading.Event(), threading.Event()
+    calls: list[str] = []
+    second_loaded = threading.Event()
+    try:
+        with SyncLayeredCache.from_config(_long_lease_config(redis_url, prefix), timeout=0.5) as a, \
+                SyncLayeredCache.from_config(_long_lease_config(redis_url, prefix), timeout=30) as b:
 
-        with Session(db) as first:
-            call = asyncio.ensure_future(price(first, 1))
-            await asyncio.wait_for(started.wait(), 5)
+            @a.cached("book", ignore=["session"])
+            def price_a(session: str, id: int) -> str:
+                calls.append(session)
+                first_running.set()
+                release_first.wait(20)  # a hung query: the thread runs on
+                return "v1"
+
+            @b.cached("book", ignore=["session"])
+            def price_b(session: str, id: int) -> str:
+                calls.append(session)
+                second_loaded.set()
+                return "v1"
+
+            from layered_cache._loopthread import SyncTimeoutError
+
+            with pytest.raises(SyncTimeoutError):
+                price_a("s1", 1)
+            assert first_running.is_set()
+            result: list[str] = []
+            waiter = threading.Thread(target=lambda: result.append(price_b("s2", 1)))
+            waiter.start()
+            # The first load still runs: the second caller must wait on its lease.
+            second_ran = second_loaded.wait(3.0)
+            release_first.set()
+            waiter.join(30)
+    finally:
+        release_first.set()
+    assert not second_ran, (
+        f"a second load of the key ran while the first (timed out, its thread still "
+        f"querying) was running: loader calls {calls}"
+    )
+
+
+
+async def test_a_cancelled_ignore_call_whose_query_runs_in_a_thread_keeps_its_lease_until_it_ends(
+    redis_url: str, prefix: str
+) -> None:
+    """As above, async: a ``@cached(ignore=["session"])`` function running a sync
+    driver's query in a thread (``asyncio.to_thread``, the usual way). The request is
+    cancelled (its client went away); the query's thread can't be cancelled and runs on.
+    Since 37bd0dd the lease is given back as soon as the task is cancelled, so the next
+    request of the key (here another instance, as another worker would) runs the same
+    slow query again at once, while the first still runs. Before, the first load ran
+    on and filled L2 for the others (one load per key fleet-wide)."""
+    first_running, release_first = __import__("threading").Event(), __import__("threading").Event()
+    calls: list[str] = []
+    config = _long_lease_config(redis_url, prefix)
+    try:
+        async with LayeredCache.from_config(config) as a, LayeredCache.from_config(config) as b:
+
+            def query(session: str) -> str:
+                calls.append(session)
+                if session == "s1":
+                    first_running.set()
+                    release_first.wait(20)  # a hung query
+                return "v1"
+
+            @a.cached("book", ignore=["session"])
+            async def price_a(session: str, id: int) -> str:
+                return await asyncio.to_thread(query, session)
+
+            @b.cached("book", ignore=["session"])
+            async def price_b(session: str, id: int) -> str:
+                return await asyncio.to_thread(query, session)
+
+            call = asyncio.ensure_future(price_a("s1", 1))
+            await asyncio.to_thread(first_running.wait, 10)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-        with Session(db) as second:
-            began = time.monotonic()
-            assert await price(second, 1) == "v1"
-            took = time.monotonic() - began
-    assert ended == ["cancelled"] and first.used_closed == 0
-    assert took < 2.5, f"the next request waited {took:.1f} s on a lease nobody would fill"
+            second = asyncio.ensure_future(price_b("s2", 1))
+            await asyncio.sleep(3.0)  # the first query still runs
+            second_ran = "s2" in calls
+            release_first.set()
+            await asyncio.wait_for(second, 25)
+    finally:
+        release_first.set()
+    assert not second_ran, (
+        f"a second load of the key ran while the first (its caller cancelled, its "
+        f"query's thread still running) held no lease: loader calls {calls}"
+    )
