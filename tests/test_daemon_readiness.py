@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from aiokafka import errors as Errors
 from aiokafka.structs import TopicPartition
 
 from layered_cache.daemon import Daemon
@@ -21,7 +22,15 @@ from layered_cache.daemon.deletes import Deleter
 from layered_cache.daemon.watch import INTERVAL
 from tests.helpers import eventually, make_config
 from tests.servers import KafkaBroker, RedisClusterServers, RedisServer, create_topic
-from tests.test_daemon import ROUTES, daemon_config, http_get, price_changed, producer, running
+from tests.test_daemon import (
+    ROUTES,
+    daemon_config,
+    http_get,
+    price_changed,
+    producer,
+    running,
+    seed,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -324,3 +333,121 @@ async def test_a_batch_that_outlived_its_partition_leaves_no_lag_for_a_partition
                 b.stop()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(task_b, 20)
+
+
+async def _transaction(bootstrap: str, topic: str) -> None:
+    """One event in a transaction: the record at offset 0, its commit marker at 1, so
+    the daemon's catch-up commits 2 after the batch (``commits``)."""
+    from confluent_kafka import Producer as RdKafkaProducer
+
+    rd = RdKafkaProducer({"bootstrap.servers": bootstrap, "transactional.id": f"tx-{topic}"})
+    await asyncio.to_thread(rd.init_transactions, 10)
+    rd.begin_transaction()
+    rd.produce(topic, value=price_changed(1), partition=0)
+    await asyncio.to_thread(rd.commit_transaction, 10)
+
+
+def _a_and_b(redis_url: str, prefix: str, bootstrap: str, topic: str) -> tuple[Daemon, Daemon]:
+    """Two daemons of one group; B, once it joins, gets every partition (``prefer``)."""
+    group = f"g-cu-{prefix.rstrip(':')}"
+
+    def make(tag: bytes) -> Daemon:
+        config = daemon_config(redis_url, prefix, bootstrap, topic, group=group)
+        return Daemon(config, consumer_options={"partition_assignment_strategy": (prefer(tag),)})
+
+    return make(b"A"), make(b"B")
+
+
+async def _stop_all(*runs: tuple[Daemon, asyncio.Task[None] | None]) -> None:
+    for daemon, task in runs:
+        daemon.stop()
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 20)
+
+
+@pytest.mark.timeout(120)
+async def test_a_catch_up_commit_answered_after_its_partition_moved_does_not_crash_the_daemon(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str, redis_client: Any
+) -> None:
+    """docs/daemon.md: "A commit refused because the partition moved is logged and
+    counted, never an error". A's catch-up commit past a transaction marker is answered
+    COORDINATOR_LOAD_IN_PROGRESS (retriable) while B joins and takes the partition;
+    aiokafka retries it with the generation current then, the broker accepts it, and A
+    asked ``highwater`` of a partition no longer assigned: an AssertionError ended
+    ``Daemon.run``."""
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    tp = TopicPartition(unique_topic, 0)
+    a, b = _a_and_b(redis_url, prefix, kafka_bootstrap, unique_topic)
+    task_a = asyncio.create_task(a.run())
+    task_b: asyncio.Task[None] | None = None
+    try:
+        assert await eventually(lambda: bool(a.assignment) or task_a.done(), timeout=20)
+        consumer = a._kafka.consumer
+        assert consumer is not None
+        original = consumer._coordinator._do_commit_offsets
+        held = asyncio.Event()
+
+        async def commit_offsets(assignment: Any, offsets: Any) -> Any:  # the broker's answer
+            nonlocal task_b
+            if not held.is_set() and offsets.get(tp) is not None and offsets[tp].offset == 2:
+                held.set()  # the catch-up commit past the marker: B joins meanwhile
+                task_b = asyncio.create_task(b.run())
+                await eventually(lambda: tp not in consumer.assignment(), timeout=30)
+                raise Errors.GroupLoadInProgressError()  # retriable: aiokafka retries
+            return await original(assignment, offsets)
+
+        consumer._coordinator._do_commit_offsets = commit_offsets
+        await seed(redis_client, [f"{prefix}book:1"])
+        await _transaction(kafka_bootstrap, unique_topic)
+        assert await eventually(held.is_set, timeout=20), a.stats
+        assert await eventually(lambda: bool(b.assignment), timeout=30)
+        await asyncio.sleep(3)  # A's retry lands, then its next polls
+        crashed = task_a.exception() if task_a.done() else None
+        assert not task_a.done(), f"daemon A died: {crashed!r}"
+    finally:
+        await _stop_all((a, task_a), (b, task_b))
+
+
+@pytest.mark.timeout(120)
+async def test_a_catch_up_commit_answered_as_its_partition_is_revoked_leaves_no_lag_series(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str, redis_client: Any
+) -> None:
+    """The lag gauge covers "only partitions the daemon owns" (docs/daemon.md). A's
+    catch-up commit goes through, but A reads the answer after its revocation hook
+    cleared the partition's lag: the catch-up wrote it back, and A, owning nothing,
+    exported B's partition's lag for good (the watch updates owned partitions only)."""
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    tp = TopicPartition(unique_topic, 0)
+    a, b = _a_and_b(redis_url, prefix, kafka_bootstrap, unique_topic)
+    task_a = asyncio.create_task(a.run())
+    task_b: asyncio.Task[None] | None = None
+    try:
+        assert await eventually(lambda: bool(a.assignment) or task_a.done(), timeout=20)
+        consumer = a._kafka.consumer
+        assert consumer is not None
+        original = consumer.commit
+        held = asyncio.Event()
+
+        async def commit(offsets: Any = None) -> None:  # committed; answer read after _drain
+            nonlocal task_b
+            await original(offsets)
+            if not held.is_set() and offsets and offsets.get(tp) == 2:
+                held.set()  # the catch-up commit past the marker
+                task_b = asyncio.create_task(b.run())
+                await eventually(lambda: not a.assignment, timeout=30)  # _drain ran
+
+        consumer.commit = commit  # type: ignore[method-assign]
+        await seed(redis_client, [f"{prefix}book:1"])
+        await _transaction(kafka_bootstrap, unique_topic)
+        assert await eventually(held.is_set, timeout=20), a.stats
+        assert await eventually(lambda: b.assignment == {tp} and not a.assignment, timeout=30)
+        await asyncio.sleep(INTERVAL + 0.5)  # a watch round on A
+        assert not task_a.done(), task_a.exception()
+        text = a.metrics.render()
+        assert b"layered_cache_daemon_assigned_partitions 0.0" in text
+        series = lag_series(text)
+        assert series == [], f"A (owning nothing) exports lag for {series}"
+        assert tp not in a._commits.committed  # nor a stale offset for when it comes back
+    finally:
+        await _stop_all((a, task_a), (b, task_b))

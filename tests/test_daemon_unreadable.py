@@ -144,6 +144,9 @@ class _BufferingCutBatchConsumer:
     async def position(self, tp: Any) -> int:
         return self.at
 
+    def highwater(self, tp: Any) -> int:
+        return self.end
+
     async def committed(self, tp: Any) -> int | None:
         return self.commits[-1] if self.commits else None
 
@@ -175,7 +178,8 @@ async def test_a_record_too_large_is_set_aside_though_a_catch_up_commit_ran_befo
 
     tp = TopicPartition("catalog-events", 0)
     consumer = _BufferingCutBatchConsumer(tp, too_large=2, end=5)
-    commits = Commits(DaemonStats(), asyncio.Event())
+    owned = {tp}
+    commits = Commits(DaemonStats(), asyncio.Event(), lambda: owned)
     handled: list[int] = []
     set_aside: list[int] = []
 

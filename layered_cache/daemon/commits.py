@@ -6,6 +6,16 @@ A commit refused (the partitions moved), failed (broker trouble) or given up on 
 owner, or covered by a later commit of the same partition (commits are cumulative).
 ``committed`` keeps what was committed per owned partition, for the watch's lag gauge.
 
+A commit can be answered after a rebalance: aiokafka retries one answered with a
+retriable error (COORDINATOR_LOAD_IN_PROGRESS) after a backoff with the generation
+current *then*, and a broker checks the member and generation, not who owns the
+partition. So what is recorded after a commit is only for partitions still owned: the
+daemon's assignment, a new set at every revocation and assignment, must be the same set
+after the commit's await (as in ``watch.broker_lag``). Recording it anyway put back the
+``committed`` entries the revocation had just dropped, and the catch-up then asked
+``highwater`` of a partition no longer assigned (an AssertionError that ended
+``Daemon.run``) or wrote a lag series for a partition another daemon owns, for good.
+
 Transactions: a transactional producer (Debezium or Kafka Streams exactly-once
 outboxes, librdkafka ``transactional.id``) ends each transaction with a control record,
 the commit or abort marker. aiokafka never hands it over; it only moves the position
@@ -17,6 +27,7 @@ past it. Committing last record + 1, the group stayed one short of the end for e
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import structlog
 from aiokafka import AIOKafkaConsumer
@@ -34,15 +45,26 @@ _POSITION_WAIT = 0.5
 
 
 class Commits:
-    """Commits offsets, counting failures; ``committed`` is what it committed."""
+    """Commits offsets, counting failures; ``committed`` is what it committed.
+    ``owned`` is the daemon's assignment (a new set at every rebalance)."""
 
-    def __init__(self, stats: DaemonStats, stopping: asyncio.Event) -> None:
+    def __init__(
+        self, stats: DaemonStats, stopping: asyncio.Event, owned: Callable[[], set[TopicPartition]]
+    ) -> None:
         self._stats = stats
         self._stopping = stopping
+        self._owned = owned
         self.committed: dict[TopicPartition, int] = {}  # per owned partition (the watch's lag)
 
-    async def commit(self, consumer: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> bool:
-        """True once committed; a failure is counted and logged, never raised."""
+    async def commit(
+        self,
+        consumer: AIOKafkaConsumer,
+        offsets: dict[TopicPartition, int],
+        mine: set[TopicPartition] | None = None,
+    ) -> bool:
+        """True once committed with the partitions still ours (``mine``, the assignment
+        as the commit began unless given); a failure is counted and logged, never raised."""
+        mine = self._owned() if mine is None else mine
         try:
             await unless_stopped(lambda: consumer.commit(offsets), self._stopping, STOP_GRACE)
         except Stopped:
@@ -64,17 +86,22 @@ class Commits:
             _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
             return False
         self._stats.commits += 1
+        if self._owned() is not mine:
+            return False  # answered after a rebalance: nothing of it is ours to record
         self.committed.update(offsets)
         return True
 
-    async def catch_up(self, consumer: AIOKafkaConsumer) -> dict[TopicPartition, int]:
+    async def catch_up(self, consumer: AIOKafkaConsumer) -> dict[tuple[str, int], int]:
         """Commit each partition's position where it is past our last commit; returns
-        what it committed. Only between batches, the last one done (not abandoned): then
-        every record below a position was handed over by ``getmany`` and applied, since
-        aiokafka moves a position only as it hands records over (prefetched ones don't
-        move it: ``FetchResult._update_position``) or skips control records. After an
-        abandoned batch the positions are past it: the caller must not come here, and
-        the next assignment starts from the committed offsets anyway."""
+        the lag (records behind the high watermark) of each partition it committed,
+        none if the partitions moved meanwhile. Only between batches, the last one done
+        (not abandoned): then every record below a position was handed over by
+        ``getmany`` and applied, since aiokafka moves a position only as it hands
+        records over (prefetched ones don't move it: ``FetchResult._update_position``)
+        or skips control records. After an abandoned batch the positions are past it:
+        the caller must not come here, and the next assignment starts from the
+        committed offsets anyway."""
+        mine = self._owned()  # a rebalance during any await here: nothing reported
         ahead: dict[TopicPartition, int] = {}
         for tp, offset in list(self.committed.items()):
             try:
@@ -84,7 +111,22 @@ class Commits:
                 continue  # moved, or being reset: the next idle poll looks again
             if position > offset and not _error_pending(consumer, tp):
                 ahead[tp] = position
-        return ahead if ahead and await self.commit(consumer, ahead) else {}
+        if not ahead or not await self.commit(consumer, ahead, mine):
+            return {}
+        lag = {tp: _behind(consumer, tp, position) for tp, position in ahead.items()}
+        return {(tp.topic, tp.partition): n for tp, n in lag.items() if n is not None}
+
+
+def _behind(consumer: AIOKafkaConsumer, tp: TopicPartition, position: int) -> int | None:
+    """Records between ``position`` and the high watermark; None for a partition no
+    longer assigned (aiokafka asserts it is: an AssertionError out of here ended
+    ``Daemon.run``). The caller checked ownership after its last await; this is the
+    guard should aiokafka's own assignment change without one."""
+    try:
+        high = consumer.highwater(tp)
+    except (AssertionError, IllegalStateError):
+        return None
+    return 0 if high is None else max(0, high - position)
 
 
 def _error_pending(consumer: AIOKafkaConsumer, tp: TopicPartition) -> bool:

@@ -103,7 +103,7 @@ class Daemon:
         self.lag: dict[tuple[str, int], int] = {}  # per owned partition: last batch, or watch
         self._stopping = asyncio.Event()
         # Commits, and what was committed (the watch's lag).
-        self._commits = Commits(self.stats, self._stopping)
+        self._commits = Commits(self.stats, self._stopping, lambda: self.assignment)
         # Replaced, never changed in place, at every rebalance: the watch's ``broker_lag``
         # tells by the set's identity that a rebalance happened during its round trips.
         self.assignment: set[TopicPartition] = set()
@@ -277,11 +277,8 @@ class Daemon:
     async def _catch_up(self, consumer: AIOKafkaConsumer) -> None:
         """Between batches: positions past our commits (transaction markers) committed,
         and their lag. Not once stopping: the batch's commit had its grace already."""
-        if self._stopping.is_set():
-            return
-        for tp, position in (await self._commits.catch_up(consumer)).items():
-            high = consumer.highwater(tp)
-            self.lag[(tp.topic, tp.partition)] = 0 if high is None else max(0, high - position)
+        if not self._stopping.is_set():
+            self.lag.update(await self._commits.catch_up(consumer))  # partitions still ours
 
     # -- rebalance and health --------------------------------------------------------------
 
