@@ -16,6 +16,15 @@ after the commit's await (as in ``watch.broker_lag``). Recording it anyway put b
 ``highwater`` of a partition no longer assigned (an AssertionError that ended
 ``Daemon.run``) or wrote a lag series for a partition another daemon owns, for good.
 
+Starts under ``auto_offset_reset = "latest"``: each partition the group never committed
+has its start committed as it is assigned (``kafka.uncommitted_starts``). A start commit
+that does not go through (REBALANCE_IN_PROGRESS when another replica's JoinGroup got
+there first, broker trouble) is kept in ``unstarted`` and owed: tried again by every
+catch-up, and before the partition's first records are handled, retried until it goes
+through (``owe_starts``). Tried once and forgotten, the partition stayed uncommitted;
+a batch fetched from it but never applied (Redis down, then a deploy) left the next
+owner to start at the then end, and the batch's events were never applied.
+
 Transactions: a transactional producer (Debezium or Kafka Streams exactly-once
 outboxes, librdkafka ``transactional.id``) ends each transaction with a control record,
 the commit or abort marker. aiokafka never hands it over; it only moves the position
@@ -27,21 +36,27 @@ past it. Committing last record + 1, the group stayed one short of the end for e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import TopicPartition
 
+from layered_cache.daemon.kafka import uncommitted_starts
+from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
 from layered_cache.daemon.stopping import STOP_GRACE, Stopped, unless_stopped
 
-__all__ = ["Commits"]
+__all__ = ["Commits", "StartNotCommitted"]
 
 _log = structlog.get_logger("layered_cache.daemon")
 # How long ``catch_up`` waits for a position aiokafka does not know yet (being reset).
 _POSITION_WAIT = 0.5
+
+
+class StartNotCommitted(Exception):
+    """A "latest" start whose commit did not go through (``owe_starts`` retries it)."""
 
 
 class Commits:
@@ -55,6 +70,9 @@ class Commits:
         self._stopping = stopping
         self._owned = owned
         self.committed: dict[TopicPartition, int] = {}  # per owned partition (the watch's lag)
+        # "latest" only: where each partition the group never committed started, until a
+        # commit of it goes through (``start``, ``owe_starts``).
+        self.unstarted: dict[TopicPartition, int] = {}
 
     async def commit(
         self,
@@ -89,7 +107,42 @@ class Commits:
         if self._owned() is not mine:
             return False  # answered after a rebalance: nothing of it is ours to record
         self.committed.update(offsets)
+        for tp in offsets:
+            self.unstarted.pop(tp, None)  # any commit of a partition is its start
         return True
+
+    async def start(self, consumer: AIOKafkaConsumer, assigned: set[TopicPartition]) -> None:
+        """At assignment, under "latest": the start of each partition the group never
+        committed, committed now, or owed (``unstarted``) if that does not go through."""
+        if starts := await uncommitted_starts(consumer, assigned, self._stopping):
+            self.unstarted.update(starts)
+            await self.commit(consumer, starts)
+
+    def drop_starts(self, revoked: set[TopicPartition]) -> None:
+        """Revoked partitions owe nothing: their next owner commits its own start. Done
+        before the rebalance hook waits for the batch in flight, so a batch retrying a
+        start the rebalance refuses ends at its next attempt instead of holding the
+        group's rebalance for half of ``rebalance_timeout``."""
+        for tp in revoked:
+            self.unstarted.pop(tp, None)
+
+    async def owe_starts(
+        self, consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartition], retrier: Retrier
+    ) -> bool:
+        """Before records of ``partitions`` are handled: the starts they still owe,
+        committed, retried (``/readyz``: ``"retrying": "start_commit"``) until they are
+        (True), or given up when stopping or revoked (False: not handled; uncommitted,
+        the records are read again by whoever owns the partition next)."""
+        owing = [tp for tp in partitions if tp in self.unstarted]
+
+        async def attempt() -> None:
+            starts = {tp: self.unstarted[tp] for tp in owing if tp in self.unstarted}
+            if starts and not await self.commit(consumer, starts):
+                if self._stopping.is_set():
+                    raise Stopped  # until_done logs it given up
+                raise StartNotCommitted(sorted(f"{tp.topic}:{tp.partition}" for tp in starts))
+
+        return not owing or await retrier.until_done("start_commit", attempt, (StartNotCommitted,))
 
     async def catch_up(self, consumer: AIOKafkaConsumer) -> dict[tuple[str, int], int]:
         """Commit each partition's position where it is past our last commit; returns
@@ -100,9 +153,9 @@ class Commits:
         records over (prefetched ones don't move it: ``FetchResult._update_position``)
         or skips control records. After an abandoned batch the positions are past it:
         the caller must not come here, and the next assignment starts from the
-        committed offsets anyway."""
+        committed offsets anyway. A start still owed (``unstarted``) is tried again."""
         mine = self._owned()  # a rebalance during any await here: nothing reported
-        ahead: dict[TopicPartition, int] = {}
+        ahead = dict(self.unstarted)
         for tp, offset in list(self.committed.items()):
             try:
                 async with asyncio.timeout(_POSITION_WAIT):

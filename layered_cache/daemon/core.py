@@ -48,7 +48,7 @@ from layered_cache.daemon.commits import Commits
 from layered_cache.daemon.deletes import DELETE_FAILURES, Deleter
 from layered_cache.daemon.dlq import DeadLetters, Poison, dead_letter
 from layered_cache.daemon.health import HealthServer
-from layered_cache.daemon.kafka import KafkaClients, KafkaSetupError, poll, uncommitted_starts
+from layered_cache.daemon.kafka import KafkaClients, KafkaSetupError, poll
 from layered_cache.daemon.metrics import DaemonMetrics
 from layered_cache.daemon.retry import Retrier
 from layered_cache.daemon.stats import DaemonStats
@@ -154,7 +154,8 @@ class Daemon:
                     # A record aiokafka can't unpack (``unreadable``): record by record
                     # until it is found and set aside, the records around it handled.
                     _log.warning("unreadable_fetch", error=f"{type(exc).__name__}: {exc}")
-                    await rewind(consumer, kafka.auto_offset_reset, self._stopping)
+                    unstarted = self._commits.unstarted  # "latest" starts not committed yet
+                    await rewind(consumer, kafka.auto_offset_reset, self._stopping, unstarted)
                     await read_carefully(
                         consumer,
                         self._handle,
@@ -230,6 +231,8 @@ class Daemon:
         with self._retrier.in_flight():
             batch = decode_batch(self.decoder, records, consumer.highwater)
             keys = list(batch.keys.items())
+            if not await self._commits.owe_starts(consumer, records, self._retrier):
+                return False  # stopping or revoked before its start was committed
             # Invalidate before the DLQ: valid events' latency does not wait on Kafka.
             if not await self._retrier.until_done(
                 "invalidate", lambda: deleter.delete(keys, self.stats, batch.tags), DELETE_FAILURES
@@ -253,6 +256,8 @@ class Daemon:
         consumer = self._kafka.consumer
         assert consumer is not None
         with self._retrier.in_flight():
+            if not await self._commits.owe_starts(consumer, [tp], self._retrier):
+                return False  # stopping or revoked before its start was committed
             if not await self._dead_letter(DeadLetters([poison])):
                 return False  # stopping or partitions revoked: read again later
             try:
@@ -287,6 +292,7 @@ class Daemon:
         itself when done; wait for that, bounded so a Redis outage can't stall the whole
         group's rebalance (then the batch is abandoned uncommitted: the new owner redoes it)."""
         _log.info("partitions_revoked", partitions=_names(revoked))
+        self._commits.drop_starts(revoked)  # first: see ``Commits.drop_starts``
         limit = max(0.1, self.config.kafka.rebalance_timeout / 2)
         if not await self._retrier.settle(limit):
             _log.warning("rebalance_abandoned_batch_in_flight", waited_s=limit)
@@ -298,11 +304,8 @@ class Daemon:
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
         self.assignment = set(assigned)
         _log.info("partitions_assigned", partitions=_names(assigned))
-        consumer = self._kafka.consumer
-        if consumer is None or self.config.kafka.auto_offset_reset != "latest":
-            return
-        if starts := await uncommitted_starts(consumer, assigned, self._stopping):
-            await self._commit(starts)  # see ``uncommitted_starts``
+        if self._kafka.consumer is not None and self.config.kafka.auto_offset_reset == "latest":
+            await self._commits.start(self._kafka.consumer, assigned)  # owed until committed
 
     async def _probe_kafka(self) -> None:
         if (consumer := self._kafka.consumer) is not None:

@@ -80,15 +80,24 @@ UNREADABLE: tuple[type[BaseException], ...] = (
 Records = Mapping[TopicPartition, Sequence[Any]]
 
 
-async def rewind(consumer: AIOKafkaConsumer, reset: str, stopping: asyncio.Event) -> None:
+async def rewind(
+    consumer: AIOKafkaConsumer,
+    reset: str,
+    stopping: asyncio.Event,
+    starts: Mapping[TopicPartition, int] | None = None,
+) -> None:
     """Every assigned partition back to its last commit, everything before which was
     applied; one never committed, with ``auto_offset_reset = "earliest"``, to its start
     (a new member's start: deletes are idempotent). One never committed under "latest"
-    keeps its position: where it started is not known any more. ``stop()`` ends it
-    (``unless_stopped``: aiokafka asks a broker that doesn't answer for ever)."""
+    goes back to where it started if its start commit has yet to go through (``starts``,
+    ``Commits.unstarted``): kept where it was, the records drained before the bad one
+    were skipped unapplied. Otherwise it keeps its position (where it started is not
+    known). ``stop()`` ends it (``unless_stopped``: aiokafka asks a broker that doesn't
+    answer for ever)."""
     for tp in consumer.assignment():
         try:
             offset = await unless_stopped(functools.partial(consumer.committed, tp), stopping)
+            offset = (starts or {}).get(tp) if offset is None else offset
             if offset is not None:
                 consumer.seek(tp, offset)
             elif reset == "earliest":
