@@ -18,7 +18,7 @@ from redis import __version__ as redis_py_version
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 
 from layered_cache._config import BackplaneConfig, Duration, RedisConfig
 from layered_cache._config.checks import host_and_port
@@ -35,6 +35,7 @@ __all__ = [
     "listener_connection",
     "make_client",
     "make_node_client",
+    "ping_every_master",
     "raised_in_redis_py",
     "relay_client",
     "resurface_cancel",
@@ -56,6 +57,25 @@ def is_cluster(client: RedisClient) -> TypeGuard[RedisCluster]:
     """Whether ``client`` is a Redis Cluster client (modules other than this one and the
     store don't import redis-py's client classes)."""
     return isinstance(client, RedisCluster)
+
+async def ping_every_master(client: RedisClient) -> None:
+    """PING a single node; in a cluster ask every master of the slot map CLUSTER INFO at
+    once (a cluster client's PING goes to its default node only) and raise
+    ``ClusterDownError`` naming those that say other than ``cluster_state:ok`` (one
+    that doesn't answer raises its own error). A failed node also makes the client
+    refresh its slot map, so after a failover the promoted replica is asked next."""
+    if not is_cluster(client):
+        await client.ping()
+        return
+    replies = await client.execute_command("CLUSTER INFO", target_nodes=RedisCluster.PRIMARIES)
+    failed = sorted(
+        name
+        for name, info in dict(replies).items()
+        if not isinstance(info, dict) or info.get("cluster_state") != "ok"
+    )
+    if failed:
+        raise ClusterDownError(f"cluster_state is not ok on {', '.join(failed)}")
+
 
 # Everything that means "Redis could not answer": RedisClusterException is not a
 # RedisError (e.g. "cannot be connected" while the cluster client re-discovers nodes).

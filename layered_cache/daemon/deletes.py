@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 import structlog
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ClusterDownError
 
 from layered_cache._backplane import BackplanePublisher
 from layered_cache._breaker import CircuitBreaker
 from layered_cache._clients import (
     REDIS_FAILURES,
     RedisClient,
-    is_cluster,
     make_client,
+    ping_every_master,
     with_timeout,
 )
 from layered_cache._config import Config
@@ -117,31 +114,12 @@ class Deleter:
             stats.tags_invalidated += len(versions)
 
     async def ping(self) -> None:
-        """Raise unless every master can take a delete (the watch's Redis probe).
-
-        A cluster client's PING goes to one node, its default: with another master
-        dead (its slots' deletes all failing) an idle daemon said ready for good. So
-        every master of the slot map is asked CLUSTER INFO, at once: one that does not
-        answer, or says ``cluster_state:fail`` (it refuses every key), fails the probe.
-        A failed node also makes the client refresh its slot map (in the background,
-        ``_topology``), so after a failover the promoted replica is asked instead."""
-        client = self.client
-        if not is_cluster(client):
-            await client.ping()
-            return
-        replies = await client.execute_command("CLUSTER INFO", target_nodes=RedisCluster.PRIMARIES)
-        if failed := _failed_nodes(replies):
-            raise ClusterDownError(f"cluster_state is not ok on {', '.join(failed)}")
+        """Raise unless every master can take a delete (the watch's Redis probe):
+        ``_clients.ping_every_master`` (a cluster client's PING asks its default node
+        only: with another master dead, its slots' deletes all failing, an idle daemon
+        said ready for good)."""
+        await ping_every_master(self.client)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.client.aclose()
-
-
-def _failed_nodes(replies: Any) -> list[str]:
-    """The masters whose CLUSTER INFO (node name -> parsed reply) is not ``ok``."""
-    return sorted(
-        name
-        for name, info in dict(replies).items()
-        if not isinstance(info, dict) or info.get("cluster_state") != "ok"
-    )
