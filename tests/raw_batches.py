@@ -57,17 +57,3 @@ async def send_raw(producer: AIOKafkaProducer, topic: str, partition: int, data:
     built.close()
     built._buffer = bytearray(data)  # what _build() returns: sent as it is
     await (await producer.send_batch(built, topic, partition=partition))
-
-
-def zstd_rle_bomb(total_bytes: int) -> bytes:
-    """A valid zstd frame of ``total_bytes`` zero bytes in RLE blocks: 4 bytes per 128 KiB
-    (8 GiB in 256 KiB). No content size in its header: a decoder finds out as it goes."""
-    out = bytearray(struct.pack("<I", 0xFD2FB528))
-    out.append(0x00)  # frame header descriptor: no content size, no checksum, no dict
-    out.append((17 - 10) << 3)  # window descriptor: 128 KiB
-    block = 128 * 1024
-    blocks = total_bytes // block
-    for i in range(blocks):
-        header = (1 if i == blocks - 1 else 0) | (1 << 1) | (block << 3)  # last?, RLE, size
-        out += header.to_bytes(3, "little") + b"\x00"
-    return bytes(out)

@@ -20,9 +20,7 @@ consumer in the process gets aiokafka's own records. In the daemon's, batches de
 as before; only a batch whose C decoding fails on a header name is decoded again, in
 Python, from the record after the last one it handed out. And whatever else decoding a
 batch raises there, whichever decoder of aiokafka's broke on it, is raised as the corrupt
-record it is (``_decoding``): the daemon sets it aside (``unreadable``) and goes on. A
-compressed batch is decompressed here first, within a cap (``inflate``), and handed to
-aiokafka uncompressed: one that would inflate past the cap is a corrupt record too.
+record it is (``_decoding``): the daemon sets it aside (``unreadable``) and goes on.
 """
 
 from __future__ import annotations
@@ -37,8 +35,6 @@ import structlog
 from aiokafka.consumer import fetcher
 from aiokafka.errors import CorruptRecordException, KafkaError
 
-from layered_cache.daemon.inflate import inflate
-
 try:  # aiokafka's pure-Python batch and record: private, so maybe gone in a later one
     from aiokafka.record.default_records import _DefaultRecordBatchPy, _DefaultRecordPy
 except ImportError:  # then no lenient reading: such a record is set aside (``unreadable``)
@@ -50,23 +46,18 @@ __all__ = ["lenient_fetches"]
 _log = structlog.get_logger("layered_cache.daemon")
 
 _T = TypeVar("_T")
-# The daemon's consumer's fetches: how many bytes a batch may decompress to (0: another
-# consumer's, read as aiokafka reads it).
-_CAP: ContextVar[int] = ContextVar("layered_cache_lenient_fetches", default=0)
+_LENIENT: ContextVar[bool] = ContextVar("layered_cache_lenient_header_names", default=False)
 _MEMORY_RECORDS: Any = getattr(fetcher, "MemoryRecords", None)  # aiokafka's own
 # What the pure-Python re-read raising means aiokafka's batch changed inside, not a bad
 # record (that is ``CorruptRecordException``): the original error is raised then.
 _CHANGED = (AttributeError, TypeError, IndexError, KeyError, NameError, ValueError, OverflowError)
 _LOG_OVERHEAD = 12  # every batch, v0 to v2: base offset (8 bytes), length (4), then length
 _MAGIC_AT = 16  # after the offset, length and partition leader epoch (4): the format
-_ATTRIBUTES_AT = 21  # then the magic byte (1) and the CRC (4): the codec's 3 bits
-_RECORDS_AT = 61  # a v2 batch's header: where its (maybe compressed) records begin
 
 
 @contextlib.contextmanager
-def lenient_fetches(max_inflated: int = 64 << 20) -> Iterator[None]:
-    """Around a consumer's ``start()``: its fetches read header names leniently, and
-    decompress no batch past ``max_inflated`` bytes (``inflate``)."""
+def lenient_fetches() -> Iterator[None]:
+    """Around a consumer's ``start()``: its fetches read header names leniently."""
     hookable = _MEMORY_RECORDS is not None and _DefaultRecordBatchPy is not None
     if not hookable:  # said at each start: the defence this module is is off
         _log.warning(
@@ -74,31 +65,28 @@ def lenient_fetches(max_inflated: int = 64 << 20) -> Iterator[None]:
             aiokafka=getattr(aiokafka, "__version__", "?"),
             consequence="this aiokafka lacks the classes read leniently with: a record "
             "whose header name is not UTF-8 sets aside the valid records after it in its "
-            "batch as unreadable (to the dead-letter topic, unapplied), and a compressed "
-            "batch is decompressed whatever size it inflates to",
+            "batch as unreadable (to the dead-letter topic, unapplied)",
         )
     if hookable and fetcher.MemoryRecords is _MEMORY_RECORDS:
         fetcher.MemoryRecords = _records  # aiokafka changed: left alone (``unreadable``)
-    token = _CAP.set(max_inflated)
+    token = _LENIENT.set(True)
     try:
         yield
     finally:
-        _CAP.reset(token)
+        _LENIENT.reset(token)
 
 
 def _records(data: bytes) -> Any:
     records = _MEMORY_RECORDS(data)
-    cap = _CAP.get()
-    return _Records(records, data, cap) if cap else records
+    return _Records(records, data) if _LENIENT.get() else records
 
 
 class _Records:
     """aiokafka's ``MemoryRecords`` of ``data``, each batch handed out as a ``_Batch``."""
 
-    def __init__(self, records: Any, data: bytes, cap: int) -> None:
+    def __init__(self, records: Any, data: bytes) -> None:
         self._records = records
         self._data = data
-        self._cap = cap
         self._start = 0  # where the next batch starts in ``data``
 
     def size_in_bytes(self) -> int:
@@ -118,7 +106,7 @@ class _Records:
             # A legacy message set (magic 0/1): no headers to misread, and its batch is
             # no iterator of itself (``_Batch`` drives v2 batches only).
             return batch
-        return _Batch(batch, self._data, (start, self._start), self._cap)
+        return _Batch(batch, self._data, start, self._start)
 
 
 class _Batch:
@@ -127,12 +115,10 @@ class _Batch:
     Anything else its decoding raises (a bad codec, record) is a ``CorruptRecordException``
     (``_decoding``)."""
 
-    def __init__(self, batch: Any, data: bytes, span: tuple[int, int], cap: int) -> None:
+    def __init__(self, batch: Any, data: bytes, start: int, end: int) -> None:
         self._batch = batch
         self._data = data
-        self._span = span  # where the batch is in ``data``
-        self._cap = cap
-        self._ready = False
+        self._span = (start, end)
         self._last = -1  # offset of the last record handed out
         self._rest: Iterator[Any] | None = None
 
@@ -140,32 +126,11 @@ class _Batch:
         return getattr(self._batch, name)  # base_offset, validate_crc, is_control_batch...
 
     def __iter__(self) -> _Batch:
-        if not self._ready:  # aiokafka calls validate_crc() before: on the batch as sent
-            _decoding(self._inflate)
-            # aiokafka's batch is its own iterator: this readies it
-            _decoding(lambda: iter(self._batch))
-            self._ready = True
+        # aiokafka's batch is its own iterator: this readies it (decompresses its records)
+        _decoding(lambda: iter(self._batch))
         return self
 
-    def _inflate(self) -> None:
-        """A compressed batch decompressed within the cap (``inflate``), and aiokafka's
-        batch made again of it uncompressed: aiokafka decompresses nothing itself (it
-        took any size), and the Python re-read (``_reread``) reads the same bytes."""
-        codec = self._batch.compression_type
-        if not codec:
-            return
-        start, end = self._span
-        records = inflate(codec, bytes(self._data[start + _RECORDS_AT : end]), self._cap)
-        head = bytearray(self._data[start : start + _RECORDS_AT])
-        head[8:_LOG_OVERHEAD] = (_RECORDS_AT - _LOG_OVERHEAD + len(records)).to_bytes(4, "big")
-        head[_ATTRIBUTES_AT + 1] &= ~0x07 & 0xFF  # no codec (the low bits of 2 bytes)
-        data = bytes(head + records)
-        self._batch = type(self._batch)(data)
-        self._data, self._span = data, (0, len(data))
-
     def __next__(self) -> Any:
-        if not self._ready:  # aiokafka reads a control batch's record without iter()
-            iter(self)
         if self._rest is None:
             try:
                 record = _decoding(lambda: next(self._batch))

@@ -22,21 +22,16 @@ from layered_cache.daemon.stopping import Stopped, unless_stopped
 
 __all__ = [
     "FETCH_MAX_WAIT_MS",
-    "INFLATION",
     "KafkaClients",
     "KafkaSetupError",
     "client_kwargs",
     "consumer_kwargs",
-    "max_inflated",
     "poll",
     "producer_kwargs",
     "uncommitted_starts",
 ]
 
 FETCH_MAX_WAIT_MS = 50
-# A batch may decompress to this many times a partition's fetch size (``max_inflated``):
-# JSON events compress 5 to 20 times, a batch of zeros 30,000 times (a zstd bomb).
-INFLATION = 64
 # How long one poll waits for records when none are buffered: the loop's idle tick (the
 # catch-up commit runs between polls).
 POLL_MS = 200
@@ -88,21 +83,10 @@ def consumer_kwargs(config: KafkaConfig) -> dict[str, Any]:
         # Kafka's default (500 ms) lets an idle partition's fetch sit on the broker; at
         # 1,000 events/s that showed as a 250 ms p99 event->delete latency, 50 ms as 70 ms.
         "fetch_max_wait_ms": FETCH_MAX_WAIT_MS,
-        "max_partition_fetch_bytes": _fetch_bytes(config),
+        # Larger than any event we accept, so an oversized one is fetched (and sent to
+        # the DLQ) instead of blocking its partition.
+        "max_partition_fetch_bytes": max(1_048_576, 2 * config.max_event_bytes),
     }
-
-
-def _fetch_bytes(config: KafkaConfig) -> int:
-    """Larger than any event we accept, so an oversized one is fetched (and sent to the
-    DLQ) instead of blocking its partition."""
-    return max(1_048_576, 2 * config.max_event_bytes)
-
-
-def max_inflated(config: KafkaConfig) -> int:
-    """How many bytes one fetched batch may decompress to: ``INFLATION`` times what one
-    partition's fetch may carry compressed, 1 GiB at most. Past it the batch is set aside
-    as unreadable (``inflate``) rather than decompressed in memory whatever its size."""
-    return min(INFLATION * _fetch_bytes(config), 1 << 30)
 
 
 def producer_kwargs(config: KafkaConfig) -> dict[str, Any]:
@@ -132,8 +116,7 @@ class KafkaClients:
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(**{**consumer_kwargs(config), **self._consumer_options})
         self.consumer.subscribe(config.topics, listener=listener)
-        # Its fetch task, created here, reads any header name and inflates within a cap.
-        with lenient_fetches(max_inflated(config)):
+        with lenient_fetches():  # its fetch task, created here, reads any header name
             await self.consumer.start()
 
     async def disconnect(self) -> None:
