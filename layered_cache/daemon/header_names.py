@@ -131,16 +131,22 @@ class _Batch:
         return self
 
     def __next__(self) -> Any:
-        if self._rest is None:
-            try:
-                record = _decoding(lambda: next(self._batch))
-            except UnicodeDecodeError as error:
-                self._rest = self._reread(error)
-            else:
-                self._last = record.offset
-                return record
-        rest = self._rest
-        return _decoding(lambda: next(rest))
+        # ``_decoding``'s rule, inline: this runs once per record (a call and a closure
+        # each cost ~0.5 us more per event than aiokafka alone).
+        try:
+            if self._rest is None:
+                try:
+                    record = next(self._batch)
+                except UnicodeDecodeError as error:
+                    self._rest = self._reread(error)
+                else:
+                    self._last = record.offset
+                    return record
+            return next(self._rest)
+        except _PASSED:
+            raise
+        except Exception as exc:
+            raise _corrupt(exc) from exc
 
     def _reread(self, error: UnicodeDecodeError) -> Iterator[Any]:
         """The records after the last one handed out, names read leniently. Should the
@@ -167,12 +173,20 @@ def _decoding(step: Callable[[], _T]) -> _T:
     raised is a broker's or a connection's; ``CancelledError`` is no ``Exception``."""
     try:
         return step()
-    except (StopIteration, KafkaError, MemoryError, UnicodeDecodeError):
+    except _PASSED:
         raise
     except Exception as exc:
-        kind, module = type(exc).__qualname__, type(exc).__module__
-        name = kind if module == "builtins" else f"{module}.{kind}"  # struct.error
-        raise CorruptRecordException(f"{name} while decoding: {exc}") from exc
+        raise _corrupt(exc) from exc
+
+
+# What decoding may raise that is no bad record: the end, Kafka's own, memory, a name.
+_PASSED = (StopIteration, KafkaError, MemoryError, UnicodeDecodeError)
+
+
+def _corrupt(exc: Exception) -> CorruptRecordException:
+    kind, module = type(exc).__qualname__, type(exc).__module__
+    name = kind if module == "builtins" else f"{module}.{kind}"  # struct.error
+    return CorruptRecordException(f"{name} while decoding: {exc}")
 
 
 class _LenientBatch(_BatchPy):  # type: ignore[misc]
