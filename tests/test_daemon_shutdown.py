@@ -395,3 +395,50 @@ async def test_a_cancel_during_one_shutdown_step_closes_the_next_ones_then_ends_
     with pytest.raises(asyncio.CancelledError):
         await task
     assert closed == ["health", "health"]
+
+
+def _pending_others(before: set[asyncio.Task[object]]) -> list[str]:
+    me = asyncio.current_task()
+    return sorted(
+        repr(task.get_coro())
+        for task in asyncio.all_tasks()
+        if task is not me and task not in before and not task.done()
+    )
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_a_second_cancel_while_the_consumer_closes_still_closes_both_kafka_clients(
+    redis_url: str, prefix: str, kafka_bootstrap: str, unique_topic: str
+) -> None:
+    """Found by a review of this session's fix (2026-12-06). First cancel: run() ends, its
+    ``finally`` closes the parts. Second cancel, while the
+    consumer's stop() is under way (LeaveGroup to the broker): ``kafka._stop`` sees
+    ``cancelling()`` grow and re-raises: ``asyncio.wait_for`` has cancelled the consumer's
+    stop() half-way (its fetcher, heartbeat and commit-refresh tasks go on running: the
+    group member keeps heartbeating, its partitions never move to the other daemons), and
+    ``KafkaClients.disconnect`` never reaches the dead-letter producer's stop() (its
+    sender task and connections left open, "Unclosed AIOKafkaProducer"). close_in_order
+    logs ``shutdown_step_interrupted`` and goes on to the next *step*, but the step the
+    cancel landed in is left half done."""
+    await create_topic(kafka_bootstrap, unique_topic, 1)
+    config = daemon_config(redis_url, prefix, kafka_bootstrap, unique_topic)
+    daemon = Daemon(config, health_port=-1)
+    before = set(asyncio.all_tasks())
+    task = asyncio.create_task(daemon.run())
+    assert await eventually(lambda: bool(daemon.assignment) or task.done(), timeout=30)
+    assert not task.done()
+    kafka = daemon._kafka  # only to time the second cancel: the consumer is closing
+    task.cancel()
+    for _ in range(100_000):
+        await asyncio.sleep(0)
+        if task.done() or (kafka.consumer is None and kafka.producer is not None):
+            break
+    assert not task.done(), "the shutdown ended before the consumer's stop() was under way"
+    task.cancel()  # the second cancel, while the consumer's stop() runs
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 60)
+    assert task.cancelled()
+    await asyncio.sleep(1.0)  # anything closing in the background has ended by now
+    left = _pending_others(before)
+    assert not left, f"run() ended, tasks of the daemon still running: {left}"

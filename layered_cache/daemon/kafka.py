@@ -122,12 +122,14 @@ class KafkaClients:
     async def disconnect(self) -> None:
         # Consumer first: its stop() sends LeaveGroup, so partitions move to the other
         # daemons now instead of after the session timeout.
-        if self.consumer is not None:
-            consumer, self.consumer = self.consumer, None
-            await _stop(consumer, "consumer")
-        if self.producer is not None:
-            producer, self.producer = self.producer, None
-            await _stop(producer, "producer")
+        try:
+            if self.consumer is not None:
+                consumer, self.consumer = self.consumer, None
+                await _stop(consumer, "consumer")
+        finally:  # a cancel raised once the consumer closed: the producer closes too
+            if self.producer is not None:
+                producer, self.producer = self.producer, None
+                await _stop(producer, "producer")
 
 
 async def _stop(client: AIOKafkaConsumer | AIOKafkaProducer, name: str) -> None:
@@ -142,14 +144,23 @@ async def _stop(client: AIOKafkaConsumer | AIOKafkaProducer, name: str) -> None:
     for one, the client's own CancelledError skipped the rest of the shutdown."""
     task = asyncio.current_task()
     requested = task.cancelling() if task is not None else 0
-    try:
-        await asyncio.wait_for(client.stop(), STOP_TIMEOUT)
-    except asyncio.CancelledError:
-        if task is not None and task.cancelling() > requested:
-            raise
-        _log.warning("kafka_stop_interrupted", client=name)
-    except Exception as exc:  # TimeoutError included: closing goes on without it
+    # A task of its own, shielded: a cancel of ours that arrives meanwhile (a second one,
+    # during shutdown) cut the stop halfway before, leaving the client's fetcher and
+    # heartbeat running (the member kept its partitions). It waits for the stop
+    # (bounded), then is raised.
+    stopping = asyncio.ensure_future(asyncio.wait_for(client.stop(), STOP_TIMEOUT))
+    cancelled = False
+    while not stopping.done():
+        try:
+            await asyncio.shield(stopping)
+        except BaseException:
+            cancelled = cancelled or not stopping.done()  # ours, not the stop's outcome
+    if stopping.cancelled() or isinstance(stopping.exception(), asyncio.CancelledError):
+        _log.warning("kafka_stop_interrupted", client=name)  # the client's own cancel
+    elif (exc := stopping.exception()) is not None:  # TimeoutError too: closing goes on
         _log.warning("kafka_stop_failed", client=name, error=f"{type(exc).__name__}: {exc}")
+    if cancelled or (task is not None and task.cancelling() > requested):
+        raise asyncio.CancelledError
 
 
 async def poll(
