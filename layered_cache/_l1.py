@@ -22,6 +22,8 @@ from typing import Any, Final
 
 from cachetools import TLRUCache
 
+from layered_cache._tombstones import Tombstones
+
 __all__ = ["MISSING", "L1Cache"]
 
 
@@ -33,13 +35,11 @@ class _Missing:
 
 
 MISSING: Final = _Missing()
-_MAX_TOMBSTONES = 10_000
-
-
-class L1Cache:
+class L1Cache(Tombstones):
     """Thread-safe TLRU cache of decoded values; ``get`` returns ``MISSING`` on a miss."""
 
     def __init__(self, max_entries: int, timer: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()  # the tombstones (``_tombstones``), changed under ``_lock``
         self._timer = timer
         self.max_entries = max_entries
         # Entries hold the bare value: TLRUCache keeps each entry's expiry in its own
@@ -53,9 +53,6 @@ class L1Cache:
         # cachetools caches are not thread-safe: writes (and, without a GIL, reads) lock.
         self._lock = threading.Lock()
         self._free_threaded = not getattr(sys, "_is_gil_enabled", lambda: True)()
-        self._seq = 0
-        self._floor = 0
-        self._tombstones: dict[str, int] = {}
 
     def _ttu(self, _key: str, _value: Any, _now: float) -> float:
         return self._expiry
@@ -87,10 +84,6 @@ class L1Cache:
             return self._entries[key]
         except KeyError:
             return MISSING
-
-    def begin_read(self) -> int:
-        """Call before reading L2 for a fill; pass the result to ``put``."""
-        return self._seq
 
     def put(self, key: str, value: Any, ttl: float, read_seq: int | None = None) -> bool:
         """Store ``value`` for ``ttl`` seconds unless the key was invalidated since ``read_seq``."""
@@ -154,11 +147,6 @@ class L1Cache:
             self._bound_tombstones(seq)
         return overtaken
 
-    def invalidated_since(self, key: str, read_seq: int) -> bool:
-        """Whether ``key`` was invalidated (or L1 cleared) after ``begin_read`` returned
-        ``read_seq``."""
-        return read_seq < self._floor or self._tombstones.get(key, -1) > read_seq
-
     def discard(self, keys: Iterable[str], dropped_keys: list[str] | None = None) -> int:
         """Drop keys and tombstone them so in-flight fills of them are discarded.
         Returns how many live entries were dropped; ``dropped_keys`` gets them."""
@@ -185,12 +173,6 @@ class L1Cache:
             self._bound_tombstones(seq)
         return dropped
 
-    def _bound_tombstones(self, seq: int) -> None:
-        """Too many tombstones become a floor at ``seq`` (under ``_lock``)."""
-        if len(self._tombstones) > _MAX_TOMBSTONES:
-            self._tombstones.clear()
-            self._floor = seq
-
     def after_fork(self) -> None:
         """In a child process: a fresh lock (a thread of the parent may have held ours
         at the fork, and no thread is left here to release it), then nothing held: the
@@ -201,10 +183,8 @@ class L1Cache:
     def clear(self) -> None:
         """Drop everything (the backplane fell behind): every in-flight fill is discarded."""
         with self._lock:
-            self._seq += 1
             self._entries.clear()
-            self._tombstones.clear()
-            self._floor = self._seq
+            self._overtake_all()
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has an entry (no LRU touch: for bookkeeping, not reads)."""

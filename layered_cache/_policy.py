@@ -17,8 +17,8 @@ from layered_cache._config.validate import check_namespaces
 from layered_cache._hotkeys import HotKeyDetector
 from layered_cache._keys import KeyTemplate
 from layered_cache._l1 import L1Cache
-from layered_cache._served import KeyTombstones
 from layered_cache._stats import NamespaceStats
+from layered_cache._tombstones import KeyTombstones
 
 __all__ = ["Policy", "compile_policies", "compile_policy", "jittered"]
 
