@@ -155,8 +155,8 @@ async def _stop(client: AIOKafkaConsumer | AIOKafkaProducer, name: str) -> None:
             await asyncio.shield(stopping)
         except BaseException:
             cancelled = cancelled or not stopping.done()  # ours, not the stop's outcome
-    if stopping.cancelled() or isinstance(stopping.exception(), asyncio.CancelledError):
-        _log.warning("kafka_stop_interrupted", client=name)  # the client's own cancel
+    if stopping.cancelled():  # the client's own cancel, re-raised out of its stop()
+        _log.warning("kafka_stop_interrupted", client=name)
     elif (exc := stopping.exception()) is not None:  # TimeoutError too: closing goes on
         _log.warning("kafka_stop_failed", client=name, error=f"{type(exc).__name__}: {exc}")
     if cancelled or (task is not None and task.cancelling() > requested):
